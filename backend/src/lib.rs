@@ -1,0 +1,274 @@
+//! The compute seam of dflash-rs.
+//!
+//! Every model forward in the workspace (the drafter, the reference targets) is written once,
+//! generic over [`Backend`]. Two implementations exist: [`cpu::Cpu`] (the f32 reference, rayon
+//! over rows, quantized weights dequantized per block on the fly) in this crate, and the CUDA
+//! backend in `dflash-cuda-kernels`. Tests run the same forward on both and compare.
+//!
+//! Conventions shared by every op:
+//! * Activations are f32 buffers ([`Backend::Buf`]) in row-major order; shapes are passed
+//!   explicitly as row counts and widths, and every op checks them against the buffer lengths,
+//!   returning [`BackendError::Shape`] rather than panicking.
+//! * A weight matrix is `[rows, cols]` = `[out_features, in_features]` (the PyTorch / safetensors
+//!   layout), stored in one [`WeightFormat`]; `matmul` computes `x · Wᵀ`.
+//! * Per-row determinism: the value of an output row never depends on how many other rows are
+//!   processed in the same call. A 16-row verify therefore produces bit-identical rows to 16
+//!   one-row decodes, which is what makes "speculative stream == plain greedy stream" exact.
+//! * Positions are contiguous: row `r` of a RoPE / attention call sits at absolute position
+//!   `pos0 + r`.
+
+pub mod cpu;
+mod error;
+mod weight;
+
+pub use error::BackendError;
+pub use weight::{HostData, HostWeight, Weight, WeightFormat};
+
+/// Result alias for backend operations.
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// Rotary embedding parameters, precomputed on the host from the model config
+/// (default, linear, llama3 or YaRN: they all reduce to per-pair inverse frequencies and a
+/// post-rope scale).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    /// Inverse frequency of each rotated pair, length `rot_dim / 2`.
+    pub inv_freq: Vec<f32>,
+    /// Multiplier applied to both cos and sin (YaRN `attention_factor`; 1.0 otherwise).
+    pub attention_scaling: f32,
+}
+
+impl RopeSpec {
+    /// Number of leading dimensions of each head that are rotated (`2 * inv_freq.len()`);
+    /// the rest pass through unchanged (partial rotary).
+    pub fn rot_dim(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+}
+
+/// Shape and masking of one attention call.
+///
+/// Queries are `[n_q, n_heads, head_dim]`, keys and values the first `n_kv` rows of
+/// `[*, n_kv_heads, head_dim]` buffers (a KV cache may have spare capacity after them).
+/// Query `i` sits at absolute position `q_pos0 + i`, key `j` at `kv_pos0 + j`.
+/// Key `j` is visible to query `i` iff `(!causal || kpos <= qpos) && (window.is_none() || qpos < kpos + window)`.
+/// A query that sees no key gets a zero output row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    pub n_q: usize,
+    pub n_kv: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub q_pos0: usize,
+    pub kv_pos0: usize,
+    pub causal: bool,
+    pub window: Option<usize>,
+    /// Softmax scale, normally `head_dim^-0.5`.
+    pub scale: f32,
+}
+
+/// Shape of one gated-delta-rule call (Gated DeltaNet, as transformers' recurrent form).
+///
+/// `q`, `k`: `[t, n_k_heads, dk]`; `v`: `[t, n_v_heads, dv]`; `g` (log decay) and `beta`:
+/// `[t, n_v_heads]`; state: `[n_v_heads, dk, dv]`; out: `[t, n_v_heads, dv]`.
+/// Value head `h` reads key head `h / (n_v_heads / n_k_heads)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaParams {
+    pub t: usize,
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// L2-normalise q and k per head (eps 1e-6) before the recurrence.
+    pub qk_l2norm: bool,
+    /// Multiplier applied to q after the optional normalisation (normally `dk^-0.5`).
+    pub q_scale: f32,
+}
+
+/// The op set every model forward is written against.
+///
+/// Object safety is not required (forwards are generic over `B: Backend`); `Send + Sync`
+/// is, so a backend can be shared across threads by reference.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// An f32 activation buffer.
+    type Buf: Send + Sync;
+    /// The storage of one weight matrix in its format.
+    type WeightBuf: Send + Sync;
+
+    /// Short name for logs and tables ("cpu", "cuda:0").
+    fn name(&self) -> String;
+
+    // ---------------------------------------------------------------- memory
+    /// A zero-filled buffer of `len` f32.
+    fn zeros(&self, len: usize) -> Result<Self::Buf>;
+    /// Upload host values.
+    fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
+    /// Download a whole buffer.
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// Number of f32 in the buffer.
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// Upload a weight in its storage format. The backend may keep a different internal
+    /// layout as long as `matmul` and `gather_rows` give the values the format defines.
+    fn upload_weight(&self, w: &HostWeight) -> Result<Weight<Self>>;
+    /// Strided 2-D copy:
+    /// `dst[dst_off + r*dst_stride + c] = src[src_off + r*src_stride + c]` for `r < rows`, `c < cols`.
+    /// Plain contiguous copies are `rows = 1`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy2d(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        src_stride: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        dst_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()>;
+    /// Wait for queued work (a no-op on the CPU).
+    fn synchronize(&self) -> Result<()>;
+
+    // ---------------------------------------------------------------- linear algebra
+    /// `out[r, o] = Σ_i x[r, i] · W[o, i]` for `r < rows`; `x` is `[rows, w.cols]`, `out` is
+    /// `[rows, w.rows]` (only the first `rows * w.rows` values are written).
+    fn matmul(&self, x: &Self::Buf, rows: usize, w: &Weight<Self>, out: &mut Self::Buf) -> Result<()>;
+    /// Embedding lookup: `out[i, :] = W[ids[i], :]` dequantized to f32. An id `>= w.rows` is an
+    /// error naming the id.
+    fn gather_rows(&self, table: &Weight<Self>, ids: &[u32], out: &mut Self::Buf) -> Result<()>;
+
+    // ---------------------------------------------------------------- normalisation
+    /// Row-wise RMSNorm over rows of width `dim` (the buffer holds `len / dim` rows; also used per
+    /// head with `dim = head_dim`): `out = w ⊙ x / sqrt(mean(x²) + eps)`.
+    fn rms_norm(&self, x: &Self::Buf, w: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf) -> Result<()>;
+    /// Gated RMSNorm (Gated DeltaNet output norm): `out = (w ⊙ rmsnorm(x)) ⊙ silu(z)`, rows of `dim`.
+    fn rms_norm_gated(
+        &self,
+        x: &Self::Buf,
+        z: &Self::Buf,
+        w: &Self::Buf,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    // ---------------------------------------------------------------- position
+    /// NeoX rotate-half RoPE in place on `x = [rows, n_heads, head_dim]`, row `r` at position
+    /// `pos0 + r`. Only the first `spec.rot_dim()` dims of each head rotate (pairs `i`,
+    /// `i + rot_dim/2`); angle = `(pos as f32) * inv_freq[i]` in f32; cos and sin are multiplied
+    /// by `spec.attention_scaling`.
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        spec: &RopeSpec,
+    ) -> Result<()>;
+
+    // ---------------------------------------------------------------- attention
+    /// Scaled dot-product attention with GQA and the mask of [`AttnParams`]; softmax in f32.
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        p: &AttnParams,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+
+    // ---------------------------------------------------------------- elementwise
+    /// `out = silu(gate) ⊙ up` over `out.len()`... precisely over `len(gate)` values.
+    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
+    /// `dst[dst_off + i] += src[i]` for `i < len`.
+    fn add_assign(&self, dst: &mut Self::Buf, dst_off: usize, src: &Self::Buf, len: usize) -> Result<()>;
+    /// `x *= s` over the whole buffer.
+    fn scale(&self, x: &mut Self::Buf, s: f32) -> Result<()>;
+    /// `x *= sigmoid(gate)` elementwise over the whole buffer (gated attention output).
+    fn mul_sigmoid(&self, x: &mut Self::Buf, gate: &Self::Buf) -> Result<()>;
+    /// Index of the maximum of each of `rows` rows of width `cols`, starting at row `row0`
+    /// (first occurrence wins on ties; NaN never wins).
+    fn argmax_rows(&self, x: &Self::Buf, row0: usize, rows: usize, cols: usize) -> Result<Vec<u32>>;
+
+    // ---------------------------------------------------------------- Gated DeltaNet (hybrid targets)
+    /// Short causal depthwise conv1d with state, followed by SiLU.
+    ///
+    /// `x`: `[t, channels]`; `w`: `[channels, kernel]`; `state`: the previous `kernel - 1` input rows,
+    /// `[kernel - 1, channels]` (oldest first), updated in place to the last `kernel - 1` rows of
+    /// `[state ; x]`. `out[t, c] = silu(Σ_j w[c, j] · xpad[t + j, c])` with `xpad = [state ; x]`.
+    /// If `stash` is given (`[t, kernel - 1, channels]`), the state after each step is written there.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_conv1d(
+        &self,
+        x: &Self::Buf,
+        t: usize,
+        channels: usize,
+        kernel: usize,
+        w: &Self::Buf,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+        stash: Option<&mut Self::Buf>,
+    ) -> Result<()>;
+    /// Gated DeltaNet gates: `g = -exp(a_log[h]) · softplus(a[t, h] + dt_bias[h])`,
+    /// `beta = sigmoid(b[t, h])`, for `a`, `b` of `[t, n_heads]`.
+    fn gdn_gates(
+        &self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        a_log: &Self::Buf,
+        dt_bias: &Self::Buf,
+        n_heads: usize,
+        g: &mut Self::Buf,
+        beta: &mut Self::Buf,
+    ) -> Result<()>;
+    /// The gated delta rule, token by token (transformers' recurrent form, f32):
+    /// `S ← S·exp(g_t); u = (v_t − Sᵀk_t)·β_t; S ← S + k_t uᵀ; o_t = Sᵀq_t`.
+    /// If `stash` is given (`[t, n_v_heads, dk, dv]`), the state after each token is written there.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        g: &Self::Buf,
+        beta: &Self::Buf,
+        p: &DeltaParams,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+        stash: Option<&mut Self::Buf>,
+    ) -> Result<()>;
+
+    // ---------------------------------------------------------------- fused helpers with defaults
+    /// Copy `len` contiguous values.
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()> {
+        self.copy2d(src, src_off, len, dst, dst_off, len, 1, len)
+    }
+
+    /// Sequential (semi-autoregressive) Markov chain of a DSpark drafter, greedy:
+    /// for `k in 0..n`: `logits[k] += W2 · W1[prev]`, `tok_k = argmax(logits[k])`, `prev = tok_k`,
+    /// starting from `prev = first_prev`. `logits` is `[n, vocab]` and is updated in place;
+    /// `w1` is `[vocab, rank]` and `w2` is `[vocab, rank]`. Returns the `n` tokens.
+    fn markov_chain(
+        &self,
+        logits: &mut Self::Buf,
+        n: usize,
+        vocab: usize,
+        first_prev: u32,
+        w1: &Weight<Self>,
+        w2: &Weight<Self>,
+    ) -> Result<Vec<u32>> {
+        let mut emb = self.zeros(w1.cols)?;
+        let mut bias = self.zeros(vocab)?;
+        let mut prev = first_prev;
+        let mut toks = Vec::with_capacity(n);
+        for k in 0..n {
+            self.gather_rows(w1, &[prev], &mut emb)?;
+            self.matmul(&emb, 1, w2, &mut bias)?;
+            self.add_assign(logits, k * vocab, &bias, vocab)?;
+            prev = self.argmax_rows(logits, k, 1, vocab)?[0];
+            toks.push(prev);
+        }
+        Ok(toks)
+    }
+}

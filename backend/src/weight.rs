@@ -1,0 +1,141 @@
+use dflash_quant::{BlockQ4_0, BlockQ8_0, QK};
+
+use crate::{Backend, BackendError, Result};
+
+/// Storage format of a weight matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F32,
+    Bf16,
+    F16,
+    Q8_0,
+    Q4_0,
+}
+
+impl WeightFormat {
+    /// Bytes used by `n` values (n a multiple of 32 for the block formats).
+    pub fn bytes_for(self, n: usize) -> usize {
+        match self {
+            WeightFormat::F32 => 4 * n,
+            WeightFormat::Bf16 | WeightFormat::F16 => 2 * n,
+            WeightFormat::Q8_0 => n / QK * std::mem::size_of::<BlockQ8_0>(),
+            WeightFormat::Q4_0 => n / QK * std::mem::size_of::<BlockQ4_0>(),
+        }
+    }
+}
+
+/// Host values of a weight in one storage format (row-major `[rows, cols]`; block formats
+/// quantize each row independently, so `cols` must be a multiple of 32 for them).
+#[derive(Clone, Debug)]
+pub enum HostData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+    /// IEEE binary16 bit patterns.
+    F16(Vec<u16>),
+    Q8_0(Vec<BlockQ8_0>),
+    Q4_0(Vec<BlockQ4_0>),
+}
+
+impl HostData {
+    pub fn format(&self) -> WeightFormat {
+        match self {
+            HostData::F32(_) => WeightFormat::F32,
+            HostData::Bf16(_) => WeightFormat::Bf16,
+            HostData::F16(_) => WeightFormat::F16,
+            HostData::Q8_0(_) => WeightFormat::Q8_0,
+            HostData::Q4_0(_) => WeightFormat::Q4_0,
+        }
+    }
+
+    /// Number of values represented.
+    pub fn n_values(&self) -> usize {
+        match self {
+            HostData::F32(v) => v.len(),
+            HostData::Bf16(v) | HostData::F16(v) => v.len(),
+            HostData::Q8_0(b) => b.len() * QK,
+            HostData::Q4_0(b) => b.len() * QK,
+        }
+    }
+
+    /// Raw little-endian bytes of the storage.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostData::F32(v) => bytemuck::cast_slice(v),
+            HostData::Bf16(v) | HostData::F16(v) => bytemuck::cast_slice(v),
+            HostData::Q8_0(b) => bytemuck::cast_slice(b),
+            HostData::Q4_0(b) => bytemuck::cast_slice(b),
+        }
+    }
+}
+
+/// A named weight matrix on the host, ready to upload.
+#[derive(Clone, Debug)]
+pub struct HostWeight {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: HostData,
+}
+
+impl HostWeight {
+    /// Build and check that the data holds `rows * cols` values (and that block formats have
+    /// whole blocks per row).
+    pub fn new(name: impl Into<String>, rows: usize, cols: usize, data: HostData) -> Result<Self> {
+        let name = name.into();
+        let fmt = data.format();
+        if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && cols % QK != 0 {
+            return Err(BackendError::Weight(format!(
+                "{name}: {fmt:?} needs rows whose length is a multiple of {QK}, found {cols}"
+            )));
+        }
+        if data.n_values() != rows * cols {
+            return Err(BackendError::Weight(format!(
+                "{name}: expected {rows}x{cols} = {} values, found {}",
+                rows * cols,
+                data.n_values()
+            )));
+        }
+        Ok(HostWeight { name, rows, cols, data })
+    }
+
+    /// Re-encode an f32 matrix into `format` (byte-exact with ggml for the block formats).
+    pub fn from_f32(name: impl Into<String>, rows: usize, cols: usize, values: &[f32], format: WeightFormat) -> Result<Self> {
+        let data = match format {
+            WeightFormat::F32 => HostData::F32(values.to_vec()),
+            WeightFormat::Bf16 => HostData::Bf16(dflash_quant::encode_bf16(values)?),
+            WeightFormat::F16 => HostData::F16(dflash_quant::encode_f16(values)?),
+            WeightFormat::Q8_0 => HostData::Q8_0(dflash_quant::quantize_q8_0(values)?),
+            WeightFormat::Q4_0 => HostData::Q4_0(dflash_quant::quantize_q4_0(values)?),
+        };
+        HostWeight::new(name, rows, cols, data)
+    }
+
+    /// Decode to f32 (exact for every format: it is what the format defines).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        match &self.data {
+            HostData::F32(v) => out.copy_from_slice(v),
+            HostData::Bf16(v) => dflash_quant::decode_bf16(v, &mut out),
+            HostData::F16(v) => dflash_quant::decode_f16(v, &mut out),
+            HostData::Q8_0(b) => dflash_quant::dequantize_q8_0(b, &mut out),
+            HostData::Q4_0(b) => dflash_quant::dequantize_q4_0(b, &mut out),
+        }
+        out
+    }
+}
+
+/// A weight matrix resident on a backend: `[rows, cols]` = `[out_features, in_features]`.
+pub struct Weight<B: Backend> {
+    pub name: String,
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    pub buf: B::WeightBuf,
+}
+
+impl<B: Backend> std::fmt::Debug for Weight<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Weight({} {:?} [{}, {}])", self.name, self.format, self.rows, self.cols)
+    }
+}
