@@ -1,0 +1,585 @@
+//! Qwen3 dense (`Qwen3ForCausalLM`) as transformers implements it, generic over a backend,
+//! with a KV cache whose rollback is a truncation.
+
+use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
+use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::Cfg;
+use crate::{Result, TargetError};
+
+/// The shape of a Qwen3 dense model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Qwen3Config {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope: RopeSpec,
+    pub tie_embeddings: bool,
+    /// Attention window per layer (`None` = full causal attention).
+    pub windows: Vec<Option<usize>>,
+    pub max_positions: usize,
+}
+
+impl Qwen3Config {
+    /// Parse a transformers `Qwen3Config` object.
+    pub fn from_cfg(c: &Cfg) -> Result<Self> {
+        let hidden = c.usize("hidden_size")?;
+        let n_heads = c.usize("num_attention_heads")?;
+        let n_layers = c.usize("num_hidden_layers")?;
+        let head_dim = c.usize_or("head_dim", 128)?;
+        if c.bool_or("attention_bias", false)? {
+            return Err(TargetError::Unsupported(format!(
+                "{}: attention_bias = true is not supported",
+                c.path
+            )));
+        }
+        let act = c.str_or("hidden_act", "silu")?;
+        if act != "silu" {
+            return Err(TargetError::Unsupported(format!(
+                "{}: hidden_act `{act}` (only silu)",
+                c.path
+            )));
+        }
+        let use_sw = c.bool_or("use_sliding_window", false)?;
+        let sw = if use_sw {
+            Some(c.usize_or("sliding_window", 4096)?)
+        } else {
+            None
+        };
+        let max_window_layers = c.usize_or("max_window_layers", n_layers)?;
+        let types = c.strings("layer_types")?.unwrap_or_else(|| {
+            (0..n_layers)
+                .map(|i| {
+                    if sw.is_some() && i >= max_window_layers {
+                        "sliding_attention".to_string()
+                    } else {
+                        "full_attention".to_string()
+                    }
+                })
+                .collect()
+        });
+        if types.len() != n_layers {
+            return Err(TargetError::Config {
+                path: c.path.clone(),
+                msg: format!(
+                    "layer_types has {} entries, num_hidden_layers is {n_layers}",
+                    types.len()
+                ),
+            });
+        }
+        let windows = types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(sw),
+                "full_attention" => Ok(None),
+                other => Err(TargetError::Unsupported(format!(
+                    "{}: layer type `{other}` in a dense Qwen3",
+                    c.path
+                ))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Qwen3Config {
+            vocab: c.usize("vocab_size")?,
+            hidden,
+            intermediate: c.usize("intermediate_size")?,
+            n_layers,
+            n_heads,
+            n_kv_heads: c.usize_or("num_key_value_heads", n_heads)?,
+            head_dim,
+            rms_eps: c.f64_or("rms_norm_eps", 1e-6)? as f32,
+            rope: c.rope(head_dim)?,
+            tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+            windows,
+            max_positions: c.usize_or("max_position_embeddings", 32768)?,
+        })
+    }
+}
+
+/// Load options of a reference target.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Re-encode every 2-D weight into this format (`None`: keep the file's format).
+    pub precision: Option<WeightFormat>,
+    /// KV / state capacity in positions (`None`: `max_position_embeddings`, at most 4096).
+    pub ctx_cap: Option<usize>,
+}
+
+struct Layer<B: Backend> {
+    in_norm: B::Buf,
+    post_norm: B::Buf,
+    q_norm: B::Buf,
+    k_norm: B::Buf,
+    wq: Weight<B>,
+    wk: Weight<B>,
+    wv: Weight<B>,
+    wo: Weight<B>,
+    wg: Weight<B>,
+    wu: Weight<B>,
+    wd: Weight<B>,
+}
+
+/// Which rows of a forward get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// None (argmax is empty).
+    None,
+    /// Only the last row (prime).
+    Last,
+    /// Every row.
+    All,
+}
+
+/// A Qwen3 dense model with its KV cache.
+pub struct Qwen3Dense<B: Backend> {
+    cfg: Qwen3Config,
+    embed: Weight<B>,
+    lm_head: Option<Weight<B>>,
+    norm: B::Buf,
+    layers: Vec<Layer<B>>,
+    k_cache: Vec<B::Buf>,
+    v_cache: Vec<B::Buf>,
+    cap: usize,
+    pos: usize,
+    /// Rows of the last verify not yet committed (`start`, `rows`).
+    pending: Option<(usize, usize)>,
+}
+
+fn upload_vec<B: Backend>(be: &B, ck: &Checkpoint, name: &str, len: usize) -> Result<B::Buf> {
+    Ok(be.upload(&ck.f32s(name, &[len])?)?)
+}
+
+impl<B: Backend> Qwen3Dense<B> {
+    /// Load a `Qwen3ForCausalLM` checkpoint directory (tensor prefix `model.`).
+    pub fn load(be: &B, dir: impl AsRef<std::path::Path>, opts: LoadOptions) -> Result<Self> {
+        let ck = Checkpoint::open(dir)?;
+        let cfg = Qwen3Config::from_cfg(&Cfg::new(ck.config_path(), ck.config()))?;
+        Self::from_checkpoint(be, &ck, cfg, "model.", "lm_head.weight", opts)
+    }
+
+    /// Build from an open checkpoint with explicit tensor prefixes.
+    pub fn from_checkpoint(
+        be: &B,
+        ck: &Checkpoint,
+        cfg: Qwen3Config,
+        prefix: &str,
+        lm_head_name: &str,
+        opts: LoadOptions,
+    ) -> Result<Self> {
+        let p = opts.precision;
+        let d = cfg.hidden;
+        let hd = cfg.head_dim;
+        let w = |name: String, rows: usize, cols: usize| -> Result<Weight<B>> {
+            Ok(be.upload_weight(&ck.weight(&name, rows, cols, p)?)?)
+        };
+        let embed = w(format!("{prefix}embed_tokens.weight"), cfg.vocab, d)?;
+        let lm_head = if cfg.tie_embeddings && !ck.has(lm_head_name) {
+            None
+        } else {
+            Some(w(lm_head_name.to_string(), cfg.vocab, d)?)
+        };
+        let norm = upload_vec(be, ck, &format!("{prefix}norm.weight"), d)?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let l = format!("{prefix}layers.{i}.");
+            layers.push(Layer {
+                in_norm: upload_vec(be, ck, &format!("{l}input_layernorm.weight"), d)?,
+                post_norm: upload_vec(be, ck, &format!("{l}post_attention_layernorm.weight"), d)?,
+                q_norm: upload_vec(be, ck, &format!("{l}self_attn.q_norm.weight"), hd)?,
+                k_norm: upload_vec(be, ck, &format!("{l}self_attn.k_norm.weight"), hd)?,
+                wq: w(format!("{l}self_attn.q_proj.weight"), cfg.n_heads * hd, d)?,
+                wk: w(
+                    format!("{l}self_attn.k_proj.weight"),
+                    cfg.n_kv_heads * hd,
+                    d,
+                )?,
+                wv: w(
+                    format!("{l}self_attn.v_proj.weight"),
+                    cfg.n_kv_heads * hd,
+                    d,
+                )?,
+                wo: w(format!("{l}self_attn.o_proj.weight"), d, cfg.n_heads * hd)?,
+                wg: w(format!("{l}mlp.gate_proj.weight"), cfg.intermediate, d)?,
+                wu: w(format!("{l}mlp.up_proj.weight"), cfg.intermediate, d)?,
+                wd: w(format!("{l}mlp.down_proj.weight"), d, cfg.intermediate)?,
+            });
+        }
+        let cap = opts.ctx_cap.unwrap_or(cfg.max_positions.min(4096));
+        Self::assemble(be, cfg, embed, lm_head, norm, layers, cap)
+    }
+
+    fn assemble(
+        be: &B,
+        cfg: Qwen3Config,
+        embed: Weight<B>,
+        lm_head: Option<Weight<B>>,
+        norm: B::Buf,
+        layers: Vec<Layer<B>>,
+        cap: usize,
+    ) -> Result<Self> {
+        let kvw = cfg.n_kv_heads * cfg.head_dim;
+        let mut k_cache = Vec::with_capacity(cfg.n_layers);
+        let mut v_cache = Vec::with_capacity(cfg.n_layers);
+        for _ in 0..cfg.n_layers {
+            k_cache.push(be.zeros(cap * kvw)?);
+            v_cache.push(be.zeros(cap * kvw)?);
+        }
+        Ok(Qwen3Dense {
+            cfg,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            k_cache,
+            v_cache,
+            cap,
+            pos: 0,
+            pending: None,
+        })
+    }
+
+    /// A model from host weights given by name (tests and random models): the same tensor
+    /// names as the checkpoint without prefix (`embed_tokens.weight`, `layers.0....`,
+    /// `norm.weight`, `lm_head.weight` unless tied). Vectors are f32.
+    pub fn from_host(
+        be: &B,
+        cfg: Qwen3Config,
+        get: &mut dyn FnMut(&str, &[usize]) -> Result<HostTensor>,
+        cap: usize,
+    ) -> Result<Self> {
+        let d = cfg.hidden;
+        let hd = cfg.head_dim;
+        let mut mat = |name: String, rows: usize, cols: usize| -> Result<Weight<B>> {
+            match get(&name, &[rows, cols])? {
+                HostTensor::Matrix(hw) => Ok(be.upload_weight(&hw)?),
+                HostTensor::Vector(_) => Err(TargetError::Shape {
+                    name,
+                    expected: vec![rows, cols],
+                    found: vec![],
+                }),
+            }
+        };
+        let embed = mat("embed_tokens.weight".into(), cfg.vocab, d)?;
+        let lm_head = if cfg.tie_embeddings {
+            None
+        } else {
+            Some(mat("lm_head.weight".into(), cfg.vocab, d)?)
+        };
+        let mut layers_w = Vec::new();
+        for i in 0..cfg.n_layers {
+            let l = format!("layers.{i}.");
+            layers_w.push((
+                mat(format!("{l}self_attn.q_proj.weight"), cfg.n_heads * hd, d)?,
+                mat(
+                    format!("{l}self_attn.k_proj.weight"),
+                    cfg.n_kv_heads * hd,
+                    d,
+                )?,
+                mat(
+                    format!("{l}self_attn.v_proj.weight"),
+                    cfg.n_kv_heads * hd,
+                    d,
+                )?,
+                mat(format!("{l}self_attn.o_proj.weight"), d, cfg.n_heads * hd)?,
+                mat(format!("{l}mlp.gate_proj.weight"), cfg.intermediate, d)?,
+                mat(format!("{l}mlp.up_proj.weight"), cfg.intermediate, d)?,
+                mat(format!("{l}mlp.down_proj.weight"), d, cfg.intermediate)?,
+            ));
+        }
+        let mut vec = |name: String, len: usize| -> Result<B::Buf> {
+            match get(&name, &[len])? {
+                HostTensor::Vector(v) if v.len() == len => Ok(be.upload(&v)?),
+                _ => Err(TargetError::Shape {
+                    name,
+                    expected: vec![len],
+                    found: vec![],
+                }),
+            }
+        };
+        let norm = vec("norm.weight".into(), d)?;
+        let mut layers = Vec::new();
+        for (i, (wq, wk, wv, wo, wg, wu, wd)) in layers_w.into_iter().enumerate() {
+            let l = format!("layers.{i}.");
+            layers.push(Layer {
+                in_norm: vec(format!("{l}input_layernorm.weight"), d)?,
+                post_norm: vec(format!("{l}post_attention_layernorm.weight"), d)?,
+                q_norm: vec(format!("{l}self_attn.q_norm.weight"), hd)?,
+                k_norm: vec(format!("{l}self_attn.k_norm.weight"), hd)?,
+                wq,
+                wk,
+                wv,
+                wo,
+                wg,
+                wu,
+                wd,
+            });
+        }
+        Self::assemble(be, cfg, embed, lm_head, norm, layers, cap)
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &Qwen3Config {
+        &self.cfg
+    }
+
+    /// The output projection (the embedding when tied).
+    pub fn head(&self) -> &Weight<B> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// The embedding table.
+    pub fn embedding(&self) -> &Weight<B> {
+        &self.embed
+    }
+
+    /// Committed positions.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Drop every cached position.
+    pub fn reset(&mut self) {
+        self.pos = 0;
+        self.pending = None;
+    }
+
+    /// Run `tokens` at positions `start..start + t` (writing their K/V into the cache),
+    /// with taps after the given layers (`-1` = embedding output, `l` = residual stream after
+    /// layer `l`, up to `n_layers - 1`), and logits for the requested rows.
+    /// Does not change the committed length; `start` may be at most the committed length
+    /// (rows after `start` are overwritten).
+    pub fn forward(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        start: usize,
+        taps: &[i32],
+        rows: LogitRows,
+    ) -> Result<Forward<B>> {
+        let c = &self.cfg;
+        let t = tokens.len();
+        let (d, hd) = (c.hidden, c.head_dim);
+        let qw = c.n_heads * hd;
+        let kvw = c.n_kv_heads * hd;
+        if t == 0 {
+            return Err(SpecError::Protocol("forward of zero tokens".into()).into());
+        }
+        if start + t > self.cap {
+            return Err(SpecError::ContextCap {
+                what: "forward",
+                needed: start + t,
+                cap: self.cap,
+            }
+            .into());
+        }
+        for (i, &tok) in tokens.iter().enumerate() {
+            if tok as usize >= c.vocab {
+                return Err(SpecError::TokenOutOfRange {
+                    what: "forward token",
+                    index: i,
+                    id: tok,
+                    vocab: c.vocab,
+                }
+                .into());
+            }
+        }
+        for &l in taps {
+            if l < -1 || l >= c.n_layers as i32 {
+                return Err(SpecError::TapLayer {
+                    layer: l,
+                    n_layers: c.n_layers,
+                    max: c.n_layers as i64 - 1,
+                }
+                .into());
+            }
+        }
+        let nt = taps.len();
+        let mut tap_buf = if nt > 0 {
+            Some(be.zeros(t * nt * d)?)
+        } else {
+            None
+        };
+        let write_taps = |be: &B, layer: i32, x: &B::Buf, tb: &mut Option<B::Buf>| -> Result<()> {
+            if let Some(tb) = tb.as_mut() {
+                for (j, _) in taps.iter().enumerate().filter(|(_, &l)| l == layer) {
+                    be.copy2d(x, 0, d, tb, j * d, nt * d, t, d)?;
+                }
+            }
+            Ok(())
+        };
+
+        let mut x = be.zeros(t * d)?;
+        be.gather_rows(&self.embed, tokens, &mut x)?;
+        write_taps(be, -1, &x, &mut tap_buf)?;
+
+        let mut h = be.zeros(t * d)?;
+        let mut q = be.zeros(t * qw)?;
+        let mut qn = be.zeros(t * qw)?;
+        let mut k = be.zeros(t * kvw)?;
+        let mut kn = be.zeros(t * kvw)?;
+        let mut v = be.zeros(t * kvw)?;
+        let mut att = be.zeros(t * qw)?;
+        let mut o = be.zeros(t * d)?;
+        let mut g = be.zeros(t * c.intermediate)?;
+        let mut u = be.zeros(t * c.intermediate)?;
+        let mut a = be.zeros(t * c.intermediate)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            be.rms_norm(&x, &layer.in_norm, d, c.rms_eps, &mut h)?;
+            be.matmul(&h, t, &layer.wq, &mut q)?;
+            be.matmul(&h, t, &layer.wk, &mut k)?;
+            be.matmul(&h, t, &layer.wv, &mut v)?;
+            be.rms_norm(&q, &layer.q_norm, hd, c.rms_eps, &mut qn)?;
+            be.rms_norm(&k, &layer.k_norm, hd, c.rms_eps, &mut kn)?;
+            be.rope(&mut qn, t, c.n_heads, hd, start, &c.rope)?;
+            be.rope(&mut kn, t, c.n_kv_heads, hd, start, &c.rope)?;
+            be.copy(&kn, 0, &mut self.k_cache[li], start * kvw, t * kvw)?;
+            be.copy(&v, 0, &mut self.v_cache[li], start * kvw, t * kvw)?;
+            let p = AttnParams {
+                n_q: t,
+                n_kv: start + t,
+                n_heads: c.n_heads,
+                n_kv_heads: c.n_kv_heads,
+                head_dim: hd,
+                q_pos0: start,
+                kv_pos0: 0,
+                causal: true,
+                window: c.windows[li],
+                scale: (hd as f32).powf(-0.5),
+            };
+            be.attention(&qn, &self.k_cache[li], &self.v_cache[li], &p, &mut att)?;
+            be.matmul(&att, t, &layer.wo, &mut o)?;
+            be.add_assign(&mut x, 0, &o, t * d)?;
+            be.rms_norm(&x, &layer.post_norm, d, c.rms_eps, &mut h)?;
+            be.matmul(&h, t, &layer.wg, &mut g)?;
+            be.matmul(&h, t, &layer.wu, &mut u)?;
+            be.silu_mul(&g, &u, &mut a)?;
+            be.matmul(&a, t, &layer.wd, &mut o)?;
+            be.add_assign(&mut x, 0, &o, t * d)?;
+            write_taps(be, li as i32, &x, &mut tap_buf)?;
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let (argmax, logits) = match rows {
+            LogitRows::None => (Vec::new(), None),
+            LogitRows::Last => {
+                let mut last = be.zeros(d)?;
+                be.copy(&x, (t - 1) * d, &mut last, 0, d)?;
+                let mut ln = be.zeros(d)?;
+                be.rms_norm(&last, &self.norm, d, c.rms_eps, &mut ln)?;
+                let mut lg = be.zeros(c.vocab)?;
+                be.matmul(&ln, 1, head, &mut lg)?;
+                (be.argmax_rows(&lg, 0, 1, c.vocab)?, Some(lg))
+            }
+            LogitRows::All => {
+                be.rms_norm(&x, &self.norm, d, c.rms_eps, &mut h)?;
+                let mut lg = be.zeros(t * c.vocab)?;
+                be.matmul(&h, t, head, &mut lg)?;
+                (be.argmax_rows(&lg, 0, t, c.vocab)?, Some(lg))
+            }
+        };
+        Ok(Forward {
+            argmax,
+            logits,
+            taps: tap_buf,
+        })
+    }
+}
+
+/// A host tensor handed to [`Qwen3Dense::from_host`].
+pub enum HostTensor {
+    Matrix(dflash_backend::HostWeight),
+    Vector(Vec<f32>),
+}
+
+impl<B: Backend> Target<B> for Qwen3Dense<B> {
+    fn info(&self) -> TargetInfo {
+        TargetInfo {
+            n_layers: self.cfg.n_layers,
+            hidden: self.cfg.hidden,
+            vocab: self.cfg.vocab,
+            ctx_cap: self.cap,
+        }
+    }
+
+    fn pos(&self) -> usize {
+        self.pos
+    }
+
+    fn set_rollback(&mut self, _arm: RollbackArm) {}
+
+    fn prime(
+        &mut self,
+        be: &B,
+        prompt: &[u32],
+        taps: &[i32],
+    ) -> dflash_spec_round::Result<Forward<B>> {
+        self.info().check_taps(taps)?;
+        if prompt.is_empty() {
+            return Err(SpecError::EmptyPrompt);
+        }
+        self.reset();
+        let f = self.forward(be, prompt, 0, taps, LogitRows::Last)?;
+        self.pos = prompt.len();
+        Ok(Forward { logits: None, ..f })
+    }
+
+    fn verify(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        start: usize,
+        taps: &[i32],
+        want_logits: bool,
+    ) -> dflash_spec_round::Result<Forward<B>> {
+        self.info().check_taps(taps)?;
+        if start != self.pos || self.pending.is_some() {
+            return Err(SpecError::Protocol(format!(
+                "verify at {start} with {} committed positions{}",
+                self.pos,
+                if self.pending.is_some() {
+                    " and an uncommitted verify"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let mut f = self.forward(be, tokens, start, taps, LogitRows::All)?;
+        if !want_logits {
+            f.logits = None;
+        }
+        self.pending = Some((start, tokens.len()));
+        Ok(f)
+    }
+
+    fn commit(&mut self, _be: &B, keep: usize) -> dflash_spec_round::Result<()> {
+        match self.pending.take() {
+            Some((start, rows)) if keep >= 1 && keep <= rows => {
+                // Truncation: the K/V of rows past `keep` stay in the buffer but beyond the
+                // committed length, and the next forward overwrites them.
+                self.pos = start + keep;
+                Ok(())
+            }
+            Some((_, rows)) => Err(SpecError::Protocol(format!(
+                "commit of {keep} rows after a verify of {rows}"
+            ))),
+            None => Err(SpecError::Protocol("commit without a verify".into())),
+        }
+    }
+
+    fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_spec_round::Result<()> {
+        Ok(be.gather_rows(&self.embed, ids, out)?)
+    }
+
+    fn lm_head(&self) -> &Weight<B> {
+        self.head()
+    }
+}
