@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 mod error;
 pub mod qwen3;
+pub mod random;
 
 pub use error::{Result, TargetError};
 pub use qwen3::{HostTensor, LoadOptions, LogitRows, Qwen3Config, Qwen3Dense};

@@ -1,0 +1,87 @@
+//! Typed configuration and statistics of the round engine.
+
+use std::time::Duration;
+
+use crate::RollbackArm;
+
+/// Configuration of speculative decoding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpecConfig {
+    /// Most rows one verify runs (anchor + drafts), `2..=n_drafts + 1`; `None` = the whole
+    /// block.
+    pub verify_cap: Option<usize>,
+    /// Adapt the verify width to the last accept: `vt = clamp(m + 2, 3, cap)`.
+    pub adaptive: bool,
+    /// Use the drafter's Markov chain when it has one.
+    pub markov: bool,
+    /// Rollback arm handed to hybrid targets.
+    pub rollback: RollbackArm,
+    /// Multiplier on the embedding rows the drafter borrows.
+    pub emb_scale: f32,
+    /// Measure per-phase wall time (synchronising the backend around each phase).
+    pub stats: bool,
+}
+
+impl Default for SpecConfig {
+    fn default() -> Self {
+        SpecConfig {
+            verify_cap: None,
+            adaptive: true,
+            markov: true,
+            rollback: RollbackArm::Stash,
+            emb_scale: 1.0,
+            stats: true,
+        }
+    }
+}
+
+/// Counters and per-phase wall time of a session.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stats {
+    /// Rounds run (a final step that only emits the known next token is not a round).
+    pub rounds: usize,
+    /// Draft tokens sent to verification (`vt - 1` per round).
+    pub drafted: usize,
+    /// Draft tokens accepted (`m` per round).
+    pub accepted: usize,
+    /// Tokens committed by rounds (`m + 1` per round).
+    pub committed: usize,
+    /// Draft tokens of round 1 (after the Markov chain, if any); empty if it drafted nothing.
+    pub first_draft: Vec<u32>,
+    pub prime: Duration,
+    pub draft: Duration,
+    pub verify: Duration,
+    pub rollback: Duration,
+    pub ingest: Duration,
+}
+
+impl Stats {
+    /// Mean tokens committed per round (accepted drafts + the target's own token).
+    pub fn tau(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            self.committed as f64 / self.rounds as f64
+        }
+    }
+
+    /// Fraction of drafted tokens that were accepted.
+    pub fn acceptance(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+}
+
+/// Why a session stopped producing tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The token budget was reached.
+    Budget,
+    /// An EOS id was produced (it is part of the output).
+    Eos,
+    /// The target's context cap was reached.
+    ContextCap,
+}
