@@ -1,0 +1,964 @@
+//! The CPU reference backend: plain f32 math, rayon across rows / heads / output features,
+//! quantized weights dequantized a few rows at a time inside `matmul` (never whole matrices).
+//!
+//! Buffers are `Vec<f32>`. A buffer may be longer than what an op reads or writes (scratch
+//! reuse); the ops check that every operand is long enough and name it when it is not.
+
+mod kernel;
+
+use std::sync::Arc;
+
+use dflash_quant::QK;
+use rayon::prelude::*;
+
+pub use kernel::Isa;
+
+use crate::{
+    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, Result, RopeSpec, Weight,
+};
+
+/// The CPU backend. `Cpu::default()` uses rayon's global pool and the best instruction set
+/// of the machine.
+#[derive(Clone, Debug)]
+pub struct Cpu {
+    pool: Option<Arc<rayon::ThreadPool>>,
+    isa: Isa,
+}
+
+impl Default for Cpu {
+    fn default() -> Self {
+        Cpu {
+            pool: None,
+            isa: Isa::detect(),
+        }
+    }
+}
+
+impl Cpu {
+    /// Same as `Cpu::default()`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A backend running on its own rayon pool of `threads` threads (`0` = rayon's default).
+    pub fn with_threads(threads: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("dflash-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Device(Box::new(e)))?;
+        Ok(Cpu {
+            pool: Some(Arc::new(pool)),
+            isa: Isa::detect(),
+        })
+    }
+
+    /// Force an instruction set (tests compare them). Asking for one the CPU lacks is an error.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        if isa != Isa::Portable && Isa::detect() != isa {
+            return Err(BackendError::Invalid {
+                op: "with_isa",
+                msg: format!("{isa:?} is not supported by this CPU"),
+            });
+        }
+        self.isa = isa;
+        Ok(self)
+    }
+
+    /// The instruction set the kernels use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// shape helpers
+
+/// `found >= expected`, or a shape error.
+fn at_least(op: &'static str, operand: &'static str, expected: usize, found: usize) -> Result<()> {
+    if found < expected {
+        Err(BackendError::shape(op, operand, expected, found))
+    } else {
+        Ok(())
+    }
+}
+
+fn exactly(op: &'static str, operand: &'static str, expected: usize, found: usize) -> Result<()> {
+    if found != expected {
+        Err(BackendError::shape(op, operand, expected, found))
+    } else {
+        Ok(())
+    }
+}
+
+fn invalid(op: &'static str, msg: impl Into<String>) -> BackendError {
+    BackendError::Invalid {
+        op,
+        msg: msg.into(),
+    }
+}
+
+/// `a * b` with an error instead of an overflow.
+fn mul(op: &'static str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| invalid(op, format!("size {a} x {b} overflows")))
+}
+
+fn mul3(op: &'static str, a: usize, b: usize, c: usize) -> Result<usize> {
+    mul(op, mul(op, a, b)?, c)
+}
+
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// torch's `softplus(x)` with beta 1 and threshold 20.
+#[inline]
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// Sum of squares with the kernels' fixed order.
+#[inline]
+fn sum_sq(isa: Isa, x: &[f32]) -> f32 {
+    kernel::dot(isa, x, x)
+}
+
+// ------------------------------------------------------------------------------------------
+// weights
+
+/// Decode weight rows `o0 .. o0 + n` (each `cols` wide) to f32. F32 weights are borrowed;
+/// the other formats are decoded into `scratch`.
+fn weight_rows<'a>(
+    data: &'a HostData,
+    cols: usize,
+    o0: usize,
+    n: usize,
+    scratch: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    let (a, b) = (o0 * cols, (o0 + n) * cols);
+    if let HostData::F32(v) = data {
+        return &v[a..b];
+    }
+    scratch.resize(n * cols, 0.0);
+    match data {
+        HostData::F32(_) => {}
+        HostData::Bf16(v) => dflash_quant::decode_bf16(&v[a..b], scratch),
+        HostData::F16(v) => dflash_quant::decode_f16(&v[a..b], scratch),
+        HostData::Q8_0(blk) => dflash_quant::dequantize_q8_0(&blk[a / QK..b / QK], scratch),
+        HostData::Q4_0(blk) => dflash_quant::dequantize_q4_0(&blk[a / QK..b / QK], scratch),
+    }
+    &scratch[..n * cols]
+}
+
+/// Weight rows decoded together (and shared by all row tiles of a row block).
+const WT: usize = 6;
+/// Input rows kept hot in cache while the weight streams past.
+const ROW_BLOCK: usize = 64;
+
+/// Compute `out_t[(o - c0) * rows + r]` for `o` in `c0 .. c0 + n` (one output chunk).
+#[allow(clippy::too_many_arguments)]
+fn matmul_chunk(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    data: &HostData,
+    c0: usize,
+    n: usize,
+    out_t: &mut [f32],
+) {
+    let mut scratch = Vec::new();
+    let mut rb = 0;
+    while rb < rows {
+        let rend = (rb + ROW_BLOCK).min(rows);
+        let mut o = 0;
+        while o < n {
+            let nw = WT.min(n - o);
+            let w = weight_rows(data, k, c0 + o, nw, &mut scratch);
+            let wr = |j: usize| &w[j * k..(j + 1) * k];
+            let xr = |r: usize| &x[r * k..(r + 1) * k];
+            let mut r = rb;
+            while r + 4 <= rend {
+                let xs = [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)];
+                let mut j = 0;
+                while j + 3 <= nw {
+                    let t = kernel::dot_tile::<4, 3>(isa, xs, [wr(j), wr(j + 1), wr(j + 2)], k);
+                    for (dr, tr) in t.iter().enumerate() {
+                        for (dj, v) in tr.iter().enumerate() {
+                            out_t[(o + j + dj) * rows + r + dr] = *v;
+                        }
+                    }
+                    j += 3;
+                }
+                while j < nw {
+                    let t = kernel::dot_tile::<4, 1>(isa, xs, [wr(j)], k);
+                    for (dr, tr) in t.iter().enumerate() {
+                        out_t[(o + j) * rows + r + dr] = tr[0];
+                    }
+                    j += 1;
+                }
+                r += 4;
+            }
+            while r < rend {
+                if nw == WT {
+                    let t = kernel::dot_tile::<1, WT>(isa, [xr(r)], std::array::from_fn(wr), k);
+                    for (j, v) in t[0].iter().enumerate() {
+                        out_t[(o + j) * rows + r] = *v;
+                    }
+                } else {
+                    for j in 0..nw {
+                        out_t[(o + j) * rows + r] =
+                            kernel::dot_tile::<1, 1>(isa, [xr(r)], [wr(j)], k)[0][0];
+                    }
+                }
+                r += 1;
+            }
+            o += nw;
+        }
+        rb = rend;
+    }
+}
+
+fn check_host_data(w: &HostWeight) -> Result<()> {
+    let fmt = w.data.format();
+    let blocks = matches!(fmt, crate::WeightFormat::Q8_0 | crate::WeightFormat::Q4_0);
+    if blocks && !w.cols.is_multiple_of(QK) {
+        return Err(BackendError::Weight(format!(
+            "{}: {fmt:?} needs rows whose length is a multiple of {QK}, found {}",
+            w.name, w.cols
+        )));
+    }
+    let n = w
+        .rows
+        .checked_mul(w.cols)
+        .ok_or_else(|| BackendError::Weight(format!("{}: size overflows", w.name)))?;
+    if w.data.n_values() != n {
+        return Err(BackendError::Weight(format!(
+            "{}: expected {}x{} = {n} values, found {}",
+            w.name,
+            w.rows,
+            w.cols,
+            w.data.n_values()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that a weight's storage matches its declared shape (a `Weight` has public fields).
+fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
+    if w.buf.format() != w.format {
+        return Err(invalid(
+            op,
+            format!(
+                "{}: declared {:?}, stored {:?}",
+                w.name,
+                w.format,
+                w.buf.format()
+            ),
+        ));
+    }
+    let n = mul(op, w.rows, w.cols)?;
+    exactly(op, "weight", n, w.buf.n_values())?;
+    if matches!(
+        w.format,
+        crate::WeightFormat::Q8_0 | crate::WeightFormat::Q4_0
+    ) && !w.cols.is_multiple_of(QK)
+    {
+        return Err(invalid(
+            op,
+            format!("{}: {:?} with {} columns", w.name, w.format, w.cols),
+        ));
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+    type WeightBuf = Arc<HostData>;
+
+    fn name(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn zeros(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
+        Ok(host.to_vec())
+    }
+
+    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+        Ok(buf.clone())
+    }
+
+    fn len(&self, buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+
+    fn upload_weight(&self, w: &HostWeight) -> Result<Weight<Self>> {
+        check_host_data(w)?;
+        Ok(Weight {
+            name: w.name.clone(),
+            format: w.data.format(),
+            rows: w.rows,
+            cols: w.cols,
+            buf: Arc::new(w.data.clone()),
+        })
+    }
+
+    fn copy2d(
+        &self,
+        src: &Vec<f32>,
+        src_off: usize,
+        src_stride: usize,
+        dst: &mut Vec<f32>,
+        dst_off: usize,
+        dst_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy2d";
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        if rows > 1 && cols > dst_stride {
+            return Err(invalid(
+                OP,
+                format!("{cols} columns overlap rows of destination stride {dst_stride}"),
+            ));
+        }
+        let src_end = mul(OP, rows - 1, src_stride)?
+            .checked_add(src_off + cols)
+            .ok_or_else(|| invalid(OP, "overflow"))?;
+        let dst_end = mul(OP, rows - 1, dst_stride)?
+            .checked_add(dst_off + cols)
+            .ok_or_else(|| invalid(OP, "overflow"))?;
+        at_least(OP, "src", src_end, src.len())?;
+        at_least(OP, "dst", dst_end, dst.len())?;
+        for r in 0..rows {
+            let s = src_off + r * src_stride;
+            let d = dst_off + r * dst_stride;
+            dst[d..d + cols].copy_from_slice(&src[s..s + cols]);
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        check_weight(OP, w)?;
+        let (k, n_out) = (w.cols, w.rows);
+        at_least(OP, "x", mul(OP, rows, k)?, x.len())?;
+        at_least(OP, "out", mul(OP, rows, n_out)?, out.len())?;
+        if rows == 0 || n_out == 0 {
+            return Ok(());
+        }
+        let x = &x[..rows * k];
+        let data: &HostData = &w.buf;
+        let isa = self.isa;
+        // Output chunks: a multiple of the weight tile, about 4 chunks per thread.
+        let threads = self.install(rayon::current_num_threads).max(1);
+        let per = n_out.div_ceil(4 * threads).div_ceil(WT) * WT;
+        let chunk = per.max(WT);
+        let mut out_t = vec![0.0f32; rows * n_out];
+        self.install(|| {
+            out_t
+                .par_chunks_mut(chunk * rows)
+                .enumerate()
+                .for_each(|(ci, ot)| {
+                    let c0 = ci * chunk;
+                    let n = ot.len() / rows;
+                    matmul_chunk(isa, x, rows, k, data, c0, n, ot);
+                })
+        });
+        if rows == 1 {
+            out[..n_out].copy_from_slice(&out_t);
+        } else {
+            for (o, col) in out_t.chunks_exact(rows).enumerate() {
+                for (r, v) in col.iter().enumerate() {
+                    out[r * n_out + o] = *v;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&self, table: &Weight<Self>, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        const OP: &str = "gather_rows";
+        check_weight(OP, table)?;
+        let cols = table.cols;
+        at_least(OP, "out", mul(OP, ids.len(), cols)?, out.len())?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(BackendError::TokenOutOfRange {
+                id,
+                rows: table.rows,
+            });
+        }
+        if cols == 0 {
+            return Ok(());
+        }
+        let data: &HostData = &table.buf;
+        let mut scratch = Vec::new();
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(cols)) {
+            let row = weight_rows(data, cols, id as usize, 1, &mut scratch);
+            o.copy_from_slice(row);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        if dim == 0 {
+            return Err(invalid(OP, "dim is 0"));
+        }
+        if !x.len().is_multiple_of(dim) {
+            return Err(invalid(
+                OP,
+                format!("x has {} values, not a multiple of dim {dim}", x.len()),
+            ));
+        }
+        exactly(OP, "w", dim, w.len())?;
+        at_least(OP, "out", x.len(), out.len())?;
+        let isa = self.isa;
+        let n = x.len();
+        self.install(|| {
+            out[..n]
+                .par_chunks_mut(dim)
+                .zip(x.par_chunks(dim))
+                .for_each(|(o, xr)| {
+                    let r = 1.0 / (sum_sq(isa, xr) / dim as f32 + eps).sqrt();
+                    for ((o, &xv), &wv) in o.iter_mut().zip(xr).zip(w.iter()) {
+                        *o = wv * (xv * r);
+                    }
+                })
+        });
+        Ok(())
+    }
+
+    fn rms_norm_gated(
+        &self,
+        x: &Vec<f32>,
+        z: &Vec<f32>,
+        w: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm_gated";
+        if dim == 0 {
+            return Err(invalid(OP, "dim is 0"));
+        }
+        if !x.len().is_multiple_of(dim) {
+            return Err(invalid(
+                OP,
+                format!("x has {} values, not a multiple of dim {dim}", x.len()),
+            ));
+        }
+        exactly(OP, "w", dim, w.len())?;
+        at_least(OP, "z", x.len(), z.len())?;
+        at_least(OP, "out", x.len(), out.len())?;
+        let isa = self.isa;
+        let n = x.len();
+        self.install(|| {
+            out[..n]
+                .par_chunks_mut(dim)
+                .zip(x.par_chunks(dim))
+                .zip(z[..n].par_chunks(dim))
+                .for_each(|((o, xr), zr)| {
+                    let r = 1.0 / (sum_sq(isa, xr) / dim as f32 + eps).sqrt();
+                    for (((o, &xv), &wv), &zv) in o.iter_mut().zip(xr).zip(w.iter()).zip(zr) {
+                        *o = (wv * (xv * r)) * silu(zv);
+                    }
+                })
+        });
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        spec: &RopeSpec,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let rot = spec.rot_dim();
+        if rot > head_dim {
+            return Err(invalid(
+                OP,
+                format!("rot_dim {rot} exceeds head_dim {head_dim}"),
+            ));
+        }
+        let width = mul(OP, n_heads, head_dim)?;
+        at_least(OP, "x", mul(OP, rows, width)?, x.len())?;
+        if rows == 0 || width == 0 || rot == 0 {
+            return Ok(());
+        }
+        let half = rot / 2;
+        self.install(|| {
+            x[..rows * width]
+                .par_chunks_mut(width)
+                .enumerate()
+                .for_each(|(r, row)| {
+                    let pos = (pos0 + r) as f32;
+                    let cs: Vec<(f32, f32)> = spec
+                        .inv_freq
+                        .iter()
+                        .map(|&f| {
+                            let a = pos * f;
+                            (
+                                a.cos() * spec.attention_scaling,
+                                a.sin() * spec.attention_scaling,
+                            )
+                        })
+                        .collect();
+                    for head in row.chunks_exact_mut(head_dim) {
+                        for (i, &(c, s)) in cs.iter().enumerate() {
+                            let x1 = head[i];
+                            let x2 = head[i + half];
+                            head[i] = x1 * c - x2 * s;
+                            head[i + half] = x2 * c + x1 * s;
+                        }
+                    }
+                })
+        });
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        p: &AttnParams,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        if p.n_heads == 0 || p.n_kv_heads == 0 || p.head_dim == 0 {
+            return Err(invalid(
+                OP,
+                "n_heads, n_kv_heads and head_dim must be positive",
+            ));
+        }
+        if !p.n_heads.is_multiple_of(p.n_kv_heads) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "n_heads {} is not a multiple of n_kv_heads {}",
+                    p.n_heads, p.n_kv_heads
+                ),
+            ));
+        }
+        if p.window == Some(0) {
+            return Err(invalid(OP, "window of 0"));
+        }
+        let hd = p.head_dim;
+        let qw = mul(OP, p.n_heads, hd)?;
+        let kw = mul(OP, p.n_kv_heads, hd)?;
+        at_least(OP, "q", mul(OP, p.n_q, qw)?, q.len())?;
+        at_least(OP, "k", mul(OP, p.n_kv, kw)?, k.len())?;
+        at_least(OP, "v", mul(OP, p.n_kv, kw)?, v.len())?;
+        at_least(OP, "out", mul(OP, p.n_q, qw)?, out.len())?;
+        let group = p.n_heads / p.n_kv_heads;
+        let isa = self.isa;
+        let p = *p;
+        self.install(|| {
+            out[..p.n_q * qw]
+                .par_chunks_mut(qw)
+                .enumerate()
+                .for_each(|(i, orow)| {
+                    let qpos = p.q_pos0 + i;
+                    // Visible keys form one contiguous range of j.
+                    let hi = if p.causal {
+                        if qpos < p.kv_pos0 {
+                            0
+                        } else {
+                            (qpos - p.kv_pos0 + 1).min(p.n_kv)
+                        }
+                    } else {
+                        p.n_kv
+                    };
+                    let lo = match p.window {
+                        // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
+                        Some(w) => (qpos + 1)
+                            .saturating_sub(w)
+                            .saturating_sub(p.kv_pos0)
+                            .min(hi),
+                        None => 0,
+                    };
+                    let mut scores = vec![0.0f32; hi - lo];
+                    for (h, o) in orow.chunks_exact_mut(hd).enumerate() {
+                        o.fill(0.0);
+                        if hi == lo {
+                            continue;
+                        }
+                        let kvh = h / group;
+                        let qh = &q[(i * p.n_heads + h) * hd..][..hd];
+                        let mut max = f32::NEG_INFINITY;
+                        for (s, j) in scores.iter_mut().zip(lo..hi) {
+                            let kj = &k[(j * p.n_kv_heads + kvh) * hd..][..hd];
+                            *s = kernel::dot(isa, qh, kj) * p.scale;
+                            if *s > max {
+                                max = *s;
+                            }
+                        }
+                        let mut sum = 0.0f32;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        for (s, j) in scores.iter().zip(lo..hi) {
+                            let pj = s / sum;
+                            let vj = &v[(j * p.n_kv_heads + kvh) * hd..][..hd];
+                            for (od, &vd) in o.iter_mut().zip(vj) {
+                                *od += pj * vd;
+                            }
+                        }
+                    }
+                })
+        });
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) -> Result<()> {
+        const OP: &str = "silu_mul";
+        let n = gate.len();
+        at_least(OP, "up", n, up.len())?;
+        at_least(OP, "out", n, out.len())?;
+        self.install(|| {
+            out[..n]
+                .par_chunks_mut(4096)
+                .zip(gate.par_chunks(4096))
+                .zip(up[..n].par_chunks(4096))
+                .for_each(|((o, g), u)| {
+                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                        *o = silu(g) * u;
+                    }
+                })
+        });
+        Ok(())
+    }
+
+    fn add_assign(
+        &self,
+        dst: &mut Vec<f32>,
+        dst_off: usize,
+        src: &Vec<f32>,
+        len: usize,
+    ) -> Result<()> {
+        const OP: &str = "add_assign";
+        at_least(
+            OP,
+            "dst",
+            dst_off
+                .checked_add(len)
+                .ok_or_else(|| invalid(OP, "overflow"))?,
+            dst.len(),
+        )?;
+        at_least(OP, "src", len, src.len())?;
+        for (d, s) in dst[dst_off..dst_off + len].iter_mut().zip(&src[..len]) {
+            *d += *s;
+        }
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<()> {
+        for v in x.iter_mut() {
+            *v *= s;
+        }
+        Ok(())
+    }
+
+    fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<()> {
+        at_least("mul_sigmoid", "gate", x.len(), gate.len())?;
+        for (v, &g) in x.iter_mut().zip(gate.iter()) {
+            *v *= sigmoid(g);
+        }
+        Ok(())
+    }
+
+    fn argmax_rows(&self, x: &Vec<f32>, row0: usize, rows: usize, cols: usize) -> Result<Vec<u32>> {
+        const OP: &str = "argmax_rows";
+        if rows > 0 && cols == 0 {
+            return Err(invalid(OP, "argmax of rows of width 0"));
+        }
+        if cols > u32::MAX as usize {
+            return Err(invalid(
+                OP,
+                format!("{cols} columns do not fit a u32 index"),
+            ));
+        }
+        let end = row0
+            .checked_add(rows)
+            .ok_or_else(|| invalid(OP, "overflow"))?;
+        at_least(OP, "x", mul(OP, end, cols)?, x.len())?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let rows_slice = &x[row0 * cols..end * cols];
+        Ok(self.install(|| {
+            rows_slice
+                .par_chunks(cols)
+                .map(|row| {
+                    let mut best = 0usize;
+                    let mut bv = f32::NAN;
+                    for (i, &v) in row.iter().enumerate() {
+                        // NaN never wins; the first of equal maxima wins.
+                        if !v.is_nan() && (bv.is_nan() || v > bv) {
+                            best = i;
+                            bv = v;
+                        }
+                    }
+                    best as u32
+                })
+                .collect()
+        }))
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: &Vec<f32>,
+        t: usize,
+        channels: usize,
+        kernel: usize,
+        w: &Vec<f32>,
+        state: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+        stash: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
+        const OP: &str = "causal_conv1d";
+        if kernel == 0 {
+            return Err(invalid(OP, "kernel of 0"));
+        }
+        let c = channels;
+        let sl = kernel - 1;
+        let n = mul(OP, t, c)?;
+        at_least(OP, "x", n, x.len())?;
+        at_least(OP, "w", mul(OP, c, kernel)?, w.len())?;
+        at_least(OP, "state", mul(OP, sl, c)?, state.len())?;
+        at_least(OP, "out", n, out.len())?;
+        if let Some(s) = &stash {
+            at_least(OP, "stash", mul3(OP, t, sl, c)?, s.len())?;
+        }
+        // xpad = [state ; x], (sl + t) rows of c.
+        let mut xpad = Vec::with_capacity((sl + t) * c);
+        xpad.extend_from_slice(&state[..sl * c]);
+        xpad.extend_from_slice(&x[..n]);
+        if c > 0 && t > 0 {
+            self.install(|| {
+                out[..n]
+                    .par_chunks_mut(c)
+                    .enumerate()
+                    .for_each(|(ti, orow)| {
+                        for (ch, o) in orow.iter_mut().enumerate() {
+                            let wc = &w[ch * kernel..(ch + 1) * kernel];
+                            let mut acc = 0.0f32;
+                            for (j, &wj) in wc.iter().enumerate() {
+                                acc += wj * xpad[(ti + j) * c + ch];
+                            }
+                            *o = silu(acc);
+                        }
+                    })
+            });
+        }
+        if let Some(s) = stash {
+            for ti in 0..t {
+                s[ti * sl * c..(ti + 1) * sl * c]
+                    .copy_from_slice(&xpad[(ti + 1) * c..(ti + 1 + sl) * c]);
+            }
+        }
+        state[..sl * c].copy_from_slice(&xpad[t * c..(t + sl) * c]);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_gates(
+        &self,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+        n_heads: usize,
+        g: &mut Vec<f32>,
+        beta: &mut Vec<f32>,
+    ) -> Result<()> {
+        const OP: &str = "gdn_gates";
+        if n_heads == 0 {
+            return Err(invalid(OP, "n_heads is 0"));
+        }
+        if !a.len().is_multiple_of(n_heads) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "a has {} values, not a multiple of n_heads {n_heads}",
+                    a.len()
+                ),
+            ));
+        }
+        let n = a.len();
+        at_least(OP, "b", n, b.len())?;
+        exactly(OP, "a_log", n_heads, a_log.len())?;
+        exactly(OP, "dt_bias", n_heads, dt_bias.len())?;
+        at_least(OP, "g", n, g.len())?;
+        at_least(OP, "beta", n, beta.len())?;
+        for i in 0..n {
+            let h = i % n_heads;
+            g[i] = -a_log[h].exp() * softplus(a[i] + dt_bias[h]);
+            beta[i] = sigmoid(b[i]);
+        }
+        Ok(())
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        g: &Vec<f32>,
+        beta: &Vec<f32>,
+        p: &DeltaParams,
+        state: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+        stash: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
+        const OP: &str = "gated_delta_rule";
+        if p.n_k_heads == 0 || p.n_v_heads == 0 || p.dk == 0 || p.dv == 0 {
+            return Err(invalid(OP, "head counts and head dims must be positive"));
+        }
+        if !p.n_v_heads.is_multiple_of(p.n_k_heads) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "n_v_heads {} is not a multiple of n_k_heads {}",
+                    p.n_v_heads, p.n_k_heads
+                ),
+            ));
+        }
+        let (t, nk, nv, dk, dv) = (p.t, p.n_k_heads, p.n_v_heads, p.dk, p.dv);
+        at_least(OP, "q", mul3(OP, t, nk, dk)?, q.len())?;
+        at_least(OP, "k", mul3(OP, t, nk, dk)?, k.len())?;
+        at_least(OP, "v", mul3(OP, t, nv, dv)?, v.len())?;
+        at_least(OP, "g", mul(OP, t, nv)?, g.len())?;
+        at_least(OP, "beta", mul(OP, t, nv)?, beta.len())?;
+        let ss = mul(OP, dk, dv)?;
+        at_least(OP, "state", mul(OP, nv, ss)?, state.len())?;
+        at_least(OP, "out", mul3(OP, t, nv, dv)?, out.len())?;
+        if let Some(s) = &stash {
+            at_least(OP, "stash", mul(OP, mul(OP, t, nv)?, ss)?, s.len())?;
+        }
+        let group = nv / nk;
+        let isa = self.isa;
+        let want_stash = stash.is_some();
+        let norm = |x: &[f32], scale: f32| -> Vec<f32> {
+            if p.qk_l2norm {
+                let inv = 1.0 / (sum_sq(isa, x) + 1e-6).sqrt();
+                x.iter().map(|&e| e * inv * scale).collect()
+            } else {
+                x.iter().map(|&e| e * scale).collect()
+            }
+        };
+        // One task per value head: (per-token outputs [t, dv], per-token states [t, dk, dv]).
+        let per_head: Vec<(Vec<f32>, Vec<f32>)> = self.install(|| {
+            state[..nv * ss]
+                .par_chunks_mut(ss)
+                .enumerate()
+                .map(|(h, s)| {
+                    let kh = h / group;
+                    let mut o = vec![0.0f32; t * dv];
+                    let mut st = if want_stash {
+                        Vec::with_capacity(t * ss)
+                    } else {
+                        Vec::new()
+                    };
+                    let mut kv_mem = vec![0.0f32; dv];
+                    for ti in 0..t {
+                        let qn = norm(&q[(ti * nk + kh) * dk..][..dk], p.q_scale);
+                        let kn = norm(&k[(ti * nk + kh) * dk..][..dk], 1.0);
+                        let vt = &v[(ti * nv + h) * dv..][..dv];
+                        let decay = g[ti * nv + h].exp();
+                        let bt = beta[ti * nv + h];
+                        for e in s.iter_mut() {
+                            *e *= decay;
+                        }
+                        kv_mem.fill(0.0);
+                        for (kk, srow) in s.chunks_exact(dv).enumerate() {
+                            for (m, &e) in kv_mem.iter_mut().zip(srow) {
+                                *m += e * kn[kk];
+                            }
+                        }
+                        for (m, &vv) in kv_mem.iter_mut().zip(vt) {
+                            *m = (vv - *m) * bt; // now delta
+                        }
+                        for (kk, srow) in s.chunks_exact_mut(dv).enumerate() {
+                            for (e, &d) in srow.iter_mut().zip(kv_mem.iter()) {
+                                *e += kn[kk] * d;
+                            }
+                        }
+                        let ot = &mut o[ti * dv..(ti + 1) * dv];
+                        for (kk, srow) in s.chunks_exact(dv).enumerate() {
+                            for (od, &e) in ot.iter_mut().zip(srow) {
+                                *od += e * qn[kk];
+                            }
+                        }
+                        if want_stash {
+                            st.extend_from_slice(s);
+                        }
+                    }
+                    (o, st)
+                })
+                .collect()
+        });
+        for (h, (o, _)) in per_head.iter().enumerate() {
+            for ti in 0..t {
+                out[(ti * nv + h) * dv..][..dv].copy_from_slice(&o[ti * dv..(ti + 1) * dv]);
+            }
+        }
+        if let Some(s) = stash {
+            for (h, (_, st)) in per_head.iter().enumerate() {
+                for ti in 0..t {
+                    s[(ti * nv + h) * ss..][..ss].copy_from_slice(&st[ti * ss..(ti + 1) * ss]);
+                }
+            }
+        }
+        Ok(())
+    }
+}

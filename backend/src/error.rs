@@ -26,6 +26,11 @@ pub enum BackendError {
 impl BackendError {
     /// Shorthand used by shape checks.
     pub fn shape(op: &'static str, operand: &'static str, expected: usize, found: usize) -> Self {
-        BackendError::Shape { op, operand, expected, found }
+        BackendError::Shape {
+            op,
+            operand,
+            expected,
+            found,
+        }
     }
 }

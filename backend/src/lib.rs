@@ -8,7 +8,10 @@
 //! Conventions shared by every op:
 //! * Activations are f32 buffers ([`Backend::Buf`]) in row-major order; shapes are passed
 //!   explicitly as row counts and widths, and every op checks them against the buffer lengths,
-//!   returning [`BackendError::Shape`] rather than panicking.
+//!   returning [`BackendError::Shape`] rather than panicking. A buffer may be longer than what
+//!   an op reads or writes (scratch reuse): ops check "long enough" and leave the rest alone,
+//!   except where a doc says "the whole buffer" (`scale`, `mul_sigmoid`, the row count of
+//!   `rms_norm`, the token count of `gdn_gates`).
 //! * A weight matrix is `[rows, cols]` = `[out_features, in_features]` (the PyTorch / safetensors
 //!   layout), stored in one [`WeightFormat`]; `matmul` computes `x · Wᵀ`.
 //! * Per-row determinism: the value of an output row never depends on how many other rows are
@@ -132,7 +135,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     // ---------------------------------------------------------------- linear algebra
     /// `out[r, o] = Σ_i x[r, i] · W[o, i]` for `r < rows`; `x` is `[rows, w.cols]`, `out` is
     /// `[rows, w.rows]` (only the first `rows * w.rows` values are written).
-    fn matmul(&self, x: &Self::Buf, rows: usize, w: &Weight<Self>, out: &mut Self::Buf) -> Result<()>;
+    fn matmul(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// Embedding lookup: `out[i, :] = W[ids[i], :]` dequantized to f32. An id `>= w.rows` is an
     /// error naming the id.
     fn gather_rows(&self, table: &Weight<Self>, ids: &[u32], out: &mut Self::Buf) -> Result<()>;
@@ -140,7 +149,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     // ---------------------------------------------------------------- normalisation
     /// Row-wise RMSNorm over rows of width `dim` (the buffer holds `len / dim` rows; also used per
     /// head with `dim = head_dim`): `out = w ⊙ x / sqrt(mean(x²) + eps)`.
-    fn rms_norm(&self, x: &Self::Buf, w: &Self::Buf, dim: usize, eps: f32, out: &mut Self::Buf) -> Result<()>;
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// Gated RMSNorm (Gated DeltaNet output norm): `out = (w ⊙ rmsnorm(x)) ⊙ silu(z)`, rows of `dim`.
     fn rms_norm_gated(
         &self,
@@ -179,17 +195,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()>;
 
     // ---------------------------------------------------------------- elementwise
-    /// `out = silu(gate) ⊙ up` over `out.len()`... precisely over `len(gate)` values.
+    /// `out[i] = silu(gate[i]) · up[i]` for `i < len(gate)`; `up` and `out` must be at least as long.
     fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
     /// `dst[dst_off + i] += src[i]` for `i < len`.
-    fn add_assign(&self, dst: &mut Self::Buf, dst_off: usize, src: &Self::Buf, len: usize) -> Result<()>;
+    fn add_assign(
+        &self,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        src: &Self::Buf,
+        len: usize,
+    ) -> Result<()>;
     /// `x *= s` over the whole buffer.
     fn scale(&self, x: &mut Self::Buf, s: f32) -> Result<()>;
     /// `x *= sigmoid(gate)` elementwise over the whole buffer (gated attention output).
     fn mul_sigmoid(&self, x: &mut Self::Buf, gate: &Self::Buf) -> Result<()>;
     /// Index of the maximum of each of `rows` rows of width `cols`, starting at row `row0`
     /// (first occurrence wins on ties; NaN never wins).
-    fn argmax_rows(&self, x: &Self::Buf, row0: usize, rows: usize, cols: usize) -> Result<Vec<u32>>;
+    fn argmax_rows(&self, x: &Self::Buf, row0: usize, rows: usize, cols: usize)
+        -> Result<Vec<u32>>;
 
     // ---------------------------------------------------------------- Gated DeltaNet (hybrid targets)
     /// Short causal depthwise conv1d with state, followed by SiLU.
@@ -212,6 +235,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Gated DeltaNet gates: `g = -exp(a_log[h]) · softplus(a[t, h] + dt_bias[h])`,
     /// `beta = sigmoid(b[t, h])`, for `a`, `b` of `[t, n_heads]`.
+    #[allow(clippy::too_many_arguments)]
     fn gdn_gates(
         &self,
         a: &Self::Buf,
@@ -241,7 +265,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     // ---------------------------------------------------------------- fused helpers with defaults
     /// Copy `len` contiguous values.
-    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) -> Result<()> {
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
         self.copy2d(src, src_off, len, dst, dst_off, len, 1, len)
     }
 

@@ -84,7 +84,7 @@ impl HostWeight {
     pub fn new(name: impl Into<String>, rows: usize, cols: usize, data: HostData) -> Result<Self> {
         let name = name.into();
         let fmt = data.format();
-        if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && cols % QK != 0 {
+        if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && !cols.is_multiple_of(QK) {
             return Err(BackendError::Weight(format!(
                 "{name}: {fmt:?} needs rows whose length is a multiple of {QK}, found {cols}"
             )));
@@ -96,11 +96,22 @@ impl HostWeight {
                 data.n_values()
             )));
         }
-        Ok(HostWeight { name, rows, cols, data })
+        Ok(HostWeight {
+            name,
+            rows,
+            cols,
+            data,
+        })
     }
 
     /// Re-encode an f32 matrix into `format` (byte-exact with ggml for the block formats).
-    pub fn from_f32(name: impl Into<String>, rows: usize, cols: usize, values: &[f32], format: WeightFormat) -> Result<Self> {
+    pub fn from_f32(
+        name: impl Into<String>,
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+        format: WeightFormat,
+    ) -> Result<Self> {
         let data = match format {
             WeightFormat::F32 => HostData::F32(values.to_vec()),
             WeightFormat::Bf16 => HostData::Bf16(dflash_quant::encode_bf16(values)?),
@@ -136,6 +147,10 @@ pub struct Weight<B: Backend> {
 
 impl<B: Backend> std::fmt::Debug for Weight<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Weight({} {:?} [{}, {}])", self.name, self.format, self.rows, self.cols)
+        write!(
+            f,
+            "Weight({} {:?} [{}, {}])",
+            self.name, self.format, self.rows, self.cols
+        )
     }
 }
