@@ -1,0 +1,240 @@
+// Attention of a few queries over a long cached context, split over the context.
+//
+// Grid (n_split, n_kv_heads, ceil(n_q * G / 16)), 128 threads. A block takes 16 query rows
+// (query i, head h of the kv head's group) and one split of ATT_SPLIT keys, processed as
+// sub-chunks of 64 keys with an online softmax; it writes the unnormalised partial output
+// and (max, sum) per row. attn_combine merges the splits in split order.
+// The split size is a constant: a row's partial in a split depends only on that row's query
+// and the keys of the split (masked keys contribute exact zeros and alpha = 1), so a query's
+// output is the same for any n_q (per-row determinism across verify widths and decode).
+
+#define ATT_SPLIT 256
+#define ATT_CK 64
+#define ATT_QT 16
+
+__device__ __forceinline__ bool att_visible(long long j, int n_kv, long long kpos, long long qpos, int causal, long long window) {
+    return j < n_kv && (!causal || kpos <= qpos) && (window < 0 || qpos < kpos + window);
+}
+
+template <int D>
+__device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                                float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
+                                                long long q_pos0, long long kv_pos0, int causal, long long window, float scale) {
+    constexpr int DL = D / 32;
+    extern __shared__ float sm[];
+    float *Qs = sm;                       // [D][16]
+    float *Ks = Qs + D * ATT_QT;          // [64][D+1]
+    float *Vs = Ks + ATT_CK * (D + 1);    // [64][D]
+    float *Ps = Vs + ATT_CK * D;          // [64][16]
+    float *m_run = Ps + ATT_CK * ATT_QT;  // [16]
+    float *l_run = m_run + ATT_QT;        // [16]
+    float *alpha_s = l_run + ATT_QT;      // [16]
+    long long *qpos = (long long *)(alpha_s + ATT_QT);  // [16]
+    int *rvalid = (int *)(qpos + ATT_QT);               // [16]
+
+    const int G = H / Hkv;
+    const int QR = n_q * G;
+    const int hk = blockIdx.y;
+    const int qr0 = blockIdx.z * ATT_QT;
+    const int split = blockIdx.x;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    for (int idx = tid; idx < ATT_QT * D; idx += blockDim.x) {
+        const int r = idx / D, d = idx % D;
+        const int qr = qr0 + r;
+        float val = 0.0f;
+        if (qr < QR) {
+            const int i = qr / G, h = hk * G + qr % G;
+            val = q[((long long)i * H + h) * D + d];
+        }
+        Qs[d * ATT_QT + r] = val;
+    }
+    if (tid < ATT_QT) {
+        const int qr = qr0 + tid;
+        rvalid[tid] = qr < QR;
+        qpos[tid] = q_pos0 + (qr < QR ? qr / G : 0);
+        m_run[tid] = NEG_INF;
+        l_run[tid] = 0.0f;
+    }
+    float o[4][DL];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int e = 0; e < DL; ++e) o[r][e] = 0.0f;
+
+    for (int sub = 0; sub < ATT_SPLIT / ATT_CK; ++sub) {
+        const long long j0 = (long long)split * ATT_SPLIT + sub * ATT_CK;
+        if (j0 >= n_kv) break;
+        __syncthreads();
+        for (int idx = tid; idx < ATT_CK * D; idx += blockDim.x) {
+            const int kk = idx / D, d = idx % D;
+            const long long j = j0 + kk;
+            float kval = 0.0f, vval = 0.0f;
+            if (j < n_kv) {
+                kval = k[(j * Hkv + hk) * D + d];
+                vval = v[(j * Hkv + hk) * D + d];
+            }
+            Ks[kk * (D + 1) + d] = kval;
+            Vs[kk * D + d] = vval;
+        }
+        __syncthreads();
+        // Phase 1: scores. Thread: key kk = tid % 64, rows rh*8 .. rh*8+7.
+        {
+            const int kk = tid & 63, rh = tid >> 6;
+            float s[8];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) s[r] = 0.0f;
+            for (int d = 0; d < D; ++d) {
+                const float kv = Ks[kk * (D + 1) + d];
+                const float4 qa = *(const float4 *)(Qs + d * ATT_QT + rh * 8);
+                const float4 qb = *(const float4 *)(Qs + d * ATT_QT + rh * 8 + 4);
+                s[0] = fmaf(qa.x, kv, s[0]); s[1] = fmaf(qa.y, kv, s[1]);
+                s[2] = fmaf(qa.z, kv, s[2]); s[3] = fmaf(qa.w, kv, s[3]);
+                s[4] = fmaf(qb.x, kv, s[4]); s[5] = fmaf(qb.y, kv, s[5]);
+                s[6] = fmaf(qb.z, kv, s[6]); s[7] = fmaf(qb.w, kv, s[7]);
+            }
+            const long long j = j0 + kk;
+            const long long kpos = kv_pos0 + j;
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                const int rr = rh * 8 + r;
+                const bool vis = rvalid[rr] && att_visible(j, n_kv, kpos, qpos[rr], causal, window);
+                Ps[kk * ATT_QT + rr] = vis ? s[r] * scale : NEG_INF;
+            }
+        }
+        __syncthreads();
+        // Phase 2: online softmax bookkeeping, warp w owns rows 4w .. 4w+3.
+#pragma unroll
+        for (int r4 = 0; r4 < 4; ++r4) {
+            const int r = warp * 4 + r4;
+            const float a = Ps[lane * ATT_QT + r], b = Ps[(lane + 32) * ATT_QT + r];
+            const float mx = warp_max(fmaxf(a, b));
+            const float m_old = m_run[r];
+            const float m_new = fmaxf(m_old, mx);
+            float pa = 0.0f, pb = 0.0f, alpha = 1.0f;
+            if (m_new != NEG_INF) {
+                pa = a == NEG_INF ? 0.0f : expf(a - m_new);
+                pb = b == NEG_INF ? 0.0f : expf(b - m_new);
+                alpha = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
+            }
+            const float sum = warp_sum(pa + pb);
+            Ps[lane * ATT_QT + r] = pa;
+            Ps[(lane + 32) * ATT_QT + r] = pb;
+            __syncwarp();
+            if (lane == 0) {
+                l_run[r] = l_run[r] * alpha + sum;
+                m_run[r] = m_new;
+                alpha_s[r] = alpha;
+            }
+        }
+        __syncthreads();
+        // Phase 3: O[r][d] = alpha * O + sum_k P[r][k] V[k][d]; rows 4w.., d = lane + 32e
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const float al = alpha_s[warp * 4 + r];
+#pragma unroll
+            for (int e = 0; e < DL; ++e) o[r][e] *= al;
+        }
+        for (int kk = 0; kk < ATT_CK; ++kk) {
+            const float4 p = *(const float4 *)(Ps + kk * ATT_QT + warp * 4);
+            float vv[DL];
+#pragma unroll
+            for (int e = 0; e < DL; ++e) vv[e] = Vs[kk * D + lane + 32 * e];
+#pragma unroll
+            for (int e = 0; e < DL; ++e) {
+                o[0][e] = fmaf(p.x, vv[e], o[0][e]);
+                o[1][e] = fmaf(p.y, vv[e], o[1][e]);
+                o[2][e] = fmaf(p.z, vv[e], o[2][e]);
+                o[3][e] = fmaf(p.w, vv[e], o[3][e]);
+            }
+        }
+    }
+    __syncthreads();
+    const long long rows_total = (long long)n_q * H;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int rr = warp * 4 + r;
+        const int qr = qr0 + rr;
+        if (qr < QR) {
+            const int i = qr / G, h = hk * G + qr % G;
+            const long long row = (long long)split * rows_total + (long long)i * H + h;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) ws_o[row * D + lane + 32 * e] = o[r][e];
+            if (lane == 0) {
+                ws_ml[row * 2] = m_run[rr];
+                ws_ml[row * 2 + 1] = l_run[rr];
+            }
+        }
+    }
+}
+
+#define ATTN(D)                                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) attn_split_d##D(                                                           \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,             \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale) {                                         \
+        attn_split_impl<D>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale);                     \
+    }
+ATTN(32)
+ATTN(64)
+ATTN(128)
+ATTN(256)
+
+// Merge the splits in order. One block per (query, head), threads over d.
+extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
+    const long long row = blockIdx.x;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float M = NEG_INF, L = 0.0f, acc = 0.0f;
+        for (int s = 0; s < n_split; ++s) {
+            const long long pr = (long long)s * rows_total + row;
+            const float m = ws_ml[pr * 2], l = ws_ml[pr * 2 + 1];
+            if (!(l > 0.0f)) continue;
+            const float Mn = fmaxf(M, m);
+            const float a = M == NEG_INF ? 0.0f : expf(M - Mn);
+            const float b = expf(m - Mn);
+            acc = acc * a + ws_o[pr * D + d] * b;
+            L = L * a + l * b;
+            M = Mn;
+        }
+        out[row * D + d] = L > 0.0f ? acc / L : 0.0f;
+    }
+}
+
+// Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),
+// keys in order with an online softmax; lane owns d = lane + 32e. Per-row deterministic.
+extern "C" __global__ void attn_generic(const float *q, const float *k, const float *v, float *out, int n_q, int n_kv, int H, int Hkv,
+                                        int D, long long q_pos0, long long kv_pos0, int causal, long long window, float scale) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (row >= (long long)n_q * H) return;
+    const int i = (int)(row / H), h = (int)(row % H), hk = h / (H / Hkv);
+    const long long qpos = q_pos0 + i;
+    const float *qr = q + row * D;
+    float acc[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[e] = 0.0f;
+    float M = NEG_INF, L = 0.0f;
+    for (long long j = 0; j < n_kv; ++j) {
+        const long long kpos = kv_pos0 + j;
+        if (!att_visible(j, n_kv, kpos, qpos, causal, window)) continue;
+        const float *kr = k + (j * Hkv + hk) * D;
+        float s = 0.0f;
+        for (int d = lane; d < D; d += 32) s = fmaf(qr[d], kr[d], s);
+        s = warp_sum(s) * scale;
+        const float Mn = fmaxf(M, s);
+        const float a = M == NEG_INF ? 0.0f : expf(M - Mn);
+        const float p = expf(s - Mn);
+        L = L * a + p;
+        M = Mn;
+        const float *vr = v + (j * Hkv + hk) * D;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+            const int d = lane + 32 * e;
+            if (d < D) acc[e] = acc[e] * a + p * vr[d];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+        const int d = lane + 32 * e;
+        if (d < D) out[row * D + d] = L > 0.0f ? acc[e] / L : 0.0f;
+    }
+}

@@ -1,0 +1,175 @@
+// Row-wise normalisation, RoPE, elementwise ops, copies, gathers.
+
+extern "C" __global__ void fill_f32(float *x, long long n, float v) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) x[i] = v;
+}
+
+// One block per row of width dim. out = w * x / sqrt(mean(x^2) + eps).
+extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, int dim, float eps) {
+    __shared__ float red[32];
+    const long long row = blockIdx.x;
+    const float *xr = x + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = w[i] * (xr[i] * inv);
+}
+
+// out = (w * rmsnorm(x)) * silu(z)
+extern "C" __global__ void rms_norm_gated(const float *x, const float *z, const float *w, float *out, int dim, float eps) {
+    __shared__ float red[32];
+    const long long row = blockIdx.x;
+    const float *xr = x + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float zz = z[row * dim + i];
+        out[row * dim + i] = (w[i] * (xr[i] * inv)) * silu_f(zz);
+    }
+}
+
+// NeoX rotate-half on x = [rows, n_heads, head_dim]; one thread per (row, head, pair).
+extern "C" __global__ void rope(float *x, int rows, int n_heads, int head_dim, int half_rot, long long pos0,
+                                const float *inv_freq, float attn_scale) {
+    const long long n = (long long)rows * n_heads * half_rot;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n; idx += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(idx % half_rot);
+        const long long rh = idx / half_rot;
+        const long long r = rh / n_heads;
+        const float pos = (float)(pos0 + r);
+        const float ang = pos * inv_freq[i];
+        const float c = cosf(ang) * attn_scale, s = sinf(ang) * attn_scale;
+        float *h = x + rh * head_dim;
+        const float x1 = h[i], x2 = h[i + half_rot];
+        h[i] = x1 * c - x2 * s;
+        h[i + half_rot] = x2 * c + x1 * s;
+    }
+}
+
+extern "C" __global__ void silu_mul(const float *gate, const float *up, float *out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = silu_f(gate[i]) * up[i];
+}
+
+extern "C" __global__ void add_assign(float *dst, const float *src, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] += src[i];
+}
+
+extern "C" __global__ void scale(float *x, long long n, float s) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] *= s;
+}
+
+extern "C" __global__ void mul_sigmoid(float *x, const float *gate, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] *= sigmoid_f(gate[i]);
+}
+
+extern "C" __global__ void copy2d(const float *src, long long src_stride, float *dst, long long dst_stride, int rows, int cols) {
+    const long long n = (long long)rows * cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cols, c = i % cols;
+        dst[r * dst_stride + c] = src[r * src_stride + c];
+    }
+}
+
+// out[i, :] = W[ids[i], :] in f32, any format. One block per id.
+extern "C" __global__ void gather_rows(int fmt, const void *wq, const u16 *wd, const u32 *ids, int cols, float *out) {
+    const long long row = ids[blockIdx.x];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(long long)blockIdx.x * cols + c] = load_w(fmt, wq, wd, row, c, cols);
+}
+
+// g = -exp(a_log[h]) * softplus(a + dt_bias[h]); beta = sigmoid(b)
+extern "C" __global__ void gdn_gates(const float *a, const float *b, const float *a_log, const float *dt_bias, int n_heads,
+                                     long long n, float *g, float *beta) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int h = (int)(i % n_heads);
+        const float xa = a[i] + dt_bias[h];
+        const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+        g[i] = -expf(a_log[h]) * sp;
+        beta[i] = sigmoid_f(b[i]);
+    }
+}
+
+// Short causal depthwise conv1d with state, then SiLU. One thread per channel.
+extern "C" __global__ void causal_conv1d(const float *x, int t_len, int channels, int kernel, const float *w, float *state,
+                                         float *out, float *stash) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float win[16];
+    const int km1 = kernel - 1;
+    for (int j = 0; j < km1; ++j) win[j] = state[(long long)j * channels + c];
+    for (int t = 0; t < t_len; ++t) {
+        win[km1] = x[(long long)t * channels + c];
+        float acc = 0.0f;
+        for (int j = 0; j < kernel; ++j) acc = fmaf(w[(long long)c * kernel + j], win[j], acc);
+        out[(long long)t * channels + c] = silu_f(acc);
+        for (int j = 0; j < km1; ++j) win[j] = win[j + 1];
+        if (stash)
+            for (int j = 0; j < km1; ++j) stash[((long long)t * km1 + j) * channels + c] = win[j];
+    }
+    for (int j = 0; j < km1; ++j) state[(long long)j * channels + c] = win[j];
+}
+
+// Gated delta rule, recurrent form. One block per value head, one thread per value column.
+// Dynamic shared memory: S [dk][dv] + q [dk] + k [dk] + 32 floats.
+extern "C" __global__ void gated_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                                            int t_len, int n_k_heads, int n_v_heads, int dk, int dv, int l2norm, float q_scale,
+                                            float *state, float *out, float *stash) {
+    extern __shared__ float sm[];
+    float *S = sm;
+    float *qs = S + dk * dv;
+    float *ks = qs + dk;
+    float *red = ks + dk;
+    const int h = blockIdx.x;
+    const int hk = h / (n_v_heads / n_k_heads);
+    const int j = threadIdx.x;
+    float *st = state + (long long)h * dk * dv;
+    for (int i = threadIdx.x; i < dk * dv; i += blockDim.x) S[i] = st[i];
+    for (int t = 0; t < t_len; ++t) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = q[((long long)t * n_k_heads + hk) * dk + i];
+            ks[i] = k[((long long)t * n_k_heads + hk) * dk + i];
+        }
+        __syncthreads();
+        float qn = 1.0f, kn = 1.0f;
+        if (l2norm) {
+            float sq = 0.0f, sk = 0.0f;
+            for (int i = threadIdx.x; i < dk; i += blockDim.x) { sq = fmaf(qs[i], qs[i], sq); sk = fmaf(ks[i], ks[i], sk); }
+            sq = block_sum(sq, red);
+            sk = block_sum(sk, red);
+            qn = rsqrtf(sq + 1e-6f);
+            kn = rsqrtf(sk + 1e-6f);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) { qs[i] = qs[i] * qn * q_scale; ks[i] = ks[i] * kn; }
+        __syncthreads();
+        if (j < dv) {
+            const float decay = expf(g[(long long)t * n_v_heads + h]);
+            const float b = beta[(long long)t * n_v_heads + h];
+            float kv = 0.0f;
+            for (int i = 0; i < dk; ++i) {
+                float s = S[i * dv + j] * decay;
+                S[i * dv + j] = s;
+                kv = fmaf(s, ks[i], kv);
+            }
+            const float u = (v[((long long)t * n_v_heads + h) * dv + j] - kv) * b;
+            float o = 0.0f;
+            for (int i = 0; i < dk; ++i) {
+                float s = fmaf(ks[i], u, S[i * dv + j]);
+                S[i * dv + j] = s;
+                o = fmaf(s, qs[i], o);
+            }
+            out[((long long)t * n_v_heads + h) * dv + j] = o;
+            if (stash)
+                for (int i = 0; i < dk; ++i) stash[(((long long)t * n_v_heads + h) * dk + i) * dv + j] = S[i * dv + j];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < dk * dv; i += blockDim.x) st[i] = S[i];
+}

@@ -1,0 +1,133 @@
+// Shared helpers, prepended to every module by the Rust side (NVRTC needs no #include).
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned long long u64;
+
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_F16 2
+#define FMT_Q8_0 3
+#define FMT_Q4_0 4
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define ARGMAX_NONE 0xffffffffu
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Two f32 -> packed bf16x2 (round to nearest even); `lo` lands in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Split a pair of f32 into bf16 hi and lo parts: x ~= hi + lo with ~16 significant bits.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, u32 &hi, u32 &lo) {
+    hi = pack_bf16x2(x0, x1);
+    float h0 = __uint_as_float(hi << 16);
+    float h1 = __uint_as_float(hi & 0xffff0000u);
+    lo = pack_bf16x2(x0 - h0, x1 - h1);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum with a fixed reduction tree (deterministic). `red` holds >= 32 floats.
+__device__ __forceinline__ float block_sum(float v, float *red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = 0.0f;
+    if (warp == 0) {
+        r = lane < nw ? red[lane] : 0.0f;
+        r = warp_sum(r);
+        if (lane == 0) red[0] = r;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// Argmax candidate order: NaN never wins, larger value wins, first index wins ties.
+__device__ __forceinline__ bool am_better(float v, u32 i, float bv, u32 bi) {
+    if (v != v) return false;
+    if (bi == ARGMAX_NONE) return true;
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float &v, u32 &i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        u32 oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (am_better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+// Block argmax; returns the winner in thread 0 (and all threads via shared memory).
+__device__ __forceinline__ void block_argmax(float &v, u32 &i, float *rv, u32 *ri) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) { rv[warp] = v; ri[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < nw ? rv[lane] : 0.0f;
+        i = lane < nw ? ri[lane] : ARGMAX_NONE;
+        warp_argmax(v, i);
+        if (lane == 0) { rv[0] = v; ri[0] = i; }
+    }
+    __syncthreads();
+    v = rv[0];
+    i = ri[0];
+}
+
+// Scalar weight access in any storage format. Block formats use the backend's repacked
+// layout: q8_0 = int8 values [rows, cols] + f16 scales [rows, cols/32]; q4_0 = one u32 per
+// (row, block, quarter) holding the 8 nibbles of values 8q..8q+7 + f16 scales.
+__device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, long long row, int col, int cols) {
+    switch (fmt) {
+    case FMT_F32: return ((const float *)wq)[row * cols + col];
+    case FMT_BF16: return bf16_to_f32(((const u16 *)wq)[row * cols + col]);
+    case FMT_F16: return f16_to_f32(((const u16 *)wq)[row * cols + col]);
+    case FMT_Q8_0: {
+        float d = f16_to_f32(wd[row * (cols / 32) + col / 32]);
+        return (float)((const i8 *)wq)[row * cols + col] * d;
+    }
+    default: {
+        const int b = col >> 5, e = col & 31;
+        float d = f16_to_f32(wd[row * (cols / 32) + b]);
+        u32 w = ((const u32 *)wq)[(row * (cols / 32) + b) * 4 + (e >> 3)];
+        int nib = (int)((w >> (4 * (e & 7))) & 0xfu);
+        return (float)(nib - 8) * d;
+    }
+    }
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,0 +1,66 @@
+// Argmax over long rows and the DSpark Markov chain, both kept on the device.
+
+// Stage 1: grid (n_chunks, rows). Partial winners per chunk of a row.
+extern "C" __global__ void argmax_partial(const float *x, long long row0, int cols, int chunk, float *pv, u32 *pi) {
+    __shared__ float rv[32];
+    __shared__ u32 ri[32];
+    const long long row = row0 + blockIdx.y;
+    const float *xr = x + row * cols;
+    const int c0 = blockIdx.x * chunk, c1 = min(cols, c0 + chunk);
+    float bv = 0.0f;
+    u32 bi = ARGMAX_NONE;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        float v = xr[c];
+        if (am_better(v, (u32)c, bv, bi)) { bv = v; bi = (u32)c; }
+    }
+    block_argmax(bv, bi, rv, ri);
+    if (threadIdx.x == 0) {
+        pv[blockIdx.y * gridDim.x + blockIdx.x] = bv;
+        pi[blockIdx.y * gridDim.x + blockIdx.x] = bi;
+    }
+}
+
+// Stage 2: one warp per row over its n_chunks partials (in chunk order). Rows with no
+// candidate (all NaN) give 0. Optionally also stores the winner into *prev (Markov chain).
+extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_chunks, u32 *out, u32 *prev) {
+    const int row = blockIdx.x;
+    float bv = 0.0f;
+    u32 bi = ARGMAX_NONE;
+    for (int c = threadIdx.x; c < n_chunks; c += 32) {
+        float v = pv[row * n_chunks + c];
+        u32 i = pi[row * n_chunks + c];
+        if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    warp_argmax(bv, bi);
+    if (threadIdx.x == 0) {
+        u32 r = bi == ARGMAX_NONE ? 0u : bi;
+        out[row] = r;
+        if (prev) *prev = r;
+    }
+}
+
+// One Markov step: logits[o] += dot(W2[o, :], W1[*prev, :]) for o in the block's range, and
+// the block's argmax candidate. Dynamic shared memory: rank floats.
+extern "C" __global__ void markov_step(int fmt1, const void *w1q, const u16 *w1d, int fmt2, const void *w2q, const u16 *w2d,
+                                       int rank, int vocab, const u32 *prev, float *logits, int chunk, float *pv, u32 *pi) {
+    extern __shared__ float emb[];
+    __shared__ float rv[32];
+    __shared__ u32 ri[32];
+    const u32 p = *prev;
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
+    float bv = 0.0f;
+    u32 bi = ARGMAX_NONE;
+    for (int o = o0 + warp; o < o1; o += nw) {
+        float acc = 0.0f;
+        for (int i = lane; i < rank; i += 32) acc = fmaf(load_w(fmt2, w2q, w2d, o, i, rank), emb[i], acc);
+        acc = warp_sum(acc);
+        float v = logits[o] + acc;
+        if (lane == 0) logits[o] = v;
+        if (am_better(v, (u32)o, bv, bi)) { bv = v; bi = (u32)o; }
+    }
+    block_argmax(bv, bi, rv, ri);
+    if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
+}

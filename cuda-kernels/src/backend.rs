@@ -1,0 +1,1377 @@
+//! `Cuda: Backend` over cudarc: one context, one stream, kernels from the registry.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use cudarc::driver::{
+    sys as drv_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use dflash_backend::{
+    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, RopeSpec, Weight,
+};
+
+use crate::error::{dev, CudaError};
+use crate::registry::{arch_for, Kernel, Registry};
+
+type Result<T> = std::result::Result<T, BackendError>;
+
+/// Largest row count served by the per-row-deterministic skinny matmul in one launch.
+pub const SKINNY_ROWS: usize = 16;
+const ARGMAX_CHUNK: usize = 4096;
+const MARKOV_CHUNK: usize = 1024;
+const ATT_SPLIT: usize = 256;
+const ATT_QT: usize = 16;
+
+/// An f32 activation buffer on the device.
+pub struct CudaBuf {
+    pub(crate) data: CudaSlice<f32>,
+    len: usize,
+}
+
+impl CudaBuf {
+    /// The underlying device slice (at least `len` values; one spare value for empty buffers).
+    pub fn slice(&self) -> &CudaSlice<f32> {
+        &self.data
+    }
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.data
+    }
+}
+
+/// A weight matrix in device memory, in its format. Block formats are repacked for aligned
+/// loads: q8_0 as int8 codes `[rows, cols]` + f16 scales `[rows, cols/32]`; q4_0 as one u32
+/// per (row, block, quarter q) holding the nibbles of values `8q..8q+7` + f16 scales.
+pub enum CudaWeightBuf {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+    F16(CudaSlice<u16>),
+    Q8_0 {
+        qs: CudaSlice<i8>,
+        d: CudaSlice<u16>,
+    },
+    Q4_0 {
+        qs: CudaSlice<u32>,
+        d: CudaSlice<u16>,
+    },
+}
+
+impl CudaWeightBuf {
+    /// Bytes of device memory that a full pass over the matrix reads.
+    pub fn device_bytes(&self) -> usize {
+        match self {
+            CudaWeightBuf::F32(s) => s.num_bytes(),
+            CudaWeightBuf::Bf16(s) | CudaWeightBuf::F16(s) => s.num_bytes(),
+            CudaWeightBuf::Q8_0 { qs, d } => qs.num_bytes() + d.num_bytes(),
+            CudaWeightBuf::Q4_0 { qs, d } => qs.num_bytes() + d.num_bytes(),
+        }
+    }
+    fn fmt_code(&self) -> i32 {
+        match self {
+            CudaWeightBuf::F32(_) => 0,
+            CudaWeightBuf::Bf16(_) => 1,
+            CudaWeightBuf::F16(_) => 2,
+            CudaWeightBuf::Q8_0 { .. } => 3,
+            CudaWeightBuf::Q4_0 { .. } => 4,
+        }
+    }
+}
+
+/// Options of the CUDA backend.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    /// Use cuBLAS for bf16 / f32 matmuls of more than [`SKINNY_ROWS`] rows (prompt prefill).
+    /// cuBLAS picks algorithms by shape, so such rows may differ in the last bits from the
+    /// same rows computed alone; turn this off to make every matmul per-row deterministic.
+    pub cublas_prefill: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            cublas_prefill: true,
+        }
+    }
+}
+
+/// Growable device scratch, reused across launches on the one stream.
+struct Scratch {
+    mm_ws: Option<CudaSlice<f32>>,
+    mm_counters: Option<CudaSlice<u32>>,
+    att_o: Option<CudaSlice<f32>>,
+    att_ml: Option<CudaSlice<f32>>,
+    am_v: Option<CudaSlice<f32>>,
+    am_i: Option<CudaSlice<u32>>,
+    ids: Option<CudaSlice<u32>>,
+    toks: Option<CudaSlice<u32>>,
+    x_hi: Option<CudaSlice<u16>>,
+    x_lo: Option<CudaSlice<u16>>,
+}
+
+fn ensure<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    slot: &mut Option<CudaSlice<T>>,
+    len: usize,
+) -> std::result::Result<(), CudaError> {
+    let len = len.max(1);
+    if slot.as_ref().is_none_or(|s| s.len() < len) {
+        *slot = Some(stream.alloc_zeros::<T>(len)?);
+    }
+    Ok(())
+}
+
+/// The CUDA backend.
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    reg: Registry,
+    num_sms: usize,
+    opts: CudaOptions,
+    scratch: Mutex<Scratch>,
+    rope_cache: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
+    blas: Mutex<Option<CudaBlas>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn check(op: &'static str, operand: &'static str, expected: usize, found: usize) -> Result<()> {
+    if found < expected {
+        return Err(BackendError::shape(op, operand, expected, found));
+    }
+    Ok(())
+}
+
+fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| BackendError::Invalid {
+        op,
+        msg: format!("{what} = {v} does not fit the kernels' 32-bit sizes"),
+    })
+}
+
+fn grid_1d(n: usize, block: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(block as usize).clamp(1, 65535 * 8) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+fn att_smem_bytes(d: usize) -> usize {
+    (16 * d + 64 * (d + 1) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
+}
+
+impl Cuda {
+    /// Open device `ordinal` with default options. Fails with an error (never a panic) where
+    /// the CUDA driver or NVRTC libraries are missing or no such device exists.
+    pub fn new(ordinal: usize) -> std::result::Result<Self, CudaError> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    pub fn with_options(ordinal: usize, opts: CudaOptions) -> std::result::Result<Self, CudaError> {
+        // SAFETY: these only probe dlopen on the candidate library names.
+        if !unsafe { drv_sys::is_culib_present() } {
+            return Err(CudaError::LibraryMissing {
+                lib: "libcuda (the CUDA driver)",
+            });
+        }
+        if !crate::registry::nvrtc_available() {
+            return Err(CudaError::LibraryMissing { lib: "libnvrtc" });
+        }
+        let count = CudaContext::device_count()?;
+        if ordinal as i64 >= count as i64 {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream only: no cross-stream event tracking (it would also get in the way of
+        // graph capture).
+        // SAFETY: every slice of this backend is used on `stream` alone.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = arch_for(major, minor)?;
+        let num_sms = ctx
+            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as usize;
+        Ok(Cuda {
+            reg: Registry::new(ctx.clone(), arch),
+            ctx,
+            stream,
+            num_sms,
+            opts,
+            scratch: Mutex::new(Scratch {
+                mm_ws: None,
+                mm_counters: None,
+                att_o: None,
+                att_ml: None,
+                am_v: None,
+                am_i: None,
+                ids: None,
+                toks: None,
+                x_hi: None,
+                x_lo: None,
+            }),
+            rope_cache: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream every op is queued on (capture it to build a CUDA graph).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn arch(&self) -> &'static str {
+        self.reg.arch()
+    }
+    pub fn num_sms(&self) -> usize {
+        self.num_sms
+    }
+
+    fn func(&self, k: Kernel) -> Result<CudaFunction> {
+        self.reg.get(k).map_err(BackendError::from)
+    }
+
+    /// Compile and load every kernel now (keeps NVRTC out of timings and graph captures).
+    pub fn warm_up(&self) -> Result<()> {
+        for &k in Kernel::ALL {
+            self.func(k)?;
+        }
+        for (k, d) in [
+            (Kernel::AttnSplitD32, 32),
+            (Kernel::AttnSplitD64, 64),
+            (Kernel::AttnSplitD128, 128),
+            (Kernel::AttnSplitD256, 256),
+        ] {
+            let f = self.func(k)?;
+            f.set_attribute(
+                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                att_smem_bytes(d) as i32,
+            )
+            .map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    /// A buffer filled with `v` (NaN to poison outputs in tests).
+    pub fn fill(&self, buf: &mut CudaBuf, v: f32) -> Result<()> {
+        let f = self.func(Kernel::Fill)?;
+        let n = buf.data.len() as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut buf.data).arg(&n).arg(&v);
+        unsafe { b.launch(grid_1d(n as usize, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// Upload token ids to a device buffer (for [`Cuda::gather_rows_dev`]).
+    pub fn upload_ids(&self, ids: &[u32]) -> Result<CudaSlice<u32>> {
+        if ids.is_empty() {
+            return self.stream.alloc_zeros::<u32>(1).map_err(dev);
+        }
+        self.stream.clone_htod(ids).map_err(dev)
+    }
+
+    /// Embedding lookup with ids already on the device (no host round trip, graph-capturable).
+    /// Ids are not range-checked here: the caller guarantees `ids[i] < table.rows`.
+    pub fn gather_rows_dev(
+        &self,
+        table: &Weight<Self>,
+        ids: &CudaSlice<u32>,
+        n: usize,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        check("gather_rows", "out", n * table.cols, out.len)?;
+        check("gather_rows", "ids", n, ids.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::GatherRows)?;
+        let fmt = table.buf.fmt_code();
+        let cols = i32_of("gather_rows", "cols", table.cols)?;
+        let c = cfg((n as u32, 1, 1), 256, 0);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&fmt);
+        match &table.buf {
+            CudaWeightBuf::F32(s) => b.arg(s).arg(&0u64),
+            CudaWeightBuf::Bf16(s) | CudaWeightBuf::F16(s) => b.arg(s).arg(&0u64),
+            CudaWeightBuf::Q8_0 { qs, d } => b.arg(qs).arg(d),
+            CudaWeightBuf::Q4_0 { qs, d } => b.arg(qs).arg(d),
+        };
+        b.arg(ids).arg(&cols).arg(&mut out.data);
+        unsafe { b.launch(c) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// Row argmax into a device buffer `out[0..rows]` (graph-capturable).
+    pub fn argmax_rows_dev(
+        &self,
+        x: &CudaBuf,
+        row0: usize,
+        rows: usize,
+        cols: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        check("argmax_rows", "x", (row0 + rows) * cols, x.len)?;
+        check("argmax_rows", "out", rows, out.len())?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let nch = cols.div_ceil(ARGMAX_CHUNK);
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.am_v, rows * nch).map_err(dev)?;
+        ensure(&self.stream, &mut s.am_i, rows * nch).map_err(dev)?;
+        let Scratch { am_v, am_i, .. } = &mut *s;
+        let (am_v, am_i) = (
+            am_v.as_mut().ok_or_else(internal)?,
+            am_i.as_mut().ok_or_else(internal)?,
+        );
+        let f1 = self.func(Kernel::ArgmaxPartial)?;
+        let f2 = self.func(Kernel::ArgmaxFinal)?;
+        let (row0, cols_i, chunk, nch_i) = (
+            row0 as i64,
+            i32_of("argmax_rows", "cols", cols)?,
+            ARGMAX_CHUNK as i32,
+            nch as i32,
+        );
+        let mut b = self.stream.launch_builder(&f1);
+        b.arg(&x.data)
+            .arg(&row0)
+            .arg(&cols_i)
+            .arg(&chunk)
+            .arg(&mut *am_v)
+            .arg(&mut *am_i);
+        unsafe { b.launch(cfg((nch as u32, rows as u32, 1), 256, 0)) }.map_err(dev)?;
+        let mut b = self.stream.launch_builder(&f2);
+        b.arg(&*am_v).arg(&*am_i).arg(&nch_i).arg(out).arg(&0u64);
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 32, 0)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// The Markov chain with the previous token and the results on the device
+    /// (graph-capturable): `prev[0]` is the starting token and ends as the last draft;
+    /// `toks[0..n]` receives the drafts. Two launches per step.
+    #[allow(clippy::too_many_arguments)]
+    pub fn markov_chain_dev(
+        &self,
+        logits: &mut CudaBuf,
+        n: usize,
+        vocab: usize,
+        prev: &mut CudaSlice<u32>,
+        toks: &mut CudaSlice<u32>,
+        w1: &Weight<Self>,
+        w2: &Weight<Self>,
+    ) -> Result<()> {
+        check("markov_chain", "logits", n * vocab, logits.len)?;
+        check("markov_chain", "toks", n, toks.len())?;
+        if w1.rows != vocab || w2.rows != vocab || w1.cols != w2.cols {
+            return Err(BackendError::Invalid {
+                op: "markov_chain",
+                msg: format!(
+                    "w1 {:?} and w2 {:?} must both be [vocab = {vocab}, rank]",
+                    (w1.rows, w1.cols),
+                    (w2.rows, w2.cols)
+                ),
+            });
+        }
+        let rank = i32_of("markov_chain", "rank", w1.cols)?;
+        let vocab_i = i32_of("markov_chain", "vocab", vocab)?;
+        let nb = vocab.div_ceil(MARKOV_CHUNK);
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.am_v, nb).map_err(dev)?;
+        ensure(&self.stream, &mut s.am_i, nb).map_err(dev)?;
+        let Scratch { am_v, am_i, .. } = &mut *s;
+        let (am_v, am_i) = (
+            am_v.as_mut().ok_or_else(internal)?,
+            am_i.as_mut().ok_or_else(internal)?,
+        );
+        let f1 = self.func(Kernel::MarkovStep)?;
+        let f2 = self.func(Kernel::ArgmaxFinal)?;
+        let (fmt1, fmt2, chunk, nb_i) = (
+            w1.buf.fmt_code(),
+            w2.buf.fmt_code(),
+            MARKOV_CHUNK as i32,
+            nb as i32,
+        );
+        for k in 0..n {
+            let mut row = logits.data.slice_mut(k * vocab..(k + 1) * vocab);
+            let mut b = self.stream.launch_builder(&f1);
+            b.arg(&fmt1);
+            push_weight(&mut b, &w1.buf);
+            b.arg(&fmt2);
+            push_weight(&mut b, &w2.buf);
+            b.arg(&rank)
+                .arg(&vocab_i)
+                .arg(&*prev)
+                .arg(&mut row)
+                .arg(&chunk)
+                .arg(&mut *am_v)
+                .arg(&mut *am_i);
+            unsafe { b.launch(cfg((nb as u32, 1, 1), 256, (w1.cols * 4) as u32)) }.map_err(dev)?;
+            let mut tk = toks.slice_mut(k..k + 1);
+            let mut b = self.stream.launch_builder(&f2);
+            b.arg(&*am_v)
+                .arg(&*am_i)
+                .arg(&nb_i)
+                .arg(&mut tk)
+                .arg(&mut *prev);
+            unsafe { b.launch(cfg((1, 1, 1), 32, 0)) }.map_err(dev)?;
+        }
+        Ok(())
+    }
+
+    fn rope_freqs(&self, spec: &RopeSpec) -> Result<CudaSlice<f32>> {
+        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let mut cache = lock(&self.rope_cache);
+        if let Some(s) = cache.get(&key) {
+            return s.try_clone().map_err(dev);
+        }
+        let s = self.stream.clone_htod(&spec.inv_freq).map_err(dev)?;
+        cache.insert(key, s.try_clone().map_err(dev)?);
+        Ok(s)
+    }
+
+    /// The skinny (<= 16 rows) matmul on the tensor cores or the SIMT kernel.
+    fn matmul_skinny(
+        &self,
+        x: &cudarc::driver::CudaView<'_, f32>,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let (n_i, k_i, t_i) = (
+            i32_of("matmul", "w.rows", n)?,
+            i32_of("matmul", "w.cols", k)?,
+            rows as i32,
+        );
+        let mma_kernel = match (&w.buf, rows > 8) {
+            (CudaWeightBuf::Bf16(_), false) => Some(Kernel::SkinnyBf16N1),
+            (CudaWeightBuf::Bf16(_), true) => Some(Kernel::SkinnyBf16N2),
+            (CudaWeightBuf::Q8_0 { .. }, false) => Some(Kernel::SkinnyQ8N1),
+            (CudaWeightBuf::Q8_0 { .. }, true) => Some(Kernel::SkinnyQ8N2),
+            (CudaWeightBuf::Q4_0 { .. }, false) => Some(Kernel::SkinnyQ4N1),
+            (CudaWeightBuf::Q4_0 { .. }, true) => Some(Kernel::SkinnyQ4N2),
+            _ => None,
+        };
+        match mma_kernel {
+            Some(kern) if k.is_multiple_of(32) => {
+                let f = self.func(kern)?;
+                let nb = n.div_ceil(64);
+                let kt = k / 32;
+                // Split-k chosen from (N, K, SM count) only: never from the row count.
+                let want = (2 * self.num_sms).div_ceil(nb);
+                let splits = want.clamp(1, (kt / 8).max(1));
+                let tps = kt.div_ceil(splits);
+                let splits = kt.div_ceil(tps);
+                let mut s = lock(&self.scratch);
+                ensure(
+                    &self.stream,
+                    &mut s.mm_ws,
+                    if splits > 1 { splits * n * 16 } else { 1 },
+                )
+                .map_err(dev)?;
+                ensure(&self.stream, &mut s.mm_counters, nb).map_err(dev)?;
+                let Scratch {
+                    mm_ws, mm_counters, ..
+                } = &mut *s;
+                let (ws, cnt) = (
+                    mm_ws.as_mut().ok_or_else(internal)?,
+                    mm_counters.as_mut().ok_or_else(internal)?,
+                );
+                let (s_i, tps_i) = (splits as i32, tps as i32);
+                let mut b = self.stream.launch_builder(&f);
+                push_weight(&mut b, &w.buf);
+                b.arg(x)
+                    .arg(out)
+                    .arg(ws)
+                    .arg(cnt)
+                    .arg(&n_i)
+                    .arg(&k_i)
+                    .arg(&t_i)
+                    .arg(&s_i)
+                    .arg(&tps_i);
+                unsafe { b.launch(cfg((nb as u32, splits as u32, 1), 128, 0)) }.map_err(dev)?;
+            }
+            _ => {
+                let f = self.func(Kernel::SkinnySimt)?;
+                let fmt = w.buf.fmt_code();
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&fmt);
+                push_weight(&mut b, &w.buf);
+                b.arg(x).arg(out).arg(&n_i).arg(&k_i).arg(&t_i);
+                unsafe { b.launch(cfg((n.div_ceil(4) as u32, 1, 1), 128, 0)) }.map_err(dev)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
+        let mut g = lock(&self.blas);
+        if g.is_none() {
+            *g = Some(CudaBlas::new(self.stream.clone()).map_err(dev)?);
+        }
+        f(g.as_ref().ok_or_else(internal)?)
+    }
+
+    /// cuBLAS path for many rows: f32 weights through an f32 GEMM; bf16 weights as two bf16
+    /// GEMMs over the hi and lo halves of x (f32 accumulation), so x keeps ~16 bits.
+    fn matmul_cublas(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut CudaBuf,
+    ) -> Result<bool> {
+        use cublas_sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (n, k) = (w.rows as i32, w.cols as i32);
+        let m = rows as i32;
+        let one = 1.0f32;
+        let zero = 0.0f32;
+        match &w.buf {
+            CudaWeightBuf::F32(ws) => self.with_blas(|blas| {
+                let (wp, _g1) = ws.device_ptr(&self.stream);
+                let (xp, _g2) = x.data.device_ptr(&self.stream);
+                let (op, _g3) = out.data.device_ptr_mut(&self.stream);
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *blas.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        n,
+                        m,
+                        k,
+                        &one as *const f32 as *const _,
+                        wp as *const _,
+                        cudaDataType::CUDA_R_32F,
+                        k,
+                        xp as *const _,
+                        cudaDataType::CUDA_R_32F,
+                        k,
+                        &zero as *const f32 as *const _,
+                        op as *mut _,
+                        cudaDataType::CUDA_R_32F,
+                        n,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(dev)?;
+                Ok(true)
+            }),
+            CudaWeightBuf::Bf16(ws) => {
+                let len = rows * w.cols;
+                let mut s = lock(&self.scratch);
+                ensure(&self.stream, &mut s.x_hi, len).map_err(dev)?;
+                ensure(&self.stream, &mut s.x_lo, len).map_err(dev)?;
+                let Scratch { x_hi, x_lo, .. } = &mut *s;
+                let (hi, lo) = (
+                    x_hi.as_mut().ok_or_else(internal)?,
+                    x_lo.as_mut().ok_or_else(internal)?,
+                );
+                let f = self.func(Kernel::SplitBf16)?;
+                let n64 = len as i64;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&x.data).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+                self.with_blas(|blas| {
+                    let (wp, _g1) = ws.device_ptr(&self.stream);
+                    let (hp, _g2) = hi.device_ptr(&self.stream);
+                    let (lp, _g3) = lo.device_ptr(&self.stream);
+                    let (op, _g4) = out.data.device_ptr_mut(&self.stream);
+                    for (xp, beta) in [(hp, &zero), (lp, &one)] {
+                        unsafe {
+                            cudarc::cublas::result::gemm_ex(
+                                *blas.handle(),
+                                cublasOperation_t::CUBLAS_OP_T,
+                                cublasOperation_t::CUBLAS_OP_N,
+                                n,
+                                m,
+                                k,
+                                &one as *const f32 as *const _,
+                                wp as *const _,
+                                cudaDataType::CUDA_R_16BF,
+                                k,
+                                xp as *const _,
+                                cudaDataType::CUDA_R_16BF,
+                                k,
+                                beta as *const f32 as *const _,
+                                op as *mut _,
+                                cudaDataType::CUDA_R_32F,
+                                n,
+                                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                            )
+                        }
+                        .map_err(dev)?;
+                    }
+                    Ok(true)
+                })
+            }
+            _ => Ok(false),
+        }
+    }
+}
+
+fn internal() -> BackendError {
+    BackendError::Invalid {
+        op: "cuda",
+        msg: "scratch buffer missing after allocation (internal invariant)".into(),
+    }
+}
+
+fn push_weight<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, w: &'a CudaWeightBuf) {
+    match w {
+        CudaWeightBuf::F32(s) => {
+            b.arg(s).arg(&0u64);
+        }
+        CudaWeightBuf::Bf16(s) | CudaWeightBuf::F16(s) => {
+            b.arg(s).arg(&0u64);
+        }
+        CudaWeightBuf::Q8_0 { qs, d } => {
+            b.arg(qs).arg(d);
+        }
+        CudaWeightBuf::Q4_0 { qs, d } => {
+            b.arg(qs).arg(d);
+        }
+    }
+}
+
+fn repack_q4_0(blocks: &[dflash_quant::BlockQ4_0]) -> (Vec<u32>, Vec<u16>) {
+    let mut qs = Vec::with_capacity(blocks.len() * 4);
+    let mut d = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        d.push(b.d.to_bits());
+        for q in 0..4 {
+            let mut word = 0u32;
+            for i in 0..8 {
+                let e = 8 * q + i;
+                let nib = if e < 16 {
+                    b.qs[e] & 0xf
+                } else {
+                    b.qs[e - 16] >> 4
+                };
+                word |= (nib as u32) << (4 * i);
+            }
+            qs.push(word);
+        }
+    }
+    (qs, d)
+}
+
+impl Backend for Cuda {
+    type Buf = CudaBuf;
+    type WeightBuf = CudaWeightBuf;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ctx.ordinal())
+    }
+
+    fn zeros(&self, len: usize) -> Result<CudaBuf> {
+        let data = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(dev)?;
+        Ok(CudaBuf { data, len })
+    }
+
+    fn upload(&self, host: &[f32]) -> Result<CudaBuf> {
+        if host.is_empty() {
+            return self.zeros(0);
+        }
+        let data = self.stream.clone_htod(host).map_err(dev)?;
+        Ok(CudaBuf {
+            data,
+            len: host.len(),
+        })
+    }
+
+    fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
+        if buf.len == 0 {
+            return Ok(Vec::new());
+        }
+        let v = self
+            .stream
+            .clone_dtoh(&buf.data.slice(0..buf.len))
+            .map_err(dev)?;
+        Ok(v)
+    }
+
+    fn len(&self, buf: &CudaBuf) -> usize {
+        buf.len
+    }
+
+    fn upload_weight(&self, w: &HostWeight) -> Result<Weight<Self>> {
+        let st = &self.stream;
+        let buf = match &w.data {
+            HostData::F32(v) => CudaWeightBuf::F32(st.clone_htod(v).map_err(dev)?),
+            HostData::Bf16(v) => CudaWeightBuf::Bf16(st.clone_htod(v).map_err(dev)?),
+            HostData::F16(v) => CudaWeightBuf::F16(st.clone_htod(v).map_err(dev)?),
+            HostData::Q8_0(blocks) => {
+                let mut qs = Vec::with_capacity(blocks.len() * 32);
+                let mut d = Vec::with_capacity(blocks.len());
+                for b in blocks {
+                    d.push(b.d.to_bits());
+                    qs.extend_from_slice(&b.qs);
+                }
+                CudaWeightBuf::Q8_0 {
+                    qs: st.clone_htod(&qs).map_err(dev)?,
+                    d: st.clone_htod(&d).map_err(dev)?,
+                }
+            }
+            HostData::Q4_0(blocks) => {
+                let (qs, d) = repack_q4_0(blocks);
+                CudaWeightBuf::Q4_0 {
+                    qs: st.clone_htod(&qs).map_err(dev)?,
+                    d: st.clone_htod(&d).map_err(dev)?,
+                }
+            }
+        };
+        if w.data.n_values() != w.rows * w.cols {
+            return Err(BackendError::Weight(format!(
+                "{}: expected {}x{} values, found {}",
+                w.name,
+                w.rows,
+                w.cols,
+                w.data.n_values()
+            )));
+        }
+        Ok(Weight {
+            name: w.name.clone(),
+            format: w.data.format(),
+            rows: w.rows,
+            cols: w.cols,
+            buf,
+        })
+    }
+
+    fn copy2d(
+        &self,
+        src: &CudaBuf,
+        src_off: usize,
+        src_stride: usize,
+        dst: &mut CudaBuf,
+        dst_off: usize,
+        dst_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        check(
+            "copy2d",
+            "src",
+            src_off + (rows - 1) * src_stride + cols,
+            src.len,
+        )?;
+        check(
+            "copy2d",
+            "dst",
+            dst_off + (rows - 1) * dst_stride + cols,
+            dst.len,
+        )?;
+        let f = self.func(Kernel::Copy2d)?;
+        let s = src.data.slice(src_off..);
+        let mut d = dst.data.slice_mut(dst_off..);
+        let (ss, ds, r, c) = (
+            src_stride as i64,
+            dst_stride as i64,
+            rows as i32,
+            cols as i32,
+        );
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&s).arg(&ss).arg(&mut d).arg(&ds).arg(&r).arg(&c);
+        unsafe { b.launch(grid_1d(rows * cols, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(dev)
+    }
+
+    fn matmul(&self, x: &CudaBuf, rows: usize, w: &Weight<Self>, out: &mut CudaBuf) -> Result<()> {
+        check("matmul", "x", rows * w.cols, x.len)?;
+        check("matmul", "out", rows * w.rows, out.len)?;
+        if rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if w.cols == 0 {
+            let mut o = out.data.slice_mut(0..rows * w.rows);
+            return self.stream.memset_zeros(&mut o).map_err(dev);
+        }
+        if rows > SKINNY_ROWS && self.opts.cublas_prefill && self.matmul_cublas(x, rows, w, out)? {
+            return Ok(());
+        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = (rows - r0).min(SKINNY_ROWS);
+            let xv = x.data.slice(r0 * w.cols..(r0 + t) * w.cols);
+            let mut ov = out.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows);
+            self.matmul_skinny(&xv, t, w, &mut ov)?;
+            r0 += t;
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&self, table: &Weight<Self>, ids: &[u32], out: &mut CudaBuf) -> Result<()> {
+        check("gather_rows", "out", ids.len() * table.cols, out.len)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(BackendError::TokenOutOfRange {
+                id,
+                rows: table.rows,
+            });
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.ids, ids.len()).map_err(dev)?;
+        let dev_ids = s.ids.as_mut().ok_or_else(internal)?;
+        let mut view = dev_ids.slice_mut(0..ids.len());
+        self.stream.memcpy_htod(ids, &mut view).map_err(dev)?;
+        let dev_ids: &CudaSlice<u32> = dev_ids;
+        self.gather_rows_dev(table, dev_ids, ids.len(), out)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        if dim == 0 {
+            return Err(BackendError::Invalid {
+                op: "rms_norm",
+                msg: "dim must be > 0".into(),
+            });
+        }
+        check("rms_norm", "w", dim, w.len)?;
+        if !x.len.is_multiple_of(dim) {
+            return Err(BackendError::Invalid {
+                op: "rms_norm",
+                msg: format!("x has {} values, not a multiple of dim {dim}", x.len),
+            });
+        }
+        check("rms_norm", "out", x.len, out.len)?;
+        let rows = x.len / dim;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::RmsNorm)?;
+        let d = i32_of("rms_norm", "dim", dim)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.data)
+            .arg(&w.data)
+            .arg(&mut out.data)
+            .arg(&d)
+            .arg(&eps);
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 128, 0)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn rms_norm_gated(
+        &self,
+        x: &CudaBuf,
+        z: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        if dim == 0 {
+            return Err(BackendError::Invalid {
+                op: "rms_norm_gated",
+                msg: "dim must be > 0".into(),
+            });
+        }
+        check("rms_norm_gated", "w", dim, w.len)?;
+        if !x.len.is_multiple_of(dim) {
+            return Err(BackendError::Invalid {
+                op: "rms_norm_gated",
+                msg: format!("x has {} values, not a multiple of dim {dim}", x.len),
+            });
+        }
+        check("rms_norm_gated", "z", x.len, z.len)?;
+        check("rms_norm_gated", "out", x.len, out.len)?;
+        let rows = x.len / dim;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::RmsNormGated)?;
+        let d = i32_of("rms_norm_gated", "dim", dim)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.data)
+            .arg(&z.data)
+            .arg(&w.data)
+            .arg(&mut out.data)
+            .arg(&d)
+            .arg(&eps);
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 128, 0)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaBuf,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        spec: &RopeSpec,
+    ) -> Result<()> {
+        check("rope", "x", rows * n_heads * head_dim, x.len)?;
+        let half = spec.inv_freq.len();
+        if 2 * half > head_dim {
+            return Err(BackendError::Invalid {
+                op: "rope",
+                msg: format!("rot_dim {} exceeds head_dim {head_dim}", 2 * half),
+            });
+        }
+        let n = rows * n_heads * half;
+        if n == 0 {
+            return Ok(());
+        }
+        let freqs = self.rope_freqs(spec)?;
+        let f = self.func(Kernel::Rope)?;
+        let (r, h, d, hr, p0) = (
+            rows as i32,
+            n_heads as i32,
+            head_dim as i32,
+            half as i32,
+            pos0 as i64,
+        );
+        let sc = spec.attention_scaling;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut x.data)
+            .arg(&r)
+            .arg(&h)
+            .arg(&d)
+            .arg(&hr)
+            .arg(&p0)
+            .arg(&freqs)
+            .arg(&sc);
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let op = "attention";
+        if p.n_heads == 0 || p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) || p.head_dim == 0 {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "n_heads {} must be a positive multiple of n_kv_heads {} (head_dim {})",
+                    p.n_heads, p.n_kv_heads, p.head_dim
+                ),
+            });
+        }
+        check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
+        check(op, "k", p.n_kv * p.n_kv_heads * p.head_dim, k.len)?;
+        check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
+        check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
+        if p.n_q == 0 {
+            return Ok(());
+        }
+        let (nq, nkv, h, hkv) = (
+            i32_of(op, "n_q", p.n_q)?,
+            i32_of(op, "n_kv", p.n_kv)?,
+            p.n_heads as i32,
+            p.n_kv_heads as i32,
+        );
+        let (qp0, kp0) = (p.q_pos0 as i64, p.kv_pos0 as i64);
+        let causal = p.causal as i32;
+        let window = p.window.map(|w| w as i64).unwrap_or(-1);
+        let scale = p.scale;
+        let d = p.head_dim;
+        let tiled = match d {
+            32 => Some(Kernel::AttnSplitD32),
+            64 => Some(Kernel::AttnSplitD64),
+            128 => Some(Kernel::AttnSplitD128),
+            256 => Some(Kernel::AttnSplitD256),
+            _ => None,
+        };
+        let rows_total = p.n_q * p.n_heads;
+        match tiled {
+            Some(kern) if p.n_kv > 0 => {
+                let f = self.func(kern)?;
+                let smem = att_smem_bytes(d);
+                f.set_attribute(
+                    drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(dev)?;
+                let n_split = p.n_kv.div_ceil(ATT_SPLIT);
+                let qr = p.n_q * (p.n_heads / p.n_kv_heads);
+                let mut s = lock(&self.scratch);
+                ensure(&self.stream, &mut s.att_o, n_split * rows_total * d).map_err(dev)?;
+                ensure(&self.stream, &mut s.att_ml, n_split * rows_total * 2).map_err(dev)?;
+                let Scratch { att_o, att_ml, .. } = &mut *s;
+                let (wo, wml) = (
+                    att_o.as_mut().ok_or_else(internal)?,
+                    att_ml.as_mut().ok_or_else(internal)?,
+                );
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&q.data)
+                    .arg(&k.data)
+                    .arg(&v.data)
+                    .arg(&mut *wo)
+                    .arg(&mut *wml);
+                b.arg(&nq)
+                    .arg(&nkv)
+                    .arg(&h)
+                    .arg(&hkv)
+                    .arg(&qp0)
+                    .arg(&kp0)
+                    .arg(&causal)
+                    .arg(&window)
+                    .arg(&scale);
+                let grid = (
+                    n_split as u32,
+                    p.n_kv_heads as u32,
+                    qr.div_ceil(ATT_QT) as u32,
+                );
+                unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(dev)?;
+                let fc = self.func(Kernel::AttnCombine)?;
+                let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
+                let mut b = self.stream.launch_builder(&fc);
+                b.arg(&*wo)
+                    .arg(&*wml)
+                    .arg(&ns)
+                    .arg(&rt)
+                    .arg(&di)
+                    .arg(&mut out.data);
+                unsafe { b.launch(cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0)) }
+                    .map_err(dev)?;
+            }
+            _ => {
+                if d > 512 {
+                    return Err(BackendError::Invalid {
+                        op,
+                        msg: format!("head_dim {d} > 512 is not supported on CUDA"),
+                    });
+                }
+                let f = self.func(Kernel::AttnGeneric)?;
+                let di = d as i32;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&q.data).arg(&k.data).arg(&v.data).arg(&mut out.data);
+                b.arg(&nq)
+                    .arg(&nkv)
+                    .arg(&h)
+                    .arg(&hkv)
+                    .arg(&di)
+                    .arg(&qp0)
+                    .arg(&kp0)
+                    .arg(&causal)
+                    .arg(&window)
+                    .arg(&scale);
+                unsafe { b.launch(cfg((rows_total.div_ceil(4) as u32, 1, 1), 128, 0)) }
+                    .map_err(dev)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
+        let n = gate.len;
+        check("silu_mul", "up", n, up.len)?;
+        check("silu_mul", "out", n, out.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::SiluMul)?;
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&gate.data).arg(&up.data).arg(&mut out.data).arg(&n64);
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn add_assign(
+        &self,
+        dst: &mut CudaBuf,
+        dst_off: usize,
+        src: &CudaBuf,
+        len: usize,
+    ) -> Result<()> {
+        check("add_assign", "dst", dst_off + len, dst.len)?;
+        check("add_assign", "src", len, src.len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::AddAssign)?;
+        let mut d = dst.data.slice_mut(dst_off..dst_off + len);
+        let n64 = len as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut d).arg(&src.data).arg(&n64);
+        unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CudaBuf, s: f32) -> Result<()> {
+        if x.len == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::Scale)?;
+        let n64 = x.len as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut x.data).arg(&n64).arg(&s);
+        unsafe { b.launch(grid_1d(x.len, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn mul_sigmoid(&self, x: &mut CudaBuf, gate: &CudaBuf) -> Result<()> {
+        check("mul_sigmoid", "gate", x.len, gate.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::MulSigmoid)?;
+        let n64 = x.len as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut x.data).arg(&gate.data).arg(&n64);
+        unsafe { b.launch(grid_1d(x.len, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn argmax_rows(&self, x: &CudaBuf, row0: usize, rows: usize, cols: usize) -> Result<Vec<u32>> {
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        if cols == 0 {
+            return Err(BackendError::Invalid {
+                op: "argmax_rows",
+                msg: "cols must be > 0".into(),
+            });
+        }
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.toks, rows).map_err(dev)?;
+        let mut toks = s.toks.take().ok_or_else(internal)?;
+        drop(s);
+        let r = self.argmax_rows_dev(x, row0, rows, cols, &mut toks);
+        let out = r.and_then(|_| self.stream.clone_dtoh(&toks.slice(0..rows)).map_err(dev));
+        lock(&self.scratch).toks = Some(toks);
+        out
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: &CudaBuf,
+        t: usize,
+        channels: usize,
+        kernel: usize,
+        w: &CudaBuf,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+        stash: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = "causal_conv1d";
+        if kernel == 0 || kernel > 16 {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!("kernel size {kernel} must be in 1..=16"),
+            });
+        }
+        check(op, "x", t * channels, x.len)?;
+        check(op, "w", channels * kernel, w.len)?;
+        check(op, "state", (kernel - 1) * channels, state.len)?;
+        check(op, "out", t * channels, out.len)?;
+        if let Some(s) = &stash {
+            check(op, "stash", t * (kernel - 1) * channels, s.len)?;
+        }
+        if channels == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::CausalConv1d)?;
+        let (ti, ci, ki) = (t as i32, i32_of(op, "channels", channels)?, kernel as i32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.data)
+            .arg(&ti)
+            .arg(&ci)
+            .arg(&ki)
+            .arg(&w.data)
+            .arg(&mut state.data)
+            .arg(&mut out.data);
+        match stash {
+            Some(s) => b.arg(&mut s.data),
+            None => b.arg(&0u64),
+        };
+        unsafe { b.launch(grid_1d(channels, 128)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn gdn_gates(
+        &self,
+        a: &CudaBuf,
+        b_in: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        n_heads: usize,
+        g: &mut CudaBuf,
+        beta: &mut CudaBuf,
+    ) -> Result<()> {
+        let op = "gdn_gates";
+        if n_heads == 0 || !a.len.is_multiple_of(n_heads) {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "a has {} values, not a multiple of n_heads {n_heads}",
+                    a.len
+                ),
+            });
+        }
+        let n = a.len;
+        check(op, "b", n, b_in.len)?;
+        check(op, "a_log", n_heads, a_log.len)?;
+        check(op, "dt_bias", n_heads, dt_bias.len)?;
+        check(op, "g", n, g.len)?;
+        check(op, "beta", n, beta.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::GdnGates)?;
+        let (h, n64) = (n_heads as i32, n as i64);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&a.data)
+            .arg(&b_in.data)
+            .arg(&a_log.data)
+            .arg(&dt_bias.data)
+            .arg(&h)
+            .arg(&n64)
+            .arg(&mut g.data)
+            .arg(&mut beta.data);
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        g: &CudaBuf,
+        beta: &CudaBuf,
+        p: &DeltaParams,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+        stash: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = "gated_delta_rule";
+        if p.n_k_heads == 0
+            || !p.n_v_heads.is_multiple_of(p.n_k_heads)
+            || p.dk == 0
+            || p.dv == 0
+            || p.dv > 1024
+        {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "n_v_heads {} must be a multiple of n_k_heads {}, 0 < dv = {} <= 1024, dk = {}",
+                    p.n_v_heads, p.n_k_heads, p.dv, p.dk
+                ),
+            });
+        }
+        check(op, "q", p.t * p.n_k_heads * p.dk, q.len)?;
+        check(op, "k", p.t * p.n_k_heads * p.dk, k.len)?;
+        check(op, "v", p.t * p.n_v_heads * p.dv, v.len)?;
+        check(op, "g", p.t * p.n_v_heads, g.len)?;
+        check(op, "beta", p.t * p.n_v_heads, beta.len)?;
+        check(op, "state", p.n_v_heads * p.dk * p.dv, state.len)?;
+        check(op, "out", p.t * p.n_v_heads * p.dv, out.len)?;
+        if let Some(s) = &stash {
+            check(op, "stash", p.t * p.n_v_heads * p.dk * p.dv, s.len)?;
+        }
+        let smem = (p.dk * p.dv + 2 * p.dk + 32) * 4;
+        if smem > 227 * 1024 {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "state of {}x{} per head does not fit shared memory",
+                    p.dk, p.dv
+                ),
+            });
+        }
+        if p.n_v_heads == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::GatedDeltaRule)?;
+        f.set_attribute(
+            drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(dev)?;
+        let (t, nk, nv, dk, dv) = (
+            p.t as i32,
+            p.n_k_heads as i32,
+            p.n_v_heads as i32,
+            p.dk as i32,
+            p.dv as i32,
+        );
+        let (l2, qs) = (p.qk_l2norm as i32, p.q_scale);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&q.data)
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(&g.data)
+            .arg(&beta.data);
+        b.arg(&t)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&l2)
+            .arg(&qs)
+            .arg(&mut state.data)
+            .arg(&mut out.data);
+        match stash {
+            Some(s) => b.arg(&mut s.data),
+            None => b.arg(&0u64),
+        };
+        let threads = p.dv.div_ceil(32) * 32;
+        unsafe { b.launch(cfg((p.n_v_heads as u32, 1, 1), threads as u32, smem as u32)) }
+            .map_err(dev)?;
+        Ok(())
+    }
+
+    fn markov_chain(
+        &self,
+        logits: &mut CudaBuf,
+        n: usize,
+        vocab: usize,
+        first_prev: u32,
+        w1: &Weight<Self>,
+        w2: &Weight<Self>,
+    ) -> Result<Vec<u32>> {
+        if first_prev as usize >= w1.rows {
+            return Err(BackendError::TokenOutOfRange {
+                id: first_prev,
+                rows: w1.rows,
+            });
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut prev = self.stream.clone_htod(&[first_prev]).map_err(dev)?;
+        let mut toks = self.stream.alloc_zeros::<u32>(n).map_err(dev)?;
+        self.markov_chain_dev(logits, n, vocab, &mut prev, &mut toks, w1, w2)?;
+        self.stream.clone_dtoh(&toks).map_err(dev)
+    }
+}

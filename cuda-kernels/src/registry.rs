@@ -1,0 +1,203 @@
+//! The typed kernel registry: CUDA C sources embedded with `include_str!`, compiled by NVRTC
+//! for the device's compute capability at first use, loaded once and cached.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::error::CudaError;
+
+/// Helpers shared by every module (prepended to each source; kernels have no `#include`).
+pub const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
+
+/// One compilation unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Module {
+    Elementwise,
+    Reduce,
+    Matmul,
+    Attention,
+}
+
+impl Module {
+    pub const ALL: [Module; 4] = [
+        Module::Elementwise,
+        Module::Reduce,
+        Module::Matmul,
+        Module::Attention,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Module::Elementwise => "elementwise",
+            Module::Reduce => "reduce",
+            Module::Matmul => "matmul",
+            Module::Attention => "attention",
+        }
+    }
+
+    /// The module's own source (without the prelude).
+    pub fn source(self) -> &'static str {
+        match self {
+            Module::Elementwise => include_str!("../kernels/elementwise.cu"),
+            Module::Reduce => include_str!("../kernels/reduce.cu"),
+            Module::Matmul => include_str!("../kernels/matmul.cu"),
+            Module::Attention => include_str!("../kernels/attention.cu"),
+        }
+    }
+
+    /// Prelude + source, as handed to NVRTC.
+    pub fn full_source(self) -> String {
+        format!(
+            "{PRELUDE}\n#line 1 \"{}.cu\"\n{}",
+            self.name(),
+            self.source()
+        )
+    }
+}
+
+macro_rules! kernels {
+    ($($variant:ident => ($module:ident, $name:literal),)*) => {
+        /// Every kernel entry point, with the module that defines it.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel { $($variant,)* }
+
+        impl Kernel {
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
+            pub fn module(self) -> Module { match self { $(Kernel::$variant => Module::$module,)* } }
+            pub fn name(self) -> &'static str { match self { $(Kernel::$variant => $name,)* } }
+        }
+    };
+}
+
+kernels! {
+    Fill => (Elementwise, "fill_f32"),
+    RmsNorm => (Elementwise, "rms_norm"),
+    RmsNormGated => (Elementwise, "rms_norm_gated"),
+    Rope => (Elementwise, "rope"),
+    SiluMul => (Elementwise, "silu_mul"),
+    AddAssign => (Elementwise, "add_assign"),
+    Scale => (Elementwise, "scale"),
+    MulSigmoid => (Elementwise, "mul_sigmoid"),
+    Copy2d => (Elementwise, "copy2d"),
+    GatherRows => (Elementwise, "gather_rows"),
+    GdnGates => (Elementwise, "gdn_gates"),
+    CausalConv1d => (Elementwise, "causal_conv1d"),
+    GatedDeltaRule => (Elementwise, "gated_delta_rule"),
+    ArgmaxPartial => (Reduce, "argmax_partial"),
+    ArgmaxFinal => (Reduce, "argmax_final"),
+    MarkovStep => (Reduce, "markov_step"),
+    SkinnyBf16N1 => (Matmul, "skinny_bf16_n1"),
+    SkinnyBf16N2 => (Matmul, "skinny_bf16_n2"),
+    SkinnyQ8N1 => (Matmul, "skinny_q8_0_n1"),
+    SkinnyQ8N2 => (Matmul, "skinny_q8_0_n2"),
+    SkinnyQ4N1 => (Matmul, "skinny_q4_0_n1"),
+    SkinnyQ4N2 => (Matmul, "skinny_q4_0_n2"),
+    SkinnySimt => (Matmul, "skinny_simt"),
+    SplitBf16 => (Matmul, "split_bf16"),
+    AttnSplitD32 => (Attention, "attn_split_d32"),
+    AttnSplitD64 => (Attention, "attn_split_d64"),
+    AttnSplitD128 => (Attention, "attn_split_d128"),
+    AttnSplitD256 => (Attention, "attn_split_d256"),
+    AttnCombine => (Attention, "attn_combine"),
+    AttnGeneric => (Attention, "attn_generic"),
+}
+
+/// NVRTC target name for a compute capability (`sm_90` for (9, 0)).
+pub fn arch_for(major: i32, minor: i32) -> Result<&'static str, CudaError> {
+    Ok(match (major, minor) {
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 7) => "sm_87",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (10, 3) => "sm_103",
+        (12, 0) => "sm_120",
+        (12, 1) => "sm_121",
+        _ => {
+            return Err(CudaError::Unsupported {
+                op: "nvrtc",
+                msg: format!(
+                    "compute capability {major}.{minor} (the kernels need sm_80 or newer)"
+                ),
+            })
+        }
+    })
+}
+
+/// Compile one module to PTX for `arch` (e.g. `"sm_90"`). No device is needed.
+pub fn compile_module(module: Module, arch: &'static str) -> Result<Ptx, CudaError> {
+    let opts = CompileOptions {
+        arch: Some(arch),
+        name: Some(format!("{}.cu", module.name())),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    Ok(compile_ptx_with_opts(module.full_source(), opts)?)
+}
+
+/// Whether the NVRTC library can be loaded on this machine.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only probes dlopen on the candidate library names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Per-context cache: modules compiled and loaded at first use, functions looked up once.
+pub(crate) struct Registry {
+    ctx: Arc<CudaContext>,
+    arch: &'static str,
+    modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<Kernel, CudaFunction>>,
+}
+
+impl Registry {
+    pub(crate) fn new(ctx: Arc<CudaContext>, arch: &'static str) -> Self {
+        Registry {
+            ctx,
+            arch,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    fn module(&self, m: Module) -> Result<Arc<CudaModule>, CudaError> {
+        let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(md) = mods.get(&m) {
+            return Ok(md.clone());
+        }
+        let t0 = std::time::Instant::now();
+        let ptx = compile_module(m, self.arch)?;
+        let md = self.ctx.load_module(ptx)?;
+        tracing::debug!(
+            module = m.name(),
+            arch = self.arch,
+            ms = t0.elapsed().as_millis() as u64,
+            "compiled CUDA module"
+        );
+        mods.insert(m, md.clone());
+        Ok(md)
+    }
+
+    pub(crate) fn get(&self, k: Kernel) -> Result<CudaFunction, CudaError> {
+        {
+            let fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(f) = fns.get(&k) {
+                return Ok(f.clone());
+            }
+        }
+        let md = self.module(k.module())?;
+        let f = md.load_function(k.name())?;
+        self.functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(k, f.clone());
+        Ok(f)
+    }
+}

@@ -1,0 +1,67 @@
+//! CI compile check: every kernel module compiles to PTX with NVRTC, no GPU needed, and
+//! every registry entry names an entry point of its module.
+//!
+//! NVRTC is found through cudarc's dynamic loading (the loader's search path: on CI
+//! `.ci/run` puts the `nvidia-cuda-nvrtc` wheel's lib directory on LD_LIBRARY_PATH). Where
+//! no NVRTC can be loaded the test prints why and returns without checking anything.
+
+use dflash_cuda_kernels::registry::{compile_module, nvrtc_available, Kernel, Module};
+
+#[test]
+fn every_kernel_compiles_to_ptx() {
+    if !nvrtc_available() {
+        eprintln!(
+            "SKIPPED every_kernel_compiles_to_ptx: libnvrtc could not be loaded (LD_LIBRARY_PATH={:?}); \
+             install the PyPI wheel nvidia-cuda-nvrtc and put its nvidia/cu13/lib on LD_LIBRARY_PATH",
+            std::env::var("LD_LIBRARY_PATH").ok()
+        );
+        return;
+    }
+    for arch in ["sm_80", "sm_90"] {
+        for m in Module::ALL {
+            let t0 = std::time::Instant::now();
+            let ptx =
+                compile_module(m, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", m.name()));
+            let text = ptx.to_src();
+            for k in Kernel::ALL.iter().filter(|k| k.module() == m) {
+                let entry = format!(".entry {}(", k.name());
+                assert!(
+                    text.contains(&entry),
+                    "{}: no entry point {} in the PTX for {arch}",
+                    m.name(),
+                    k.name()
+                );
+            }
+            // The tensor-core kernels must really use mma (not silently fall back).
+            if m == Module::Matmul {
+                assert!(
+                    text.contains("mma.sync.aligned.m16n8k16"),
+                    "matmul PTX has no mma.sync for {arch}"
+                );
+            }
+            eprintln!(
+                "{arch} {:<12} {:>8} bytes of PTX in {:?}",
+                m.name(),
+                text.len(),
+                t0.elapsed()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_broken_kernel_is_a_compile_error() {
+    if !nvrtc_available() {
+        eprintln!("SKIPPED a_broken_kernel_is_a_compile_error: libnvrtc could not be loaded");
+        return;
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some("sm_90"),
+        ..Default::default()
+    };
+    let r = cudarc::nvrtc::compile_ptx_with_opts(
+        "extern \"C\" __global__ void k(float *x) { x[0] = undefined_name; }",
+        opts,
+    );
+    assert!(r.is_err(), "NVRTC accepted a kernel with an undefined name");
+}
