@@ -64,14 +64,14 @@ pub enum DraftError {
     Invalid(String),
     #[error("backend: {0}")]
     Backend(#[from] dflash_backend::BackendError),
-    // TODO(kv): `Kv(#[from] dflash_kv::KvError)` once the kv crate lands.
+    #[error("draft KV cache: {0}")]
+    Kv(#[from] dflash_kv::KvError),
 }
 
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, DraftError>;
 
 impl DraftError {
-    #[allow(dead_code)]
     pub(crate) fn mismatch(what: impl Into<String>, expected: usize, found: usize) -> Self {
         DraftError::Mismatch {
             what: what.into(),

@@ -8,11 +8,14 @@
 pub mod checkpoint;
 pub mod config;
 mod error;
+pub mod forward;
 pub mod model;
 pub mod rope;
 
 pub use checkpoint::{SafetensorsCheckpoint, TensorData, TensorMap, TensorSource};
 pub use config::{default_target_layer_ids, DraftConfig, DsparkConfig, LayerKind, RowLayout};
+pub use dflash_kv::{DraftKv, KvShape};
 pub use error::{DraftError, Result};
+pub use forward::{DraftOptions, DraftOutput, FullForward, LentWeights, TargetLend, INGEST_CHUNK};
 pub use model::{canonical_name, Drafter, LoadOptions, Precision, WeightRole};
 pub use rope::{RopeConfig, RopeScaling};

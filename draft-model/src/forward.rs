@@ -1,0 +1,661 @@
+//! The drafter forward, written once over [`Backend`].
+//!
+//! * [`Drafter::ctx_features`]: `hidden_norm(fc(taps))` for context rows.
+//! * [`Drafter::ingest`]: context rows into the draft KV cache (k_proj / v_proj of the
+//!   features, k_norm, RoPE at their absolute positions), in chunks of [`INGEST_CHUNK`] rows.
+//! * [`Drafter::forward_cached`]: the block forward over the cached context (the round's hot
+//!   path); block K/V are written after the cache's committed rows and never committed.
+//! * [`Drafter::forward_full`]: the uncached forward over (taps, block) from scratch, for tests.
+//! * [`Drafter::draft`]: block forward + lm_head rows + argmax or the Markov chain +
+//!   confidence logits: the step the round engine calls.
+//!
+//! Invariant of the cached path: the draft cache holds K/V for exactly the positions whose
+//! target features are known, so at the start of a round `kv.len() == start`, the position of
+//! the anchor (the last committed token, whose features are not yet known).
+
+use dflash_backend::{AttnParams, Backend, Weight};
+use dflash_kv::{DraftKv, KvShape};
+
+use crate::config::{LayerKind, RowLayout};
+use crate::error::{DraftError, Result};
+use crate::model::{DraftLayer, Drafter};
+
+/// Context rows are ingested this many at a time (bounds the scratch memory of long prompts).
+pub const INGEST_CHUNK: usize = 256;
+
+/// What the drafter borrows from its target: the embedding rows and the lm_head.
+///
+/// Object safe, so a round engine can hand over `&dyn TargetLend<B>`.
+pub trait TargetLend<B: Backend> {
+    /// The target's hidden size (must equal the drafter's).
+    fn hidden_size(&self) -> usize;
+    /// Rows of the embedding table / lm_head.
+    fn vocab_size(&self) -> usize;
+    /// `out[i, :] = E[ids[i], :]` (unscaled), `out` holds at least `ids.len() * hidden` values.
+    fn embed(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_backend::Result<()>;
+    /// The lm_head, `[vocab, hidden]`.
+    fn lm_head(&self) -> &Weight<B>;
+}
+
+/// A target lend made of two resident weights (an embedding table and an lm_head).
+pub struct LentWeights<B: Backend> {
+    /// `[vocab, hidden]`
+    pub embed: Weight<B>,
+    /// `[vocab, hidden]`
+    pub lm_head: Weight<B>,
+}
+
+impl<B: Backend> LentWeights<B> {
+    /// Check that both weights are `[vocab, hidden]` with the same shape.
+    pub fn new(embed: Weight<B>, lm_head: Weight<B>) -> Result<Self> {
+        if embed.rows != lm_head.rows || embed.cols != lm_head.cols {
+            return Err(DraftError::Shape {
+                tensor: lm_head.name.clone(),
+                expected: vec![embed.rows, embed.cols],
+                found: vec![lm_head.rows, lm_head.cols],
+            });
+        }
+        Ok(LentWeights { embed, lm_head })
+    }
+}
+
+impl<B: Backend> TargetLend<B> for LentWeights<B> {
+    fn hidden_size(&self) -> usize {
+        self.embed.cols
+    }
+    fn vocab_size(&self) -> usize {
+        self.embed.rows
+    }
+    fn embed(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_backend::Result<()> {
+        be.gather_rows(&self.embed, ids, out)
+    }
+    fn lm_head(&self) -> &Weight<B> {
+        &self.lm_head
+    }
+}
+
+/// Options of one draft step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DraftOptions {
+    /// Run the Markov chain when the drafter has a Markov head.
+    pub markov: bool,
+    /// Multiplier on the borrowed embedding rows (gemma-class targets: `sqrt(hidden)`).
+    pub emb_scale: f32,
+    /// Block rows to run (anchor + masks), `1..=block_size`; `None` = `block_size`.
+    /// Fewer rows is a different (shorter) block, not a truncation of the full one.
+    pub block_len: Option<usize>,
+    /// Compute at most this many drafts (lm_head rows); `None` = all the block yields.
+    pub max_drafts: Option<usize>,
+    /// Return the draft logits (`[n, vocab]`, after the Markov bias when it ran).
+    pub return_logits: bool,
+}
+
+impl Default for DraftOptions {
+    fn default() -> Self {
+        DraftOptions {
+            markov: true,
+            emb_scale: 1.0,
+            block_len: None,
+            max_drafts: None,
+            return_logits: false,
+        }
+    }
+}
+
+/// Result of one draft step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftOutput {
+    /// Draft tokens for positions `start + 1 ..` (greedy; after the Markov chain if it ran).
+    pub tokens: Vec<u32>,
+    /// Pre-sigmoid confidence logits, one per draft, when the drafter has a confidence head.
+    pub confidence: Option<Vec<f32>>,
+    /// `[tokens.len(), vocab]` draft logits, when asked for.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Output of the uncached forward.
+pub struct FullForward<B: Backend> {
+    /// `[ctx, hidden]` context features.
+    pub ctx_features: B::Buf,
+    /// `[b, hidden]` after the final norm.
+    pub final_hidden: B::Buf,
+    /// Residual stream after each layer (`[b, hidden]` each), when traced.
+    pub layer_outs: Vec<Vec<f32>>,
+}
+
+fn attn_params<B: Backend>(
+    d: &Drafter<B>,
+    layer: usize,
+    n_q: usize,
+    n_kv: usize,
+    q_pos0: usize,
+    kv_pos0: usize,
+) -> AttnParams {
+    let c = &d.cfg;
+    let (causal, window) = match c.layer_kinds[layer] {
+        LayerKind::Full => (false, None),
+        LayerKind::Sliding { window } => (true, Some(window)),
+    };
+    AttnParams {
+        n_q,
+        n_kv,
+        n_heads: c.num_attention_heads,
+        n_kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        q_pos0,
+        kv_pos0,
+        causal,
+        window,
+        scale: 1.0 / (c.head_dim as f32).sqrt(),
+    }
+}
+
+impl<B: Backend> Drafter<B> {
+    /// The shape of a draft KV cache for this drafter holding `capacity` context positions.
+    pub fn kv_shape(&self, capacity: usize) -> KvShape {
+        KvShape {
+            n_layers: self.layers.len(),
+            n_kv_heads: self.cfg.num_key_value_heads,
+            head_dim: self.cfg.head_dim,
+            capacity,
+            block: self.cfg.block_size,
+        }
+    }
+
+    /// A fresh draft KV cache for `capacity` context positions.
+    pub fn new_kv(&self, be: &B, capacity: usize) -> Result<DraftKv<B>> {
+        Ok(DraftKv::new(be, self.kv_shape(capacity))?)
+    }
+
+    /// Number of drafts a block of `block_len` rows yields in this drafter's layout.
+    pub fn n_drafts(&self, block_len: usize) -> usize {
+        self.layout.n_drafts(block_len)
+    }
+
+    fn check_taps(&self, be: &B, taps: &B::Buf, rows: usize) -> Result<()> {
+        let w = self.cfg.n_taps() * self.cfg.hidden_size;
+        let need = rows
+            .checked_mul(w)
+            .ok_or_else(|| DraftError::Invalid(format!("{rows} tap rows overflow")))?;
+        if be.len(taps) < need {
+            return Err(DraftError::mismatch(
+                format!("taps buffer values for {rows} rows of width {w}"),
+                need,
+                be.len(taps),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_lend(&self, lend: &dyn TargetLend<B>) -> Result<()> {
+        if lend.hidden_size() != self.cfg.hidden_size {
+            return Err(DraftError::mismatch(
+                "target hidden size",
+                self.cfg.hidden_size,
+                lend.hidden_size(),
+            ));
+        }
+        let lm = lend.lm_head();
+        if lm.cols != self.cfg.hidden_size || lm.rows != lend.vocab_size() {
+            return Err(DraftError::Shape {
+                tensor: lm.name.clone(),
+                expected: vec![lend.vocab_size(), self.cfg.hidden_size],
+                found: vec![lm.rows, lm.cols],
+            });
+        }
+        Ok(())
+    }
+
+    /// Context features `hidden_norm(fc(taps))` for `rows` tap rows (`[rows, n_taps*hidden]`).
+    pub fn ctx_features(&self, be: &B, taps: &B::Buf, rows: usize) -> Result<B::Buf> {
+        self.check_taps(be, taps, rows)?;
+        let d = self.cfg.hidden_size;
+        let mut fc = be.zeros(rows * d)?;
+        be.matmul(taps, rows, &self.fc, &mut fc)?;
+        let mut out = be.zeros(rows * d)?;
+        be.rms_norm(&fc, &self.hidden_norm, d, self.cfg.rms_norm_eps, &mut out)?;
+        Ok(out)
+    }
+
+    /// K (normed, roped at `pos0..`) and V of `rows` context feature rows for `layer`.
+    fn ctx_kv(
+        &self,
+        be: &B,
+        layer: usize,
+        feats: &B::Buf,
+        rows: usize,
+        pos0: usize,
+    ) -> Result<(B::Buf, B::Buf)> {
+        let c = &self.cfg;
+        let l = &self.layers[layer];
+        let kvd = c.kv_dim();
+        let mut k0 = be.zeros(rows * kvd)?;
+        be.matmul(feats, rows, &l.wk, &mut k0)?;
+        let mut v = be.zeros(rows * kvd)?;
+        be.matmul(feats, rows, &l.wv, &mut v)?;
+        let mut k = be.zeros(rows * kvd)?;
+        be.rms_norm(&k0, &l.k_norm, c.head_dim, c.rms_norm_eps, &mut k)?;
+        be.rope(
+            &mut k,
+            rows,
+            c.num_key_value_heads,
+            c.head_dim,
+            pos0,
+            &self.ropes[layer],
+        )?;
+        Ok((k, v))
+    }
+
+    /// Ingest `rows` context rows (`taps` = `[rows, n_taps*hidden]`, positions `pos0..`) into
+    /// the draft KV cache, [`INGEST_CHUNK`] rows at a time. `pos0` must equal `kv.len()`:
+    /// context rows go in committed order with no gap.
+    pub fn ingest(
+        &self,
+        be: &B,
+        kv: &mut DraftKv<B>,
+        taps: &B::Buf,
+        rows: usize,
+        pos0: usize,
+    ) -> Result<()> {
+        let next = kv.pos0() + kv.len();
+        if pos0 != next {
+            return Err(DraftError::mismatch(
+                "ingest position (the cache's next position)",
+                next,
+                pos0,
+            ));
+        }
+        self.check_kv(kv)?;
+        self.check_taps(be, taps, rows)?;
+        let w = self.cfg.n_taps() * self.cfg.hidden_size;
+        let mut done = 0;
+        while done < rows {
+            let n = (rows - done).min(INGEST_CHUNK);
+            let chunk = if done == 0 && n == rows {
+                None
+            } else {
+                let mut t = be.zeros(n * w)?;
+                be.copy(taps, done * w, &mut t, 0, n * w)?;
+                Some(t)
+            };
+            kv.ensure_room(n)?;
+            let feats = self.ctx_features(be, chunk.as_ref().unwrap_or(taps), n)?;
+            for layer in 0..self.layers.len() {
+                let (k, v) = self.ctx_kv(be, layer, &feats, n, pos0 + done)?;
+                kv.append(be, layer, &k, &v, n)?;
+            }
+            kv.commit(n)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn check_kv(&self, kv: &DraftKv<B>) -> Result<()> {
+        if kv.n_layers() != self.layers.len() {
+            return Err(DraftError::mismatch(
+                "draft KV cache layers",
+                self.layers.len(),
+                kv.n_layers(),
+            ));
+        }
+        if kv.row_width() != self.cfg.kv_dim() {
+            return Err(DraftError::mismatch(
+                "draft KV cache row width",
+                self.cfg.kv_dim(),
+                kv.row_width(),
+            ));
+        }
+        if kv.block() < self.cfg.block_size {
+            return Err(DraftError::mismatch(
+                "draft KV cache block rows",
+                self.cfg.block_size,
+                kv.block(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Embedded block `[anchor, MASK x (b-1)]` (`[b, hidden]`), scaled, with the learned mask
+    /// embedding for rows 1.. when the checkpoint has one.
+    fn embed_block(
+        &self,
+        be: &B,
+        lend: &dyn TargetLend<B>,
+        tokens: &[u32],
+        emb_scale: f32,
+    ) -> Result<B::Buf> {
+        let d = self.cfg.hidden_size;
+        let vocab = lend.vocab_size();
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(DraftError::TokenOutOfRange { id, vocab });
+        }
+        let mut x = be.zeros(tokens.len() * d)?;
+        lend.embed(be, tokens, &mut x)?;
+        if emb_scale != 1.0 {
+            be.scale(&mut x, emb_scale)?;
+        }
+        if let Some(m) = &self.mask_embedding {
+            for r in 1..tokens.len() {
+                be.copy(m, 0, &mut x, r * d, d)?;
+            }
+        }
+        Ok(x)
+    }
+
+    /// The block tokens `[anchor, MASK x (len-1)]`.
+    pub fn block_tokens(&self, anchor: u32, len: usize) -> Vec<u32> {
+        let mut t = vec![self.cfg.mask_token_id; len];
+        if let Some(f) = t.first_mut() {
+            *f = anchor;
+        }
+        t
+    }
+
+    /// One layer over the block rows `x` (`[b, hidden]`, in place). `attend` receives the
+    /// normed + roped Q and K and the V of the block and writes the attention output.
+    #[allow(clippy::type_complexity)]
+    fn block_layer(
+        &self,
+        be: &B,
+        li: usize,
+        x: &mut B::Buf,
+        b: usize,
+        pos0: usize,
+        attend: &mut dyn FnMut(usize, &B::Buf, &B::Buf, &B::Buf, &mut B::Buf) -> Result<()>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let l: &DraftLayer<B> = &self.layers[li];
+        let (d, hd, eps) = (c.hidden_size, c.head_dim, c.rms_norm_eps);
+        let (qd, kvd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let mut xn = be.zeros(b * d)?;
+        be.rms_norm(x, &l.ln_in, d, eps, &mut xn)?;
+        let mut q0 = be.zeros(b * qd)?;
+        be.matmul(&xn, b, &l.wq, &mut q0)?;
+        let mut k0 = be.zeros(b * kvd)?;
+        be.matmul(&xn, b, &l.wk, &mut k0)?;
+        let mut v = be.zeros(b * kvd)?;
+        be.matmul(&xn, b, &l.wv, &mut v)?;
+        let mut q = be.zeros(b * qd)?;
+        be.rms_norm(&q0, &l.q_norm, hd, eps, &mut q)?;
+        let mut k = be.zeros(b * kvd)?;
+        be.rms_norm(&k0, &l.k_norm, hd, eps, &mut k)?;
+        let rope = &self.ropes[li];
+        be.rope(&mut q, b, c.num_attention_heads, hd, pos0, rope)?;
+        be.rope(&mut k, b, c.num_key_value_heads, hd, pos0, rope)?;
+        let mut attn = be.zeros(b * qd)?;
+        attend(li, &q, &k, &v, &mut attn)?;
+        let mut o = be.zeros(b * d)?;
+        be.matmul(&attn, b, &l.wo, &mut o)?;
+        be.add_assign(x, 0, &o, b * d)?;
+        let mut xn2 = be.zeros(b * d)?;
+        be.rms_norm(x, &l.ln_post, d, eps, &mut xn2)?;
+        let mut g = be.zeros(b * inter)?;
+        be.matmul(&xn2, b, &l.w_gate, &mut g)?;
+        let mut u = be.zeros(b * inter)?;
+        be.matmul(&xn2, b, &l.w_up, &mut u)?;
+        let mut a = be.zeros(b * inter)?;
+        be.silu_mul(&g, &u, &mut a)?;
+        let mut dn = be.zeros(b * d)?;
+        be.matmul(&a, b, &l.w_down, &mut dn)?;
+        be.add_assign(x, 0, &dn, b * d)?;
+        Ok(())
+    }
+
+    fn final_norm(&self, be: &B, x: &B::Buf, b: usize) -> Result<B::Buf> {
+        let d = self.cfg.hidden_size;
+        let mut out = be.zeros(b * d)?;
+        be.rms_norm(x, &self.norm, d, self.cfg.rms_norm_eps, &mut out)?;
+        Ok(out)
+    }
+
+    fn check_block(&self, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() || tokens.len() > self.cfg.block_size {
+            return Err(DraftError::Invalid(format!(
+                "block of {} rows; allowed 1..={}",
+                tokens.len(),
+                self.cfg.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The block forward over the cached context (the seed's `forward_round`).
+    ///
+    /// `tokens` is the block (normally [`Drafter::block_tokens`]), sitting at positions
+    /// `kv.len()..kv.len() + tokens.len()` (plus `kv.pos0()`). Block K/V are written after the committed rows
+    /// and left uncommitted (the cache length does not change). Returns the final-normed
+    /// hidden rows `[b, hidden]`.
+    pub fn forward_cached(
+        &self,
+        be: &B,
+        kv: &mut DraftKv<B>,
+        lend: &dyn TargetLend<B>,
+        tokens: &[u32],
+        emb_scale: f32,
+    ) -> Result<B::Buf> {
+        self.check_block(tokens)?;
+        self.check_kv(kv)?;
+        self.check_lend(lend)?;
+        let b = tokens.len();
+        let (kv_pos0, n_ctx) = (kv.pos0(), kv.len());
+        let start = kv_pos0 + n_ctx;
+        let mut x = self.embed_block(be, lend, tokens, emb_scale)?;
+        for li in 0..self.layers.len() {
+            let mut attend =
+                |li: usize, q: &B::Buf, k: &B::Buf, v: &B::Buf, out: &mut B::Buf| -> Result<()> {
+                    kv.write_block(be, li, k, v, b)?;
+                    let (kb, vb) = kv.layer(li)?;
+                    let p = attn_params(self, li, b, n_ctx + b, start, kv_pos0);
+                    be.attention(q, kb, vb, &p, out)?;
+                    Ok(())
+                };
+            self.block_layer(be, li, &mut x, b, start, &mut attend)?;
+        }
+        self.final_norm(be, &x, b)
+    }
+
+    /// The uncached forward from scratch: context rows `0..ctx` from `taps`
+    /// (`[ctx, n_taps*hidden]`), the block at positions `ctx..ctx+b`. With `trace`, the residual
+    /// stream after every layer is returned too.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_full(
+        &self,
+        be: &B,
+        lend: &dyn TargetLend<B>,
+        taps: &B::Buf,
+        ctx: usize,
+        tokens: &[u32],
+        emb_scale: f32,
+        trace: bool,
+    ) -> Result<FullForward<B>> {
+        self.check_block(tokens)?;
+        self.check_lend(lend)?;
+        let c = &self.cfg;
+        let b = tokens.len();
+        let kvd = c.kv_dim();
+        let feats = self.ctx_features(be, taps, ctx)?;
+        let mut x = self.embed_block(be, lend, tokens, emb_scale)?;
+        let mut layer_outs = Vec::new();
+        for li in 0..self.layers.len() {
+            let (kc, vc) = self.ctx_kv(be, li, &feats, ctx, 0)?;
+            let mut attend =
+                |li: usize, q: &B::Buf, k: &B::Buf, v: &B::Buf, out: &mut B::Buf| -> Result<()> {
+                    let mut ka = be.zeros((ctx + b) * kvd)?;
+                    let mut va = be.zeros((ctx + b) * kvd)?;
+                    be.copy(&kc, 0, &mut ka, 0, ctx * kvd)?;
+                    be.copy(&vc, 0, &mut va, 0, ctx * kvd)?;
+                    be.copy(k, 0, &mut ka, ctx * kvd, b * kvd)?;
+                    be.copy(v, 0, &mut va, ctx * kvd, b * kvd)?;
+                    let p = attn_params(self, li, b, ctx + b, ctx, 0);
+                    be.attention(q, &ka, &va, &p, out)?;
+                    Ok(())
+                };
+            self.block_layer(be, li, &mut x, b, ctx, &mut attend)?;
+            if trace {
+                layer_outs.push(be.download(&x)?);
+            }
+        }
+        let final_hidden = self.final_norm(be, &x, b)?;
+        Ok(FullForward {
+            ctx_features: feats,
+            final_hidden,
+            layer_outs,
+        })
+    }
+
+    /// Draft logits through the target's lm_head for `n` rows of `hidden` starting at block
+    /// row `row0`: `[n, vocab]`.
+    pub fn draft_logits(
+        &self,
+        be: &B,
+        lend: &dyn TargetLend<B>,
+        hidden: &B::Buf,
+        row0: usize,
+        n: usize,
+    ) -> Result<B::Buf> {
+        let d = self.cfg.hidden_size;
+        let vocab = lend.vocab_size();
+        let mut rows = be.zeros(n * d)?;
+        be.copy(hidden, row0 * d, &mut rows, 0, n * d)?;
+        let mut logits = be.zeros(n * vocab)?;
+        be.matmul(&rows, n, lend.lm_head(), &mut logits)?;
+        Ok(logits)
+    }
+
+    /// Confidence logits `w · [z_k ; W1[prev_k]] + b` for the `n` draft rows starting at block
+    /// row `row0`, with `prev = [anchor, tokens[..n-1]]`. `None` without a confidence head.
+    pub fn confidence_logits(
+        &self,
+        be: &B,
+        hidden: &B::Buf,
+        row0: usize,
+        anchor: u32,
+        tokens: &[u32],
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(ch) = &self.confidence else {
+            return Ok(None);
+        };
+        let d = self.cfg.hidden_size;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        let in_dim = ch.w.cols;
+        let mut inp = be.zeros(n * in_dim)?;
+        be.copy2d(hidden, row0 * d, d, &mut inp, 0, in_dim, n, d)?;
+        if ch.with_markov {
+            let m = self.markov.as_ref().ok_or_else(|| {
+                DraftError::Invalid("confidence head with Markov input but no Markov head".into())
+            })?;
+            let mut prev = Vec::with_capacity(n);
+            prev.push(anchor);
+            prev.extend_from_slice(&tokens[..n - 1]);
+            if let Some(&id) = prev.iter().find(|&&t| t as usize >= m.w1.rows) {
+                return Err(DraftError::TokenOutOfRange {
+                    id,
+                    vocab: m.w1.rows,
+                });
+            }
+            let mut e = be.zeros(n * m.rank)?;
+            be.gather_rows(&m.w1, &prev, &mut e)?;
+            be.copy2d(&e, 0, m.rank, &mut inp, d, in_dim, n, m.rank)?;
+        }
+        let mut out = be.zeros(n)?;
+        be.matmul(&inp, n, &ch.w, &mut out)?;
+        let mut v = be.download(&out)?;
+        v.truncate(n);
+        for x in &mut v {
+            *x += ch.bias;
+        }
+        Ok(Some(v))
+    }
+
+    /// Turn final-normed block rows into drafts: lm_head rows, argmax or the Markov chain,
+    /// confidence logits.
+    pub fn drafts_from_hidden(
+        &self,
+        be: &B,
+        lend: &dyn TargetLend<B>,
+        hidden: &B::Buf,
+        block_len: usize,
+        anchor: u32,
+        opts: &DraftOptions,
+    ) -> Result<DraftOutput> {
+        self.check_lend(lend)?;
+        let vocab = lend.vocab_size();
+        if anchor as usize >= vocab {
+            return Err(DraftError::TokenOutOfRange { id: anchor, vocab });
+        }
+        let row0 = self.layout.first_row();
+        let mut n = self.layout.n_drafts(block_len);
+        if let Some(m) = opts.max_drafts {
+            n = n.min(m);
+        }
+        if n == 0 {
+            return Ok(DraftOutput {
+                tokens: Vec::new(),
+                confidence: self.confidence.as_ref().map(|_| Vec::new()),
+                logits: opts.return_logits.then(Vec::new),
+            });
+        }
+        let mut logits = self.draft_logits(be, lend, hidden, row0, n)?;
+        let tokens = match (&self.markov, opts.markov) {
+            (Some(m), true) => {
+                if m.w2.rows != vocab {
+                    return Err(DraftError::mismatch(
+                        "Markov head vocabulary",
+                        vocab,
+                        m.w2.rows,
+                    ));
+                }
+                be.markov_chain(&mut logits, n, vocab, anchor, &m.w1, &m.w2)?
+            }
+            _ => be.argmax_rows(&logits, 0, n, vocab)?,
+        };
+        let confidence = self.confidence_logits(be, hidden, row0, anchor, &tokens)?;
+        let logits = if opts.return_logits {
+            let mut v = be.download(&logits)?;
+            v.truncate(n * vocab);
+            Some(v)
+        } else {
+            None
+        };
+        Ok(DraftOutput {
+            tokens,
+            confidence,
+            logits,
+        })
+    }
+
+    /// One draft step over the cached context: block `[anchor, MASK x (b-1)]` at positions
+    /// `start..start+b`, where `start == kv.len()` (the invariant: the cache holds every
+    /// position whose target features are known, and nothing else). The cache length is
+    /// unchanged afterwards.
+    pub fn draft(
+        &self,
+        be: &B,
+        kv: &mut DraftKv<B>,
+        lend: &dyn TargetLend<B>,
+        anchor: u32,
+        start: usize,
+        opts: &DraftOptions,
+    ) -> Result<DraftOutput> {
+        let next = kv.pos0() + kv.len();
+        if start != next {
+            return Err(DraftError::mismatch(
+                "block start (the draft cache's next position)",
+                next,
+                start,
+            ));
+        }
+        let b = opts.block_len.unwrap_or(self.cfg.block_size);
+        let tokens = self.block_tokens(anchor, b);
+        let hidden = self.forward_cached(be, kv, lend, &tokens, opts.emb_scale)?;
+        self.drafts_from_hidden(be, lend, &hidden, b, anchor, opts)
+    }
+
+    /// The row layout in use.
+    pub fn row_layout(&self) -> RowLayout {
+        self.layout
+    }
+}
