@@ -33,14 +33,17 @@ pub trait Drafter<B: Backend> {
     /// Append `rows` context rows at positions `ctx_len()..`; `taps` is
     /// `[rows, tap_layers().len() * hidden()]`.
     fn ingest(&mut self, be: &B, taps: &B::Buf, rows: usize) -> Result<()>;
-    /// Propose `n_drafts()` tokens following `anchor`, which sits at position `pos`
-    /// (`== ctx_len()`), borrowing the target's embedding rows and lm_head.
+    /// Propose at least `n` (`1..=n_drafts()`) tokens following `anchor`, which sits at
+    /// position `pos` (`== ctx_len()`), borrowing the target's embedding rows and lm_head.
+    /// The block is always the drafter's full block: `n` only bounds the work after it (the
+    /// lm_head rows and the Markov chain), so the first `n` drafts do not depend on `n`.
     fn draft(
         &mut self,
         be: &B,
         target: &dyn Target<B>,
         anchor: u32,
         pos: usize,
+        n: usize,
         opts: DraftOptions,
     ) -> Result<Vec<u32>>;
 }

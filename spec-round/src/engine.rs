@@ -283,6 +283,7 @@ impl<'a, B: Backend> Session<'a, B> {
                 &*self.target,
                 self.last,
                 start,
+                vt - 1,
                 DraftOptions {
                     markov: self.cfg.markov,
                     emb_scale: self.cfg.emb_scale,

@@ -8,12 +8,14 @@
 //! token for token against [`plain_greedy`].
 
 mod config;
+mod dflash;
 mod drafter;
 mod engine;
 mod error;
 mod target;
 
 pub use config::{SpecConfig, Stats, StopReason};
+pub use dflash::{DflashDrafter, TargetAsLend};
 pub use drafter::{DraftOptions, Drafter};
 pub use engine::{generate, plain_greedy, Session, INGEST_CHUNK};
 pub use error::{Result, SpecError};

@@ -91,7 +91,7 @@ pub trait Target<B: Backend> {
     /// Keep the first `keep` rows of the last verify and roll back the rest.
     fn commit(&mut self, be: &B, keep: usize) -> Result<()>;
     /// Embedding rows of `ids` into `out` (`[ids.len(), hidden]`), unscaled.
-    fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> Result<()>;
+    fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_backend::Result<()>;
     /// The lm_head (`[vocab, hidden]`).
     fn lm_head(&self) -> &Weight<B>;
 }

@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod config;
 mod error;
+pub mod hybrid;
 pub mod qwen3;
 pub mod random;
 

@@ -575,8 +575,8 @@ impl<B: Backend> Target<B> for Qwen3Dense<B> {
         }
     }
 
-    fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_spec_round::Result<()> {
-        Ok(be.gather_rows(&self.embed, ids, out)?)
+    fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_backend::Result<()> {
+        be.gather_rows(&self.embed, ids, out)
     }
 
     fn lm_head(&self) -> &Weight<B> {

@@ -91,10 +91,14 @@ impl<B: Backend> Drafter<B> for ScriptDrafter<B> {
         _target: &dyn Target<B>,
         anchor: u32,
         pos: usize,
+        _n: usize,
         _opts: DraftOptions,
     ) -> Result<Vec<u32>> {
         if pos != self.ctx {
-            return Err(SpecError::Protocol(format!("draft at {pos}, ctx {}", self.ctx)));
+            return Err(SpecError::Protocol(format!(
+                "draft at {pos}, ctx {}",
+                self.ctx
+            )));
         }
         if self.truth.get(pos) != Some(&anchor) {
             return Err(SpecError::Protocol(format!(

@@ -1,0 +1,601 @@
+//! The hybrid model: forward, recurrent / conv / KV state, and the three rollback arms.
+
+use std::path::Path;
+
+use dflash_backend::{AttnParams, Backend, DeltaParams, Weight};
+use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
+
+use super::config::{HybridConfig, LayerKind};
+use super::weights::{load_weights, Mixer, ModelWeights, TensorNames, TensorSource};
+use crate::checkpoint::Checkpoint;
+use crate::qwen3::{LoadOptions, LogitRows};
+use crate::{Result, TargetError};
+
+/// Per-layer cached state.
+enum LayerState<B: Backend> {
+    /// Gated DeltaNet: conv window `[kernel - 1, channels]` (oldest first) and recurrent state
+    /// `[n_v_heads, dk, dv]`.
+    Linear { conv: B::Buf, rec: B::Buf },
+    /// Full attention: K (normed, roped) and V, `[cap, n_kv_heads·head_dim]` each.
+    Full { k: B::Buf, v: B::Buf },
+}
+
+/// Copies of the linear layers' states (`None` for full-attention layers).
+type LinearStates<B> = Vec<Option<(<B as Backend>::Buf, <B as Backend>::Buf)>>;
+
+/// The verify whose rows are not committed yet.
+struct Pending<B: Backend> {
+    start: usize,
+    tokens: Vec<u32>,
+    arm: RollbackArm,
+    /// Per linear layer: conv states `[t, kernel - 1, channels]` and recurrent states
+    /// `[t, n_v_heads, dk, dv]` after each verified token (Stash and Gate).
+    stash: LinearStates<B>,
+    /// Per linear layer: the states before the verify (Replay and Gate).
+    snapshot: LinearStates<B>,
+}
+
+/// A Qwen3.5 / Qwen3-Next hybrid target (Gated DeltaNet + gated full attention, dense MLP)
+/// with its caches, as transformers 5.17 computes it (`Qwen3_5ForCausalLM`,
+/// the text part of `Qwen3_5ForConditionalGeneration`, `Qwen3NextForCausalLM` without experts).
+///
+/// The linear layers run the recurrent form of the gated delta rule for every row count
+/// (transformers runs the chunked form for prefills; the two agree to f32 rounding).
+pub struct HybridTarget<B: Backend> {
+    cfg: HybridConfig,
+    w: ModelWeights<B>,
+    states: Vec<LayerState<B>>,
+    cap: usize,
+    pos: usize,
+    arm: RollbackArm,
+    pending: Option<Pending<B>>,
+}
+
+fn dup<B: Backend>(be: &B, src: &B::Buf) -> Result<B::Buf> {
+    let n = be.len(src);
+    let mut d = be.zeros(n)?;
+    be.copy(src, 0, &mut d, 0, n)?;
+    Ok(d)
+}
+
+impl<B: Backend> HybridTarget<B> {
+    /// Load an HF checkpoint directory: the text-only causal LM (`model.layers.*`) or the
+    /// text part of a vision-language checkpoint (nested `text_config`,
+    /// `model.language_model.layers.*`; the vision tower is ignored).
+    pub fn load(be: &B, dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
+        let ck = Checkpoint::open(dir)?;
+        let cfg = HybridConfig::from_json(&ck.config_path(), ck.config())?;
+        let names = TensorNames::detect(&ck)?;
+        Self::from_source(be, cfg, &ck, &names, opts)
+    }
+
+    /// Build from any tensor source with an explicit name layout.
+    pub fn from_source(
+        be: &B,
+        cfg: HybridConfig,
+        src: &dyn TensorSource,
+        names: &TensorNames,
+        opts: LoadOptions,
+    ) -> Result<Self> {
+        cfg.validate("hybrid config")?;
+        let w = load_weights(be, src, &cfg, names, opts.precision)?;
+        let cap = opts.ctx_cap.unwrap_or(cfg.max_positions.min(4096));
+        if cap == 0 {
+            return Err(SpecError::Config("context cap of 0 positions".into()).into());
+        }
+        let kvw = cfg.n_kv_heads * cfg.head_dim;
+        let mut states = Vec::with_capacity(cfg.n_layers);
+        for kind in &cfg.layer_kinds {
+            states.push(match kind {
+                LayerKind::Linear => LayerState::Linear {
+                    conv: be.zeros((cfg.conv_kernel - 1) * cfg.conv_channels())?,
+                    rec: be.zeros(cfg.lin_v_heads * cfg.lin_dk * cfg.lin_dv)?,
+                },
+                LayerKind::Full => LayerState::Full {
+                    k: be.zeros(cap * kvw)?,
+                    v: be.zeros(cap * kvw)?,
+                },
+            });
+        }
+        Ok(HybridTarget {
+            cfg,
+            w,
+            states,
+            cap,
+            pos: 0,
+            arm: RollbackArm::default(),
+            pending: None,
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+
+    /// The rollback arm of the following verifies.
+    pub fn rollback_arm(&self) -> RollbackArm {
+        self.arm
+    }
+
+    /// The output projection (the embedding when tied).
+    pub fn head(&self) -> &Weight<B> {
+        self.w.lm_head.as_ref().unwrap_or(&self.w.embed)
+    }
+
+    /// The embedding table.
+    pub fn embedding(&self) -> &Weight<B> {
+        &self.w.embed
+    }
+
+    /// Committed positions.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Forget everything: zero the recurrent and conv states, empty the KV caches.
+    pub fn reset(&mut self, be: &B) -> Result<()> {
+        self.pos = 0;
+        self.pending = None;
+        for s in &mut self.states {
+            if let LayerState::Linear { conv, rec } = s {
+                *conv = be.zeros(be.len(conv))?;
+                *rec = be.zeros(be.len(rec))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Plain (non-speculative) step: run `tokens` at the committed length and commit them all.
+    /// Taps as in [`Target::verify`] (`-1 ..= n_layers - 1`), logits for `rows`.
+    pub fn run(&mut self, be: &B, tokens: &[u32], taps: &[i32], rows: LogitRows) -> Result<Forward<B>> {
+        if self.pending.is_some() {
+            return Err(SpecError::Protocol("run with an uncommitted verify".into()).into());
+        }
+        let (f, _) = self.forward(be, tokens, self.pos, taps, rows, false, self.cfg.n_layers)?;
+        self.pos += tokens.len();
+        Ok(f)
+    }
+
+    /// Host copies of every linear layer's (conv, recurrent) state, in layer order
+    /// (diagnostics and tests).
+    pub fn linear_states(&self, be: &B) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        self.states
+            .iter()
+            .filter_map(|s| match s {
+                LayerState::Linear { conv, rec } => Some((conv, rec)),
+                LayerState::Full { .. } => None,
+            })
+            .map(|(c, r)| Ok((be.download(c)?, be.download(r)?)))
+            .collect()
+    }
+
+    /// Layers a replay must run: through the last linear-attention layer.
+    fn replay_depth(&self) -> usize {
+        self.cfg
+            .layer_kinds
+            .iter()
+            .rposition(|k| *k == LayerKind::Linear)
+            .map_or(0, |i| i + 1)
+    }
+
+    /// Run `tokens` at `start..start + t` through the first `depth` layers, updating the
+    /// linear states in place and writing K/V at those positions. With `stash`, also return
+    /// the per-token linear states. Logits and taps only when `depth == n_layers`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        start: usize,
+        taps: &[i32],
+        rows: LogitRows,
+        stash: bool,
+        depth: usize,
+    ) -> Result<(Forward<B>, LinearStates<B>)> {
+        let c = &self.cfg;
+        let t = tokens.len();
+        let d = c.hidden;
+        if t == 0 {
+            return Err(SpecError::Protocol("forward of zero tokens".into()).into());
+        }
+        if start + t > self.cap {
+            return Err(SpecError::ContextCap {
+                what: "forward",
+                needed: start + t,
+                cap: self.cap,
+            }
+            .into());
+        }
+        for (i, &tok) in tokens.iter().enumerate() {
+            if tok as usize >= c.vocab {
+                return Err(SpecError::TokenOutOfRange {
+                    what: "forward token",
+                    index: i,
+                    id: tok,
+                    vocab: c.vocab,
+                }
+                .into());
+            }
+        }
+        for &l in taps {
+            if l < -1 || l >= c.n_layers as i32 {
+                return Err(SpecError::TapLayer {
+                    layer: l,
+                    n_layers: c.n_layers,
+                    max: c.n_layers as i64 - 1,
+                }
+                .into());
+            }
+        }
+        let nt = taps.len();
+        let mut tap_buf = if nt > 0 && depth == c.n_layers {
+            Some(be.zeros(t * nt * d)?)
+        } else {
+            None
+        };
+        let write_taps = |be: &B, layer: i32, x: &B::Buf, tb: &mut Option<B::Buf>| -> Result<()> {
+            if let Some(tb) = tb.as_mut() {
+                for (j, _) in taps.iter().enumerate().filter(|(_, &l)| l == layer) {
+                    be.copy2d(x, 0, d, tb, j * d, nt * d, t, d)?;
+                }
+            }
+            Ok(())
+        };
+
+        // Shapes.
+        let (nk, nv, dk, dv) = (c.lin_k_heads, c.lin_v_heads, c.lin_dk, c.lin_dv);
+        let (kd, vd, ch, kern) = (nk * dk, nv * dv, c.conv_channels(), c.conv_kernel);
+        let sl = kern - 1;
+        let (nh, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let (qw, kvw) = (nh * hd, nkv * hd);
+        let eps = c.rms_eps;
+        let delta = DeltaParams {
+            t,
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            qk_l2norm: true,
+            // transformers: query / sqrt(dk) (recurrent) or query * dk**-0.5 (chunked).
+            q_scale: (1.0 / (dk as f64).sqrt()) as f32,
+        };
+
+        let mut x = be.zeros(t * d)?;
+        be.gather_rows(&self.w.embed, tokens, &mut x)?;
+        write_taps(be, -1, &x, &mut tap_buf)?;
+        let mut h = be.zeros(t * d)?;
+        let mut o = be.zeros(t * d)?;
+        let mut mg = be.zeros(t * c.intermediate)?;
+        let mut mu = be.zeros(t * c.intermediate)?;
+        let mut ma = be.zeros(t * c.intermediate)?;
+        let mut stashes: LinearStates<B> = Vec::with_capacity(depth);
+
+        for (li, (layer, state)) in self.w.layers.iter().zip(self.states.iter_mut()).enumerate().take(depth) {
+            be.rms_norm(&x, &layer.in_norm, d, eps, &mut h)?;
+            match (&layer.mixer, state) {
+                (Mixer::Linear(lw), LayerState::Linear { conv, rec }) => {
+                    let mut qkv = be.zeros(t * ch)?;
+                    let mut z = be.zeros(t * vd)?;
+                    let mut bb = be.zeros(t * nv)?;
+                    let mut aa = be.zeros(t * nv)?;
+                    be.matmul(&h, t, &lw.qkv, &mut qkv)?;
+                    be.matmul(&h, t, &lw.z, &mut z)?;
+                    be.matmul(&h, t, &lw.b, &mut bb)?;
+                    be.matmul(&h, t, &lw.a, &mut aa)?;
+                    let mut conv_out = be.zeros(t * ch)?;
+                    let mut conv_stash = if stash { Some(be.zeros(t * sl * ch)?) } else { None };
+                    be.causal_conv1d(&qkv, t, ch, kern, &lw.conv, conv, &mut conv_out, conv_stash.as_mut())?;
+                    let mut q = be.zeros(t * kd)?;
+                    let mut k = be.zeros(t * kd)?;
+                    let mut v = be.zeros(t * vd)?;
+                    be.copy2d(&conv_out, 0, ch, &mut q, 0, kd, t, kd)?;
+                    be.copy2d(&conv_out, kd, ch, &mut k, 0, kd, t, kd)?;
+                    be.copy2d(&conv_out, 2 * kd, ch, &mut v, 0, vd, t, vd)?;
+                    let mut g = be.zeros(t * nv)?;
+                    let mut beta = be.zeros(t * nv)?;
+                    be.gdn_gates(&aa, &bb, &lw.a_log, &lw.dt_bias, nv, &mut g, &mut beta)?;
+                    let mut core = be.zeros(t * vd)?;
+                    let mut rec_stash = if stash { Some(be.zeros(t * nv * dk * dv)?) } else { None };
+                    be.gated_delta_rule(&q, &k, &v, &g, &beta, &delta, rec, &mut core, rec_stash.as_mut())?;
+                    let mut normed = be.zeros(t * vd)?;
+                    be.rms_norm_gated(&core, &z, &lw.norm, dv, eps, &mut normed)?;
+                    be.matmul(&normed, t, &lw.out, &mut o)?;
+                    stashes.push(conv_stash.zip(rec_stash));
+                }
+                (Mixer::Full(fw), LayerState::Full { k: kc, v: vc }) => {
+                    let mut q = be.zeros(t * qw)?;
+                    let mut gate = be.zeros(t * qw)?;
+                    let mut k = be.zeros(t * kvw)?;
+                    let mut v = be.zeros(t * kvw)?;
+                    be.matmul(&h, t, &fw.q, &mut q)?;
+                    be.matmul(&h, t, &fw.gate, &mut gate)?;
+                    be.matmul(&h, t, &fw.k, &mut k)?;
+                    be.matmul(&h, t, &fw.v, &mut v)?;
+                    let mut qn = be.zeros(t * qw)?;
+                    let mut kn = be.zeros(t * kvw)?;
+                    be.rms_norm(&q, &fw.q_norm, hd, eps, &mut qn)?;
+                    be.rms_norm(&k, &fw.k_norm, hd, eps, &mut kn)?;
+                    be.rope(&mut qn, t, nh, hd, start, &c.rope)?;
+                    be.rope(&mut kn, t, nkv, hd, start, &c.rope)?;
+                    be.copy(&kn, 0, kc, start * kvw, t * kvw)?;
+                    be.copy(&v, 0, vc, start * kvw, t * kvw)?;
+                    let p = AttnParams {
+                        n_q: t,
+                        n_kv: start + t,
+                        n_heads: nh,
+                        n_kv_heads: nkv,
+                        head_dim: hd,
+                        q_pos0: start,
+                        kv_pos0: 0,
+                        causal: true,
+                        window: None,
+                        scale: (1.0 / (hd as f64).sqrt()) as f32,
+                    };
+                    let mut att = be.zeros(t * qw)?;
+                    be.attention(&qn, kc, vc, &p, &mut att)?;
+                    be.mul_sigmoid(&mut att, &gate)?;
+                    be.matmul(&att, t, &fw.o, &mut o)?;
+                    stashes.push(None);
+                }
+                _ => {
+                    return Err(TargetError::Unsupported(format!(
+                        "layer {li}: weights and state disagree on the layer kind (internal invariant)"
+                    )))
+                }
+            }
+            be.add_assign(&mut x, 0, &o, t * d)?;
+            be.rms_norm(&x, &layer.post_norm, d, eps, &mut h)?;
+            be.matmul(&h, t, &layer.gate_proj, &mut mg)?;
+            be.matmul(&h, t, &layer.up_proj, &mut mu)?;
+            be.silu_mul(&mg, &mu, &mut ma)?;
+            be.matmul(&ma, t, &layer.down_proj, &mut o)?;
+            be.add_assign(&mut x, 0, &o, t * d)?;
+            write_taps(be, li as i32, &x, &mut tap_buf)?;
+        }
+
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let rows = if depth == c.n_layers { rows } else { LogitRows::None };
+        let (argmax, logits) = match rows {
+            LogitRows::None => (Vec::new(), None),
+            LogitRows::Last => {
+                let mut last = be.zeros(d)?;
+                be.copy(&x, (t - 1) * d, &mut last, 0, d)?;
+                let mut ln = be.zeros(d)?;
+                be.rms_norm(&last, &self.w.norm, d, eps, &mut ln)?;
+                let mut lg = be.zeros(c.vocab)?;
+                be.matmul(&ln, 1, head, &mut lg)?;
+                (be.argmax_rows(&lg, 0, 1, c.vocab)?, Some(lg))
+            }
+            LogitRows::All => {
+                be.rms_norm(&x, &self.w.norm, d, eps, &mut h)?;
+                let mut lg = be.zeros(t * c.vocab)?;
+                be.matmul(&h, t, head, &mut lg)?;
+                (be.argmax_rows(&lg, 0, t, c.vocab)?, Some(lg))
+            }
+        };
+        Ok((
+            Forward {
+                argmax,
+                logits,
+                taps: tap_buf,
+            },
+            stashes,
+        ))
+    }
+
+    /// Copies of the current linear states.
+    fn snapshot(&self, be: &B) -> Result<LinearStates<B>> {
+        self.states
+            .iter()
+            .map(|s| match s {
+                LayerState::Linear { conv, rec } => Ok(Some((dup(be, conv)?, dup(be, rec)?))),
+                LayerState::Full { .. } => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Put `snap` back as the linear states.
+    fn restore_snapshot(&mut self, be: &B, snap: &LinearStates<B>) -> Result<()> {
+        for (s, sn) in self.states.iter_mut().zip(snap) {
+            if let (LayerState::Linear { conv, rec }, Some((sc, sr))) = (s, sn) {
+                be.copy(sc, 0, conv, 0, be.len(conv))?;
+                be.copy(sr, 0, rec, 0, be.len(rec))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Set every linear state to the one stashed after verified row `row`.
+    fn restore_from_stash(&mut self, be: &B, stash: &LinearStates<B>, row: usize) -> Result<()> {
+        for (li, (s, st)) in self.states.iter_mut().zip(stash).enumerate() {
+            if let LayerState::Linear { conv, rec } = s {
+                let (sc, sr) = st.as_ref().ok_or_else(|| {
+                    SpecError::Protocol(format!("no stashed state for linear layer {li}"))
+                })?;
+                let (nc, nr) = (be.len(conv), be.len(rec));
+                be.copy(sc, row * nc, conv, 0, nc)?;
+                be.copy(sr, row * nr, rec, 0, nr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Host copies of the K/V rows `start..start + n` of the full layers below `depth`.
+    fn kv_rows(&self, be: &B, start: usize, n: usize, depth: usize) -> Result<Vec<Option<(Vec<f32>, Vec<f32>)>>> {
+        let kvw = self.cfg.n_kv_heads * self.cfg.head_dim;
+        self.states
+            .iter()
+            .take(depth)
+            .map(|s| match s {
+                LayerState::Full { k, v } => {
+                    let (k, v) = (be.download(k)?, be.download(v)?);
+                    let r = start * kvw..(start + n) * kvw;
+                    Ok(Some((k[r.clone()].to_vec(), v[r].to_vec())))
+                }
+                LayerState::Linear { .. } => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Undo the rows of the pending verify past `keep` under its arm.
+    fn rollback(&mut self, be: &B, p: &Pending<B>, keep: usize) -> Result<()> {
+        let t = p.tokens.len();
+        let depth = self.replay_depth();
+        match p.arm {
+            RollbackArm::Stash => {
+                if keep < t {
+                    self.restore_from_stash(be, &p.stash, keep - 1)?;
+                }
+            }
+            RollbackArm::Replay => {
+                if keep < t && depth > 0 {
+                    self.restore_snapshot(be, &p.snapshot)?;
+                    self.forward(be, &p.tokens[..keep], p.start, &[], LogitRows::None, false, depth)?;
+                }
+            }
+            RollbackArm::Gate => {
+                if keep < t {
+                    self.restore_from_stash(be, &p.stash, keep - 1)?;
+                }
+                let by_stash = self.linear_states(be)?;
+                let kv_verify = self.kv_rows(be, p.start, keep, depth)?;
+                self.restore_snapshot(be, &p.snapshot)?;
+                if depth > 0 {
+                    self.forward(be, &p.tokens[..keep], p.start, &[], LogitRows::None, false, depth)?;
+                }
+                let by_replay = self.linear_states(be)?;
+                let kv_replay = self.kv_rows(be, p.start, keep, depth)?;
+                let linear_layers: Vec<usize> = (0..self.cfg.n_layers)
+                    .filter(|&i| self.cfg.layer_kinds[i] == LayerKind::Linear)
+                    .collect();
+                for ((li, (sc, sr)), (rc, rr)) in linear_layers.iter().zip(&by_stash).zip(&by_replay) {
+                    gate_compare(*li, "conv state", sc, rc, keep, t)?;
+                    gate_compare(*li, "recurrent state", sr, rr, keep, t)?;
+                }
+                for (li, (a, b)) in kv_verify.iter().zip(&kv_replay).enumerate() {
+                    if let (Some((ka, va)), Some((kb, vb))) = (a, b) {
+                        gate_compare(li, "K cache rows", ka, kb, keep, t)?;
+                        gate_compare(li, "V cache rows", va, vb, keep, t)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bit-for-bit comparison of the Gate arm.
+fn gate_compare(layer: usize, what: &str, stash: &[f32], replay: &[f32], keep: usize, t: usize) -> Result<()> {
+    if stash.len() != replay.len() {
+        return Err(SpecError::Gate(format!(
+            "layer {layer} {what}: {} values after stash restore, {} after replay",
+            stash.len(),
+            replay.len()
+        ))
+        .into());
+    }
+    if let Some(i) = stash.iter().zip(replay).position(|(a, b)| a.to_bits() != b.to_bits()) {
+        return Err(SpecError::Gate(format!(
+            "layer {layer} {what} differs at index {i} after keeping {keep} of {t} rows: stash {:e}, replay {:e}",
+            stash[i], replay[i]
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+impl<B: Backend> Target<B> for HybridTarget<B> {
+    fn info(&self) -> TargetInfo {
+        TargetInfo {
+            n_layers: self.cfg.n_layers,
+            hidden: self.cfg.hidden,
+            vocab: self.cfg.vocab,
+            ctx_cap: self.cap,
+        }
+    }
+
+    fn pos(&self) -> usize {
+        self.pos
+    }
+
+    fn set_rollback(&mut self, arm: RollbackArm) {
+        self.arm = arm;
+    }
+
+    fn prime(&mut self, be: &B, prompt: &[u32], taps: &[i32]) -> dflash_spec_round::Result<Forward<B>> {
+        self.info().check_taps(taps)?;
+        if prompt.is_empty() {
+            return Err(SpecError::EmptyPrompt);
+        }
+        self.reset(be)?;
+        let f = self.run(be, prompt, taps, LogitRows::Last)?;
+        Ok(Forward { logits: None, ..f })
+    }
+
+    fn verify(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        start: usize,
+        taps: &[i32],
+        want_logits: bool,
+    ) -> dflash_spec_round::Result<Forward<B>> {
+        self.info().check_taps(taps)?;
+        if start != self.pos || self.pending.is_some() {
+            return Err(SpecError::Protocol(format!(
+                "verify at {start} with {} committed positions{}",
+                self.pos,
+                if self.pending.is_some() {
+                    " and an uncommitted verify"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let arm = self.arm;
+        let snapshot = match arm {
+            RollbackArm::Replay | RollbackArm::Gate => self.snapshot(be)?,
+            RollbackArm::Stash => Vec::new(),
+        };
+        let want_stash = matches!(arm, RollbackArm::Stash | RollbackArm::Gate);
+        let (mut f, stash) = self.forward(be, tokens, start, taps, LogitRows::All, want_stash, self.cfg.n_layers)?;
+        if !want_logits {
+            f.logits = None;
+        }
+        self.pending = Some(Pending {
+            start,
+            tokens: tokens.to_vec(),
+            arm,
+            stash,
+            snapshot,
+        });
+        Ok(f)
+    }
+
+    fn commit(&mut self, be: &B, keep: usize) -> dflash_spec_round::Result<()> {
+        let t = match &self.pending {
+            None => return Err(SpecError::Protocol("commit without a verify".into())),
+            Some(p) => p.tokens.len(),
+        };
+        if keep == 0 || keep > t {
+            // The verify stays pending: a valid commit can still follow.
+            return Err(SpecError::Protocol(format!("commit of {keep} rows after a verify of {t}")));
+        }
+        let p = self
+            .pending
+            .take()
+            .ok_or_else(|| SpecError::Protocol("commit without a verify".into()))?;
+        self.rollback(be, &p, keep)?;
+        self.pos = p.start + keep;
+        Ok(())
+    }
+
+    fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_backend::Result<()> {
+        be.gather_rows(&self.w.embed, ids, out)
+    }
+
+    fn lm_head(&self) -> &Weight<B> {
+        self.head()
+    }
+}

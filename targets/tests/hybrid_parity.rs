@@ -1,0 +1,83 @@
+//! Parity of the hybrid target with transformers 5.17 on tiny random checkpoints
+//! (`tests/hybrid_ref/*`, made by `tests/hybrid_ref/make_ref.py`).
+//!
+//! Bounds: max |ours - ref| / max |ref| <= 1e-5 (f32). `step_logits` come from transformers'
+//! recurrent gated delta rule (the form we run); `prompt_logits` and `hidden_states` from its
+//! chunked prefill form, whose f32 rounding differs slightly (make_ref.py prints the
+//! chunked-vs-recurrent distance of transformers itself, 2e-6 to 4e-6 on these cases).
+
+mod hybrid_common;
+
+use dflash_backend::cpu::Cpu;
+use dflash_backend::Backend;
+use dflash_spec_round::Target;
+use dflash_targets::hybrid::{HybridArch, HybridTarget, LayerKind};
+use dflash_targets::{LoadOptions, LogitRows};
+use hybrid_common::{read_io, ref_dir, rel_err};
+
+const BOUND: f32 = 1e-5;
+
+fn check_case(case: &str, arch: HybridArch, expect_tied: bool) {
+    let be = Cpu::new();
+    let rc = read_io(ref_dir(case));
+    let mut t = HybridTarget::load(&be, rc.dir.join("model"), LoadOptions::default()).unwrap();
+    let cfg = t.config().clone();
+    assert_eq!(cfg.arch, arch);
+    assert_eq!(cfg.tie_embeddings, expect_tied);
+    assert!(cfg.layer_kinds.contains(&LayerKind::Linear) && cfg.layer_kinds.contains(&LayerKind::Full));
+    let prompt = &rc.ids["prompt_ids"];
+    let p = prompt.len();
+    let (l, d, v) = (cfg.n_layers, cfg.hidden, cfg.vocab);
+
+    // One prefill forward with every tap.
+    let taps: Vec<i32> = (-1..l as i32).collect();
+    let f = t.run(&be, prompt, &taps, LogitRows::All).unwrap();
+    let logits = be.download(f.logits.as_ref().unwrap()).unwrap();
+    let (shape, ref_logits) = &rc.tensors["prompt_logits"];
+    assert_eq!(shape, &vec![p, v]);
+    let e_chunk = rel_err(&logits, ref_logits);
+    let e_step = rel_err(&logits, &rc.tensors["step_logits"].1);
+    println!("{case}: prompt logits rel err vs chunked {e_chunk:.2e}, vs recurrent {e_step:.2e}");
+    assert!(e_chunk <= BOUND, "{case}: prompt logits vs chunked prefill {e_chunk:e}");
+    assert!(e_step <= BOUND, "{case}: prompt logits vs token-by-token {e_step:e}");
+
+    // Taps: residual stream after layer l = hidden_states[l + 1].
+    let tap = be.download(f.taps.as_ref().unwrap()).unwrap();
+    let (hs_shape, hs) = &rc.tensors["hidden_states"];
+    assert_eq!(hs_shape, &vec![l + 1, p, d]);
+    let nt = taps.len();
+    let mut worst = 0f32;
+    for (j, _) in taps.iter().enumerate() {
+        let ours: Vec<f32> = (0..p).flat_map(|r| tap[(r * nt + j) * d..(r * nt + j + 1) * d].to_vec()).collect();
+        let e = rel_err(&ours, &hs[j * p * d..(j + 1) * p * d]);
+        assert!(e <= BOUND, "{case}: hidden_states[{j}] rel err {e:e}");
+        worst = worst.max(e);
+    }
+    println!("{case}: taps (hidden_states[0..={l}]) worst rel err {worst:.2e}");
+
+    // Greedy continuation through prime + one-token steps.
+    let greedy = &rc.ids["greedy_ids"];
+    let first = t.prime(&be, prompt, &[]).unwrap().argmax[0];
+    let mut ours = vec![first];
+    while ours.len() < greedy.len() {
+        let last = *ours.last().unwrap();
+        let f = t.run(&be, &[last], &[], LogitRows::Last).unwrap();
+        ours.push(f.argmax[0]);
+    }
+    assert_eq!(&ours, greedy, "{case}: greedy continuation");
+}
+
+#[test]
+fn qwen3_5_text_matches_transformers() {
+    check_case("qwen3_5_text", HybridArch::Qwen3_5, false);
+}
+
+#[test]
+fn qwen3_5_vision_language_text_part_matches_transformers() {
+    check_case("qwen3_5_vl", HybridArch::Qwen3_5, false);
+}
+
+#[test]
+fn qwen3_next_fused_projections_match_transformers() {
+    check_case("qwen3_next_dense", HybridArch::Qwen3Next, true);
+}
