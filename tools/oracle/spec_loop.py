@@ -1,0 +1,243 @@
+"""The oracle's own greedy speculative loop (semantics sec. 3.3, with the round engine's verify-width policy).
+
+    python tools/oracle/spec_loop.py --target DIR --draft DIR --prompt-ids 1,2,3 [--prompt-ids ...]
+        [--prompts-file FILE (one comma/space separated id list per line)] [--max-new 64]
+        [--vt-cap 16] [--adaptive] [--no-markov] [--precision f32|bf16|q8_0|q4_0|mixed] [--eos ID,...] [--json]
+
+Per round: block = [last, MASK x (b-1)] at positions s..s+b-1; cached draft forward (context = every committed
+position < s); drafts = argmax of the draft rows (DFlash rows 1..b-1, anchor layout rows 0..b-1), through the
+Markov chain when the drafter has one; the target verifies [last, d_1..d_{vt-1}] (vt rows); m = longest prefix of
+drafts equal to the target's argmax; commit last + d_1..d_m (m + 1 tokens); next last = target argmax at row m;
+the taps of the m + 1 kept rows go into the draft cache. vt = cap (default: the block size; at most the number of
+drafts + 1), or with --adaptive vt = clamp(m + 2, 3, cap) after each round, starting at cap.
+max_new counts every generated token, the first (the argmax after the prompt) included; output is exactly max_new
+tokens unless an EOS id comes first.
+
+Stats per prompt: rounds, drafted (sum of vt - 1), accepted (sum of m), tau = (accepted + rounds) / rounds (mean
+committed per round, counted before the max_new cut); pooled tau = sum over prompts of (accepted + rounds) / sum
+of rounds; also the mean of per-prompt tau. The committed stream is checked against the target's plain greedy
+decode computed with the same forward (exit status 1 on any difference).
+
+The target runs without a KV cache (every call recomputes the whole sequence): slow but exact for dense and hybrid
+targets alike, and no rollback logic to get wrong. Targets are loaded with transformers' AutoModelForCausalLM in
+float32, eager attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dflash_oracle as O  # noqa: E402
+
+
+class HFTarget:
+    def __init__(self, path: str):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(path)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        except ValueError:
+            from transformers import AutoModelForImageTextToText
+
+            self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
+                                                                     attn_implementation="eager")
+        self.model.eval()
+        tc = getattr(cfg, "text_config", cfg)
+        self.n_layers = tc.num_hidden_layers
+        self.embed = self.model.get_input_embeddings().weight.detach().float()
+        self.lm_head = self.model.get_output_embeddings().weight.detach().float()
+        self.calls = 0
+
+    def forward(self, ids: list[int]):
+        """Logits [n, V] and hidden_states list (L+1 of [n, d]) of the whole sequence, no cache."""
+        self.calls += 1
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        return out.logits[0].float(), [h[0].float() for h in out.hidden_states]
+
+    def taps(self, hs, layer_ids, rows: slice):
+        return torch.cat([hs[l + 1][rows] for l in layer_ids], dim=-1)
+
+
+def plain_greedy(target: HFTarget, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    seq = list(prompt)
+    out = []
+    while len(out) < max_new:
+        logits, _ = target.forward(seq)
+        t = int(torch.argmax(logits[-1]))
+        out.append(t)
+        seq.append(t)
+        if t in eos:
+            break
+    return out
+
+
+def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, prompt: list[int], max_new: int,
+                  vt_cap: int, adaptive: bool, use_markov: bool, eos: set[int]):
+    ids = cfg.target_layer_ids
+    for l in ids:
+        if not -1 <= l <= target.n_layers - 2:
+            raise ValueError(f"tap layer {l} invalid for a {target.n_layers}-layer target")
+    logits, hs = target.forward(prompt)
+    cache = O.DraftCache(W)
+    cache.ingest(target.taps(hs, ids, slice(0, len(prompt))), 0)
+    last = int(torch.argmax(logits[-1]))
+    seq = list(prompt)  # committed tokens (the pending `last` is not in it yet)
+    out: list[int] = []
+    vt = vt_cap
+    rounds = drafted = accepted = 0
+    first_draft = None
+    per_round = []
+    while len(out) < max_new:
+        s = len(seq)
+        assert len(cache) == s
+        drafts = O.propose(W, cache, last, s, target.embed, target.lm_head, use_markov=use_markov).tolist()
+        if first_draft is None:
+            first_draft = drafts
+        block = [last] + drafts[: vt - 1]
+        vlogits, vhs = target.forward(seq + block)
+        am = torch.argmax(vlogits[s:], dim=-1).tolist()  # am[j] = target's token after block[0..j]
+        m = 0
+        while m < len(block) - 1 and block[m + 1] == am[m]:
+            m += 1
+        rounds += 1
+        drafted += len(block) - 1
+        accepted += m
+        per_round.append(m + 1)
+        stop = False
+        for t in block[: m + 1]:
+            out.append(t)
+            if t in eos or len(out) >= max_new:
+                stop = True
+                break
+        if stop:
+            break
+        seq.extend(block[: m + 1])
+        cache.ingest(target.taps(vhs, ids, slice(s, s + m + 1)), s)
+        last = am[m]
+        if adaptive:
+            vt = max(3, min(m + 2, vt_cap))
+    return out, {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+                 "tau": (accepted + rounds) / rounds if rounds else 0.0, "first_draft": first_draft,
+                 "committed_per_round": per_round}
+
+
+def selftest(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, prompt: list[int], max_new: int) -> bool:
+    """Exercise the accept/commit/ingest path with oracle drafters built from the plain greedy stream: a perfect
+    drafter (every round commits cap tokens) and ones wrong at draft j (every round commits j tokens)."""
+    plain = plain_greedy(target, prompt, max_new + 40, set())
+    full = list(prompt) + plain
+    real = O.propose
+    ok = True
+    nd = cfg.block_size - 1 if cfg.layout == "dflash" else cfg.block_size
+    try:
+        for wrong_at in (None, 1, 3):
+            def fake(W_, cache, anchor, start, *a, **k):
+                assert full[start] == anchor, "anchor is not the committed greedy token"
+                d = full[start + 1: start + 1 + nd]
+                if wrong_at is not None:
+                    d = list(d)
+                    d[wrong_at - 1] = (d[wrong_at - 1] + 1) % cfg.vocab
+                return torch.tensor(d)
+
+            O.propose = fake
+            for cap, adaptive in ((min(cfg.block_size, nd + 1), False), (5, True)):
+                toks, st = spec_generate(target, cfg, W, prompt, max_new, cap, adaptive, True, set())
+                per = wrong_at if wrong_at is not None else cap
+                exp_rounds = -(-max_new // per) if not adaptive or wrong_at is not None else None
+                good = toks == plain[:max_new] and (exp_rounds is None or st["rounds"] == exp_rounds)
+                print(f"selftest wrong_at={wrong_at} cap={cap} adaptive={adaptive}: rounds {st['rounds']} "
+                      f"tau {st['tau']:.3f} identical {toks == plain[:max_new]} {'OK' if good else 'FAIL'}")
+                ok &= good
+    finally:
+        O.propose = real
+    return ok
+
+
+def parse_ids(s: str) -> list[int]:
+    return [int(x) for x in s.replace(",", " ").split()]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prompt-ids", action="append", default=[])
+    ap.add_argument("--prompts-file")
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--vt-cap", type=int, default=0, help="verify width cap (default: block size)")
+    ap.add_argument("--adaptive", action="store_true", help="vt = clamp(m + 2, 3, cap) after each round")
+    ap.add_argument("--no-markov", action="store_true")
+    ap.add_argument("--precision", default="f32", choices=["f32", "bf16", "q8_0", "q4_0", "mixed"])
+    ap.add_argument("--layout", choices=["dflash", "anchor"])
+    ap.add_argument("--eos", default="")
+    ap.add_argument("--no-check", action="store_true", help="skip the plain greedy comparison")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--selftest", action="store_true", help="check the loop itself with oracle drafters")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    prompts = [parse_ids(p) for p in args.prompt_ids]
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [parse_ids(line) for line in f if line.strip()]
+    if not prompts:
+        ap.error("no prompts")
+    eos = set(parse_ids(args.eos)) if args.eos else set()
+    target = HFTarget(args.target)
+    prec = "f32" if args.precision == "bf16" else args.precision  # bf16 weights upcast: same values
+    cfg, W = O.load_draft(args.draft, precision=prec, layout=args.layout)
+    nd = cfg.block_size - 1 if cfg.layout == "dflash" else cfg.block_size
+    cap = args.vt_cap or cfg.block_size
+    cap = max(2, min(cap, nd + 1))
+
+    if args.selftest:
+        sys.exit(0 if selftest(target, cfg, W, prompts[0], args.max_new) else 1)
+
+    results = []
+    ok = True
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        toks, st = spec_generate(target, cfg, W, p, args.max_new, cap, args.adaptive, not args.no_markov, eos)
+        r = {"prompt": i, "prompt_len": len(p), "tokens": toks, **st}
+        if not args.no_check:
+            plain = plain_greedy(target, p, args.max_new, eos)
+            r["plain_tokens"] = plain
+            r["identical"] = plain == toks
+            ok &= r["identical"]
+        results.append(r)
+    R = sum(r["rounds"] for r in results)
+    A = sum(r["accepted"] for r in results)
+    summary = {
+        "target": args.target, "draft": args.draft, "layout": cfg.layout, "block_size": cfg.block_size,
+        "vt_cap": cap, "adaptive": args.adaptive, "markov": (not args.no_markov) and cfg.markov_rank > 0,
+        "max_new": args.max_new, "prompts": len(prompts), "rounds": R, "accepted": A,
+        "drafted": sum(r["drafted"] for r in results),
+        "tau_pooled": (A + R) / R if R else 0.0,
+        "tau_mean_per_prompt": sum(r["tau"] for r in results) / len(results),
+        "identical": ok if not args.no_check else None, "seconds": time.time() - t0,
+        "per_prompt": results,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for r in results:
+            same = "" if args.no_check else f"  identical={r['identical']}"
+            print(f"prompt {r['prompt']:3d}: len {r['prompt_len']:4d}  rounds {r['rounds']:4d}  accepted {r['accepted']:5d}"
+                  f"  tau {r['tau']:.3f}{same}")
+        print(f"pooled tau {summary['tau_pooled']:.3f}  mean per-prompt tau {summary['tau_mean_per_prompt']:.3f}  "
+              f"rounds {R}  accepted {A}  vt_cap {cap}{' adaptive' if args.adaptive else ''}"
+              f"{'' if args.no_check else '  all identical: ' + str(ok)}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
