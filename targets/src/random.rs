@@ -41,14 +41,29 @@ pub fn tiny_qwen3_config(
     }
 }
 
-/// A Qwen3 dense model with uniform random weights (matrices scaled by `1/sqrt(in)`, the
-/// embedding and lm_head by `emb_std`), stored in `format`.
+/// A Qwen3 dense model with uniform random weights (matrices in `±sqrt(3/in)`, the
+/// embedding and lm_head in `±1`), stored in `format`.
 pub fn random_qwen3<B: Backend>(
     be: &B,
     cfg: Qwen3Config,
     seed: u64,
     format: WeightFormat,
     cap: usize,
+) -> Result<Qwen3Dense<B>> {
+    random_qwen3_steered(be, cfg, seed, format, cap, None)
+}
+
+/// [`random_qwen3`] steered towards one token: every embedding row gets `+4` in dimension 0
+/// (a direction the residual stream keeps) and the lm_head row of `steer.0` gets `steer.1` in
+/// dimension 0, so the greedy stream picks that token often but not always. A drafter that
+/// borrows this embedding and lm_head drafts it often too: long accepts for tests.
+pub fn random_qwen3_steered<B: Backend>(
+    be: &B,
+    cfg: Qwen3Config,
+    seed: u64,
+    format: WeightFormat,
+    cap: usize,
+    steer: Option<(u32, f32)>,
 ) -> Result<Qwen3Dense<B>> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut get = |name: &str, shape: &[usize]| -> Result<HostTensor> {
@@ -64,9 +79,18 @@ pub fn random_qwen3<B: Backend>(
         } else {
             (3.0 / cols as f32).sqrt()
         };
-        let v: Vec<f32> = (0..rows * cols)
+        let mut v: Vec<f32> = (0..rows * cols)
             .map(|_| s * (2.0 * rng.random::<f32>() - 1.0))
             .collect();
+        if let Some((tok, strength)) = steer {
+            if name.contains("embed") {
+                for r in 0..rows {
+                    v[r * cols] += 4.0;
+                }
+            } else if name.contains("lm_head") && (tok as usize) < rows {
+                v[tok as usize * cols] += strength;
+            }
+        }
         Ok(HostTensor::Matrix(HostWeight::from_f32(
             name, rows, cols, &v, format,
         )?))
