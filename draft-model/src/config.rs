@@ -561,6 +561,52 @@ impl DraftConfig {
         })
     }
 
+    /// Every tensor a checkpoint of this config must hold (canonical names) with its shape:
+    /// the DFlash backbone, plus the Markov head when `dspark.markov_rank > 0` and the
+    /// confidence head when `dspark.enable_confidence_head`.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (d, hd, inter) = (self.hidden_size, self.head_dim, self.intermediate_size);
+        let (qd, kvd) = (self.q_dim(), self.kv_dim());
+        let mut t = vec![
+            ("fc.weight".to_string(), vec![d, self.n_taps() * d]),
+            ("hidden_norm.weight".to_string(), vec![d]),
+            ("norm.weight".to_string(), vec![d]),
+        ];
+        for i in 0..self.num_hidden_layers {
+            let n = |s: &str| format!("layers.{i}.{s}");
+            t.push((n("input_layernorm.weight"), vec![d]));
+            t.push((n("post_attention_layernorm.weight"), vec![d]));
+            t.push((n("self_attn.q_proj.weight"), vec![qd, d]));
+            t.push((n("self_attn.k_proj.weight"), vec![kvd, d]));
+            t.push((n("self_attn.v_proj.weight"), vec![kvd, d]));
+            t.push((n("self_attn.o_proj.weight"), vec![d, qd]));
+            t.push((n("self_attn.q_norm.weight"), vec![hd]));
+            t.push((n("self_attn.k_norm.weight"), vec![hd]));
+            t.push((n("mlp.gate_proj.weight"), vec![inter, d]));
+            t.push((n("mlp.up_proj.weight"), vec![inter, d]));
+            t.push((n("mlp.down_proj.weight"), vec![d, inter]));
+        }
+        if let Some(ds) = &self.dspark {
+            let r = ds.markov_rank;
+            if r > 0 {
+                t.push((
+                    "markov_head.markov_w1.weight".into(),
+                    vec![self.vocab_size, r],
+                ));
+                t.push((
+                    "markov_head.markov_w2.weight".into(),
+                    vec![self.vocab_size, r],
+                ));
+            }
+            if ds.enable_confidence_head {
+                let extra = if ds.confidence_head_with_markov { r } else { 0 };
+                t.push(("confidence_head.proj.weight".into(), vec![1, d + extra]));
+                t.push(("confidence_head.proj.bias".into(), vec![1]));
+            }
+        }
+        t
+    }
+
     /// Number of tapped target layers (`m`).
     pub fn n_taps(&self) -> usize {
         self.target_layer_ids.len()

@@ -10,6 +10,8 @@ pub mod config;
 mod error;
 pub mod forward;
 pub mod model;
+#[cfg(feature = "random")]
+pub mod random;
 pub mod rope;
 
 pub use checkpoint::{SafetensorsCheckpoint, TensorData, TensorMap, TensorSource};
