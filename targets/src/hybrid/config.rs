@@ -242,13 +242,13 @@ impl HybridConfig {
                 return Err(err(format!("`{k}` must be positive")));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.n_heads, self.n_kv_heads
             )));
         }
-        if self.lin_v_heads % self.lin_k_heads != 0 {
+        if !self.lin_v_heads.is_multiple_of(self.lin_k_heads) {
             return Err(err(format!(
                 "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
                 self.lin_v_heads, self.lin_k_heads
@@ -262,7 +262,9 @@ impl HybridConfig {
             )));
         }
         if self.layer_kinds.len() != self.n_layers || self.moe_layers.len() != self.n_layers {
-            return Err(err("layer_types length differs from num_hidden_layers".into()));
+            return Err(err(
+                "layer_types length differs from num_hidden_layers".into()
+            ));
         }
         Ok(())
     }

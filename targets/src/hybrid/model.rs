@@ -20,6 +20,9 @@ enum LayerState<B: Backend> {
     Full { k: B::Buf, v: B::Buf },
 }
 
+/// Host copies of K/V rows per layer (`None` for linear layers).
+type KvRows = Vec<Option<(Vec<f32>, Vec<f32>)>>;
+
 /// Copies of the linear layers' states (`None` for full-attention layers).
 type LinearStates<B> = Vec<Option<(<B as Backend>::Buf, <B as Backend>::Buf)>>;
 
@@ -148,7 +151,13 @@ impl<B: Backend> HybridTarget<B> {
 
     /// Plain (non-speculative) step: run `tokens` at the committed length and commit them all.
     /// Taps as in [`Target::verify`] (`-1 ..= n_layers - 1`), logits for `rows`.
-    pub fn run(&mut self, be: &B, tokens: &[u32], taps: &[i32], rows: LogitRows) -> Result<Forward<B>> {
+    pub fn run(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        taps: &[i32],
+        rows: LogitRows,
+    ) -> Result<Forward<B>> {
         if self.pending.is_some() {
             return Err(SpecError::Protocol("run with an uncommitted verify".into()).into());
         }
@@ -271,7 +280,14 @@ impl<B: Backend> HybridTarget<B> {
         let mut ma = be.zeros(t * c.intermediate)?;
         let mut stashes: LinearStates<B> = Vec::with_capacity(depth);
 
-        for (li, (layer, state)) in self.w.layers.iter().zip(self.states.iter_mut()).enumerate().take(depth) {
+        for (li, (layer, state)) in self
+            .w
+            .layers
+            .iter()
+            .zip(self.states.iter_mut())
+            .enumerate()
+            .take(depth)
+        {
             be.rms_norm(&x, &layer.in_norm, d, eps, &mut h)?;
             match (&layer.mixer, state) {
                 (Mixer::Linear(lw), LayerState::Linear { conv, rec }) => {
@@ -284,8 +300,21 @@ impl<B: Backend> HybridTarget<B> {
                     be.matmul(&h, t, &lw.b, &mut bb)?;
                     be.matmul(&h, t, &lw.a, &mut aa)?;
                     let mut conv_out = be.zeros(t * ch)?;
-                    let mut conv_stash = if stash { Some(be.zeros(t * sl * ch)?) } else { None };
-                    be.causal_conv1d(&qkv, t, ch, kern, &lw.conv, conv, &mut conv_out, conv_stash.as_mut())?;
+                    let mut conv_stash = if stash {
+                        Some(be.zeros(t * sl * ch)?)
+                    } else {
+                        None
+                    };
+                    be.causal_conv1d(
+                        &qkv,
+                        t,
+                        ch,
+                        kern,
+                        &lw.conv,
+                        conv,
+                        &mut conv_out,
+                        conv_stash.as_mut(),
+                    )?;
                     let mut q = be.zeros(t * kd)?;
                     let mut k = be.zeros(t * kd)?;
                     let mut v = be.zeros(t * vd)?;
@@ -296,8 +325,22 @@ impl<B: Backend> HybridTarget<B> {
                     let mut beta = be.zeros(t * nv)?;
                     be.gdn_gates(&aa, &bb, &lw.a_log, &lw.dt_bias, nv, &mut g, &mut beta)?;
                     let mut core = be.zeros(t * vd)?;
-                    let mut rec_stash = if stash { Some(be.zeros(t * nv * dk * dv)?) } else { None };
-                    be.gated_delta_rule(&q, &k, &v, &g, &beta, &delta, rec, &mut core, rec_stash.as_mut())?;
+                    let mut rec_stash = if stash {
+                        Some(be.zeros(t * nv * dk * dv)?)
+                    } else {
+                        None
+                    };
+                    be.gated_delta_rule(
+                        &q,
+                        &k,
+                        &v,
+                        &g,
+                        &beta,
+                        &delta,
+                        rec,
+                        &mut core,
+                        rec_stash.as_mut(),
+                    )?;
                     let mut normed = be.zeros(t * vd)?;
                     be.rms_norm_gated(&core, &z, &lw.norm, dv, eps, &mut normed)?;
                     be.matmul(&normed, t, &lw.out, &mut o)?;
@@ -340,8 +383,8 @@ impl<B: Backend> HybridTarget<B> {
                 }
                 _ => {
                     return Err(TargetError::Unsupported(format!(
-                        "layer {li}: weights and state disagree on the layer kind (internal invariant)"
-                    )))
+                    "layer {li}: weights and state disagree on the layer kind (internal invariant)"
+                )))
                 }
             }
             be.add_assign(&mut x, 0, &o, t * d)?;
@@ -355,7 +398,11 @@ impl<B: Backend> HybridTarget<B> {
         }
 
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
-        let rows = if depth == c.n_layers { rows } else { LogitRows::None };
+        let rows = if depth == c.n_layers {
+            rows
+        } else {
+            LogitRows::None
+        };
         let (argmax, logits) = match rows {
             LogitRows::None => (Vec::new(), None),
             LogitRows::Last => {
@@ -422,7 +469,7 @@ impl<B: Backend> HybridTarget<B> {
     }
 
     /// Host copies of the K/V rows `start..start + n` of the full layers below `depth`.
-    fn kv_rows(&self, be: &B, start: usize, n: usize, depth: usize) -> Result<Vec<Option<(Vec<f32>, Vec<f32>)>>> {
+    fn kv_rows(&self, be: &B, start: usize, n: usize, depth: usize) -> Result<KvRows> {
         let kvw = self.cfg.n_kv_heads * self.cfg.head_dim;
         self.states
             .iter()
@@ -451,7 +498,15 @@ impl<B: Backend> HybridTarget<B> {
             RollbackArm::Replay => {
                 if keep < t && depth > 0 {
                     self.restore_snapshot(be, &p.snapshot)?;
-                    self.forward(be, &p.tokens[..keep], p.start, &[], LogitRows::None, false, depth)?;
+                    self.forward(
+                        be,
+                        &p.tokens[..keep],
+                        p.start,
+                        &[],
+                        LogitRows::None,
+                        false,
+                        depth,
+                    )?;
                 }
             }
             RollbackArm::Gate => {
@@ -462,14 +517,24 @@ impl<B: Backend> HybridTarget<B> {
                 let kv_verify = self.kv_rows(be, p.start, keep, depth)?;
                 self.restore_snapshot(be, &p.snapshot)?;
                 if depth > 0 {
-                    self.forward(be, &p.tokens[..keep], p.start, &[], LogitRows::None, false, depth)?;
+                    self.forward(
+                        be,
+                        &p.tokens[..keep],
+                        p.start,
+                        &[],
+                        LogitRows::None,
+                        false,
+                        depth,
+                    )?;
                 }
                 let by_replay = self.linear_states(be)?;
                 let kv_replay = self.kv_rows(be, p.start, keep, depth)?;
                 let linear_layers: Vec<usize> = (0..self.cfg.n_layers)
                     .filter(|&i| self.cfg.layer_kinds[i] == LayerKind::Linear)
                     .collect();
-                for ((li, (sc, sr)), (rc, rr)) in linear_layers.iter().zip(&by_stash).zip(&by_replay) {
+                for ((li, (sc, sr)), (rc, rr)) in
+                    linear_layers.iter().zip(&by_stash).zip(&by_replay)
+                {
                     gate_compare(*li, "conv state", sc, rc, keep, t)?;
                     gate_compare(*li, "recurrent state", sr, rr, keep, t)?;
                 }
@@ -486,7 +551,14 @@ impl<B: Backend> HybridTarget<B> {
 }
 
 /// Bit-for-bit comparison of the Gate arm.
-fn gate_compare(layer: usize, what: &str, stash: &[f32], replay: &[f32], keep: usize, t: usize) -> Result<()> {
+fn gate_compare(
+    layer: usize,
+    what: &str,
+    stash: &[f32],
+    replay: &[f32],
+    keep: usize,
+    t: usize,
+) -> Result<()> {
     if stash.len() != replay.len() {
         return Err(SpecError::Gate(format!(
             "layer {layer} {what}: {} values after stash restore, {} after replay",
@@ -495,7 +567,11 @@ fn gate_compare(layer: usize, what: &str, stash: &[f32], replay: &[f32], keep: u
         ))
         .into());
     }
-    if let Some(i) = stash.iter().zip(replay).position(|(a, b)| a.to_bits() != b.to_bits()) {
+    if let Some(i) = stash
+        .iter()
+        .zip(replay)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
         return Err(SpecError::Gate(format!(
             "layer {layer} {what} differs at index {i} after keeping {keep} of {t} rows: stash {:e}, replay {:e}",
             stash[i], replay[i]
@@ -523,7 +599,12 @@ impl<B: Backend> Target<B> for HybridTarget<B> {
         self.arm = arm;
     }
 
-    fn prime(&mut self, be: &B, prompt: &[u32], taps: &[i32]) -> dflash_spec_round::Result<Forward<B>> {
+    fn prime(
+        &mut self,
+        be: &B,
+        prompt: &[u32],
+        taps: &[i32],
+    ) -> dflash_spec_round::Result<Forward<B>> {
         self.info().check_taps(taps)?;
         if prompt.is_empty() {
             return Err(SpecError::EmptyPrompt);
@@ -559,7 +640,15 @@ impl<B: Backend> Target<B> for HybridTarget<B> {
             RollbackArm::Stash => Vec::new(),
         };
         let want_stash = matches!(arm, RollbackArm::Stash | RollbackArm::Gate);
-        let (mut f, stash) = self.forward(be, tokens, start, taps, LogitRows::All, want_stash, self.cfg.n_layers)?;
+        let (mut f, stash) = self.forward(
+            be,
+            tokens,
+            start,
+            taps,
+            LogitRows::All,
+            want_stash,
+            self.cfg.n_layers,
+        )?;
         if !want_logits {
             f.logits = None;
         }
@@ -580,7 +669,9 @@ impl<B: Backend> Target<B> for HybridTarget<B> {
         };
         if keep == 0 || keep > t {
             // The verify stays pending: a valid commit can still follow.
-            return Err(SpecError::Protocol(format!("commit of {keep} rows after a verify of {t}")));
+            return Err(SpecError::Protocol(format!(
+                "commit of {keep} rows after a verify of {t}"
+            )));
         }
         let p = self
             .pending

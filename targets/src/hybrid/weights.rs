@@ -66,7 +66,12 @@ impl HostTensors {
     }
 
     /// Insert a tensor; errors if the values do not fill the shape.
-    pub fn insert(&mut self, name: impl Into<String>, shape: &[usize], values: Vec<f32>) -> Result<()> {
+    pub fn insert(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        values: Vec<f32>,
+    ) -> Result<()> {
         let name = name.into();
         let n: usize = shape.iter().product();
         if n != values.len() {
@@ -129,7 +134,11 @@ impl TensorSource for HostTensors {
 
 /// The rows `ranges` (`(first_row, n_rows)`, in order) of `hw`, as a new weight named `name`.
 /// Works on every storage format (block formats quantize rows independently).
-pub(crate) fn take_rows(hw: &HostWeight, name: &str, ranges: &[(usize, usize)]) -> Result<HostWeight> {
+pub(crate) fn take_rows(
+    hw: &HostWeight,
+    name: &str,
+    ranges: &[(usize, usize)],
+) -> Result<HostWeight> {
     fn pick<T: Copy>(v: &[T], per_row: usize, ranges: &[(usize, usize)]) -> Vec<T> {
         let mut out = Vec::with_capacity(ranges.iter().map(|r| r.1).sum::<usize>() * per_row);
         for &(r0, n) in ranges {
@@ -345,11 +354,23 @@ pub(crate) fn load_weights<B: Backend>(
                     ranges.extend(part(dk, dk));
                     ranges.extend(part(2 * dk, r * dv));
                     let qkv = take_rows(&qkvz, &format!("{qkvz_name}[qkv]"), &ranges)?;
-                    let z = take_rows(&qkvz, &format!("{qkvz_name}[z]"), &part(2 * dk + r * dv, r * dv))?;
+                    let z = take_rows(
+                        &qkvz,
+                        &format!("{qkvz_name}[z]"),
+                        &part(2 * dk + r * dv, r * dv),
+                    )?;
                     let ba_name = format!("{a}in_proj_ba.weight");
                     let ba = ld.host(&ba_name, 2 * nv, d)?;
-                    let b = take_rows(&ba, &format!("{ba_name}[b]"), &(0..nk).map(|g| (g * 2 * r, r)).collect::<Vec<_>>())?;
-                    let a_w = take_rows(&ba, &format!("{ba_name}[a]"), &(0..nk).map(|g| (g * 2 * r + r, r)).collect::<Vec<_>>())?;
+                    let b = take_rows(
+                        &ba,
+                        &format!("{ba_name}[b]"),
+                        &(0..nk).map(|g| (g * 2 * r, r)).collect::<Vec<_>>(),
+                    )?;
+                    let a_w = take_rows(
+                        &ba,
+                        &format!("{ba_name}[a]"),
+                        &(0..nk).map(|g| (g * 2 * r + r, r)).collect::<Vec<_>>(),
+                    )?;
                     (qkv, z, b, a_w)
                 } else {
                     (
@@ -378,8 +399,16 @@ pub(crate) fn load_weights<B: Backend>(
                 // `view(..., -1, 2·hd).chunk(2)`).
                 let qname = format!("{s}q_proj.weight");
                 let qg = ld.host(&qname, 2 * nh * hd, d)?;
-                let q = take_rows(&qg, &format!("{qname}[query]"), &(0..nh).map(|h| (2 * h * hd, hd)).collect::<Vec<_>>())?;
-                let gate = take_rows(&qg, &format!("{qname}[gate]"), &(0..nh).map(|h| (2 * h * hd + hd, hd)).collect::<Vec<_>>())?;
+                let q = take_rows(
+                    &qg,
+                    &format!("{qname}[query]"),
+                    &(0..nh).map(|h| (2 * h * hd, hd)).collect::<Vec<_>>(),
+                )?;
+                let gate = take_rows(
+                    &qg,
+                    &format!("{qname}[gate]"),
+                    &(0..nh).map(|h| (2 * h * hd + hd, hd)).collect::<Vec<_>>(),
+                )?;
                 Mixer::Full(FullWeights {
                     q: be.upload_weight(&q)?,
                     gate: be.upload_weight(&gate)?,
@@ -417,10 +446,16 @@ pub(crate) fn load_weights<B: Backend>(
         }
     }
     if vision > 0 {
-        tracing::info!(vision, "hybrid target: ignoring the vision tower tensors (text part only)");
+        tracing::info!(
+            vision,
+            "hybrid target: ignoring the vision tower tensors (text part only)"
+        );
     }
     if mtp > 0 {
-        tracing::info!(mtp, "hybrid target: ignoring the multi-token-prediction head tensors");
+        tracing::info!(
+            mtp,
+            "hybrid target: ignoring the multi-token-prediction head tensors"
+        );
     }
     if !other.is_empty() {
         tracing::warn!(count = other.len(), first = %other[0], "hybrid target: unused tensors in the checkpoint");

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use dflash_backend::cpu::Cpu;
 use dflash_backend::RopeSpec;
 use dflash_spec_round::{RollbackArm, Target};
-use dflash_targets::hybrid::{HostTensors, HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames};
+use dflash_targets::hybrid::{
+    HostTensors, HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames,
+};
 use dflash_targets::{LoadOptions, LogitRows};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -21,7 +23,9 @@ pub struct RefCase {
 }
 
 pub fn ref_dir(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/hybrid_ref").join(case)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/hybrid_ref")
+        .join(case)
 }
 
 /// Read every tensor of `io.safetensors` (f32 as values, i64 as token ids).
@@ -65,13 +69,23 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 pub fn tiny_config(vocab: usize, hidden: usize, pattern: &str, next_style: bool) -> HybridConfig {
     let layer_kinds: Vec<LayerKind> = pattern
         .chars()
-        .map(|c| if c == 'f' { LayerKind::Full } else { LayerKind::Linear })
+        .map(|c| {
+            if c == 'f' {
+                LayerKind::Full
+            } else {
+                LayerKind::Linear
+            }
+        })
         .collect();
     let n = layer_kinds.len();
     let head_dim = 16;
     let rot = 8;
     HybridConfig {
-        arch: if next_style { HybridArch::Qwen3Next } else { HybridArch::Qwen3_5 },
+        arch: if next_style {
+            HybridArch::Qwen3Next
+        } else {
+            HybridArch::Qwen3_5
+        },
         vocab,
         hidden,
         intermediate: 2 * hidden,
@@ -104,22 +118,53 @@ pub fn random_tensors(cfg: &HybridConfig, seed: u64, emb_std: f32) -> HostTensor
     let mut rng = StdRng::seed_from_u64(seed);
     let mut t = HostTensors::new();
     let d = cfg.hidden;
-    let mut mat = |t: &mut HostTensors, rng: &mut StdRng, name: String, rows: usize, cols: usize, std: f32| {
+    let mat = |t: &mut HostTensors,
+               rng: &mut StdRng,
+               name: String,
+               rows: usize,
+               cols: usize,
+               std: f32| {
         let s = std * 3f32.sqrt();
-        let v = (0..rows * cols).map(|_| s * (2.0 * rng.random::<f32>() - 1.0)).collect();
+        let v = (0..rows * cols)
+            .map(|_| s * (2.0 * rng.random::<f32>() - 1.0))
+            .collect();
         t.insert(name, &[rows, cols], v).unwrap();
     };
-    let mut vecf = |t: &mut HostTensors, rng: &mut StdRng, name: String, shape: &[usize], lo: f32, hi: f32| {
-        let n: usize = shape.iter().product();
-        let v = (0..n).map(|_| lo + (hi - lo) * rng.random::<f32>()).collect();
-        t.insert(name, shape, v).unwrap();
-    };
+    let vecf =
+        |t: &mut HostTensors, rng: &mut StdRng, name: String, shape: &[usize], lo: f32, hi: f32| {
+            let n: usize = shape.iter().product();
+            let v = (0..n)
+                .map(|_| lo + (hi - lo) * rng.random::<f32>())
+                .collect();
+            t.insert(name, shape, v).unwrap();
+        };
     let inv = |n: usize| 1.0 / (n as f32).sqrt();
-    mat(&mut t, &mut rng, "model.embed_tokens.weight".into(), cfg.vocab, d, emb_std);
+    mat(
+        &mut t,
+        &mut rng,
+        "model.embed_tokens.weight".into(),
+        cfg.vocab,
+        d,
+        emb_std,
+    );
     if !cfg.tie_embeddings {
-        mat(&mut t, &mut rng, "lm_head.weight".into(), cfg.vocab, d, inv(d));
+        mat(
+            &mut t,
+            &mut rng,
+            "lm_head.weight".into(),
+            cfg.vocab,
+            d,
+            inv(d),
+        );
     }
-    vecf(&mut t, &mut rng, "model.norm.weight".into(), &[d], -0.2, 0.2);
+    vecf(
+        &mut t,
+        &mut rng,
+        "model.norm.weight".into(),
+        &[d],
+        -0.2,
+        0.2,
+    );
     let (nk, nv, dk, dv) = (cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_dk, cfg.lin_dv);
     let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
     for (i, kind) in cfg.layer_kinds.iter().enumerate() {
@@ -128,41 +173,180 @@ pub fn random_tensors(cfg: &HybridConfig, seed: u64, emb_std: f32) -> HostTensor
             LayerKind::Linear => {
                 let a = format!("{l}linear_attn.");
                 if cfg.arch == HybridArch::Qwen3Next {
-                    mat(&mut t, &mut rng, format!("{a}in_proj_qkvz.weight"), 2 * nk * dk + 2 * nv * dv, d, inv(d));
-                    mat(&mut t, &mut rng, format!("{a}in_proj_ba.weight"), 2 * nv, d, inv(d));
+                    mat(
+                        &mut t,
+                        &mut rng,
+                        format!("{a}in_proj_qkvz.weight"),
+                        2 * nk * dk + 2 * nv * dv,
+                        d,
+                        inv(d),
+                    );
+                    mat(
+                        &mut t,
+                        &mut rng,
+                        format!("{a}in_proj_ba.weight"),
+                        2 * nv,
+                        d,
+                        inv(d),
+                    );
                 } else {
-                    mat(&mut t, &mut rng, format!("{a}in_proj_qkv.weight"), cfg.conv_channels(), d, inv(d));
-                    mat(&mut t, &mut rng, format!("{a}in_proj_z.weight"), nv * dv, d, inv(d));
-                    mat(&mut t, &mut rng, format!("{a}in_proj_b.weight"), nv, d, inv(d));
-                    mat(&mut t, &mut rng, format!("{a}in_proj_a.weight"), nv, d, inv(d));
+                    mat(
+                        &mut t,
+                        &mut rng,
+                        format!("{a}in_proj_qkv.weight"),
+                        cfg.conv_channels(),
+                        d,
+                        inv(d),
+                    );
+                    mat(
+                        &mut t,
+                        &mut rng,
+                        format!("{a}in_proj_z.weight"),
+                        nv * dv,
+                        d,
+                        inv(d),
+                    );
+                    mat(
+                        &mut t,
+                        &mut rng,
+                        format!("{a}in_proj_b.weight"),
+                        nv,
+                        d,
+                        inv(d),
+                    );
+                    mat(
+                        &mut t,
+                        &mut rng,
+                        format!("{a}in_proj_a.weight"),
+                        nv,
+                        d,
+                        inv(d),
+                    );
                 }
-                vecf(&mut t, &mut rng, format!("{a}conv1d.weight"), &[cfg.conv_channels(), 1, cfg.conv_kernel], -0.8, 0.8);
+                vecf(
+                    &mut t,
+                    &mut rng,
+                    format!("{a}conv1d.weight"),
+                    &[cfg.conv_channels(), 1, cfg.conv_kernel],
+                    -0.8,
+                    0.8,
+                );
                 vecf(&mut t, &mut rng, format!("{a}A_log"), &[nv], -2.0, 0.7);
                 vecf(&mut t, &mut rng, format!("{a}dt_bias"), &[nv], -1.0, 1.0);
                 vecf(&mut t, &mut rng, format!("{a}norm.weight"), &[dv], 0.7, 1.3);
-                mat(&mut t, &mut rng, format!("{a}out_proj.weight"), d, nv * dv, inv(nv * dv));
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{a}out_proj.weight"),
+                    d,
+                    nv * dv,
+                    inv(nv * dv),
+                );
             }
             LayerKind::Full => {
                 let s = format!("{l}self_attn.");
-                mat(&mut t, &mut rng, format!("{s}q_proj.weight"), 2 * nh * hd, d, inv(d));
-                mat(&mut t, &mut rng, format!("{s}k_proj.weight"), nkv * hd, d, inv(d));
-                mat(&mut t, &mut rng, format!("{s}v_proj.weight"), nkv * hd, d, inv(d));
-                mat(&mut t, &mut rng, format!("{s}o_proj.weight"), d, nh * hd, inv(nh * hd));
-                vecf(&mut t, &mut rng, format!("{s}q_norm.weight"), &[hd], -0.2, 0.2);
-                vecf(&mut t, &mut rng, format!("{s}k_norm.weight"), &[hd], -0.2, 0.2);
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{s}q_proj.weight"),
+                    2 * nh * hd,
+                    d,
+                    inv(d),
+                );
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{s}k_proj.weight"),
+                    nkv * hd,
+                    d,
+                    inv(d),
+                );
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{s}v_proj.weight"),
+                    nkv * hd,
+                    d,
+                    inv(d),
+                );
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{s}o_proj.weight"),
+                    d,
+                    nh * hd,
+                    inv(nh * hd),
+                );
+                vecf(
+                    &mut t,
+                    &mut rng,
+                    format!("{s}q_norm.weight"),
+                    &[hd],
+                    -0.2,
+                    0.2,
+                );
+                vecf(
+                    &mut t,
+                    &mut rng,
+                    format!("{s}k_norm.weight"),
+                    &[hd],
+                    -0.2,
+                    0.2,
+                );
             }
         }
-        vecf(&mut t, &mut rng, format!("{l}input_layernorm.weight"), &[d], -0.2, 0.2);
-        vecf(&mut t, &mut rng, format!("{l}post_attention_layernorm.weight"), &[d], -0.2, 0.2);
-        mat(&mut t, &mut rng, format!("{l}mlp.gate_proj.weight"), cfg.intermediate, d, inv(d));
-        mat(&mut t, &mut rng, format!("{l}mlp.up_proj.weight"), cfg.intermediate, d, inv(d));
-        mat(&mut t, &mut rng, format!("{l}mlp.down_proj.weight"), d, cfg.intermediate, inv(cfg.intermediate));
+        vecf(
+            &mut t,
+            &mut rng,
+            format!("{l}input_layernorm.weight"),
+            &[d],
+            -0.2,
+            0.2,
+        );
+        vecf(
+            &mut t,
+            &mut rng,
+            format!("{l}post_attention_layernorm.weight"),
+            &[d],
+            -0.2,
+            0.2,
+        );
+        mat(
+            &mut t,
+            &mut rng,
+            format!("{l}mlp.gate_proj.weight"),
+            cfg.intermediate,
+            d,
+            inv(d),
+        );
+        mat(
+            &mut t,
+            &mut rng,
+            format!("{l}mlp.up_proj.weight"),
+            cfg.intermediate,
+            d,
+            inv(d),
+        );
+        mat(
+            &mut t,
+            &mut rng,
+            format!("{l}mlp.down_proj.weight"),
+            d,
+            cfg.intermediate,
+            inv(cfg.intermediate),
+        );
     }
     t
 }
 
 /// A random hybrid target on the CPU with `cap` positions and the given arm.
-pub fn random_target(cfg: &HybridConfig, seed: u64, emb_std: f32, cap: usize, arm: RollbackArm) -> HybridTarget<Cpu> {
+pub fn random_target(
+    cfg: &HybridConfig,
+    seed: u64,
+    emb_std: f32,
+    cap: usize,
+    arm: RollbackArm,
+) -> HybridTarget<Cpu> {
     let be = Cpu::new();
     let src = random_tensors(cfg, seed, emb_std);
     let names = TensorNames {
