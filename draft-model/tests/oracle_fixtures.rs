@@ -101,10 +101,18 @@ impl Report {
 }
 
 fn run_case(case: &str) {
+    run_case_with(case, None)
+}
+
+/// `precision`: override the fixture's precision (bf16 storage of the bf16 checkpoint holds
+/// exactly the values the oracle computes with, so the f32 fixtures apply unchanged).
+fn run_case_with(case: &str, precision: Option<Precision>) {
     let dir = fixtures_dir().join(case);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).unwrap()).unwrap();
-    let precision: Precision = meta["precision"].as_str().unwrap().parse().unwrap();
+    let fixture_precision: Precision = meta["precision"].as_str().unwrap().parse().unwrap();
+    let precision = precision.unwrap_or(fixture_precision);
+    let case = &format!("{case}/{precision:?}");
     let want_layout = match meta["layout"].as_str().unwrap() {
         "dflash" => RowLayout::DFlash,
         "anchor" => RowLayout::AnchorPredicts,
@@ -315,4 +323,19 @@ fn dflash_q8_0() {
 #[test]
 fn dflash_q4_0() {
     run_case("dflash_q4_0");
+}
+
+#[test]
+fn dflash_plain_bf16_storage() {
+    run_case_with("dflash_plain", Some(Precision::Bf16));
+}
+
+#[test]
+fn dspark_markov_bf16_storage() {
+    run_case_with("dspark_markov", Some(Precision::Bf16));
+}
+
+#[test]
+fn dflash_swa_bf16_storage() {
+    run_case_with("dflash_swa", Some(Precision::Bf16));
 }
