@@ -75,23 +75,36 @@ fn rel_err(ours: &[f32], oracle: &[f32]) -> f32 {
     err / scale
 }
 
+/// `DFLASH_FIXTURES_DIR` when set (`cargo xtask parity draft` points it at freshly regenerated
+/// fixtures), else the committed ones.
 fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    match std::env::var_os("DFLASH_FIXTURES_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
+    }
+}
+
+/// max |a - b|
+fn abs_err(ours: &[f32], oracle: &[f32]) -> f32 {
+    ours.iter()
+        .zip(oracle)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
 }
 
 struct Report {
-    rows: Vec<(String, f32, f32)>,
+    rows: Vec<(String, f32, f32, f32)>,
 }
 
 impl Report {
     fn check(&mut self, what: &str, ours: &[f32], oracle: &[f32], bound: f32) {
         let e = rel_err(ours, oracle);
-        self.rows.push((what.to_string(), e, bound));
+        self.rows
+            .push((what.to_string(), abs_err(ours, oracle), e, bound));
     }
     fn finish(self, case: &str) {
         let mut bad = Vec::new();
-        for (what, e, bound) in &self.rows {
-            println!("{case:>14} {what:<28} max rel err {e:.3e} (bound {bound:.0e})");
+        for (what, abs, e, bound) in &self.rows {
+            println!("PARITY {case} {what} max_abs={abs:.3e} max_rel={e:.3e} bound={bound:.0e}");
             if e.is_nan() || *e > *bound {
                 bad.push(format!("{what}: {e:.3e} > {bound:.0e}"));
             }
@@ -107,7 +120,9 @@ fn run_case(case: &str) {
 /// `precision`: override the fixture's precision (bf16 storage of the bf16 checkpoint holds
 /// exactly the values the oracle computes with, so the f32 fixtures apply unchanged).
 fn run_case_with(case: &str, precision: Option<Precision>) {
-    let dir = fixtures_dir().join(case);
+    let root = fixtures_dir();
+    println!("fixtures dir: {}", root.display());
+    let dir = root.join(case);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).unwrap()).unwrap();
     let fixture_precision: Precision = meta["precision"].as_str().unwrap().parse().unwrap();
@@ -209,7 +224,7 @@ fn run_case_with(case: &str, precision: Option<Precision>) {
     let (dls, dlv) = f(&io, "draft_logits");
     assert_eq!(dls, [dr.n_drafts(block), vocab]);
     rep.check(
-        "draft_logits (uncached)",
+        "draft_logits_uncached",
         out_full.logits.as_ref().unwrap(),
         dlv,
         ORACLE_BOUND,
@@ -235,7 +250,7 @@ fn run_case_with(case: &str, precision: Option<Precision>) {
         .unwrap();
     assert_eq!(kv.len(), ctx, "block rows are never committed");
     rep.check(
-        "cached vs uncached hidden",
+        "cached_vs_uncached_hidden",
         &be.download(&cached_hidden).unwrap(),
         &full_hidden,
         CACHED_BOUND,
@@ -244,13 +259,13 @@ fn run_case_with(case: &str, precision: Option<Precision>) {
         .draft(&be, &mut kv, &lend, anchor, ctx, &no_markov)
         .unwrap();
     rep.check(
-        "draft_logits (cached)",
+        "draft_logits_cached",
         out.logits.as_ref().unwrap(),
         dlv,
         ORACLE_BOUND,
     );
     rep.check(
-        "cached vs uncached logits",
+        "cached_vs_uncached_logits",
         out.logits.as_ref().unwrap(),
         out_full.logits.as_ref().unwrap(),
         CACHED_BOUND,
