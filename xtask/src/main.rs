@@ -10,6 +10,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod oracle;
 mod quant;
 
 #[derive(Parser)]
@@ -37,6 +38,12 @@ enum Cmd {
 enum ParityCmd {
     /// q8_0 / q4_0 / bf16 / f16 encoders against gguf==0.19.0 on fresh random blocks.
     Quant(quant::ParityArgs),
+    /// Drafter fixtures: regenerate with the Python oracle, self-check, run the fixture tests on them.
+    Draft(oracle::FixtureArgs),
+    /// Target fixtures (transformers Qwen3 / Qwen3.5): same, for dflash-targets.
+    Targets(oracle::FixtureArgs),
+    /// The oracle's greedy speculative loop on a target + drafter pair (tau), vs the Rust figure.
+    Spec(oracle::SpecArgs),
 }
 
 #[derive(Subcommand)]
@@ -50,6 +57,9 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Parity { what } => match what {
             ParityCmd::Quant(a) => quant::parity(a),
+            ParityCmd::Draft(a) => oracle::parity_draft(a),
+            ParityCmd::Targets(a) => oracle::parity_targets(a),
+            ParityCmd::Spec(a) => oracle::parity_spec(a),
         },
         Cmd::Bench { what } => match what {
             BenchCmd::Quant(a) => quant::bench(a),
