@@ -1,0 +1,355 @@
+//! `dflash`: lossless block-diffusion speculative decoding from the command line.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use dflash_backend::cpu::Cpu;
+use dflash_backend::WeightFormat;
+use dflash_draft_model::{Drafter as DraftModel, LoadOptions as DraftLoad, Precision};
+use dflash_spec_round::{plain_greedy, DflashDrafter, RollbackArm, Session, SpecConfig};
+use serde_json::json;
+
+/// Default model pair (the small trained pair shipped in `models/`).
+const DEFAULT_TARGET: &str = "models/target";
+const DEFAULT_DRAFT: &str = "models/draft";
+
+#[derive(Parser)]
+#[command(
+    name = "dflash",
+    version,
+    about = "Lossless block-diffusion speculative decoding (DFlash / DSpark)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate with speculative decoding (optionally compared with plain greedy decode).
+    Generate(GenerateArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PrecisionArg {
+    F32,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Mixed,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ArmArg {
+    Stash,
+    Replay,
+    Gate,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Prompt text (tokenized with tokenizer.json from the target directory).
+    #[arg(conflicts_with_all = ["prompt", "prompt_ids"])]
+    text: Option<String>,
+    /// Target checkpoint directory (HF layout). Default: models/target.
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Drafter checkpoint directory (HF layout). Default: models/draft.
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Prompt text (same as the positional argument).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt token ids, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate (every generated token counts, the first included).
+    #[arg(long, default_value_t = 128)]
+    max_new: usize,
+    /// Also run plain greedy decode and compare the two streams.
+    #[arg(long)]
+    compare_plain: bool,
+    /// Print one JSON object (one line) instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Most rows per verify (anchor + drafts); default: the whole block.
+    #[arg(long)]
+    verify_cap: Option<usize>,
+    /// Keep the verify width fixed at the cap.
+    #[arg(long)]
+    no_adaptive: bool,
+    /// Ignore the drafter's Markov head.
+    #[arg(long)]
+    no_markov: bool,
+    /// Rollback arm for hybrid targets.
+    #[arg(long, value_enum, default_value_t = ArmArg::Stash)]
+    rollback: ArmArg,
+    /// Extra EOS ids (the target config's eos_token_id is always used).
+    #[arg(long, value_delimiter = ',')]
+    eos: Vec<u32>,
+    /// Ignore the target config's eos_token_id.
+    #[arg(long)]
+    no_eos: bool,
+    /// Drafter weight precision.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    draft_precision: PrecisionArg,
+    /// Re-encode the target's matrices (default: keep the file's format).
+    #[arg(long, value_enum)]
+    target_precision: Option<PrecisionArg>,
+    /// Context capacity in positions (default: prompt + max_new + 64).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Multiply the borrowed embedding rows by this (gemma-class targets: sqrt(hidden)).
+    #[arg(long, default_value_t = 1.0)]
+    emb_scale: f32,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Generate(a) => generate(a),
+    }
+}
+
+fn eos_from_config(dir: &Path) -> Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for file in ["config.json", "generation_config.json"] {
+        let p = dir.join(file);
+        if !p.exists() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?)
+            .with_context(|| format!("parsing {}", p.display()))?;
+        let v = v
+            .get("text_config")
+            .and_then(|t| t.get("eos_token_id"))
+            .or_else(|| v.get("eos_token_id"));
+        match v {
+            Some(serde_json::Value::Number(n)) => out.extend(n.as_u64().map(|x| x as u32)),
+            Some(serde_json::Value::Array(a)) => {
+                out.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
+            }
+            _ => {}
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let target_dir = a
+        .target
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_TARGET));
+    let draft_dir = a
+        .draft
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DRAFT));
+    let text = a.text.clone().or(a.prompt.clone());
+    let tokenizer = {
+        let p = target_dir.join("tokenizer.json");
+        if p.exists() {
+            Some(
+                tokenizers::Tokenizer::from_file(&p)
+                    .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
+            )
+        } else {
+            None
+        }
+    };
+    let prompt: Vec<u32> = match (&a.prompt_ids, &text) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(t)) => {
+            let tk = tokenizer.as_ref().with_context(|| {
+                format!(
+                    "--prompt needs {}",
+                    target_dir.join("tokenizer.json").display()
+                )
+            })?;
+            tk.encode(t.as_str(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+                .get_ids()
+                .to_vec()
+        }
+        (None, None) => {
+            bail!("give a prompt: positional TEXT, --prompt TEXT or --prompt-ids 1,2,3")
+        }
+    };
+    let mut eos = if a.no_eos {
+        Vec::new()
+    } else {
+        eos_from_config(&target_dir)?
+    };
+    eos.extend(&a.eos);
+
+    let be = Cpu::new();
+    let t_load = Instant::now();
+    let ctx_cap = a.ctx.unwrap_or(prompt.len() + a.max_new + 64);
+    let target_precision = a.target_precision.map(|p| match p {
+        PrecisionArg::F32 => WeightFormat::F32,
+        PrecisionArg::Bf16 => WeightFormat::Bf16,
+        PrecisionArg::Q8_0 | PrecisionArg::Mixed => WeightFormat::Q8_0,
+        PrecisionArg::Q4_0 => WeightFormat::Q4_0,
+    });
+    let mut target = dflash_targets::load_target(
+        &be,
+        &target_dir,
+        dflash_targets::LoadOptions {
+            precision: target_precision,
+            ctx_cap: Some(ctx_cap),
+        },
+    )
+    .with_context(|| format!("loading the target from {}", target_dir.display()))?;
+    let draft_opts = DraftLoad {
+        precision: match a.draft_precision {
+            PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Q8_0 => Precision::Q8_0,
+            PrecisionArg::Q4_0 => Precision::Q4_0,
+            PrecisionArg::Mixed => Precision::Mixed,
+        },
+        ..DraftLoad::default()
+    };
+    let model = DraftModel::<Cpu>::load(&be, &draft_dir, &draft_opts)
+        .with_context(|| format!("loading the drafter from {}", draft_dir.display()))?;
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    let mut drafter = DflashDrafter::new(&model)?;
+    let cfg = SpecConfig {
+        verify_cap: a.verify_cap,
+        adaptive: !a.no_adaptive,
+        markov: !a.no_markov,
+        rollback: match a.rollback {
+            ArmArg::Stash => RollbackArm::Stash,
+            ArmArg::Replay => RollbackArm::Replay,
+            ArmArg::Gate => RollbackArm::Gate,
+        },
+        emb_scale: a.emb_scale,
+        stats: true,
+    };
+
+    // ---- speculative run (streamed when printing text)
+    let t_spec = Instant::now();
+    let mut session = Session::new(
+        &be,
+        target.as_mut(),
+        &mut drafter,
+        cfg,
+        &prompt,
+        &eos,
+        Some(a.max_new),
+    )?;
+    let mut tokens: Vec<u32> = Vec::with_capacity(a.max_new);
+    let mut printed = 0usize;
+    let stream_text = !a.json && tokenizer.is_some();
+    let mut stdout = std::io::stdout();
+    if !a.json {
+        if let (Some(tk), Some(t)) = (&tokenizer, &text) {
+            let _ = tk;
+            write!(stdout, "{t}")?;
+            stdout.flush()?;
+        }
+    }
+    while !session.finished() {
+        let step = session.burst(1)?;
+        if step.is_empty() {
+            break;
+        }
+        tokens.extend(step);
+        if stream_text {
+            if let Some(tk) = &tokenizer {
+                let s = tk
+                    .decode(&tokens, false)
+                    .map_err(|e| anyhow::anyhow!("decode: {e}"))?;
+                // Print only whole characters that are new (a multi-token character may
+                // still be incomplete: the replacement char marks it).
+                if s.len() > printed && !s.ends_with('\u{FFFD}') {
+                    write!(stdout, "{}", &s[printed..])?;
+                    stdout.flush()?;
+                    printed = s.len();
+                }
+            }
+        }
+    }
+    let spec_s = t_spec.elapsed().as_secs_f64();
+    let stats = session.stats().clone();
+    drop(session);
+
+    // ---- plain greedy reference
+    let plain = if a.compare_plain {
+        let t = Instant::now();
+        let p = plain_greedy(&be, target.as_mut(), &prompt, a.max_new, &eos)?;
+        Some((p, t.elapsed().as_secs_f64()))
+    } else {
+        None
+    };
+    let identical = plain.as_ref().map(|(p, _)| *p == tokens);
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let decode_s = spec_s - stats.prime.as_secs_f64();
+    if a.json {
+        let mut o = json!({
+            "prompt_tokens": prompt.len(),
+            "tokens": tokens,
+            "n_tokens": tokens.len(),
+            "rounds": stats.rounds,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "tau": stats.tau(),
+            "acceptance": stats.acceptance(),
+            "first_draft": stats.first_draft,
+            "prime_ms": ms(stats.prime),
+            "draft_ms": ms(stats.draft),
+            "verify_ms": ms(stats.verify),
+            "rollback_ms": ms(stats.rollback),
+            "ingest_ms": ms(stats.ingest),
+            "spec_ms": spec_s * 1e3,
+            "spec_tok_per_s": tokens.len() as f64 / decode_s.max(1e-9),
+            "load_ms": load_ms,
+        });
+        if let Some(tk) = &tokenizer {
+            o["text"] = json!(tk
+                .decode(&tokens, false)
+                .map_err(|e| anyhow::anyhow!("decode: {e}"))?);
+        }
+        if let Some((p, s)) = &plain {
+            o["plain_tokens"] = json!(p);
+            o["identical"] = json!(identical);
+            o["plain_ms"] = json!(s * 1e3);
+            o["plain_tok_per_s"] = json!(p.len() as f64 / s.max(1e-9));
+            o["speedup"] = json!(s / spec_s.max(1e-9));
+        }
+        println!("{o}");
+    } else {
+        if !stream_text {
+            println!("tokens: {tokens:?}");
+        } else {
+            println!();
+        }
+        println!(
+            "tau {:.2} ({} rounds, {}/{} drafts accepted); spec {:.1} tok/s",
+            stats.tau(),
+            stats.rounds,
+            stats.accepted,
+            stats.drafted,
+            tokens.len() as f64 / spec_s.max(1e-9)
+        );
+        if let Some((p, s)) = &plain {
+            println!(
+                "plain {:.1} tok/s; speedup {:.2}x; streams identical: {}",
+                p.len() as f64 / s.max(1e-9),
+                s / spec_s.max(1e-9),
+                identical.unwrap_or(false)
+            );
+        }
+    }
+    if identical == Some(false) {
+        bail!("the speculative stream differs from plain greedy decode");
+    }
+    Ok(())
+}
