@@ -8,6 +8,12 @@
 //! * SpecForge `DSparkDraftModel`: DSpark keys nested in `dflash_config`;
 //! * RoPE from `rope_theta` / `rope_scaling` (transformers 4) or `rope_parameters`
 //!   (transformers 5, possibly per layer type).
+//!
+//! Attention kinds: a layer slides iff `layer_types[i] == "sliding_attention"` (window
+//! `sliding_window`, or `dflash_config.swa_window_size`); `dflash_config.use_swa = true` makes
+//! every layer slide (vLLM). `use_sliding_window` only matters when `layer_types` is absent
+//! (transformers' Qwen3Config rule with `max_window_layers`); an explicit `layer_types` wins,
+//! as in vLLM and the seed.
 
 use std::path::Path;
 
