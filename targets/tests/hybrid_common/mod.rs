@@ -115,6 +115,18 @@ pub fn tiny_config(vocab: usize, hidden: usize, pattern: &str, next_style: bool)
 /// Random weights for `cfg` under the `model.` prefix, in the Qwen3.5 (separate projections)
 /// or Qwen3-Next (fused) layout depending on `cfg.arch`.
 pub fn random_tensors(cfg: &HybridConfig, seed: u64, emb_std: f32) -> HostTensors {
+    random_tensors_steered(cfg, seed, emb_std, None)
+}
+
+/// As [`random_tensors`]; with `steer = Some((tok, strength))` every embedding row gets +4 on
+/// column 0 and the lm_head row of `tok` gets `+strength` there, so the target often predicts
+/// `tok` and a random drafter borrowing the same embedding / lm_head often agrees with it.
+pub fn random_tensors_steered(
+    cfg: &HybridConfig,
+    seed: u64,
+    emb_std: f32,
+    steer: Option<(u32, f32)>,
+) -> HostTensors {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut t = HostTensors::new();
     let d = cfg.hidden;
@@ -125,9 +137,18 @@ pub fn random_tensors(cfg: &HybridConfig, seed: u64, emb_std: f32) -> HostTensor
                cols: usize,
                std: f32| {
         let s = std * 3f32.sqrt();
-        let v = (0..rows * cols)
+        let mut v: Vec<f32> = (0..rows * cols)
             .map(|_| s * (2.0 * rng.random::<f32>() - 1.0))
             .collect();
+        if let Some((tok, strength)) = steer {
+            if name.contains("embed_tokens") {
+                for r in 0..rows {
+                    v[r * cols] += 4.0;
+                }
+            } else if name == "lm_head.weight" && (tok as usize) < rows {
+                v[tok as usize * cols] += strength;
+            }
+        }
         t.insert(name, &[rows, cols], v).unwrap();
     };
     let vecf =
@@ -347,14 +368,27 @@ pub fn random_target(
     cap: usize,
     arm: RollbackArm,
 ) -> HybridTarget<Cpu> {
+    random_target_with(cfg, seed, emb_std, cap, arm, None, None)
+}
+
+/// As [`random_target`], with steering (see [`random_tensors_steered`]) and a weight format.
+pub fn random_target_with(
+    cfg: &HybridConfig,
+    seed: u64,
+    emb_std: f32,
+    cap: usize,
+    arm: RollbackArm,
+    steer: Option<(u32, f32)>,
+    precision: Option<dflash_backend::WeightFormat>,
+) -> HybridTarget<Cpu> {
     let be = Cpu::new();
-    let src = random_tensors(cfg, seed, emb_std);
+    let src = random_tensors_steered(cfg, seed, emb_std, steer);
     let names = TensorNames {
         prefix: "model.".into(),
         lm_head: "lm_head.weight".into(),
     };
     let opts = LoadOptions {
-        precision: None,
+        precision,
         ctx_cap: Some(cap),
     };
     let mut t = HybridTarget::from_source(&be, cfg.clone(), &src, &names, opts).unwrap();
