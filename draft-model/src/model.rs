@@ -299,6 +299,46 @@ fn host_weight(
 }
 
 impl<B: Backend> Drafter<B> {
+    /// Every resident weight matrix (linear layers and heads; not the 1-D norms).
+    pub fn weights(&self) -> Vec<&Weight<B>> {
+        let mut w = vec![&self.fc];
+        for l in &self.layers {
+            w.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+        }
+        if let Some(m) = &self.markov {
+            w.extend([&m.w1, &m.w2]);
+        }
+        if let Some(c) = &self.confidence {
+            w.push(&c.w);
+        }
+        w
+    }
+
+    /// Parameters of the weight matrices plus the norms (the borrowed embedding / lm_head
+    /// excluded).
+    pub fn n_params(&self) -> usize {
+        let c = &self.cfg;
+        let norms = 2 * c.hidden_size + self.layers.len() * (2 * c.hidden_size + 2 * c.head_dim);
+        self.weights()
+            .iter()
+            .map(|w| w.rows * w.cols)
+            .sum::<usize>()
+            + norms
+    }
+
+    /// Bytes of the weight matrices in their storage formats (norms as f32).
+    pub fn weight_bytes(&self) -> usize {
+        let c = &self.cfg;
+        let norms = 2 * c.hidden_size + self.layers.len() * (2 * c.hidden_size + 2 * c.head_dim);
+        self.weights()
+            .iter()
+            .map(|w| w.format.bytes_for(w.rows * w.cols))
+            .sum::<usize>()
+            + 4 * norms
+    }
+}
+
+impl<B: Backend> Drafter<B> {
     /// Load `dir/config.json` and the checkpoint in `dir` (single file or sharded).
     pub fn load(be: &B, dir: &Path, opts: &LoadOptions) -> Result<Self> {
         let cfg = DraftConfig::from_file(dir)?;

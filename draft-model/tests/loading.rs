@@ -670,6 +670,23 @@ fn precision_policy_formats_and_mixed_equals_dequantized_reference() {
     assert_eq!(fmt(Precision::Q8_0), (F::Q8_0, F::Q8_0, F::Q8_0));
     assert_eq!(fmt(Precision::Q4_0), (F::Q4_0, F::Q4_0, F::Q4_0));
     assert_eq!(fmt(Precision::Mixed), (F::Bf16, F::Bf16, F::Q8_0));
+    // Sizes: the checkpoint's element count; bytes follow the formats.
+    let raw = read_raw(&dir.join("model.safetensors"));
+    let n: usize = raw.iter().map(|t| t.2.iter().product::<usize>()).sum();
+    let f32d = load(&dir, &LoadOptions::default()).unwrap();
+    assert_eq!(f32d.n_params(), n);
+    assert_eq!(f32d.weight_bytes(), 4 * n);
+    let q8 = load(
+        &dir,
+        &LoadOptions {
+            precision: Precision::Q8_0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let norms = n - q8.weights().iter().map(|w| w.rows * w.cols).sum::<usize>();
+    let lin = n - norms;
+    assert_eq!(q8.weight_bytes(), lin / 32 * 34 + 4 * norms);
 
     // Mixed == an f32 drafter whose MLP weights are the q8_0 round trip of the originals.
     let cfg = DraftConfig::from_file(&dir).unwrap();
