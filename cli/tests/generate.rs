@@ -1,0 +1,144 @@
+//! `dflash generate --json` end to end on the oracle fixtures: the transformers Qwen3 target
+//! of `targets/tests/fixtures/qwen3_dense` with the drafters of the draft-model fixtures
+//! (trained against no one: random, so few accepts; exactness is what is checked).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use safetensors::SafeTensors;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn fixture_ids(name: &str) -> Vec<u32> {
+    let bytes =
+        std::fs::read(root().join("targets/tests/fixtures/qwen3_dense/io.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn generate_json_matches_transformers_greedy() {
+    let prompt = fixture_ids("prompt_ids");
+    let greedy = fixture_ids("greedy_ids");
+    let ids = prompt
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let target = root().join("targets/tests/fixtures/qwen3_dense/model");
+    for (draft, extra) in [
+        ("dflash_plain", vec![]),
+        ("dspark_markov", vec!["--verify-cap", "4"]),
+        ("dflash_swa", vec!["--no-adaptive"]),
+    ] {
+        let draft = root()
+            .join("draft-model/tests/fixtures")
+            .join(draft)
+            .join("draft");
+        let max_new = greedy.len().to_string();
+        let mut args = vec![
+            "generate",
+            "--target",
+            target.to_str().unwrap(),
+            "--draft",
+            draft.to_str().unwrap(),
+            "--prompt-ids",
+            &ids,
+            "--max-new",
+            &max_new,
+            "--compare-plain",
+            "--json",
+        ];
+        args.extend(extra);
+        let (ok, stdout, stderr) = run(&args);
+        assert!(ok, "dflash failed: {stderr}");
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.len(), 1, "--json prints one line: {stdout}");
+        let v: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+        let toks: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            toks, greedy,
+            "spec tokens differ from transformers' greedy continuation"
+        );
+        let plain: Vec<u32> = v["plain_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(plain, greedy);
+        assert_eq!(v["identical"], serde_json::Value::Bool(true));
+        for key in [
+            "rounds",
+            "drafted",
+            "accepted",
+            "tau",
+            "first_draft",
+            "draft_ms",
+            "verify_ms",
+            "rollback_ms",
+            "ingest_ms",
+        ] {
+            assert!(v.get(key).is_some(), "missing {key}");
+        }
+        let rounds = v["rounds"].as_u64().unwrap() as f64;
+        let accepted = v["accepted"].as_u64().unwrap() as f64;
+        let tau = v["tau"].as_f64().unwrap();
+        assert!((tau - (rounds + accepted) / rounds).abs() < 1e-9);
+        assert!(!v["first_draft"].as_array().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn generate_reports_bad_input() {
+    let target = root().join("targets/tests/fixtures/qwen3_dense/model");
+    let draft = root().join("draft-model/tests/fixtures/dflash_plain/draft");
+    let (ok, _, stderr) = run(&[
+        "generate",
+        "--target",
+        target.to_str().unwrap(),
+        "--draft",
+        draft.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,99999",
+        "--max-new",
+        "4",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("99999"), "{stderr}");
+    let (ok, _, stderr) = run(&[
+        "generate",
+        "--target",
+        "/nonexistent",
+        "--draft",
+        draft.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("nonexistent"), "{stderr}");
+}
