@@ -447,17 +447,25 @@ impl<B: Backend> Drafter<B> {
             .as_ref()
             .is_some_and(|d| d.enable_confidence_head);
         let confidence = if ld.has(cwn) || declared_conf {
-            let in_dim = match (ld.shape(cwn), &markov) {
-                (Some(s), Some(m)) if s == [1, d + m.rank] => d + m.rank,
-                (Some(s), _) if s == [1, d] => d,
-                (Some(s), m) => {
-                    return Err(DraftError::Shape {
-                        tensor: cwn.into(),
-                        expected: vec![1, d + m.as_ref().map_or(0, |m| m.rank)],
-                        found: s,
-                    })
-                }
-                (None, _) => return Err(DraftError::MissingTensor(cwn.into())),
+            let rank = markov.as_ref().map_or(0, |m| m.rank);
+            // The config, when it declares the head, fixes its input; otherwise the tensor's
+            // shape says whether the Markov embedding is part of it.
+            let declared_in = cfg
+                .dspark
+                .as_ref()
+                .filter(|ds| ds.enable_confidence_head)
+                .map(|ds| {
+                    d + if ds.confidence_head_with_markov {
+                        rank
+                    } else {
+                        0
+                    }
+                });
+            let in_dim = match (declared_in, ld.shape(cwn)) {
+                (_, None) => return Err(DraftError::MissingTensor(cwn.into())),
+                (Some(i), Some(_)) => i,
+                (None, Some(s)) if rank > 0 && s == [1, d + rank] => d + rank,
+                (None, Some(_)) => d,
             };
             let w = ld.take(cwn, &[1, in_dim])?.to_f32();
             let b = ld.take(cbn, &[1])?.to_f32();

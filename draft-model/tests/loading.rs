@@ -757,3 +757,46 @@ fn layout_override() {
     );
     assert_eq!(outs[1].confidence.as_ref().unwrap().len(), 6);
 }
+
+#[test]
+fn dspark_heads_shapes_follow_the_config() {
+    use dflash_draft_model::random::{random_tensor_map, tiny_config};
+    let be = Cpu::new();
+    let cfg = tiny_config(32, 1, 2, 1, 64, 4, &[0], None, 32).unwrap();
+    let mut map = random_tensor_map(&cfg, 3);
+    let ok = Drafter::from_tensors(&be, cfg.clone(), &map, &LoadOptions::default()).unwrap();
+    assert!(ok.confidence.as_ref().unwrap().with_markov);
+    // config says with_markov, the tensor lacks the Markov part
+    map.insert(
+        "confidence_head.proj.weight".into(),
+        (vec![1, 32], vec![0.1; 32]),
+    );
+    match Drafter::from_tensors(&be, cfg.clone(), &map, &LoadOptions::default()) {
+        Err(DraftError::Shape {
+            tensor,
+            expected,
+            found,
+        }) => {
+            assert_eq!(tensor, "confidence_head.proj.weight");
+            assert_eq!((expected, found), (vec![1, 64], vec![1, 32]));
+        }
+        other => panic!("{other:?}"),
+    }
+    // config declares a Markov head the file lacks
+    let mut map = random_tensor_map(&cfg, 3);
+    map.remove("markov_head.markov_w2.weight");
+    match Drafter::from_tensors(&be, cfg.clone(), &map, &LoadOptions::default()) {
+        Err(DraftError::MissingTensor(n)) => assert_eq!(n, "markov_head.markov_w2.weight"),
+        other => panic!("{other:?}"),
+    }
+    // w1 of the wrong rank
+    let mut map = random_tensor_map(&cfg, 3);
+    map.insert(
+        "markov_head.markov_w1.weight".into(),
+        (vec![64, 16], vec![0.0; 1024]),
+    );
+    assert!(matches!(
+        Drafter::from_tensors(&be, cfg, &map, &LoadOptions::default()),
+        Err(DraftError::Shape { .. })
+    ));
+}
