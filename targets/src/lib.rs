@@ -42,6 +42,9 @@ pub fn load_target<B: Backend>(
                 opts,
             )?))
         }
+        (_, "qwen3_5" | "qwen3_5_text" | "qwen3_next" | "qwen3_5_moe" | "qwen3_5_moe_text") => Ok(
+            Box::new(hybrid::HybridTarget::from_checkpoint(be, &ck, opts)?),
+        ),
         _ => Err(TargetError::Unsupported(format!(
             "{}: architecture `{arch}` (model_type `{model_type}`) has no reference target",
             ck.config_path()

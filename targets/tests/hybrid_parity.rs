@@ -129,3 +129,15 @@ fn forward_is_run_to_run_deterministic() {
         }
     }
 }
+
+#[test]
+fn load_target_dispatches_hybrid_checkpoints() {
+    let be = Cpu::new();
+    for case in ["qwen3_5_text", "qwen3_5_vl", "qwen3_next_dense"] {
+        let rc = read_io(ref_dir(case));
+        let mut t =
+            dflash_targets::load_target(&be, rc.dir.join("model"), LoadOptions::default()).unwrap();
+        let f = t.prime(&be, &rc.ids["prompt_ids"], &[]).unwrap();
+        assert_eq!(f.argmax[0], rc.ids["greedy_ids"][0], "{case}");
+    }
+}

@@ -66,10 +66,14 @@ impl<B: Backend> HybridTarget<B> {
     /// text part of a vision-language checkpoint (nested `text_config`,
     /// `model.language_model.layers.*`; the vision tower is ignored).
     pub fn load(be: &B, dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Self> {
-        let ck = Checkpoint::open(dir)?;
+        Self::from_checkpoint(be, &Checkpoint::open(dir)?, opts)
+    }
+
+    /// As [`HybridTarget::load`], from an open checkpoint.
+    pub fn from_checkpoint(be: &B, ck: &Checkpoint, opts: LoadOptions) -> Result<Self> {
         let cfg = HybridConfig::from_json(&ck.config_path(), ck.config())?;
-        let names = TensorNames::detect(&ck)?;
-        Self::from_source(be, cfg, &ck, &names, opts)
+        let names = TensorNames::detect(ck)?;
+        Self::from_source(be, cfg, ck, &names, opts)
     }
 
     /// Build from any tensor source with an explicit name layout.
