@@ -62,7 +62,26 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
 #pragma unroll
         for (int e = 0; e < DL; ++e) o[r][e] = 0.0f;
 
-    for (int sub = 0; sub < ATT_SPLIT / ATT_CK; ++sub) {
+    // Skip a split that no row of this block can see (sliding windows over long contexts):
+    // an exact no-op for every row (its l stays 0, so the combine ignores the split).
+    __shared__ int s_nsub;
+    __syncthreads();
+    if (tid == 0) {
+        const long long jlo = (long long)split * ATT_SPLIT;
+        const long long jhi = min((long long)n_kv, jlo + ATT_SPLIT) - 1;
+        bool any = false;
+        for (int r = 0; r < ATT_QT; ++r) {
+            if (!rvalid[r]) continue;
+            long long lo = kv_pos0 + jlo, hi = kv_pos0 + jhi;
+            if (window >= 0) lo = max(lo, qpos[r] - window + 1);
+            if (causal) hi = min(hi, qpos[r]);
+            if (lo <= hi) any = true;
+        }
+        s_nsub = any ? ATT_SPLIT / ATT_CK : 0;
+    }
+    __syncthreads();
+    const int nsub = s_nsub;
+    for (int sub = 0; sub < nsub; ++sub) {
         const long long j0 = (long long)split * ATT_SPLIT + sub * ATT_CK;
         if (j0 >= n_kv) break;
         __syncthreads();

@@ -143,8 +143,8 @@ extern "C" __global__ void gated_delta_rule(const float *q, const float *k, cons
             for (int i = threadIdx.x; i < dk; i += blockDim.x) { sq = fmaf(qs[i], qs[i], sq); sk = fmaf(ks[i], ks[i], sk); }
             sq = block_sum(sq, red);
             sk = block_sum(sk, red);
-            qn = rsqrtf(sq + 1e-6f);
-            kn = rsqrtf(sk + 1e-6f);
+            qn = 1.0f / sqrtf(sq + 1e-6f);
+            kn = 1.0f / sqrtf(sk + 1e-6f);
         }
         __syncthreads();
         for (int i = threadIdx.x; i < dk; i += blockDim.x) { qs[i] = qs[i] * qn * q_scale; ks[i] = ks[i] * kn; }
@@ -172,4 +172,34 @@ extern "C" __global__ void gated_delta_rule(const float *q, const float *k, cons
     }
     __syncthreads();
     for (int i = threadIdx.x; i < dk * dv; i += blockDim.x) st[i] = S[i];
+}
+
+// Deterministic pseudo-random fills (benchmarks build large random weights on the device).
+__device__ __forceinline__ u32 hash_u32(u64 x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return (u32)x;
+}
+__device__ __forceinline__ float hash_unit(u64 seed, long long i) {  // uniform in [-1, 1)
+    return (float)(hash_u32(seed * 0x9e3779b97f4a7c15ULL + (u64)i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+extern "C" __global__ void fill_random_u32(u32 *p, long long n, unsigned long long seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        p[i] = hash_u32(seed * 0x9e3779b97f4a7c15ULL + (u64)i);
+}
+// bf16 (f16 = 0) or f16 (f16 = 1) bit patterns of uniform(-amp, amp).
+extern "C" __global__ void fill_random_half(u16 *p, long long n, unsigned long long seed, float amp, int f16) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = hash_unit(seed, i) * amp;
+        if (f16) {
+            unsigned short h;
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+            p[i] = h;
+        } else {
+            p[i] = (u16)(pack_bf16x2(v, 0.0f) & 0xffffu);
+        }
+    }
+}
+extern "C" __global__ void fill_random_f32(float *p, long long n, unsigned long long seed, float amp) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        p[i] = hash_unit(seed, i) * amp;
 }

@@ -10,6 +10,7 @@ use cudarc::driver::{
 };
 use dflash_backend::{
     AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, RopeSpec, Weight,
+    WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -131,6 +132,7 @@ pub struct Cuda {
     scratch: Mutex<Scratch>,
     rope_cache: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
     blas: Mutex<Option<CudaBlas>>,
+    smem_set: Mutex<HashMap<Kernel, usize>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -224,6 +226,7 @@ impl Cuda {
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
+            smem_set: Mutex::new(HashMap::new()),
         })
     }
 
@@ -245,6 +248,23 @@ impl Cuda {
         self.reg.get(k).map_err(BackendError::from)
     }
 
+    /// Raise a kernel's dynamic shared memory limit (once per kernel and size; a driver call
+    /// that is not a stream operation, so graph captures are unaffected).
+    fn func_smem(&self, k: Kernel, bytes: usize) -> Result<CudaFunction> {
+        let f = self.func(k)?;
+        let mut set = lock(&self.smem_set);
+        let cur = set.get(&k).copied().unwrap_or(0);
+        if bytes > cur {
+            f.set_attribute(
+                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(dev)?;
+            set.insert(k, bytes);
+        }
+        Ok(f)
+    }
+
     /// Compile and load every kernel now (keeps NVRTC out of timings and graph captures).
     pub fn warm_up(&self) -> Result<()> {
         for &k in Kernel::ALL {
@@ -256,14 +276,93 @@ impl Cuda {
             (Kernel::AttnSplitD128, 128),
             (Kernel::AttnSplitD256, 256),
         ] {
-            let f = self.func(k)?;
-            f.set_attribute(
-                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                att_smem_bytes(d) as i32,
-            )
-            .map_err(dev)?;
+            self.func_smem(k, att_smem_bytes(d))?;
         }
         Ok(())
+    }
+
+    /// A weight of random values generated on the device (benchmarks): uniform(-amp, amp)
+    /// for f32 / bf16 / f16; random codes with f16 scales `amp / 127` (q8_0) or `amp / 8`
+    /// (q4_0) for the block formats. Deterministic in `seed`.
+    pub fn random_weight(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        format: WeightFormat,
+        seed: u64,
+        amp: f32,
+    ) -> Result<Weight<Self>> {
+        let n = rows * cols;
+        if matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && !cols.is_multiple_of(32) {
+            return Err(BackendError::Weight(format!(
+                "{name}: {format:?} needs cols % 32 == 0, found {cols}"
+            )));
+        }
+        let half = |len: usize, seed: u64, amp: f32, f16: i32| -> Result<CudaSlice<u16>> {
+            let mut s = self.stream.alloc_zeros::<u16>(len.max(1)).map_err(dev)?;
+            let f = self.func(Kernel::FillRandomHalf)?;
+            let n64 = len as i64;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&mut s).arg(&n64).arg(&seed).arg(&amp).arg(&f16);
+            unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+            Ok(s)
+        };
+        let words = |len: usize, seed: u64| -> Result<CudaSlice<u32>> {
+            let mut s = self.stream.alloc_zeros::<u32>(len.max(1)).map_err(dev)?;
+            let f = self.func(Kernel::FillRandomU32)?;
+            let n64 = len as i64;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&mut s).arg(&n64).arg(&seed);
+            unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+            Ok(s)
+        };
+        let buf = match format {
+            WeightFormat::F32 => {
+                let mut s = self.stream.alloc_zeros::<f32>(n.max(1)).map_err(dev)?;
+                let f = self.func(Kernel::FillRandomF32)?;
+                let n64 = n as i64;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&mut s).arg(&n64).arg(&seed).arg(&amp);
+                unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
+                CudaWeightBuf::F32(s)
+            }
+            WeightFormat::Bf16 => CudaWeightBuf::Bf16(half(n, seed, amp, 0)?),
+            WeightFormat::F16 => CudaWeightBuf::F16(half(n, seed, amp, 1)?),
+            WeightFormat::Q8_0 => {
+                let mut qs = self.stream.alloc_zeros::<i8>(n.max(4)).map_err(dev)?;
+                let f = self.func(Kernel::FillRandomU32)?;
+                let words = (n / 4) as i64;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&mut qs).arg(&words).arg(&seed);
+                unsafe { b.launch(grid_1d(n / 4, 256)) }.map_err(dev)?;
+                let d = half(n / 32, seed ^ 0x5555, amp / 127.0, 1)?;
+                CudaWeightBuf::Q8_0 { qs, d }
+            }
+            WeightFormat::Q4_0 => {
+                let qs = words(n / 8, seed)?;
+                let d = half(n / 32, seed ^ 0x5555, amp / 8.0, 1)?;
+                CudaWeightBuf::Q4_0 { qs, d }
+            }
+        };
+        Ok(Weight {
+            name: name.to_string(),
+            format,
+            rows,
+            cols,
+            buf,
+        })
+    }
+
+    /// A buffer of `n` random values uniform in (-amp, amp), generated on the device.
+    pub fn random_buf(&self, n: usize, seed: u64, amp: f32) -> Result<CudaBuf> {
+        let mut b = self.zeros(n)?;
+        let f = self.func(Kernel::FillRandomF32)?;
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&mut b.data).arg(&n64).arg(&seed).arg(&amp);
+        unsafe { l.launch(grid_1d(n, 256)) }.map_err(dev)?;
+        Ok(b)
     }
 
     /// A buffer filled with `v` (NaN to poison outputs in tests).
@@ -430,17 +529,6 @@ impl Cuda {
             unsafe { b.launch(cfg((1, 1, 1), 32, 0)) }.map_err(dev)?;
         }
         Ok(())
-    }
-
-    fn rope_freqs(&self, spec: &RopeSpec) -> Result<CudaSlice<f32>> {
-        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
-        let mut cache = lock(&self.rope_cache);
-        if let Some(s) = cache.get(&key) {
-            return s.try_clone().map_err(dev);
-        }
-        let s = self.stream.clone_htod(&spec.inv_freq).map_err(dev)?;
-        cache.insert(key, s.try_clone().map_err(dev)?);
-        Ok(s)
     }
 
     /// The skinny (<= 16 rows) matmul on the tensor cores or the SIMT kernel.
@@ -944,7 +1032,13 @@ impl Backend for Cuda {
         if n == 0 {
             return Ok(());
         }
-        let freqs = self.rope_freqs(spec)?;
+        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let mut cache = lock(&self.rope_cache);
+        if !cache.contains_key(&key) {
+            let s = self.stream.clone_htod(&spec.inv_freq).map_err(dev)?;
+            cache.insert(key.clone(), s);
+        }
+        let freqs = cache.get(&key).ok_or_else(internal)?;
         let f = self.func(Kernel::Rope)?;
         let (r, h, d, hr, p0) = (
             rows as i32,
@@ -961,7 +1055,7 @@ impl Backend for Cuda {
             .arg(&d)
             .arg(&hr)
             .arg(&p0)
-            .arg(&freqs)
+            .arg(freqs)
             .arg(&sc);
         unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
         Ok(())
@@ -976,7 +1070,11 @@ impl Backend for Cuda {
         out: &mut CudaBuf,
     ) -> Result<()> {
         let op = "attention";
-        if p.n_heads == 0 || p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) || p.head_dim == 0 {
+        if p.n_heads == 0
+            || p.n_kv_heads == 0
+            || !p.n_heads.is_multiple_of(p.n_kv_heads)
+            || p.head_dim == 0
+        {
             return Err(BackendError::Invalid {
                 op,
                 msg: format!(
@@ -1013,13 +1111,8 @@ impl Backend for Cuda {
         let rows_total = p.n_q * p.n_heads;
         match tiled {
             Some(kern) if p.n_kv > 0 => {
-                let f = self.func(kern)?;
                 let smem = att_smem_bytes(d);
-                f.set_attribute(
-                    drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .map_err(dev)?;
+                let f = self.func_smem(kern, smem)?;
                 let n_split = p.n_kv.div_ceil(ATT_SPLIT);
                 let qr = p.n_q * (p.n_heads / p.n_kv_heads);
                 let mut s = lock(&self.scratch);
@@ -1312,12 +1405,7 @@ impl Backend for Cuda {
         if p.n_v_heads == 0 {
             return Ok(());
         }
-        let f = self.func(Kernel::GatedDeltaRule)?;
-        f.set_attribute(
-            drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(dev)?;
+        let f = self.func_smem(Kernel::GatedDeltaRule, smem)?;
         let (t, nk, nv, dk, dv) = (
             p.t as i32,
             p.n_k_heads as i32,

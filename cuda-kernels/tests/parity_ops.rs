@@ -1,0 +1,704 @@
+//! Every op of the CUDA backend against the CPU reference backend, on fresh random inputs
+//! each run (seed printed), with outputs poisoned (NaN) before the launch.
+//!
+//! Tolerances (max |gpu - cpu| / max |cpu| over the output):
+//! * gathers, argmax, copies: exact (the same arithmetic, or none);
+//! * elementwise, norms, RoPE, gates, conv: 1e-5 (f32; libm vs CUDA transcendental ulps);
+//! * f32 / f16 matmul (SIMT, f32 FMA), attention: 2e-5 (different summation order);
+//! * bf16 / q8_0 / q4_0 matmul (tensor cores, x split into bf16 hi + lo, ~16 significant
+//!   bits of x, f32 accumulation): 1e-4; cuBLAS prefill path: 1e-4;
+//! * gated delta rule: 1e-4 (a recurrence over t steps).
+//!
+//! Plus per-row determinism on the GPU itself, bit for bit.
+
+mod common;
+
+use common::{gpu, poisoned, rand_vec, report, rng};
+use dflash_backend::cpu::Cpu;
+use dflash_backend::{AttnParams, Backend, DeltaParams, HostWeight, RopeSpec, WeightFormat};
+use rand::Rng;
+
+const FORMATS: [WeightFormat; 5] = [
+    WeightFormat::F32,
+    WeightFormat::Bf16,
+    WeightFormat::F16,
+    WeightFormat::Q8_0,
+    WeightFormat::Q4_0,
+];
+
+fn matmul_tol(f: WeightFormat) -> f32 {
+    match f {
+        WeightFormat::F32 | WeightFormat::F16 => 2e-5,
+        _ => 1e-4,
+    }
+}
+
+#[test]
+fn matmul_all_formats_and_row_counts() {
+    let Some(g) = gpu("matmul_all_formats_and_row_counts") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("matmul_all_formats_and_row_counts");
+    // (N, K): split-k on and off, ragged N, K not a multiple of 32 (SIMT fallback), long K.
+    let shapes = [
+        (4096usize, 4096usize),
+        (1024, 4096),
+        (300, 96),
+        (77, 50),
+        (512, 12288),
+        (20000, 256),
+    ];
+    for &(n, k) in &shapes {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        for fmt in FORMATS {
+            if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k % 32 != 0 {
+                continue;
+            }
+            let hw = HostWeight::from_f32("w", n, k, &wv, fmt).expect("encode");
+            let wc = cpu.upload_weight(&hw).expect("cpu weight");
+            let wg = g.upload_weight(&hw).expect("gpu weight");
+            for rows in [1usize, 3, 8, 9, 16, 40] {
+                if rows == 40 && n * k > 4096 * 4096 {
+                    continue;
+                }
+                let xv = rand_vec(&mut r, rows * k, 2.0);
+                let mut oc = vec![0.0f32; rows * n];
+                cpu.matmul(&xv, rows, &wc, &mut oc).expect("cpu matmul");
+                let xg = g.upload(&xv).expect("upload");
+                let mut og = poisoned(g, rows * n);
+                g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
+                let got = g.download(&og).expect("download");
+                report(
+                    &format!("matmul {fmt:?} n={n} k={k} rows={rows}"),
+                    &got,
+                    &oc,
+                    matmul_tol(fmt),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_is_per_row_deterministic() {
+    let Some(g) = gpu("matmul_is_per_row_deterministic") else {
+        return;
+    };
+    let mut r = rng("matmul_is_per_row_deterministic");
+    for &(n, k) in &[(1024usize, 4096usize), (4096, 1024), (333, 160), (64, 40)] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        for fmt in FORMATS {
+            if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k % 32 != 0 {
+                continue;
+            }
+            let wg = g
+                .upload_weight(&HostWeight::from_f32("w", n, k, &wv, fmt).expect("encode"))
+                .expect("w");
+            let xv = rand_vec(&mut r, 16 * k, 2.0);
+            let xg = g.upload(&xv).expect("x");
+            let mut all = poisoned(g, 16 * n);
+            g.matmul(&xg, 16, &wg, &mut all).expect("16 rows");
+            let all = g.download(&all).expect("dl");
+            for rows in [1usize, 5, 9] {
+                let xs = g.upload(&xv[..rows * k]).expect("x");
+                let mut o = poisoned(g, rows * n);
+                g.matmul(&xs, rows, &wg, &mut o).expect("few rows");
+                let o = g.download(&o).expect("dl");
+                for (i, (a, b)) in o.iter().zip(&all[..rows * n]).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{fmt:?} n={n} k={k}: row {} col {} differs between {rows} and 16 rows",
+                        i / n,
+                        i % n
+                    );
+                }
+            }
+            eprintln!("DETERMINISM matmul {fmt:?} n={n} k={k}: rows 1/5/9 bit-identical to the same rows of a 16-row call");
+        }
+    }
+}
+
+#[test]
+fn gather_rows_all_formats_exact() {
+    let Some(g) = gpu("gather_rows_all_formats_exact") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("gather_rows_all_formats_exact");
+    let (n, k) = (1000usize, 256usize);
+    let wv = rand_vec(&mut r, n * k, 3.0);
+    let ids: Vec<u32> = (0..17).map(|_| r.random_range(0..n as u32)).collect();
+    for fmt in FORMATS {
+        let hw = HostWeight::from_f32("emb", n, k, &wv, fmt).expect("encode");
+        let wc = cpu.upload_weight(&hw).expect("w");
+        let wg = g.upload_weight(&hw).expect("w");
+        let mut oc = vec![0.0f32; ids.len() * k];
+        cpu.gather_rows(&wc, &ids, &mut oc).expect("cpu");
+        let mut og = poisoned(g, ids.len() * k);
+        g.gather_rows(&wg, &ids, &mut og).expect("gpu");
+        report(
+            &format!("gather_rows {fmt:?}"),
+            &g.download(&og).expect("dl"),
+            &oc,
+            0.0,
+        );
+    }
+    let wg = g
+        .upload_weight(&HostWeight::from_f32("emb", n, k, &wv, WeightFormat::F32).expect("e"))
+        .expect("w");
+    let mut og = g.zeros(k).expect("z");
+    assert!(
+        g.gather_rows(&wg, &[n as u32], &mut og).is_err(),
+        "an id out of range must be an error"
+    );
+}
+
+#[test]
+fn norms_rope_elementwise() {
+    let Some(g) = gpu("norms_rope_elementwise") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("norms_rope_elementwise");
+    for &(rows, dim) in &[(16usize, 4096usize), (512, 128), (3, 100)] {
+        let x = rand_vec(&mut r, rows * dim, 3.0);
+        let z = rand_vec(&mut r, rows * dim, 3.0);
+        let w = rand_vec(&mut r, dim, 1.5);
+        let (xg, zg, wg) = (
+            g.upload(&x).unwrap(),
+            g.upload(&z).unwrap(),
+            g.upload(&w).unwrap(),
+        );
+        let mut oc = vec![0.0; rows * dim];
+        cpu.rms_norm(&x, &w, dim, 1e-6, &mut oc).unwrap();
+        let mut og = poisoned(g, rows * dim);
+        g.rms_norm(&xg, &wg, dim, 1e-6, &mut og).unwrap();
+        report(
+            &format!("rms_norm rows={rows} dim={dim}"),
+            &g.download(&og).unwrap(),
+            &oc,
+            1e-5,
+        );
+        cpu.rms_norm_gated(&x, &z, &w, dim, 1e-6, &mut oc).unwrap();
+        let mut og = poisoned(g, rows * dim);
+        g.rms_norm_gated(&xg, &zg, &wg, dim, 1e-6, &mut og).unwrap();
+        report(
+            &format!("rms_norm_gated rows={rows} dim={dim}"),
+            &g.download(&og).unwrap(),
+            &oc,
+            1e-5,
+        );
+
+        let mut oc = vec![0.0; rows * dim];
+        cpu.silu_mul(&x, &z, &mut oc).unwrap();
+        let mut og = poisoned(g, rows * dim);
+        g.silu_mul(&xg, &zg, &mut og).unwrap();
+        report(
+            &format!("silu_mul n={}", rows * dim),
+            &g.download(&og).unwrap(),
+            &oc,
+            1e-5,
+        );
+
+        let mut c = x.clone();
+        let mut gg = g.upload(&x).unwrap();
+        cpu.scale(&mut c, 0.37).unwrap();
+        g.scale(&mut gg, 0.37).unwrap();
+        report("scale", &g.download(&gg).unwrap(), &c, 0.0);
+        cpu.mul_sigmoid(&mut c, &z).unwrap();
+        g.mul_sigmoid(&mut gg, &zg).unwrap();
+        report("mul_sigmoid", &g.download(&gg).unwrap(), &c, 1e-5);
+        let off = dim / 3;
+        let len = rows * dim - off;
+        cpu.add_assign(&mut c, off, &z, len).unwrap();
+        g.add_assign(&mut gg, off, &zg, len).unwrap();
+        report("add_assign (offset)", &g.download(&gg).unwrap(), &c, 1e-5);
+    }
+    // RoPE: plain, partial rotary, YaRN-like divisors with a post scale, far positions.
+    for &(rows, heads, hd, half, pos0, sc) in &[
+        (16usize, 32usize, 128usize, 64usize, 8192usize, 1.0f32),
+        (7, 8, 128, 32, 3, 1.0),
+        (16, 4, 64, 32, 100_000, 1.17),
+    ] {
+        let inv: Vec<f32> = (0..half)
+            .map(|i| {
+                1.0 / 1_000_000f32.powf(2.0 * i as f32 / (2 * half) as f32)
+                    / if i > half / 2 { 4.0 } else { 1.0 }
+            })
+            .collect();
+        let spec = RopeSpec {
+            inv_freq: inv,
+            attention_scaling: sc,
+        };
+        let x = rand_vec(&mut r, rows * heads * hd, 2.0);
+        let mut c = x.clone();
+        let mut gg = g.upload(&x).unwrap();
+        cpu.rope(&mut c, rows, heads, hd, pos0, &spec).unwrap();
+        g.rope(&mut gg, rows, heads, hd, pos0, &spec).unwrap();
+        report(
+            &format!(
+                "rope rows={rows} heads={heads} hd={hd} rot={} pos0={pos0}",
+                2 * half
+            ),
+            &g.download(&gg).unwrap(),
+            &c,
+            1e-5,
+        );
+    }
+    // copy2d / copy
+    let src = rand_vec(&mut r, 1000, 1.0);
+    let sg = g.upload(&src).unwrap();
+    let mut dc = rand_vec(&mut r, 900, 1.0);
+    let mut dg = g.upload(&dc).unwrap();
+    cpu.copy2d(&src, 7, 50, &mut dc, 3, 60, 12, 40).unwrap();
+    g.copy2d(&sg, 7, 50, &mut dg, 3, 60, 12, 40).unwrap();
+    report("copy2d", &g.download(&dg).unwrap(), &dc, 0.0);
+    cpu.copy(&src, 100, &mut dc, 0, 333).unwrap();
+    g.copy(&sg, 100, &mut dg, 0, 333).unwrap();
+    report("copy", &g.download(&dg).unwrap(), &dc, 0.0);
+}
+
+#[test]
+fn argmax_over_a_large_vocabulary() {
+    let Some(g) = gpu("argmax_over_a_large_vocabulary") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("argmax_over_a_large_vocabulary");
+    let (rows, cols) = (16usize, 151_936usize);
+    let mut x = rand_vec(&mut r, rows * cols, 10.0);
+    // Ties (first occurrence wins), NaN (never wins), an all-NaN row.
+    x[2 * cols + 5] = 50.0;
+    x[2 * cols + 150_000] = 50.0;
+    x[3 * cols + 7] = f32::NAN;
+    x[3 * cols + 9] = 1e30;
+    x[3 * cols + 8] = f32::NAN;
+    for v in &mut x[4 * cols..5 * cols] {
+        *v = f32::NAN;
+    }
+    x[5 * cols + cols - 1] = f32::INFINITY;
+    let xg = g.upload(&x).unwrap();
+    for (row0, n) in [(0usize, 16usize), (1, 15), (5, 1)] {
+        let c = cpu.argmax_rows(&x, row0, n, cols).unwrap();
+        let d = g.argmax_rows(&xg, row0, n, cols).unwrap();
+        assert_eq!(c, d, "argmax rows {row0}..{}", row0 + n);
+    }
+    eprintln!("PARITY argmax_rows 16 x 151936 (ties, NaN, all-NaN row, +inf): identical");
+}
+
+fn attn_case(
+    g: &dflash_cuda_kernels::Cuda,
+    cpu: &Cpu,
+    r: &mut rand::rngs::StdRng,
+    p: AttnParams,
+    cap: usize,
+) {
+    let q = rand_vec(r, p.n_q * p.n_heads * p.head_dim, 1.5);
+    let k = rand_vec(r, cap * p.n_kv_heads * p.head_dim, 1.5);
+    let v = rand_vec(r, cap * p.n_kv_heads * p.head_dim, 1.0);
+    let mut oc = vec![0.0; p.n_q * p.n_heads * p.head_dim];
+    cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+    let (qg, kg, vg) = (
+        g.upload(&q).unwrap(),
+        g.upload(&k).unwrap(),
+        g.upload(&v).unwrap(),
+    );
+    let mut og = poisoned(g, oc.len());
+    g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
+    report(
+        &format!(
+            "attention nq={} nkv={} h={}/{} d={} causal={} win={:?}",
+            p.n_q, p.n_kv, p.n_heads, p.n_kv_heads, p.head_dim, p.causal, p.window
+        ),
+        &g.download(&og).unwrap(),
+        &oc,
+        2e-5,
+    );
+}
+
+#[test]
+fn attention_against_cpu() {
+    let Some(g) = gpu("attention_against_cpu") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("attention_against_cpu");
+    let base = AttnParams {
+        n_q: 16,
+        n_kv: 528,
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        q_pos0: 512,
+        kv_pos0: 0,
+        causal: false,
+        window: None,
+        scale: 128f32.powf(-0.5),
+    };
+    attn_case(g, &cpu, &mut r, base, 600);
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            causal: true,
+            ..base
+        },
+        528,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_kv: 8208,
+            q_pos0: 8192,
+            window: Some(2048),
+            ..base
+        },
+        8208,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_kv: 3000,
+            q_pos0: 2990,
+            causal: true,
+            window: Some(700),
+            ..base
+        },
+        3000,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 1,
+            n_kv: 77,
+            q_pos0: 76,
+            causal: true,
+            ..base
+        },
+        77,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 40,
+            n_kv: 300,
+            q_pos0: 260,
+            causal: true,
+            n_heads: 16,
+            n_kv_heads: 2,
+            head_dim: 64,
+            ..base
+        },
+        300,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 5,
+            n_kv: 90,
+            q_pos0: 85,
+            causal: true,
+            n_heads: 4,
+            n_kv_heads: 4,
+            head_dim: 256,
+            ..base
+        },
+        90,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 9,
+            n_kv: 70,
+            q_pos0: 61,
+            causal: true,
+            n_heads: 6,
+            n_kv_heads: 3,
+            head_dim: 32,
+            ..base
+        },
+        70,
+    );
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 9,
+            n_kv: 70,
+            q_pos0: 61,
+            causal: true,
+            n_heads: 6,
+            n_kv_heads: 3,
+            head_dim: 48,
+            ..base
+        },
+        70,
+    );
+    // A query that sees no key gets zeros (window of 0 hides everything).
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 3,
+            n_kv: 40,
+            q_pos0: 37,
+            causal: true,
+            window: Some(0),
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64,
+            ..base
+        },
+        40,
+    );
+    // kv_pos0 != 0 (a cache holding a window of positions).
+    attn_case(
+        g,
+        &cpu,
+        &mut r,
+        AttnParams {
+            n_q: 16,
+            n_kv: 1000,
+            q_pos0: 5000,
+            kv_pos0: 4016,
+            causal: true,
+            window: Some(512),
+            ..base
+        },
+        1000,
+    );
+}
+
+#[test]
+fn attention_is_per_row_deterministic() {
+    let Some(g) = gpu("attention_is_per_row_deterministic") else {
+        return;
+    };
+    let mut r = rng("attention_is_per_row_deterministic");
+    for &(ctx, hd, win) in &[
+        (8192usize, 128usize, None),
+        (700, 128, Some(256usize)),
+        (300, 64, None),
+        (50, 48, None),
+    ] {
+        let (h, hkv, nq) = (32usize, 8usize, 16usize);
+        let cap = ctx + nq;
+        let q = rand_vec(&mut r, nq * h * hd, 1.5);
+        let k = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.5)).unwrap();
+        let v = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.0)).unwrap();
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal: true,
+            window: win,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let qg = g.upload(&q).unwrap();
+        let mut all = poisoned(g, nq * h * hd);
+        g.attention(&qg, &k, &v, &p, &mut all).unwrap();
+        let all = g.download(&all).unwrap();
+        for i in [0usize, 7, 15] {
+            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
+            let pi = AttnParams {
+                n_q: 1,
+                n_kv: ctx + i + 1,
+                q_pos0: ctx + i,
+                ..p
+            };
+            let mut o = poisoned(g, h * hd);
+            g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
+            let o = g.download(&o).unwrap();
+            for (j, (a, b)) in o.iter().zip(&all[i * h * hd..(i + 1) * h * hd]).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "ctx {ctx} hd {hd}: query {i} value {j} differs between decode and a 16-query verify");
+            }
+        }
+        eprintln!("DETERMINISM attention ctx={ctx} hd={hd} win={win:?}: decode of queries 0/7/15 bit-identical to the 16-query verify");
+    }
+}
+
+#[test]
+fn gdn_ops_against_cpu() {
+    let Some(g) = gpu("gdn_ops_against_cpu") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("gdn_ops_against_cpu");
+    // causal_conv1d with state and stash
+    let (t, ch, ker) = (7usize, 300usize, 4usize);
+    let x = rand_vec(&mut r, t * ch, 2.0);
+    let w = rand_vec(&mut r, ch * ker, 1.0);
+    let st = rand_vec(&mut r, (ker - 1) * ch, 2.0);
+    let (mut sc, mut oc, mut stc) = (st.clone(), vec![0.0; t * ch], vec![0.0; t * (ker - 1) * ch]);
+    cpu.causal_conv1d(&x, t, ch, ker, &w, &mut sc, &mut oc, Some(&mut stc))
+        .unwrap();
+    let (xg, wg, mut sg) = (
+        g.upload(&x).unwrap(),
+        g.upload(&w).unwrap(),
+        g.upload(&st).unwrap(),
+    );
+    let (mut og, mut stg) = (poisoned(g, t * ch), poisoned(g, t * (ker - 1) * ch));
+    g.causal_conv1d(&xg, t, ch, ker, &wg, &mut sg, &mut og, Some(&mut stg))
+        .unwrap();
+    report("causal_conv1d out", &g.download(&og).unwrap(), &oc, 1e-5);
+    report("causal_conv1d state", &g.download(&sg).unwrap(), &sc, 1e-5);
+    report(
+        "causal_conv1d stash",
+        &g.download(&stg).unwrap(),
+        &stc,
+        1e-5,
+    );
+    // gates
+    let nh = 16usize;
+    let a = rand_vec(&mut r, t * nh, 25.0);
+    let b = rand_vec(&mut r, t * nh, 5.0);
+    let alog = rand_vec(&mut r, nh, 1.0);
+    let dtb = rand_vec(&mut r, nh, 1.0);
+    let (mut gc, mut bc) = (vec![0.0; t * nh], vec![0.0; t * nh]);
+    cpu.gdn_gates(&a, &b, &alog, &dtb, nh, &mut gc, &mut bc)
+        .unwrap();
+    let (mut gg, mut bg) = (poisoned(g, t * nh), poisoned(g, t * nh));
+    g.gdn_gates(
+        &g.upload(&a).unwrap(),
+        &g.upload(&b).unwrap(),
+        &g.upload(&alog).unwrap(),
+        &g.upload(&dtb).unwrap(),
+        nh,
+        &mut gg,
+        &mut bg,
+    )
+    .unwrap();
+    report("gdn_gates g", &g.download(&gg).unwrap(), &gc, 1e-5);
+    report("gdn_gates beta", &g.download(&bg).unwrap(), &bc, 1e-5);
+    // gated delta rule
+    for l2 in [true, false] {
+        let p = DeltaParams {
+            t: 6,
+            n_k_heads: 2,
+            n_v_heads: 4,
+            dk: 128,
+            dv: 128,
+            qk_l2norm: l2,
+            q_scale: 128f32.powf(-0.5),
+        };
+        let q = rand_vec(&mut r, p.t * p.n_k_heads * p.dk, 1.0);
+        let k = rand_vec(&mut r, p.t * p.n_k_heads * p.dk, if l2 { 1.0 } else { 0.1 });
+        let v = rand_vec(&mut r, p.t * p.n_v_heads * p.dv, 1.0);
+        let gl: Vec<f32> = rand_vec(&mut r, p.t * p.n_v_heads, 1.0)
+            .iter()
+            .map(|x| -x.abs())
+            .collect();
+        let be: Vec<f32> = rand_vec(&mut r, p.t * p.n_v_heads, 1.0)
+            .iter()
+            .map(|x| x.abs())
+            .collect();
+        let s0 = rand_vec(&mut r, p.n_v_heads * p.dk * p.dv, 0.5);
+        let (mut sc, mut oc, mut stc) = (
+            s0.clone(),
+            vec![0.0; p.t * p.n_v_heads * p.dv],
+            vec![0.0; p.t * p.n_v_heads * p.dk * p.dv],
+        );
+        cpu.gated_delta_rule(&q, &k, &v, &gl, &be, &p, &mut sc, &mut oc, Some(&mut stc))
+            .unwrap();
+        let mut sg = g.upload(&s0).unwrap();
+        let (mut og, mut stg) = (poisoned(g, oc.len()), poisoned(g, stc.len()));
+        let up = |v: &Vec<f32>| g.upload(v).unwrap();
+        g.gated_delta_rule(
+            &up(&q),
+            &up(&k),
+            &up(&v),
+            &up(&gl),
+            &up(&be),
+            &p,
+            &mut sg,
+            &mut og,
+            Some(&mut stg),
+        )
+        .unwrap();
+        report(
+            &format!("gated_delta_rule out l2norm={l2}"),
+            &g.download(&og).unwrap(),
+            &oc,
+            1e-4,
+        );
+        report(
+            &format!("gated_delta_rule state l2norm={l2}"),
+            &g.download(&sg).unwrap(),
+            &sc,
+            1e-4,
+        );
+        report(
+            &format!("gated_delta_rule stash l2norm={l2}"),
+            &g.download(&stg).unwrap(),
+            &stc,
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn markov_chain_on_device() {
+    let Some(g) = gpu("markov_chain_on_device") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("markov_chain_on_device");
+    let (vocab, rank, n) = (5000usize, 256usize, 15usize);
+    let w1v = rand_vec(&mut r, vocab * rank, 1.0);
+    let w2v = rand_vec(&mut r, vocab * rank, 0.2);
+    for fmt in FORMATS {
+        let h1 = HostWeight::from_f32("markov_w1", vocab, rank, &w1v, fmt).unwrap();
+        let h2 = HostWeight::from_f32("markov_w2", vocab, rank, &w2v, fmt).unwrap();
+        let logits = rand_vec(&mut r, n * vocab, 4.0);
+        let mut lc = logits.clone();
+        let tc = cpu
+            .markov_chain(
+                &mut lc,
+                n,
+                vocab,
+                17,
+                &cpu.upload_weight(&h1).unwrap(),
+                &cpu.upload_weight(&h2).unwrap(),
+            )
+            .unwrap();
+        let mut lg = g.upload(&logits).unwrap();
+        let tg = g
+            .markov_chain(
+                &mut lg,
+                n,
+                vocab,
+                17,
+                &g.upload_weight(&h1).unwrap(),
+                &g.upload_weight(&h2).unwrap(),
+            )
+            .unwrap();
+        assert_eq!(tc, tg, "{fmt:?}: Markov chain tokens differ");
+        report(
+            &format!("markov_chain logits {fmt:?} (tokens identical)"),
+            &g.download(&lg).unwrap(),
+            &lc,
+            2e-5,
+        );
+    }
+}
