@@ -104,7 +104,102 @@ fn round_away(t: __m256) -> __m256i {
     _mm256_cvttps_epi32(_mm256_add_ps(t, half))
 }
 
+/// Maxima of 8 vectors, lane `k` of the result = max over the lanes of `m[k]` (signed i32).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn hmax8(m: [__m256i; 8]) -> __m256i {
+    // per 128-bit lane: [max(a0,a1), max(a2,a3), max(b0,b1), max(b2,b3)]
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn pmax(a: __m256i, b: __m256i) -> __m256i {
+        let (a, b) = (_mm256_castsi256_ps(a), _mm256_castsi256_ps(b));
+        let lo = _mm256_shuffle_ps::<0b10_00_10_00>(a, b);
+        let hi = _mm256_shuffle_ps::<0b11_01_11_01>(a, b);
+        _mm256_max_epi32(_mm256_castps_si256(lo), _mm256_castps_si256(hi))
+    }
+    let t0 = pmax(pmax(m[0], m[1]), pmax(m[2], m[3]));
+    let t1 = pmax(pmax(m[4], m[5]), pmax(m[6], m[7]));
+    _mm256_max_epi32(
+        _mm256_permute2x128_si256::<0x20>(t0, t1),
+        _mm256_permute2x128_si256::<0x31>(t0, t1),
+    )
+}
+
+/// Per-lane `id = d != 0 ? 1 / d : 0` (true division), plus the mask of lanes where it is
+/// infinite (d < 2^-128, where x86 C stores code 0 for every element).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn recip_or_zero(d: __m256) -> (__m256, __m256) {
+    let nz = _mm256_cmp_ps::<_CMP_NEQ_OQ>(d, _mm256_setzero_ps());
+    let id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0), d), nz);
+    let abs = _mm256_and_ps(id, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF)));
+    let inf = _mm256_cmp_ps::<_CMP_EQ_OQ>(abs, _mm256_set1_ps(f32::INFINITY));
+    (id, inf)
+}
+
+/// Stores the q8_0 codes of one block given its reciprocal scale.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn q8_0_codes(v: [__m256; 4], id: f32, ob: &mut BlockQ8_0) {
+    let idv = _mm256_set1_ps(id);
+    let i0 = round_away(_mm256_mul_ps(v[0], idv));
+    let i1 = round_away(_mm256_mul_ps(v[1], idv));
+    let i2 = round_away(_mm256_mul_ps(v[2], idv));
+    let i3 = round_away(_mm256_mul_ps(v[3], idv));
+    let p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: `qs` is 32 bytes; unaligned store.
+    unsafe { _mm256_storeu_si256(ob.qs.as_mut_ptr().cast::<__m256i>(), p) };
+}
+
+/// Stores the q4_0 codes of one block: `min(15, trunc(x * id + add))`, packed.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn q4_0_codes(v: [__m256; 4], id: f32, add: f32, ob: &mut BlockQ4_0) {
+    let idv = _mm256_set1_ps(id);
+    let addv = _mm256_set1_ps(add);
+    let fifteen = _mm256_set1_epi32(15);
+    // mulps, then a separate addps (never fused)
+    let code = |x: __m256| {
+        let u = _mm256_add_ps(_mm256_mul_ps(x, idv), addv);
+        _mm256_min_epi32(_mm256_cvttps_epi32(u), fifteen)
+    };
+    let c0 = code(v[0]);
+    let c1 = code(v[1]);
+    let c2 = code(v[2]);
+    let c3 = code(v[3]);
+    let w0 = _mm256_or_si256(c0, _mm256_slli_epi32::<4>(c2));
+    let w1 = _mm256_or_si256(c1, _mm256_slli_epi32::<4>(c3));
+    let p = _mm256_packs_epi32(w0, w1);
+    let p = _mm256_packus_epi16(p, p);
+    let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: `qs` is 16 bytes; unaligned store.
+    unsafe {
+        _mm_storeu_si128(
+            ob.qs.as_mut_ptr().cast::<__m128i>(),
+            _mm256_castsi256_si128(p),
+        )
+    };
+}
+
+/// Signed max of a block, first occurrence of the largest |x| (C keeps +0.0 when all |x|
+/// are 0).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn signed_max(xb: &[f32], a: [__m256i; 4], amax_bits: i32) -> f32 {
+    if amax_bits == 0 {
+        return 0.0;
+    }
+    let t = _mm256_set1_epi32(amax_bits);
+    let k = |ai: __m256i| _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(ai, t))) as u32;
+    let mask = k(a[0]) | (k(a[1]) << 8) | (k(a[2]) << 16) | (k(a[3]) << 24);
+    // mask != 0: amax_bits is one of the lanes. `& 31` keeps the index in range anyway.
+    xb[(mask.trailing_zeros() & 31) as usize]
+}
+
 /// q8_0 row: returns false when a non-finite value was met (output then unspecified).
+///
+/// Groups of 8 blocks share one vector division for `d`, one for `id` and one `vcvtps2ph`.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
@@ -112,31 +207,45 @@ fn round_away(t: __m256) -> __m256i {
 pub(crate) unsafe fn q8_0_row(x: &[f32], out: &mut [BlockQ8_0]) -> bool {
     debug_assert_eq!(x.len(), out.len() * QK);
     let mut seen = _mm256_setzero_si256();
-    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
+    let c127 = _mm256_set1_ps(127.0);
+    let xg = x.chunks_exact(8 * QK);
+    let xr = xg.remainder();
+    let mut og = out.chunks_exact_mut(8);
+    for (xc, oc) in xg.zip(&mut og) {
+        let mut m = [_mm256_setzero_si256(); 8];
+        for (mk, xb) in m.iter_mut().zip(xc.chunks_exact(QK)) {
+            *mk = max4(abs_bits(load32(xb)));
+        }
+        let amax = hmax8(m);
+        seen = _mm256_max_epi32(seen, amax);
+        let d = _mm256_div_ps(_mm256_castsi256_ps(amax), c127);
+        let (id, inf) = recip_or_zero(d);
+        // infinite id: every x * id is +-Inf/NaN, which x86 C stores as code 0; id = 0
+        // gives the same codes
+        let id = _mm256_andnot_ps(inf, id);
+        let mut ids = [0.0f32; 8];
+        let mut dh = [0u16; 8];
+        // SAFETY: 8 floats / 8 halves to local arrays.
+        unsafe {
+            _mm256_storeu_ps(ids.as_mut_ptr(), id);
+            _mm_storeu_si128(dh.as_mut_ptr().cast::<__m128i>(), _mm256_cvtps_ph::<0>(d));
+        }
+        for (k, (ob, xb)) in oc.iter_mut().zip(xc.chunks_exact(QK)).enumerate() {
+            ob.d = f16::from_bits(dh[k]);
+            q8_0_codes(load32(xb), ids[k], ob);
+        }
+    }
+    let mut ok = hmax_epi32(seen) <= MAX_FINITE_BITS;
+    for (xb, ob) in xr.chunks_exact(QK).zip(og.into_remainder()) {
         let v = load32(xb);
-        let m = max4(abs_bits(v));
-        seen = _mm256_max_epi32(seen, m);
-        let amax = f32::from_bits(hmax_epi32(m) as u32);
-        let d = amax / 127.0;
+        let amax_bits = hmax_epi32(max4(abs_bits(v)));
+        ok &= amax_bits <= MAX_FINITE_BITS;
+        let d = f32::from_bits(amax_bits as u32) / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         ob.d = f16::from_bits(f32_to_f16_bits(d));
-        if id.is_infinite() {
-            // d < 2^-128: every x * id is +-Inf or NaN; x86 C stores code 0 for each.
-            ob.qs = [0; QK];
-            continue;
-        }
-        let idv = _mm256_set1_ps(id);
-        let i0 = round_away(_mm256_mul_ps(v[0], idv));
-        let i1 = round_away(_mm256_mul_ps(v[1], idv));
-        let i2 = round_away(_mm256_mul_ps(v[2], idv));
-        let i3 = round_away(_mm256_mul_ps(v[3], idv));
-        let p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        let p = _mm256_permutevar8x32_epi32(p, perm);
-        // SAFETY: `qs` is 32 bytes; unaligned store.
-        unsafe { _mm256_storeu_si256(ob.qs.as_mut_ptr().cast::<__m256i>(), p) };
+        q8_0_codes(v, if id.is_infinite() { 0.0 } else { id }, ob);
     }
-    hmax_epi32(seen) <= MAX_FINITE_BITS
+    ok
 }
 
 /// q4_0 row: returns false when a non-finite value was met (output then unspecified).
@@ -147,59 +256,62 @@ pub(crate) unsafe fn q8_0_row(x: &[f32], out: &mut [BlockQ8_0]) -> bool {
 pub(crate) unsafe fn q4_0_row(x: &[f32], out: &mut [BlockQ4_0]) -> bool {
     debug_assert_eq!(x.len(), out.len() * QK);
     let mut seen = _mm256_setzero_si256();
-    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    let fifteen = _mm256_set1_epi32(15);
+    let minus8 = _mm256_set1_ps(-8.0);
     let eight_half = _mm256_set1_ps(8.5);
-    for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
+    let xg = x.chunks_exact(8 * QK);
+    let xr = xg.remainder();
+    let mut og = out.chunks_exact_mut(8);
+    for (xc, oc) in xg.zip(&mut og) {
+        let mut m = [_mm256_setzero_si256(); 8];
+        for (mk, xb) in m.iter_mut().zip(xc.chunks_exact(QK)) {
+            *mk = max4(abs_bits(load32(xb)));
+        }
+        let amax = hmax8(m);
+        seen = _mm256_max_epi32(seen, amax);
+        let mut amaxs = [0i32; 8];
+        // SAFETY: 8 ints to a local array.
+        unsafe { _mm256_storeu_si256(amaxs.as_mut_ptr().cast::<__m256i>(), amax) };
+        let mut maxs = [0.0f32; 8];
+        for ((mx, &ab), xb) in maxs.iter_mut().zip(&amaxs).zip(xc.chunks_exact(QK)) {
+            *mx = signed_max(xb, abs_bits(load32(xb)), ab);
+        }
+        // SAFETY: 8 floats from a local array.
+        let max = unsafe { _mm256_loadu_ps(maxs.as_ptr()) };
+        let d = _mm256_div_ps(max, minus8);
+        let (id, inf) = recip_or_zero(d);
+        // infinite id: x86 C stores nibble 0 everywhere; id = 0 with add = 0 does the same
+        let id = _mm256_andnot_ps(inf, id);
+        let add = _mm256_andnot_ps(inf, eight_half);
+        let mut ids = [0.0f32; 8];
+        let mut adds = [0.0f32; 8];
+        let mut dh = [0u16; 8];
+        // SAFETY: 8 floats / 8 halves to local arrays.
+        unsafe {
+            _mm256_storeu_ps(ids.as_mut_ptr(), id);
+            _mm256_storeu_ps(adds.as_mut_ptr(), add);
+            _mm_storeu_si128(dh.as_mut_ptr().cast::<__m128i>(), _mm256_cvtps_ph::<0>(d));
+        }
+        for (k, (ob, xb)) in oc.iter_mut().zip(xc.chunks_exact(QK)).enumerate() {
+            ob.d = f16::from_bits(dh[k]);
+            q4_0_codes(load32(xb), ids[k], adds[k], ob);
+        }
+    }
+    let mut ok = hmax_epi32(seen) <= MAX_FINITE_BITS;
+    for (xb, ob) in xr.chunks_exact(QK).zip(og.into_remainder()) {
         let v = load32(xb);
         let a = abs_bits(v);
-        let m = max4(a);
-        seen = _mm256_max_epi32(seen, m);
-        let amax_bits = hmax_epi32(m);
-        let max = if amax_bits == 0 {
-            // C never updates `max` when no |v| exceeds 0: it stays +0.0 even if x[0] is -0.0.
-            0.0f32
-        } else {
-            let t = _mm256_set1_epi32(amax_bits);
-            let k0 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a[0], t))) as u32;
-            let k1 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a[1], t))) as u32;
-            let k2 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a[2], t))) as u32;
-            let k3 = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a[3], t))) as u32;
-            let mask = k0 | (k1 << 8) | (k2 << 16) | (k3 << 24);
-            // mask != 0: amax_bits is one of the lanes. `& 31` keeps the index in range anyway.
-            xb[(mask.trailing_zeros() & 31) as usize]
-        };
-        let d = max / -8.0;
+        let amax_bits = hmax_epi32(max4(a));
+        ok &= amax_bits <= MAX_FINITE_BITS;
+        let d = signed_max(xb, a, amax_bits) / -8.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         ob.d = f16::from_bits(f32_to_f16_bits(d));
         if id.is_infinite() {
-            // Tiny d: every code converts from +-Inf/NaN, which x86 C turns into nibble 0.
-            ob.qs = [0; QK / 2];
-            continue;
+            q4_0_codes(v, 0.0, 0.0, ob);
+        } else {
+            q4_0_codes(v, id, 8.5, ob);
         }
-        let idv = _mm256_set1_ps(id);
-        let code = |x: __m256| {
-            let u = _mm256_add_ps(_mm256_mul_ps(x, idv), eight_half);
-            _mm256_min_epi32(_mm256_cvttps_epi32(u), fifteen)
-        };
-        let c0 = code(v[0]);
-        let c1 = code(v[1]);
-        let c2 = code(v[2]);
-        let c3 = code(v[3]);
-        let w0 = _mm256_or_si256(c0, _mm256_slli_epi32::<4>(c2));
-        let w1 = _mm256_or_si256(c1, _mm256_slli_epi32::<4>(c3));
-        let p = _mm256_packs_epi32(w0, w1);
-        let p = _mm256_packus_epi16(p, p);
-        let p = _mm256_permutevar8x32_epi32(p, perm);
-        // SAFETY: `qs` is 16 bytes; unaligned store.
-        unsafe {
-            _mm_storeu_si128(
-                ob.qs.as_mut_ptr().cast::<__m128i>(),
-                _mm256_castsi256_si128(p),
-            )
-        };
     }
-    hmax_epi32(seen) <= MAX_FINITE_BITS
+    ok
 }
 
 /// q8_0 -> f32 (`out.len() == 32 * b.len()`).
