@@ -5,6 +5,7 @@
 //! reuse); the ops check that every operand is long enough and name it when it is not.
 
 mod kernel;
+mod panel;
 
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ pub use kernel::Isa;
 
 use crate::{
     AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, Result, RopeSpec, Weight,
+    WeightFormat,
 };
 
 /// The CPU backend. `Cpu::default()` uses rayon's global pool and the best instruction set
@@ -55,7 +57,7 @@ impl Cpu {
 
     /// Force an instruction set (tests compare them). Asking for one the CPU lacks is an error.
     pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
-        if isa != Isa::Portable && Isa::detect() != isa {
+        if !isa.supported() {
             return Err(BackendError::Invalid {
                 op: "with_isa",
                 msg: format!("{isa:?} is not supported by this CPU"),
@@ -68,6 +70,14 @@ impl Cpu {
     /// The instruction set the kernels use.
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// Threads the backend's parallel ops use.
+    pub fn threads(&self) -> usize {
+        match &self.pool {
+            Some(p) => p.current_num_threads().max(1),
+            None => rayon::current_num_threads().max(1),
+        }
     }
 
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -144,43 +154,141 @@ fn sum_sq(isa: Isa, x: &[f32]) -> f32 {
 // ------------------------------------------------------------------------------------------
 // weights
 
-/// Decode weight rows `o0 .. o0 + n` (each `cols` wide) to f32. F32 weights are borrowed;
-/// the other formats are decoded into `scratch`.
-fn weight_rows<'a>(
-    data: &'a HostData,
+/// A weight resident on the CPU backend: f32 / bf16 / f16 weights packed in panels of 16
+/// output features (see `panel`), block formats as their blocks (dequantized a few rows at a
+/// time inside `matmul`). Same memory as the host data, plus at most 15 padding rows.
+#[derive(Debug)]
+pub struct CpuWeight {
+    data: Packed,
+}
+
+#[derive(Debug)]
+enum Packed {
+    F32(Vec<f32>),
+    Bf16(Vec<panel::Bf16Bits>),
+    F16(Vec<panel::F16Bits>),
+    Q8_0(Vec<dflash_quant::BlockQ8_0>),
+    Q4_0(Vec<dflash_quant::BlockQ4_0>),
+}
+
+impl CpuWeight {
+    /// Bytes of storage.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            Packed::F32(v) => 4 * v.len(),
+            Packed::Bf16(v) => 2 * v.len(),
+            Packed::F16(v) => 2 * v.len(),
+            Packed::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
+            Packed::Q4_0(b) => std::mem::size_of_val(b.as_slice()),
+        }
+    }
+
+    fn format(&self) -> WeightFormat {
+        match &self.data {
+            Packed::F32(_) => WeightFormat::F32,
+            Packed::Bf16(_) => WeightFormat::Bf16,
+            Packed::F16(_) => WeightFormat::F16,
+            Packed::Q8_0(_) => WeightFormat::Q8_0,
+            Packed::Q4_0(_) => WeightFormat::Q4_0,
+        }
+    }
+
+    /// Stored elements (values, or blocks for the block formats) expected for `[rows, cols]`.
+    fn expected_len(&self, rows: usize, cols: usize) -> Option<usize> {
+        match &self.data {
+            Packed::F32(_) | Packed::Bf16(_) | Packed::F16(_) => rows
+                .div_ceil(panel::NP)
+                .checked_mul(panel::NP)?
+                .checked_mul(cols),
+            Packed::Q8_0(_) | Packed::Q4_0(_) => Some(rows.checked_mul(cols)? / QK),
+        }
+    }
+
+    fn stored_len(&self) -> usize {
+        match &self.data {
+            Packed::F32(v) => v.len(),
+            Packed::Bf16(v) => v.len(),
+            Packed::F16(v) => v.len(),
+            Packed::Q8_0(b) => b.len(),
+            Packed::Q4_0(b) => b.len(),
+        }
+    }
+}
+
+/// Decode rows `o0 .. o0 + n` (each `cols` wide) of a block-format weight into `scratch`.
+fn quant_rows<'a>(
+    data: &Packed,
     cols: usize,
     o0: usize,
     n: usize,
     scratch: &'a mut Vec<f32>,
 ) -> &'a [f32] {
-    let (a, b) = (o0 * cols, (o0 + n) * cols);
-    if let HostData::F32(v) = data {
-        return &v[a..b];
-    }
+    let (a, b) = (o0 * cols / QK, (o0 + n) * cols / QK);
     scratch.resize(n * cols, 0.0);
     match data {
-        HostData::F32(_) => {}
-        HostData::Bf16(v) => dflash_quant::decode_bf16(&v[a..b], scratch),
-        HostData::F16(v) => dflash_quant::decode_f16(&v[a..b], scratch),
-        HostData::Q8_0(blk) => dflash_quant::dequantize_q8_0(&blk[a / QK..b / QK], scratch),
-        HostData::Q4_0(blk) => dflash_quant::dequantize_q4_0(&blk[a / QK..b / QK], scratch),
+        Packed::Q8_0(blk) => dflash_quant::dequantize_q8_0(&blk[a..b], scratch),
+        Packed::Q4_0(blk) => dflash_quant::dequantize_q4_0(&blk[a..b], scratch),
+        // Not reached: panel formats take the panel path.
+        _ => scratch.fill(f32::NAN),
     }
     &scratch[..n * cols]
 }
 
-/// Weight rows decoded together (and shared by all row tiles of a row block).
-const WT: usize = 6;
+/// Row `o` of any weight, decoded into `out` (`cols` values).
+fn decode_row(data: &Packed, cols: usize, o: usize, out: &mut [f32]) {
+    match data {
+        Packed::F32(v) => panel::unpack_row(v, cols, o, out),
+        Packed::Bf16(v) => panel::unpack_row(v, cols, o, out),
+        Packed::F16(v) => panel::unpack_row(v, cols, o, out),
+        Packed::Q8_0(b) => {
+            dflash_quant::dequantize_q8_0(&b[o * cols / QK..(o + 1) * cols / QK], out)
+        }
+        Packed::Q4_0(b) => {
+            dflash_quant::dequantize_q4_0(&b[o * cols / QK..(o + 1) * cols / QK], out)
+        }
+    }
+}
+
+/// Panels per thread chunk are a multiple of this (the widest one-row tile).
+const PANEL_UNIT: usize = 8;
+
+/// Output chunks handed to threads are multiples of this (a multiple of every weight tile).
+const CHUNK_UNIT: usize = 24;
+/// Below this many multiply-adds a matmul runs on the calling thread.
+const PAR_MIN_WORK: usize = 1 << 17;
 /// Input rows kept hot in cache while the weight streams past.
 const ROW_BLOCK: usize = 64;
 
-/// Compute `out_t[(o - c0) * rows + r]` for `o` in `c0 .. c0 + n` (one output chunk).
+/// Compute `out_t[(o - c0) * rows + r]` for `o` in `c0 .. c0 + n` (one output chunk), with
+/// the tile shape of the instruction set.
 #[allow(clippy::too_many_arguments)]
 fn matmul_chunk(
     isa: Isa,
     x: &[f32],
     rows: usize,
     k: usize,
-    data: &HostData,
+    data: &Packed,
+    c0: usize,
+    n: usize,
+    out_t: &mut [f32],
+) {
+    match isa {
+        // 16 zmm accumulators for 4 x 4 tiles; 8 weight rows per decoded tile.
+        Isa::Avx512 => matmul_chunk_tiled::<4, 8>(isa, x, rows, k, data, c0, n, out_t),
+        // 12 ymm accumulators for 4 x 3 tiles; 6 weight rows per decoded tile.
+        _ => matmul_chunk_tiled::<3, 6>(isa, x, rows, k, data, c0, n, out_t),
+    }
+}
+
+/// `OM`: weight rows per 4-row tile; `WT`: weight rows decoded together (a multiple of `OM`,
+/// also the width of the one-row tile).
+#[allow(clippy::too_many_arguments)]
+fn matmul_chunk_tiled<const OM: usize, const WT: usize>(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    data: &Packed,
     c0: usize,
     n: usize,
     out_t: &mut [f32],
@@ -192,21 +300,22 @@ fn matmul_chunk(
         let mut o = 0;
         while o < n {
             let nw = WT.min(n - o);
-            let w = weight_rows(data, k, c0 + o, nw, &mut scratch);
+            let w = quant_rows(data, k, c0 + o, nw, &mut scratch);
             let wr = |j: usize| &w[j * k..(j + 1) * k];
             let xr = |r: usize| &x[r * k..(r + 1) * k];
             let mut r = rb;
             while r + 4 <= rend {
                 let xs = [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)];
                 let mut j = 0;
-                while j + 3 <= nw {
-                    let t = kernel::dot_tile::<4, 3>(isa, xs, [wr(j), wr(j + 1), wr(j + 2)], k);
+                while j + OM <= nw {
+                    let t =
+                        kernel::dot_tile::<4, OM>(isa, xs, std::array::from_fn(|d| wr(j + d)), k);
                     for (dr, tr) in t.iter().enumerate() {
                         for (dj, v) in tr.iter().enumerate() {
                             out_t[(o + j + dj) * rows + r + dr] = *v;
                         }
                     }
-                    j += 3;
+                    j += OM;
                 }
                 while j < nw {
                     let t = kernel::dot_tile::<4, 1>(isa, xs, [wr(j)], k);
@@ -275,26 +384,72 @@ fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
             ),
         ));
     }
-    let n = mul(op, w.rows, w.cols)?;
-    exactly(op, "weight", n, w.buf.n_values())?;
-    if matches!(
-        w.format,
-        crate::WeightFormat::Q8_0 | crate::WeightFormat::Q4_0
-    ) && !w.cols.is_multiple_of(QK)
-    {
+    if matches!(w.format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && !w.cols.is_multiple_of(QK) {
         return Err(invalid(
             op,
             format!("{}: {:?} with {} columns", w.name, w.format, w.cols),
         ));
     }
-    Ok(())
+    let n = w
+        .buf
+        .expected_len(w.rows, w.cols)
+        .ok_or_else(|| invalid(op, format!("{}: size overflows", w.name)))?;
+    exactly(op, "weight", n, w.buf.stored_len())
+}
+
+impl Cpu {
+    /// Block-format matmul: rows of the weight dequantized a tile at a time, dot-product tiles.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_blocks(
+        &self,
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        n_out: usize,
+        data: &Packed,
+        serial: bool,
+        out: &mut [f32],
+    ) {
+        let isa = self.isa;
+        let chunk = if serial {
+            n_out
+        } else {
+            n_out.div_ceil(4 * self.threads()).div_ceil(CHUNK_UNIT) * CHUNK_UNIT
+        };
+        let run = |out_t: &mut [f32]| {
+            if chunk >= n_out {
+                matmul_chunk(isa, x, rows, k, data, 0, n_out, out_t);
+            } else {
+                self.install(|| {
+                    out_t
+                        .par_chunks_mut(chunk * rows)
+                        .enumerate()
+                        .for_each(|(ci, ot)| {
+                            matmul_chunk(isa, x, rows, k, data, ci * chunk, ot.len() / rows, ot);
+                        })
+                });
+            }
+        };
+        if rows == 1 {
+            // [1, n_out] is its own transpose.
+            run(&mut out[..n_out]);
+        } else {
+            let mut out_t = vec![0.0f32; rows * n_out];
+            run(&mut out_t);
+            for (o, col) in out_t.chunks_exact(rows).enumerate() {
+                for (r, v) in col.iter().enumerate() {
+                    out[r * n_out + o] = *v;
+                }
+            }
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------
 
 impl Backend for Cpu {
     type Buf = Vec<f32>;
-    type WeightBuf = Arc<HostData>;
+    type WeightBuf = CpuWeight;
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -318,12 +473,26 @@ impl Backend for Cpu {
 
     fn upload_weight(&self, w: &HostWeight) -> Result<Weight<Self>> {
         check_host_data(w)?;
+        let (rows, cols) = (w.rows, w.cols);
+        let data = match &w.data {
+            HostData::F32(v) => Packed::F32(panel::pack(v, rows, cols)),
+            HostData::Bf16(v) => {
+                let bits: Vec<panel::Bf16Bits> = v.iter().map(|&b| panel::Bf16Bits(b)).collect();
+                Packed::Bf16(panel::pack(&bits, rows, cols))
+            }
+            HostData::F16(v) => {
+                let bits: Vec<panel::F16Bits> = v.iter().map(|&b| panel::F16Bits(b)).collect();
+                Packed::F16(panel::pack(&bits, rows, cols))
+            }
+            HostData::Q8_0(b) => Packed::Q8_0(b.clone()),
+            HostData::Q4_0(b) => Packed::Q4_0(b.clone()),
+        };
         Ok(Weight {
             name: w.name.clone(),
             format: w.data.format(),
-            rows: w.rows,
-            cols: w.cols,
-            buf: Arc::new(w.data.clone()),
+            rows,
+            cols,
+            buf: CpuWeight { data },
         })
     }
 
@@ -384,29 +553,56 @@ impl Backend for Cpu {
             return Ok(());
         }
         let x = &x[..rows * k];
-        let data: &HostData = &w.buf;
         let isa = self.isa;
-        // Output chunks: a multiple of the weight tile, about 4 chunks per thread.
-        let threads = self.install(rayon::current_num_threads).max(1);
-        let per = n_out.div_ceil(4 * threads).div_ceil(WT) * WT;
-        let chunk = per.max(WT);
-        let mut out_t = vec![0.0f32; rows * n_out];
-        self.install(|| {
-            out_t
-                .par_chunks_mut(chunk * rows)
-                .enumerate()
-                .for_each(|(ci, ot)| {
-                    let c0 = ci * chunk;
-                    let n = ot.len() / rows;
-                    matmul_chunk(isa, x, rows, k, data, c0, n, ot);
-                })
-        });
-        if rows == 1 {
-            out[..n_out].copy_from_slice(&out_t);
+        let threads = self.threads();
+        let work = rows.saturating_mul(n_out).saturating_mul(k);
+        let serial = threads <= 1 || work < PAR_MIN_WORK;
+        let data = &w.buf.data;
+        if matches!(data, Packed::Q8_0(_) | Packed::Q4_0(_)) {
+            self.matmul_blocks(x, rows, k, n_out, data, serial, out);
+            return Ok(());
+        }
+        // Panel formats: threads take contiguous runs of panels.
+        let n_panels = n_out.div_ceil(panel::NP);
+        let chunk_p = if serial {
+            n_panels
         } else {
-            for (o, col) in out_t.chunks_exact(rows).enumerate() {
-                for (r, v) in col.iter().enumerate() {
-                    out[r * n_out + o] = *v;
+            n_panels.div_ceil(4 * threads).div_ceil(PANEL_UNIT) * PANEL_UNIT
+        };
+        let chunk_o = chunk_p * panel::NP;
+        let run_chunk = |c: usize, ot: &mut [f32]| {
+            let p0 = c * chunk_p;
+            let p1 = (p0 + chunk_p).min(n_panels);
+            match data {
+                Packed::F32(v) => panel::matmul_panels(isa, x, rows, k, v, n_out, p0, p1, ot),
+                Packed::Bf16(v) => panel::matmul_panels(isa, x, rows, k, v, n_out, p0, p1, ot),
+                Packed::F16(v) => panel::matmul_panels(isa, x, rows, k, v, n_out, p0, p1, ot),
+                Packed::Q8_0(_) | Packed::Q4_0(_) => {}
+            }
+        };
+        // Each chunk writes `[rows, width]` for its outputs: with one chunk (or one row) that
+        // is `out` itself.
+        if serial || chunk_p >= n_panels {
+            run_chunk(0, &mut out[..rows * n_out]);
+        } else if rows == 1 {
+            self.install(|| {
+                out[..n_out]
+                    .par_chunks_mut(chunk_o)
+                    .enumerate()
+                    .for_each(|(c, ot)| run_chunk(c, ot))
+            });
+        } else {
+            let mut tmp = vec![0.0f32; rows * n_out];
+            self.install(|| {
+                tmp.par_chunks_mut(rows * chunk_o)
+                    .enumerate()
+                    .for_each(|(c, ot)| run_chunk(c, ot))
+            });
+            for (c, part) in tmp.chunks(rows * chunk_o).enumerate() {
+                let o0 = c * chunk_o;
+                let width = part.len() / rows;
+                for (r, seg) in part.chunks_exact(width).enumerate() {
+                    out[r * n_out + o0..][..width].copy_from_slice(seg);
                 }
             }
         }
@@ -427,11 +623,8 @@ impl Backend for Cpu {
         if cols == 0 {
             return Ok(());
         }
-        let data: &HostData = &table.buf;
-        let mut scratch = Vec::new();
         for (&id, o) in ids.iter().zip(out.chunks_exact_mut(cols)) {
-            let row = weight_rows(data, cols, id as usize, 1, &mut scratch);
-            o.copy_from_slice(row);
+            decode_row(&table.buf.data, cols, id as usize, o);
         }
         Ok(())
     }

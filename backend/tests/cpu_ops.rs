@@ -36,6 +36,16 @@ fn backends() -> Vec<Cpu> {
     v
 }
 
+fn backends_all_isas() -> Vec<Cpu> {
+    let mut v = backends();
+    for isa in [Isa::Avx2Fma, Isa::Avx512] {
+        if isa.supported() {
+            v.push(Cpu::with_threads(2).unwrap().with_isa(isa).unwrap());
+        }
+    }
+    v
+}
+
 /// |got - want| <= tol * scale + tiny, where scale is the sum of magnitudes of the terms.
 fn close(got: f32, want: f64, scale: f64, tol: f64) -> bool {
     (got as f64 - want).abs() <= tol * scale + 1e-6
@@ -77,7 +87,8 @@ proptest! {
         let wdec = hw.to_f32();
         let x = rand_vec(&mut rng, rows * k, 2.0);
         let (want, mag) = naive_matmul(&x, rows, &wdec, n, k);
-        for be in backends() {
+        let mut results = Vec::new();
+        for be in backends_all_isas() {
             let w = be.upload_weight(&hw).unwrap();
             // out longer than needed: only the first rows * n values are written.
             let mut out = vec![7.0f32; rows * n + 3];
@@ -86,11 +97,22 @@ proptest! {
                 prop_assert!(close(out[i], want[i], mag[i], 1e-5), "{fmt:?} {i}: {} vs {}", out[i], want[i]);
             }
             prop_assert_eq!(&out[rows * n..], &[7.0f32; 3][..]);
-            // A quantized weight gives exactly the f32 matmul of its decoded values.
-            let wf = be.upload_weight(&HostWeight::from_f32("wf", n, k, &wdec, WeightFormat::F32).unwrap()).unwrap();
-            let mut out_f = vec![0.0f32; rows * n];
-            be.matmul(&x, rows, &wf, &mut out_f).unwrap();
-            prop_assert_eq!(&out[..rows * n], &out_f[..]);
+            // A bf16 / f16 weight gives exactly the f32 matmul of its decoded values (the
+            // kernels widen in registers and share the f32 arithmetic).
+            if matches!(fmt, WeightFormat::Bf16 | WeightFormat::F16) {
+                let wf = be.upload_weight(&HostWeight::from_f32("wf", n, k, &wdec, WeightFormat::F32).unwrap()).unwrap();
+                let mut out_f = vec![0.0f32; rows * n];
+                be.matmul(&x, rows, &wf, &mut out_f).unwrap();
+                prop_assert_eq!(bits(&out[..rows * n]), bits(&out_f));
+            }
+            results.push(out[..rows * n].to_vec());
+        }
+        // f32 / bf16 / f16 weights: every instruction set (AVX-512, AVX2, portable) and thread
+        // count gives identical bits (one sequential FMA chain per output).
+        if !matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) {
+            for r in &results[1..] {
+                prop_assert_eq!(bits(r), bits(&results[0]));
+            }
         }
     }
 

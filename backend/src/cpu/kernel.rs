@@ -7,8 +7,10 @@
 //! only shares loads between elements, never arithmetic, so a row's result does not depend on
 //! how many rows or outputs are computed with it (the backend's per-row determinism).
 //!
-//! Two instruction sets: AVX2 + FMA (x86-64, detected at run time) and a portable fallback
-//! (separate multiply and add). One process uses one of them for every call.
+//! Three instruction sets: AVX-512F (16 lanes: the lanes pair as `l + (l+8)` first, then the
+//! eight-lane tree), AVX2 + FMA (x86-64, detected at run time) and a portable fallback
+//! (separate multiply and add). A backend uses one of them for every call, so results are
+//! reproducible within a process; they differ in the last bits between instruction sets.
 
 /// Lanes per accumulator.
 pub(crate) const LANES: usize = 8;
@@ -20,20 +22,36 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 with fused multiply-add.
     Avx2Fma,
+    /// x86-64 AVX-512F (16 lanes, fused multiply-add).
+    Avx512,
 }
 
 impl Isa {
     /// The best instruction set this CPU supports.
     pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2Fma;
+        [Isa::Avx512, Isa::Avx2Fma]
+            .into_iter()
+            .find(|i| i.supported())
+            .unwrap_or(Isa::Portable)
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn supported(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f") && Isa::Avx2Fma.supported()
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
         }
-        Isa::Portable
     }
 }
 
@@ -55,10 +73,13 @@ pub(crate) fn dot_tile<const R: usize, const O: usize>(
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2Fma` is only constructed after run-time detection of AVX2 and FMA
-        // (or by the caller asserting it through `Cpu::with_isa`, which re-checks), and every
-        // slice holds at least `k` values (checked above).
+        // SAFETY: the backend only holds an `Isa` that `Isa::supported` accepted on this CPU
+        // (`Cpu::default` detects it, `Cpu::with_isa` checks it), and every slice holds at
+        // least `k` values (checked above).
         Isa::Avx2Fma => unsafe { avx2::dot_tile::<R, O>(xs, ws, k) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::dot_tile::<R, O>(xs, ws, k) },
         _ => dot_tile_portable::<R, O>(xs, ws, k),
     }
 }
@@ -175,6 +196,67 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    const L: usize = 16;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn hsum(v: __m512) -> f32 {
+        // Fixed tree: (l + l+8) for l < 8, then (l + l+4), (l + l+2), (l + l+1).
+        let lo = _mm512_castps512_ps256(v);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let s8 = _mm256_add_ps(lo, hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
+        _mm_cvtss_f32(s1)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F; every slice must hold at least `k` values.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn dot_tile<const R: usize, const O: usize>(
+        xs: [&[f32]; R],
+        ws: [&[f32]; O],
+        k: usize,
+    ) -> [[f32; O]; R] {
+        let n16 = k / L * L;
+        let mut acc = [[_mm512_setzero_ps(); O]; R];
+        let xp: [*const f32; R] = std::array::from_fn(|r| xs[r].as_ptr());
+        let wp: [*const f32; O] = std::array::from_fn(|o| ws[o].as_ptr());
+        let mut c = 0;
+        while c < n16 {
+            let mut wv = [_mm512_setzero_ps(); O];
+            for o in 0..O {
+                // SAFETY: c + 16 <= n16 <= k <= ws[o].len().
+                wv[o] = unsafe { _mm512_loadu_ps(wp[o].add(c)) };
+            }
+            for r in 0..R {
+                // SAFETY: c + 16 <= k <= xs[r].len().
+                let xv = unsafe { _mm512_loadu_ps(xp[r].add(c)) };
+                for o in 0..O {
+                    acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+                }
+            }
+            c += L;
+        }
+        let mut out = [[0.0f32; O]; R];
+        for r in 0..R {
+            for o in 0..O {
+                let mut s = hsum(acc[r][o]);
+                for i in n16..k {
+                    s = xs[r][i].mul_add(ws[o][i], s);
+                }
+                out[r][o] = s;
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,7 +278,10 @@ mod tests {
                     .collect()
             })
             .collect();
-        for isa in [Isa::Portable, Isa::detect()] {
+        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.supported())
+        {
             let t = dot_tile::<4, 3>(isa, [&x[0], &x[1], &x[2], &x[3]], [&w[0], &w[1], &w[2]], k);
             for r in 0..4 {
                 for o in 0..3 {

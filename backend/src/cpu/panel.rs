@@ -1,0 +1,425 @@
+//! Panel-packed weights and the outer-product matmul kernels for f32 / bf16 / f16 weights.
+//!
+//! Layout: output features are grouped in panels of [`NP`] = 16; panel `p` stores, for each
+//! input index `i`, the 16 values `W[16p + j, i]` contiguously (`panel[i * 16 + j]`), the
+//! last panel zero-padded. The same number of elements as the row-major matrix (plus the
+//! padding), in the weight's own 16-bit or 32-bit encoding.
+//!
+//! Arithmetic: every output element is one sequential fused multiply-add chain
+//! `acc = fma(x[r, i], W[o, i], acc)` for `i = 0, 1, ..., k-1` from `acc = 0`. Tiles only share
+//! loads between elements, so a row's result never depends on the rows, panels or threads
+//! computed with it; and since FMA is exactly rounded, the AVX-512, AVX2 and portable kernels
+//! give identical bits (the portable one uses `f32::mul_add`).
+
+use super::kernel::Isa;
+
+/// Output features per panel.
+pub(crate) const NP: usize = 16;
+
+/// Storage kinds a panel can hold.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Kind {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// An element of a packed panel.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    const KIND: Kind;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    const KIND: Kind = Kind::F32;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// bf16 bit pattern.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct Bf16Bits(pub u16);
+
+impl Elem for Bf16Bits {
+    const KIND: Kind = Kind::Bf16;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+/// IEEE binary16 bit pattern.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct F16Bits(pub u16);
+
+impl Elem for F16Bits {
+    const KIND: Kind = Kind::F16;
+    #[inline]
+    fn to_f32(self) -> f32 {
+        half::f16::from_bits(self.0).to_f32()
+    }
+}
+
+/// Pack a row-major `[rows, k]` matrix into panels.
+pub(crate) fn pack<T: Elem + Default>(src: &[T], rows: usize, k: usize) -> Vec<T> {
+    let n_panels = rows.div_ceil(NP);
+    let mut out = vec![T::default(); n_panels * k * NP];
+    for (o, row) in src.chunks_exact(k.max(1)).take(rows).enumerate() {
+        if k == 0 {
+            break;
+        }
+        let (p, j) = (o / NP, o % NP);
+        let panel = &mut out[p * k * NP..(p + 1) * k * NP];
+        for (i, &v) in row.iter().enumerate() {
+            panel[i * NP + j] = v;
+        }
+    }
+    out
+}
+
+/// Row `o` of a packed matrix, decoded.
+pub(crate) fn unpack_row<T: Elem>(packed: &[T], k: usize, o: usize, out: &mut [f32]) {
+    let (p, j) = (o / NP, o % NP);
+    let panel = &packed[p * k * NP..(p + 1) * k * NP];
+    for (i, y) in out.iter_mut().take(k).enumerate() {
+        *y = panel[i * NP + j].to_f32();
+    }
+}
+
+/// Tile result: `[R][P][16]`.
+type TileOut<const R: usize, const P: usize> = [[[f32; NP]; P]; R];
+
+/// `out[r][p][j] = Σ_i x_r[i] · panel_p[i*16 + j]` (one FMA chain per element).
+/// `xs[r]` must hold `k` values and `ws[p]` `16 k` elements (callers slice them).
+#[inline]
+fn tile<T: Elem, const R: usize, const P: usize>(
+    isa: Isa,
+    xs: [&[f32]; R],
+    ws: [&[T]; P],
+    k: usize,
+) -> TileOut<R, P> {
+    let ok = xs.iter().all(|x| x.len() >= k) && ws.iter().all(|w| w.len() >= k * NP);
+    if !ok {
+        // Internal invariant (the callers slice operands to size); NaN makes a breach visible.
+        return [[[f32::NAN; NP]; P]; R];
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the backend only holds an `Isa` that `Isa::supported` accepted on this CPU,
+        // and every operand holds what the kernel reads (checked above).
+        Isa::Avx512 => unsafe { avx512::tile::<T, R, P>(xs, ws, k) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2Fma => unsafe { avx2::tile::<T, R, P>(xs, ws, k) },
+        _ => tile_portable::<T, R, P>(xs, ws, k),
+    }
+}
+
+fn tile_portable<T: Elem, const R: usize, const P: usize>(
+    xs: [&[f32]; R],
+    ws: [&[T]; P],
+    k: usize,
+) -> TileOut<R, P> {
+    let mut acc = [[[0.0f32; NP]; P]; R];
+    for i in 0..k {
+        for (p, w) in ws.iter().enumerate() {
+            let wi = &w[i * NP..(i + 1) * NP];
+            for (r, x) in xs.iter().enumerate() {
+                let xv = x[i];
+                for (a, &wv) in acc[r][p].iter_mut().zip(wi) {
+                    *a = xv.mul_add(wv.to_f32(), *a);
+                }
+            }
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Elem, Kind, TileOut, NP};
+
+    /// # Safety
+    /// AVX-512F (and F16C for f16) available; `p` points at 16 readable elements.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
+        // SAFETY: per the function contract.
+        unsafe {
+            match T::KIND {
+                Kind::F32 => _mm512_loadu_ps(p as *const f32),
+                Kind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(p as *const __m256i),
+                ))),
+                Kind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F available; `xs[r]` holds `k` values, `ws[p]` holds `16 k` elements.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn tile<T: Elem, const R: usize, const P: usize>(
+        xs: [&[f32]; R],
+        ws: [&[T]; P],
+        k: usize,
+    ) -> TileOut<R, P> {
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let xp: [*const f32; R] = std::array::from_fn(|r| xs[r].as_ptr());
+        let wp: [*const T; P] = std::array::from_fn(|p| ws[p].as_ptr());
+        for i in 0..k {
+            let mut wv = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                // SAFETY: i * 16 + 16 <= 16 k <= ws[p].len().
+                wv[p] = unsafe { load16(wp[p].add(i * NP)) };
+            }
+            for r in 0..R {
+                // SAFETY: i < k <= xs[r].len().
+                let xb = _mm512_set1_ps(unsafe { *xp[r].add(i) });
+                for p in 0..P {
+                    acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+                }
+            }
+        }
+        let mut out = [[[0.0f32; NP]; P]; R];
+        for r in 0..R {
+            for p in 0..P {
+                // SAFETY: out[r][p] holds 16 f32.
+                unsafe { _mm512_storeu_ps(out[r][p].as_mut_ptr(), acc[r][p]) };
+            }
+        }
+        out
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Elem, Kind, TileOut, NP};
+
+    /// # Safety
+    /// AVX2, FMA and F16C available; `p` points at 8 readable elements.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
+        // SAFETY: per the function contract.
+        unsafe {
+            match T::KIND {
+                Kind::F32 => _mm256_loadu_ps(p as *const f32),
+                Kind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(p as *const __m128i),
+                ))),
+                Kind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C available; `xs[r]` holds `k` values, `ws[p]` holds `16 k` elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<T: Elem, const R: usize, const P: usize>(
+        xs: [&[f32]; R],
+        ws: [&[T]; P],
+        k: usize,
+    ) -> TileOut<R, P> {
+        let mut acc = [[[_mm256_setzero_ps(); 2]; P]; R];
+        let xp: [*const f32; R] = std::array::from_fn(|r| xs[r].as_ptr());
+        let wp: [*const T; P] = std::array::from_fn(|p| ws[p].as_ptr());
+        for i in 0..k {
+            let mut wv = [[_mm256_setzero_ps(); 2]; P];
+            for p in 0..P {
+                // SAFETY: i * 16 + 16 <= 16 k <= ws[p].len().
+                unsafe {
+                    wv[p][0] = load8(wp[p].add(i * NP));
+                    wv[p][1] = load8(wp[p].add(i * NP + 8));
+                }
+            }
+            for r in 0..R {
+                // SAFETY: i < k <= xs[r].len().
+                let xb = _mm256_set1_ps(unsafe { *xp[r].add(i) });
+                for p in 0..P {
+                    acc[r][p][0] = _mm256_fmadd_ps(xb, wv[p][0], acc[r][p][0]);
+                    acc[r][p][1] = _mm256_fmadd_ps(xb, wv[p][1], acc[r][p][1]);
+                }
+            }
+        }
+        let mut out = [[[0.0f32; NP]; P]; R];
+        for r in 0..R {
+            for p in 0..P {
+                // SAFETY: out[r][p] holds 16 f32.
+                unsafe {
+                    _mm256_storeu_ps(out[r][p].as_mut_ptr(), acc[r][p][0]);
+                    _mm256_storeu_ps(out[r][p].as_mut_ptr().add(8), acc[r][p][1]);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Computes outputs `16 p0 .. min(16 p1, n_out)` for all `rows` into `out`, laid out
+/// `[rows, width]` with `width = min(16 p1, n_out) - 16 p0` (one thread's chunk).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_panels<T: Elem>(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    packed: &[T],
+    n_out: usize,
+    p0: usize,
+    p1: usize,
+    out: &mut [f32],
+) {
+    match isa {
+        // 32 zmm: 8 rows x 2 panels = 16 accumulators; one row: 8 panels.
+        Isa::Avx512 => run::<T, 8, 2, 8>(isa, x, rows, k, packed, n_out, p0, p1, out),
+        // 16 ymm: 4 rows x 1 panel = 8 accumulators; one row: 4 panels.
+        _ => run::<T, 4, 1, 4>(isa, x, rows, k, packed, n_out, p0, p1, out),
+    }
+}
+
+/// `RM x PM`: the multi-row tile; `PR`: panels of the one-row tile.
+#[allow(clippy::too_many_arguments)]
+fn run<T: Elem, const RM: usize, const PM: usize, const PR: usize>(
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    packed: &[T],
+    n_out: usize,
+    p0: usize,
+    p1: usize,
+    out: &mut [f32],
+) {
+    let o0 = p0 * NP;
+    let width = (p1 * NP).min(n_out) - o0;
+    let xr = |r: usize| &x[r * k..(r + 1) * k];
+    let wp = |p: usize| &packed[p * k * NP..(p + 1) * k * NP];
+    // Write a tile's valid outputs.
+    let mut put = |r: usize, p: usize, vals: &[f32; NP]| {
+        let o = p * NP;
+        let n = NP.min(n_out - o);
+        out[r * width + o - o0..][..n].copy_from_slice(&vals[..n]);
+    };
+    if rows >= 4 {
+        let mut p = p0;
+        while p < p1 {
+            let np = PM.min(p1 - p);
+            let mut r = 0;
+            if np == PM {
+                while r + RM <= rows {
+                    let t = tile::<T, RM, PM>(
+                        isa,
+                        std::array::from_fn(|d| xr(r + d)),
+                        std::array::from_fn(|d| wp(p + d)),
+                        k,
+                    );
+                    for (dr, tr) in t.iter().enumerate() {
+                        for (dp, v) in tr.iter().enumerate() {
+                            put(r + dr, p + dp, v);
+                        }
+                    }
+                    r += RM;
+                }
+            }
+            // Leftover rows (and a leftover panel): 4-row then 1-row tiles, panel by panel.
+            for q in p..p + np {
+                let mut rr = r;
+                while rr + 4 <= rows {
+                    let t = tile::<T, 4, 1>(isa, std::array::from_fn(|d| xr(rr + d)), [wp(q)], k);
+                    for (dr, tr) in t.iter().enumerate() {
+                        put(rr + dr, q, &tr[0]);
+                    }
+                    rr += 4;
+                }
+                while rr < rows {
+                    let t = tile::<T, 1, 1>(isa, [xr(rr)], [wp(q)], k);
+                    put(rr, q, &t[0][0]);
+                    rr += 1;
+                }
+            }
+            p += np;
+        }
+    } else {
+        for r in 0..rows {
+            let mut p = p0;
+            while p + PR <= p1 {
+                let t = tile::<T, 1, PR>(isa, [xr(r)], std::array::from_fn(|d| wp(p + d)), k);
+                for (dp, v) in t[0].iter().enumerate() {
+                    put(r, p + dp, v);
+                }
+                p += PR;
+            }
+            while p < p1 {
+                let t = tile::<T, 1, 1>(isa, [xr(r)], [wp(p)], k);
+                put(r, p, &t[0][0]);
+                p += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_unpack_roundtrip() {
+        let (rows, k) = (37, 5);
+        let src: Vec<f32> = (0..rows * k).map(|i| i as f32).collect();
+        let p = pack(&src, rows, k);
+        assert_eq!(p.len(), 3 * k * NP);
+        let mut row = vec![0.0; k];
+        for o in 0..rows {
+            unpack_row(&p, k, o, &mut row);
+            assert_eq!(row, src[o * k..(o + 1) * k]);
+        }
+    }
+
+    #[test]
+    fn all_isas_give_identical_bits() {
+        let (rows, n, k) = (11, 53, 67);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 37) % 101) as f32 / 17.0 - 3.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 53) % 97) as f32 / 13.0 - 3.5)
+            .collect();
+        let packed = pack(&w, n, k);
+        let np = n.div_ceil(NP);
+        let mut results = Vec::new();
+        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.supported())
+        {
+            for r in [rows, 1, 3] {
+                let mut out = vec![0.0f32; r * n];
+                matmul_panels(isa, &x, r, k, &packed, n, 0, np, &mut out);
+                // Check against a sequential fma chain.
+                for rr in 0..r {
+                    for o in 0..n {
+                        let mut a = 0.0f32;
+                        for i in 0..k {
+                            a = x[rr * k + i].mul_add(w[o * k + i], a);
+                        }
+                        assert_eq!(
+                            out[rr * n + o].to_bits(),
+                            a.to_bits(),
+                            "{isa:?} rows {r} ({rr}, {o})"
+                        );
+                    }
+                }
+                results.push(out[..n].to_vec());
+            }
+        }
+        assert!(results.windows(2).all(|w| w[0] == w[1]));
+    }
+}

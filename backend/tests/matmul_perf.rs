@@ -1,0 +1,99 @@
+//! Timing of the CPU matmul for 1 row vs 16 rows (the decode vs verify cost that decides
+//! whether speculative decoding pays on the CPU). Not a pass/fail test: run with
+//! `cargo test --release -p dflash-backend --test matmul_perf -- --ignored --nocapture`.
+
+use std::time::Instant;
+
+use dflash_backend::cpu::Cpu;
+use dflash_backend::{Backend, HostWeight, WeightFormat};
+
+fn time_per_call(
+    be: &Cpu,
+    x: &Vec<f32>,
+    rows: usize,
+    w: &dflash_backend::Weight<Cpu>,
+    out: &mut Vec<f32>,
+) -> f64 {
+    // The machine is shared: time single calls and keep the fastest tenth's median, which
+    // drops the calls interrupted by other processes (each call is far shorter than a slice).
+    for _ in 0..50 {
+        be.matmul(x, rows, w, out).unwrap();
+    }
+    let mut times: Vec<f64> = (0..600)
+        .map(|_| {
+            let t0 = Instant::now();
+            be.matmul(x, rows, w, out).unwrap();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times[times.len() / 20]
+}
+
+fn env_list<T: std::str::FromStr>(name: &str, default: Vec<T>) -> Vec<T> {
+    match std::env::var(name) {
+        Ok(v) => v.split(',').filter_map(|p| p.trim().parse().ok()).collect(),
+        Err(_) => default,
+    }
+}
+
+/// Env knobs: MM_SHAPES="1024x512,512x512" (out x in), MM_THREADS="1,2", MM_FORMATS="f32,q8".
+#[test]
+#[ignore = "timing report, run by hand"]
+fn matmul_1_vs_16_rows() {
+    let shapes: Vec<(usize, usize)> = env_list::<String>(
+        "MM_SHAPES",
+        vec![
+            "1024x512".into(),
+            "512x512".into(),
+            "2048x1024".into(),
+            "4096x1024".into(),
+        ],
+    )
+    .iter()
+    .filter_map(|s| {
+        s.split_once('x')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+    })
+    .collect();
+    let formats: Vec<WeightFormat> = env_list::<String>(
+        "MM_FORMATS",
+        vec!["f32".into(), "bf16".into(), "q8".into(), "q4".into()],
+    )
+    .iter()
+    .map(|f| match f.as_str() {
+        "bf16" => WeightFormat::Bf16,
+        "f16" => WeightFormat::F16,
+        "q8" => WeightFormat::Q8_0,
+        "q4" => WeightFormat::Q4_0,
+        _ => WeightFormat::F32,
+    })
+    .collect();
+    for threads in env_list("MM_THREADS", vec![1usize, 2]) {
+        let be = Cpu::with_threads(threads).unwrap();
+        for &(n, k) in &shapes {
+            let vals: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect();
+            for &fmt in &formats {
+                let w = be
+                    .upload_weight(&HostWeight::from_f32("w", n, k, &vals, fmt).unwrap())
+                    .unwrap();
+                let x: Vec<f32> = (0..16 * k)
+                    .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                    .collect();
+                let mut out = vec![0.0; 16 * n];
+                let t1 = time_per_call(&be, &x, 1, &w, &mut out);
+                let t16 = time_per_call(&be, &x, 16, &w, &mut out);
+                println!(
+                    "threads {threads} [{n} x {k}] {fmt:?}: 1 row {:8.1} us, 16 rows {:8.1} us, ratio {:.2}x ({:.1} GFLOP/s at 16 rows, isa {:?})",
+                    t1 * 1e6,
+                    t16 * 1e6,
+                    t16 / t1,
+                    2.0 * 16.0 * (n * k) as f64 / t16 / 1e9,
+                    be.isa()
+                );
+            }
+        }
+    }
+}
