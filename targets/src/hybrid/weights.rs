@@ -85,6 +85,11 @@ impl HostTensors {
         Ok(())
     }
 
+    /// The stored shape of `name`.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.map.get(name).map(|(s, _)| s.as_slice())
+    }
+
     fn get(&self, name: &str, shape: &[usize]) -> Result<&[f32]> {
         let (s, v) = self
             .map
