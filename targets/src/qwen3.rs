@@ -347,6 +347,13 @@ impl<B: Backend> Qwen3Dense<B> {
         self.cap
     }
 
+    /// Truncate the committed positions to `pos` (no-op if already shorter); drops any
+    /// pending verify. Benches use it to repeat a verify at one position.
+    pub fn prime_reset_to(&mut self, pos: usize) {
+        self.pos = self.pos.min(pos);
+        self.pending = None;
+    }
+
     /// Drop every cached position.
     pub fn reset(&mut self) {
         self.pos = 0;
