@@ -123,6 +123,56 @@ pub struct FullForward<B: Backend> {
     pub layer_outs: Vec<Vec<f32>>,
 }
 
+/// Activation buffers of one block forward of `b` rows (exact sizes: the row-wise ops
+/// normalise whole buffers).
+pub(crate) struct Scratch<B: Backend> {
+    b: usize,
+    /// residual stream `[b, d]`
+    x: B::Buf,
+    /// normed rows `[b, d]` (input and post-attention norms)
+    xn: B::Buf,
+    q0: B::Buf,
+    k0: B::Buf,
+    v: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    attn: B::Buf,
+    /// o_proj and down_proj outputs `[b, d]`
+    o: B::Buf,
+    g: B::Buf,
+    u: B::Buf,
+    a: B::Buf,
+    /// final-normed rows `[b, d]`
+    hidden: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(be: &B, cfg: &crate::config::DraftConfig, b: usize) -> Result<Self> {
+        let (d, qd, kvd, inter) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        Ok(Scratch {
+            b,
+            x: be.zeros(b * d)?,
+            xn: be.zeros(b * d)?,
+            q0: be.zeros(b * qd)?,
+            k0: be.zeros(b * kvd)?,
+            v: be.zeros(b * kvd)?,
+            q: be.zeros(b * qd)?,
+            k: be.zeros(b * kvd)?,
+            attn: be.zeros(b * qd)?,
+            o: be.zeros(b * d)?,
+            g: be.zeros(b * inter)?,
+            u: be.zeros(b * inter)?,
+            a: be.zeros(b * inter)?,
+            hidden: be.zeros(b * d)?,
+        })
+    }
+}
+
 fn attn_params<B: Backend>(
     d: &Drafter<B>,
     layer: usize,
@@ -315,31 +365,31 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 
-    /// Embedded block `[anchor, MASK x (b-1)]` (`[b, hidden]`), scaled, with the learned mask
-    /// embedding for rows 1.. when the checkpoint has one.
+    /// Embed the block `[anchor, MASK x (b-1)]` into `x` (`[b, hidden]`), scaled, with the
+    /// learned mask embedding for rows 1.. when the checkpoint has one.
     fn embed_block(
         &self,
         be: &B,
         lend: &dyn TargetLend<B>,
         tokens: &[u32],
         emb_scale: f32,
-    ) -> Result<B::Buf> {
+        x: &mut B::Buf,
+    ) -> Result<()> {
         let d = self.cfg.hidden_size;
         let vocab = lend.vocab_size();
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(DraftError::TokenOutOfRange { id, vocab });
         }
-        let mut x = be.zeros(tokens.len() * d)?;
-        lend.embed(be, tokens, &mut x)?;
+        lend.embed(be, tokens, x)?;
         if emb_scale != 1.0 {
-            be.scale(&mut x, emb_scale)?;
+            be.scale(x, emb_scale)?;
         }
         if let Some(m) = &self.mask_embedding {
             for r in 1..tokens.len() {
-                be.copy(m, 0, &mut x, r * d, d)?;
+                be.copy(m, 0, x, r * d, d)?;
             }
         }
-        Ok(x)
+        Ok(())
     }
 
     /// The block tokens `[anchor, MASK x (len-1)]`.
@@ -351,61 +401,45 @@ impl<B: Backend> Drafter<B> {
         t
     }
 
-    /// One layer over the block rows `x` (`[b, hidden]`, in place). `attend` receives the
+    /// One layer over the block rows `s.x` (`[b, hidden]`, in place). `attend` receives the
     /// normed + roped Q and K and the V of the block and writes the attention output.
     #[allow(clippy::type_complexity)]
     fn block_layer(
         &self,
         be: &B,
         li: usize,
-        x: &mut B::Buf,
-        b: usize,
+        s: &mut Scratch<B>,
         pos0: usize,
         attend: &mut dyn FnMut(usize, &B::Buf, &B::Buf, &B::Buf, &mut B::Buf) -> Result<()>,
     ) -> Result<()> {
         let c = &self.cfg;
         let l: &DraftLayer<B> = &self.layers[li];
-        let (d, hd, eps) = (c.hidden_size, c.head_dim, c.rms_norm_eps);
-        let (qd, kvd, inter) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let mut xn = be.zeros(b * d)?;
-        be.rms_norm(x, &l.ln_in, d, eps, &mut xn)?;
-        let mut q0 = be.zeros(b * qd)?;
-        be.matmul(&xn, b, &l.wq, &mut q0)?;
-        let mut k0 = be.zeros(b * kvd)?;
-        be.matmul(&xn, b, &l.wk, &mut k0)?;
-        let mut v = be.zeros(b * kvd)?;
-        be.matmul(&xn, b, &l.wv, &mut v)?;
-        let mut q = be.zeros(b * qd)?;
-        be.rms_norm(&q0, &l.q_norm, hd, eps, &mut q)?;
-        let mut k = be.zeros(b * kvd)?;
-        be.rms_norm(&k0, &l.k_norm, hd, eps, &mut k)?;
+        let (d, hd, eps, b) = (c.hidden_size, c.head_dim, c.rms_norm_eps, s.b);
+        be.rms_norm(&s.x, &l.ln_in, d, eps, &mut s.xn)?;
+        be.matmul(&s.xn, b, &l.wq, &mut s.q0)?;
+        be.matmul(&s.xn, b, &l.wk, &mut s.k0)?;
+        be.matmul(&s.xn, b, &l.wv, &mut s.v)?;
+        be.rms_norm(&s.q0, &l.q_norm, hd, eps, &mut s.q)?;
+        be.rms_norm(&s.k0, &l.k_norm, hd, eps, &mut s.k)?;
         let rope = &self.ropes[li];
-        be.rope(&mut q, b, c.num_attention_heads, hd, pos0, rope)?;
-        be.rope(&mut k, b, c.num_key_value_heads, hd, pos0, rope)?;
-        let mut attn = be.zeros(b * qd)?;
-        attend(li, &q, &k, &v, &mut attn)?;
-        let mut o = be.zeros(b * d)?;
-        be.matmul(&attn, b, &l.wo, &mut o)?;
-        be.add_assign(x, 0, &o, b * d)?;
-        let mut xn2 = be.zeros(b * d)?;
-        be.rms_norm(x, &l.ln_post, d, eps, &mut xn2)?;
-        let mut g = be.zeros(b * inter)?;
-        be.matmul(&xn2, b, &l.w_gate, &mut g)?;
-        let mut u = be.zeros(b * inter)?;
-        be.matmul(&xn2, b, &l.w_up, &mut u)?;
-        let mut a = be.zeros(b * inter)?;
-        be.silu_mul(&g, &u, &mut a)?;
-        let mut dn = be.zeros(b * d)?;
-        be.matmul(&a, b, &l.w_down, &mut dn)?;
-        be.add_assign(x, 0, &dn, b * d)?;
+        be.rope(&mut s.q, b, c.num_attention_heads, hd, pos0, rope)?;
+        be.rope(&mut s.k, b, c.num_key_value_heads, hd, pos0, rope)?;
+        attend(li, &s.q, &s.k, &s.v, &mut s.attn)?;
+        be.matmul(&s.attn, b, &l.wo, &mut s.o)?;
+        be.add_assign(&mut s.x, 0, &s.o, b * d)?;
+        be.rms_norm(&s.x, &l.ln_post, d, eps, &mut s.xn)?;
+        be.matmul(&s.xn, b, &l.w_gate, &mut s.g)?;
+        be.matmul(&s.xn, b, &l.w_up, &mut s.u)?;
+        be.silu_mul(&s.g, &s.u, &mut s.a)?;
+        be.matmul(&s.a, b, &l.w_down, &mut s.o)?;
+        be.add_assign(&mut s.x, 0, &s.o, b * d)?;
         Ok(())
     }
 
-    fn final_norm(&self, be: &B, x: &B::Buf, b: usize) -> Result<B::Buf> {
+    fn final_norm(&self, be: &B, s: &mut Scratch<B>) -> Result<()> {
         let d = self.cfg.hidden_size;
-        let mut out = be.zeros(b * d)?;
-        be.rms_norm(x, &self.norm, d, self.cfg.rms_norm_eps, &mut out)?;
-        Ok(out)
+        be.rms_norm(&s.x, &self.norm, d, self.cfg.rms_norm_eps, &mut s.hidden)?;
+        Ok(())
     }
 
     fn check_block(&self, tokens: &[u32]) -> Result<()> {
@@ -422,9 +456,9 @@ impl<B: Backend> Drafter<B> {
     /// The block forward over the cached context (the seed's `forward_round`).
     ///
     /// `tokens` is the block (normally [`Drafter::block_tokens`]), sitting at positions
-    /// `kv.len()..kv.len() + tokens.len()` (plus `kv.pos0()`). Block K/V are written after the committed rows
-    /// and left uncommitted (the cache length does not change). Returns the final-normed
-    /// hidden rows `[b, hidden]`.
+    /// `kv.len()..kv.len() + tokens.len()` (plus `kv.pos0()`). Block K/V are written after the
+    /// committed rows and left uncommitted (the cache length does not change). Returns the
+    /// final-normed hidden rows `[b, hidden]`.
     pub fn forward_cached(
         &self,
         be: &B,
@@ -434,12 +468,31 @@ impl<B: Backend> Drafter<B> {
         emb_scale: f32,
     ) -> Result<B::Buf> {
         self.check_block(tokens)?;
+        let mut s = Scratch::new(be, &self.cfg, tokens.len())?;
+        self.forward_cached_in(be, kv, lend, tokens, emb_scale, &mut s)?;
+        Ok(s.hidden)
+    }
+
+    /// [`Drafter::forward_cached`] into the buffers of `s` (final rows in `s.hidden`).
+    fn forward_cached_in(
+        &self,
+        be: &B,
+        kv: &mut DraftKv<B>,
+        lend: &dyn TargetLend<B>,
+        tokens: &[u32],
+        emb_scale: f32,
+        s: &mut Scratch<B>,
+    ) -> Result<()> {
+        self.check_block(tokens)?;
         self.check_kv(kv)?;
         self.check_lend(lend)?;
         let b = tokens.len();
+        if s.b != b {
+            return Err(DraftError::mismatch("scratch rows", b, s.b));
+        }
         let (kv_pos0, n_ctx) = (kv.pos0(), kv.len());
         let start = kv_pos0 + n_ctx;
-        let mut x = self.embed_block(be, lend, tokens, emb_scale)?;
+        self.embed_block(be, lend, tokens, emb_scale, &mut s.x)?;
         for li in 0..self.layers.len() {
             let mut attend =
                 |li: usize, q: &B::Buf, k: &B::Buf, v: &B::Buf, out: &mut B::Buf| -> Result<()> {
@@ -449,9 +502,9 @@ impl<B: Backend> Drafter<B> {
                     be.attention(q, kb, vb, &p, out)?;
                     Ok(())
                 };
-            self.block_layer(be, li, &mut x, b, start, &mut attend)?;
+            self.block_layer(be, li, s, start, &mut attend)?;
         }
-        self.final_norm(be, &x, b)
+        self.final_norm(be, s)
     }
 
     /// The uncached forward from scratch: context rows `0..ctx` from `taps`
@@ -474,7 +527,8 @@ impl<B: Backend> Drafter<B> {
         let b = tokens.len();
         let kvd = c.kv_dim();
         let feats = self.ctx_features(be, taps, ctx)?;
-        let mut x = self.embed_block(be, lend, tokens, emb_scale)?;
+        let mut s = Scratch::new(be, c, b)?;
+        self.embed_block(be, lend, tokens, emb_scale, &mut s.x)?;
         let mut layer_outs = Vec::new();
         for li in 0..self.layers.len() {
             let (kc, vc) = self.ctx_kv(be, li, &feats, ctx, 0)?;
@@ -490,15 +544,15 @@ impl<B: Backend> Drafter<B> {
                     be.attention(q, &ka, &va, &p, out)?;
                     Ok(())
                 };
-            self.block_layer(be, li, &mut x, b, ctx, &mut attend)?;
+            self.block_layer(be, li, &mut s, ctx, &mut attend)?;
             if trace {
-                layer_outs.push(be.download(&x)?);
+                layer_outs.push(be.download(&s.x)?);
             }
         }
-        let final_hidden = self.final_norm(be, &x, b)?;
+        self.final_norm(be, &mut s)?;
         Ok(FullForward {
             ctx_features: feats,
-            final_hidden,
+            final_hidden: s.hidden,
             layer_outs,
         })
     }
@@ -650,8 +704,22 @@ impl<B: Backend> Drafter<B> {
         }
         let b = opts.block_len.unwrap_or(self.cfg.block_size);
         let tokens = self.block_tokens(anchor, b);
-        let hidden = self.forward_cached(be, kv, lend, &tokens, opts.emb_scale)?;
-        self.drafts_from_hidden(be, lend, &hidden, b, anchor, opts)
+        self.check_block(&tokens)?;
+        // Reuse the drafter's scratch when it is free (a concurrent caller gets its own).
+        let mut guard = self.scratch.try_lock().ok();
+        let mut local = None;
+        let s: &mut Scratch<B> = match guard.as_deref_mut() {
+            Some(slot) => {
+                if slot.as_ref().is_none_or(|s| s.b != b) {
+                    *slot = Some(Scratch::new(be, &self.cfg, b)?);
+                }
+                slot.as_mut()
+                    .ok_or_else(|| DraftError::Invalid("scratch".into()))?
+            }
+            None => local.insert(Scratch::new(be, &self.cfg, b)?),
+        };
+        self.forward_cached_in(be, kv, lend, &tokens, opts.emb_scale, s)?;
+        self.drafts_from_hidden(be, lend, &s.hidden, b, anchor, opts)
     }
 
     /// The row layout in use.

@@ -136,6 +136,9 @@ pub struct Drafter<B: Backend> {
     pub mask_embedding: Option<B::Buf>,
     /// RoPE of each layer.
     pub ropes: Vec<RopeSpec>,
+    /// Activation buffers of the last cached block forward, reused by the next one of the
+    /// same block length (no allocation per step; stable buffers for the GPU).
+    pub(crate) scratch: std::sync::Mutex<Option<crate::forward::Scratch<B>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Drafter<B> {
@@ -541,6 +544,7 @@ impl<B: Backend> Drafter<B> {
             confidence,
             mask_embedding,
             ropes,
+            scratch: std::sync::Mutex::new(None),
         })
     }
 }

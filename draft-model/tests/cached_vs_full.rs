@@ -156,6 +156,23 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     }
     prop_assert_eq!(got.confidence.is_some(), c.markov);
     prop_assert_eq!(kv.len(), c.ctx);
+    // The drafter reuses its buffers across steps: a step of another block length, then the
+    // same step again, gives bit-identical output.
+    let other = DraftOptions {
+        block_len: Some(1 + c.block_len % 8),
+        ..opts
+    };
+    dr.draft(
+        &be,
+        &mut kv,
+        &lend,
+        (anchor + 1) % vocab as u32,
+        c.ctx,
+        &other,
+    )
+    .unwrap();
+    let again = dr.draft(&be, &mut kv, &lend, anchor, c.ctx, &opts).unwrap();
+    prop_assert_eq!(&again, &got);
     Ok(())
 }
 
