@@ -25,12 +25,14 @@ use crate::{
 pub struct Cpu {
     pool: Option<Arc<rayon::ThreadPool>>,
     isa: Isa,
+    par_min_work: usize,
 }
 
 impl Default for Cpu {
     fn default() -> Self {
         Cpu {
             pool: None,
+            par_min_work: PAR_MIN_WORK,
             isa: Isa::detect(),
         }
     }
@@ -51,6 +53,7 @@ impl Cpu {
             .map_err(|e| BackendError::Device(Box::new(e)))?;
         Ok(Cpu {
             pool: Some(Arc::new(pool)),
+            par_min_work: PAR_MIN_WORK,
             isa: Isa::detect(),
         })
     }
@@ -67,6 +70,13 @@ impl Cpu {
         Ok(self)
     }
 
+    /// Run ops on the pool only above `work` multiply-adds (default 131072; 0 = always, which
+    /// tests use to exercise the parallel paths on small shapes). Results do not depend on it.
+    pub fn with_par_min_work(mut self, work: usize) -> Self {
+        self.par_min_work = work;
+        self
+    }
+
     /// The instruction set the kernels use.
     pub fn isa(&self) -> Isa {
         self.isa
@@ -77,6 +87,32 @@ impl Cpu {
         match &self.pool {
             Some(p) => p.current_num_threads().max(1),
             None => rayon::current_num_threads().max(1),
+        }
+    }
+
+    /// `f(i, row)` over `data.chunks_mut(width)`, on the rayon pool when `work` (a rough count
+    /// of multiply-adds) pays for the threads, on the calling thread otherwise. Every row is
+    /// computed the same way either way.
+    fn for_rows(
+        &self,
+        data: &mut [f32],
+        width: usize,
+        work: usize,
+        f: impl Fn(usize, &mut [f32]) + Sync + Send,
+    ) {
+        if width == 0 {
+            return;
+        }
+        if self.threads() <= 1 || work < self.par_min_work || data.len() <= width {
+            data.chunks_mut(width)
+                .enumerate()
+                .for_each(|(i, c)| f(i, c));
+        } else {
+            self.install(|| {
+                data.par_chunks_mut(width)
+                    .enumerate()
+                    .for_each(|(i, c)| f(i, c))
+            });
         }
     }
 
@@ -556,7 +592,7 @@ impl Backend for Cpu {
         let isa = self.isa;
         let threads = self.threads();
         let work = rows.saturating_mul(n_out).saturating_mul(k);
-        let serial = threads <= 1 || work < PAR_MIN_WORK;
+        let serial = threads <= 1 || work < self.par_min_work;
         let data = &w.buf.data;
         if matches!(data, Packed::Q8_0(_) | Packed::Q4_0(_)) {
             self.matmul_blocks(x, rows, k, n_out, data, serial, out);
@@ -651,16 +687,12 @@ impl Backend for Cpu {
         at_least(OP, "out", x.len(), out.len())?;
         let isa = self.isa;
         let n = x.len();
-        self.install(|| {
-            out[..n]
-                .par_chunks_mut(dim)
-                .zip(x.par_chunks(dim))
-                .for_each(|(o, xr)| {
-                    let r = 1.0 / (sum_sq(isa, xr) / dim as f32 + eps).sqrt();
-                    for ((o, &xv), &wv) in o.iter_mut().zip(xr).zip(w.iter()) {
-                        *o = wv * (xv * r);
-                    }
-                })
+        self.for_rows(&mut out[..n], dim, 4 * n, |i, o| {
+            let xr = &x[i * dim..(i + 1) * dim];
+            let r = 1.0 / (sum_sq(isa, xr) / dim as f32 + eps).sqrt();
+            for ((o, &xv), &wv) in o.iter_mut().zip(xr).zip(w.iter()) {
+                *o = wv * (xv * r);
+            }
         });
         Ok(())
     }
@@ -689,17 +721,13 @@ impl Backend for Cpu {
         at_least(OP, "out", x.len(), out.len())?;
         let isa = self.isa;
         let n = x.len();
-        self.install(|| {
-            out[..n]
-                .par_chunks_mut(dim)
-                .zip(x.par_chunks(dim))
-                .zip(z[..n].par_chunks(dim))
-                .for_each(|((o, xr), zr)| {
-                    let r = 1.0 / (sum_sq(isa, xr) / dim as f32 + eps).sqrt();
-                    for (((o, &xv), &wv), &zv) in o.iter_mut().zip(xr).zip(w.iter()).zip(zr) {
-                        *o = (wv * (xv * r)) * silu(zv);
-                    }
-                })
+        self.for_rows(&mut out[..n], dim, 16 * n, |i, o| {
+            let xr = &x[i * dim..(i + 1) * dim];
+            let zr = &z[i * dim..(i + 1) * dim];
+            let r = 1.0 / (sum_sq(isa, xr) / dim as f32 + eps).sqrt();
+            for (((o, &xv), &wv), &zv) in o.iter_mut().zip(xr).zip(w.iter()).zip(zr) {
+                *o = (wv * (xv * r)) * silu(zv);
+            }
         });
         Ok(())
     }
@@ -727,32 +755,27 @@ impl Backend for Cpu {
             return Ok(());
         }
         let half = rot / 2;
-        self.install(|| {
-            x[..rows * width]
-                .par_chunks_mut(width)
-                .enumerate()
-                .for_each(|(r, row)| {
-                    let pos = (pos0 + r) as f32;
-                    let cs: Vec<(f32, f32)> = spec
-                        .inv_freq
-                        .iter()
-                        .map(|&f| {
-                            let a = pos * f;
-                            (
-                                a.cos() * spec.attention_scaling,
-                                a.sin() * spec.attention_scaling,
-                            )
-                        })
-                        .collect();
-                    for head in row.chunks_exact_mut(head_dim) {
-                        for (i, &(c, s)) in cs.iter().enumerate() {
-                            let x1 = head[i];
-                            let x2 = head[i + half];
-                            head[i] = x1 * c - x2 * s;
-                            head[i + half] = x2 * c + x1 * s;
-                        }
-                    }
+        self.for_rows(&mut x[..rows * width], width, rows * width * 4, |r, row| {
+            let pos = (pos0 + r) as f32;
+            let cs: Vec<(f32, f32)> = spec
+                .inv_freq
+                .iter()
+                .map(|&f| {
+                    let a = pos * f;
+                    (
+                        a.cos() * spec.attention_scaling,
+                        a.sin() * spec.attention_scaling,
+                    )
                 })
+                .collect();
+            for head in row.chunks_exact_mut(head_dim) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let x1 = head[i];
+                    let x2 = head[i + half];
+                    head[i] = x1 * c - x2 * s;
+                    head[i + half] = x2 * c + x1 * s;
+                }
+            }
         });
         Ok(())
     }
@@ -794,61 +817,61 @@ impl Backend for Cpu {
         let group = p.n_heads / p.n_kv_heads;
         let isa = self.isa;
         let p = *p;
-        self.install(|| {
-            out[..p.n_q * qw]
-                .par_chunks_mut(qw)
-                .enumerate()
-                .for_each(|(i, orow)| {
-                    let qpos = p.q_pos0 + i;
-                    // Visible keys form one contiguous range of j.
-                    let hi = if p.causal {
-                        if qpos < p.kv_pos0 {
-                            0
-                        } else {
-                            (qpos - p.kv_pos0 + 1).min(p.n_kv)
-                        }
+        self.for_rows(
+            &mut out[..p.n_q * qw],
+            qw,
+            p.n_q * qw * p.n_kv.max(1) * 2,
+            |i, orow| {
+                let qpos = p.q_pos0 + i;
+                // Visible keys form one contiguous range of j.
+                let hi = if p.causal {
+                    if qpos < p.kv_pos0 {
+                        0
                     } else {
-                        p.n_kv
-                    };
-                    let lo = match p.window {
-                        // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
-                        Some(w) => (qpos + 1)
-                            .saturating_sub(w)
-                            .saturating_sub(p.kv_pos0)
-                            .min(hi),
-                        None => 0,
-                    };
-                    let mut scores = vec![0.0f32; hi - lo];
-                    for (h, o) in orow.chunks_exact_mut(hd).enumerate() {
-                        o.fill(0.0);
-                        if hi == lo {
-                            continue;
-                        }
-                        let kvh = h / group;
-                        let qh = &q[(i * p.n_heads + h) * hd..][..hd];
-                        let mut max = f32::NEG_INFINITY;
-                        for (s, j) in scores.iter_mut().zip(lo..hi) {
-                            let kj = &k[(j * p.n_kv_heads + kvh) * hd..][..hd];
-                            *s = kernel::dot(isa, qh, kj) * p.scale;
-                            if *s > max {
-                                max = *s;
-                            }
-                        }
-                        let mut sum = 0.0f32;
-                        for s in scores.iter_mut() {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                        for (s, j) in scores.iter().zip(lo..hi) {
-                            let pj = s / sum;
-                            let vj = &v[(j * p.n_kv_heads + kvh) * hd..][..hd];
-                            for (od, &vd) in o.iter_mut().zip(vj) {
-                                *od += pj * vd;
-                            }
+                        (qpos - p.kv_pos0 + 1).min(p.n_kv)
+                    }
+                } else {
+                    p.n_kv
+                };
+                let lo = match p.window {
+                    // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
+                    Some(w) => (qpos + 1)
+                        .saturating_sub(w)
+                        .saturating_sub(p.kv_pos0)
+                        .min(hi),
+                    None => 0,
+                };
+                let mut scores = vec![0.0f32; hi - lo];
+                for (h, o) in orow.chunks_exact_mut(hd).enumerate() {
+                    o.fill(0.0);
+                    if hi == lo {
+                        continue;
+                    }
+                    let kvh = h / group;
+                    let qh = &q[(i * p.n_heads + h) * hd..][..hd];
+                    let mut max = f32::NEG_INFINITY;
+                    for (s, j) in scores.iter_mut().zip(lo..hi) {
+                        let kj = &k[(j * p.n_kv_heads + kvh) * hd..][..hd];
+                        *s = kernel::dot(isa, qh, kj) * p.scale;
+                        if *s > max {
+                            max = *s;
                         }
                     }
-                })
-        });
+                    let mut sum = 0.0f32;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    for (s, j) in scores.iter().zip(lo..hi) {
+                        let pj = s / sum;
+                        let vj = &v[(j * p.n_kv_heads + kvh) * hd..][..hd];
+                        for (od, &vd) in o.iter_mut().zip(vj) {
+                            *od += pj * vd;
+                        }
+                    }
+                }
+            },
+        );
         Ok(())
     }
 
@@ -857,16 +880,13 @@ impl Backend for Cpu {
         let n = gate.len();
         at_least(OP, "up", n, up.len())?;
         at_least(OP, "out", n, out.len())?;
-        self.install(|| {
-            out[..n]
-                .par_chunks_mut(4096)
-                .zip(gate.par_chunks(4096))
-                .zip(up[..n].par_chunks(4096))
-                .for_each(|((o, g), u)| {
-                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                        *o = silu(g) * u;
-                    }
-                })
+        const W: usize = 4096;
+        self.for_rows(&mut out[..n], W, 8 * n, |i, o| {
+            let g = &gate[i * W..];
+            let u = &up[i * W..];
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = silu(g) * u;
+            }
         });
         Ok(())
     }
@@ -928,23 +948,22 @@ impl Backend for Cpu {
             return Ok(Vec::new());
         }
         let rows_slice = &x[row0 * cols..end * cols];
-        Ok(self.install(|| {
-            rows_slice
-                .par_chunks(cols)
-                .map(|row| {
-                    let mut best = 0usize;
-                    let mut bv = f32::NAN;
-                    for (i, &v) in row.iter().enumerate() {
-                        // NaN never wins; the first of equal maxima wins.
-                        if !v.is_nan() && (bv.is_nan() || v > bv) {
-                            best = i;
-                            bv = v;
-                        }
-                    }
-                    best as u32
-                })
-                .collect()
-        }))
+        let argmax = |row: &[f32]| {
+            let mut best = 0usize;
+            let mut bv = f32::NAN;
+            for (i, &v) in row.iter().enumerate() {
+                // NaN never wins; the first of equal maxima wins.
+                if !v.is_nan() && (bv.is_nan() || v > bv) {
+                    best = i;
+                    bv = v;
+                }
+            }
+            best as u32
+        };
+        if rows == 1 || self.threads() <= 1 || rows * cols < self.par_min_work {
+            return Ok(rows_slice.chunks(cols).map(argmax).collect());
+        }
+        Ok(self.install(|| rows_slice.par_chunks(cols).map(argmax).collect()))
     }
 
     fn causal_conv1d(
@@ -977,20 +996,15 @@ impl Backend for Cpu {
         xpad.extend_from_slice(&state[..sl * c]);
         xpad.extend_from_slice(&x[..n]);
         if c > 0 && t > 0 {
-            self.install(|| {
-                out[..n]
-                    .par_chunks_mut(c)
-                    .enumerate()
-                    .for_each(|(ti, orow)| {
-                        for (ch, o) in orow.iter_mut().enumerate() {
-                            let wc = &w[ch * kernel..(ch + 1) * kernel];
-                            let mut acc = 0.0f32;
-                            for (j, &wj) in wc.iter().enumerate() {
-                                acc += wj * xpad[(ti + j) * c + ch];
-                            }
-                            *o = silu(acc);
-                        }
-                    })
+            self.for_rows(&mut out[..n], c, n * kernel, |ti, orow| {
+                for (ch, o) in orow.iter_mut().enumerate() {
+                    let wc = &w[ch * kernel..(ch + 1) * kernel];
+                    let mut acc = 0.0f32;
+                    for (j, &wj) in wc.iter().enumerate() {
+                        acc += wj * xpad[(ti + j) * c + ch];
+                    }
+                    *o = silu(acc);
+                }
             });
         }
         if let Some(s) = stash {
@@ -1090,56 +1104,66 @@ impl Backend for Cpu {
             }
         };
         // One task per value head: (per-token outputs [t, dv], per-token states [t, dk, dv]).
-        let per_head: Vec<(Vec<f32>, Vec<f32>)> = self.install(|| {
-            state[..nv * ss]
-                .par_chunks_mut(ss)
-                .enumerate()
-                .map(|(h, s)| {
-                    let kh = h / group;
-                    let mut o = vec![0.0f32; t * dv];
-                    let mut st = if want_stash {
-                        Vec::with_capacity(t * ss)
-                    } else {
-                        Vec::new()
-                    };
-                    let mut kv_mem = vec![0.0f32; dv];
-                    for ti in 0..t {
-                        let qn = norm(&q[(ti * nk + kh) * dk..][..dk], p.q_scale);
-                        let kn = norm(&k[(ti * nk + kh) * dk..][..dk], 1.0);
-                        let vt = &v[(ti * nv + h) * dv..][..dv];
-                        let decay = g[ti * nv + h].exp();
-                        let bt = beta[ti * nv + h];
-                        for e in s.iter_mut() {
-                            *e *= decay;
-                        }
-                        kv_mem.fill(0.0);
-                        for (kk, srow) in s.chunks_exact(dv).enumerate() {
-                            for (m, &e) in kv_mem.iter_mut().zip(srow) {
-                                *m += e * kn[kk];
-                            }
-                        }
-                        for (m, &vv) in kv_mem.iter_mut().zip(vt) {
-                            *m = (vv - *m) * bt; // now delta
-                        }
-                        for (kk, srow) in s.chunks_exact_mut(dv).enumerate() {
-                            for (e, &d) in srow.iter_mut().zip(kv_mem.iter()) {
-                                *e += kn[kk] * d;
-                            }
-                        }
-                        let ot = &mut o[ti * dv..(ti + 1) * dv];
-                        for (kk, srow) in s.chunks_exact(dv).enumerate() {
-                            for (od, &e) in ot.iter_mut().zip(srow) {
-                                *od += e * qn[kk];
-                            }
-                        }
-                        if want_stash {
-                            st.extend_from_slice(s);
-                        }
+        let head = |h: usize, s: &mut [f32]| -> (Vec<f32>, Vec<f32>) {
+            let kh = h / group;
+            let mut o = vec![0.0f32; t * dv];
+            let mut st = if want_stash {
+                Vec::with_capacity(t * ss)
+            } else {
+                Vec::new()
+            };
+            let mut kv_mem = vec![0.0f32; dv];
+            for ti in 0..t {
+                let qn = norm(&q[(ti * nk + kh) * dk..][..dk], p.q_scale);
+                let kn = norm(&k[(ti * nk + kh) * dk..][..dk], 1.0);
+                let vt = &v[(ti * nv + h) * dv..][..dv];
+                let decay = g[ti * nv + h].exp();
+                let bt = beta[ti * nv + h];
+                for e in s.iter_mut() {
+                    *e *= decay;
+                }
+                kv_mem.fill(0.0);
+                for (kk, srow) in s.chunks_exact(dv).enumerate() {
+                    for (m, &e) in kv_mem.iter_mut().zip(srow) {
+                        *m += e * kn[kk];
                     }
-                    (o, st)
+                }
+                for (m, &vv) in kv_mem.iter_mut().zip(vt) {
+                    *m = (vv - *m) * bt; // now delta
+                }
+                for (kk, srow) in s.chunks_exact_mut(dv).enumerate() {
+                    for (e, &d) in srow.iter_mut().zip(kv_mem.iter()) {
+                        *e += kn[kk] * d;
+                    }
+                }
+                let ot = &mut o[ti * dv..(ti + 1) * dv];
+                for (kk, srow) in s.chunks_exact(dv).enumerate() {
+                    for (od, &e) in ot.iter_mut().zip(srow) {
+                        *od += e * qn[kk];
+                    }
+                }
+                if want_stash {
+                    st.extend_from_slice(s);
+                }
+            }
+            (o, st)
+        };
+        let per_head: Vec<(Vec<f32>, Vec<f32>)> =
+            if self.threads() <= 1 || nv == 1 || t * nv * ss * 4 < self.par_min_work {
+                state[..nv * ss]
+                    .chunks_mut(ss)
+                    .enumerate()
+                    .map(|(h, s)| head(h, s))
+                    .collect()
+            } else {
+                self.install(|| {
+                    state[..nv * ss]
+                        .par_chunks_mut(ss)
+                        .enumerate()
+                        .map(|(h, s)| head(h, s))
+                        .collect()
                 })
-                .collect()
-        });
+            };
         for (h, (o, _)) in per_head.iter().enumerate() {
             for ti in 0..t {
                 out[(ti * nv + h) * dv..][..dv].copy_from_slice(&o[ti * dv..(ti + 1) * dv]);

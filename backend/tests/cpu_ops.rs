@@ -22,25 +22,35 @@ fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-amp..amp)).collect()
 }
 
+/// The default backend, a one-thread portable one, and multi-thread ones forced onto their
+/// parallel paths even for small shapes.
 fn backends() -> Vec<Cpu> {
-    let mut v = vec![
+    vec![
         Cpu::default(),
         Cpu::with_threads(1)
             .unwrap()
             .with_isa(Isa::Portable)
             .unwrap(),
-    ];
-    if Isa::detect() != Isa::Portable {
-        v.push(Cpu::with_threads(3).unwrap());
-    }
-    v
+        Cpu::with_threads(3).unwrap().with_par_min_work(0),
+        Cpu::with_threads(2)
+            .unwrap()
+            .with_isa(Isa::Portable)
+            .unwrap()
+            .with_par_min_work(0),
+    ]
 }
 
 fn backends_all_isas() -> Vec<Cpu> {
     let mut v = backends();
     for isa in [Isa::Avx2Fma, Isa::Avx512] {
         if isa.supported() {
-            v.push(Cpu::with_threads(2).unwrap().with_isa(isa).unwrap());
+            v.push(
+                Cpu::with_threads(2)
+                    .unwrap()
+                    .with_isa(isa)
+                    .unwrap()
+                    .with_par_min_work(0),
+            );
         }
     }
     v
@@ -128,7 +138,7 @@ proptest! {
         let mut full = vec![0.0f32; rows * n];
         reference.matmul(&x, rows, &w, &mut full).unwrap();
         // Same ISA, other thread counts: identical bits; each row alone: identical bits.
-        for be in [Cpu::with_threads(1).unwrap(), Cpu::with_threads(3).unwrap()] {
+        for be in [Cpu::with_threads(1).unwrap(), Cpu::with_threads(3).unwrap().with_par_min_work(0)] {
             let w = be.upload_weight(&hw).unwrap();
             let mut again = vec![0.0f32; rows * n];
             be.matmul(&x, rows, &w, &mut again).unwrap();
@@ -551,7 +561,7 @@ proptest! {
         let w = rand_vec(&mut rng, c * kernel, 1.0);
         let state0 = rand_vec(&mut rng, sl * c, 2.0);
         let (want, want_state) = naive_conv(&x, t, c, kernel, &w, &state0);
-        let be = Cpu::default();
+        for be in backends() {
         let mut state = state0.clone();
         let mut out = vec![0.0; t * c];
         let mut stash = vec![0.0; t * sl * c];
@@ -575,6 +585,7 @@ proptest! {
         o1.extend_from_slice(&o2);
         prop_assert_eq!(bits(&o1), bits(&out));
         prop_assert_eq!(st2, state);
+        }
     }
 
     #[test]
@@ -678,7 +689,7 @@ proptest! {
         let state0 = rand_vec(&mut rng, nv * dk * dv, 0.5);
         let mut nstate: Vec<f64> = state0.iter().map(|&e| e as f64).collect();
         let (want, want_states) = naive_delta(&q, &k, &v, &g, &beta, &p, &mut nstate);
-        let be = Cpu::default();
+        for be in backends() {
         let mut state = state0.clone();
         let mut out = vec![0.0; t * nv * dv];
         let ss = dk * dv;
@@ -708,6 +719,7 @@ proptest! {
         }
         prop_assert_eq!(bits(&out2), bits(&out));
         prop_assert_eq!(bits(&st2), bits(&state));
+        }
     }
 }
 
