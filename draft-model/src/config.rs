@@ -159,6 +159,8 @@ struct RawConfig {
     rope_parameters: Option<Value>,
     partial_rotary_factor: Option<f64>,
     max_position_embeddings: Option<f64>,
+    /// Phi3-style top-level pretraining length (transformers gives it precedence).
+    original_max_position_embeddings: Option<f64>,
     dflash_config: Option<RawNested>,
     markov_rank: Option<usize>,
     markov_head_type: Option<String>,
@@ -199,6 +201,7 @@ fn positive(v: usize, key: &str) -> Result<usize> {
 
 fn rope_from_raw(
     raw: &RawRope,
+    top_orig: Option<f64>,
     theta_fallback: Option<f64>,
     prf_fallback: Option<f64>,
     head_dim: usize,
@@ -224,7 +227,8 @@ fn rope_from_raw(
         .unwrap_or("default");
     let k = |s: &str| format!("{key}.{s}");
     let orig = || {
-        raw.original_max_position_embeddings
+        top_orig
+            .or(raw.original_max_position_embeddings)
             .or(max_pos)
             .ok_or_else(|| DraftError::MissingKey(k("original_max_position_embeddings")))
     };
@@ -455,6 +459,7 @@ impl DraftConfig {
                             })?;
                             rope_from_raw(
                                 &r,
+                                raw.original_max_position_embeddings,
                                 raw.rope_theta,
                                 raw.partial_rotary_factor,
                                 head_dim,
@@ -481,6 +486,7 @@ impl DraftConfig {
                 let r = raw.rope_scaling.unwrap_or_default();
                 let rc = rope_from_raw(
                     &r,
+                    raw.original_max_position_embeddings,
                     raw.rope_theta,
                     raw.partial_rotary_factor,
                     head_dim,
@@ -497,6 +503,7 @@ impl DraftConfig {
                     })?;
                 let rc = rope_from_raw(
                     &r,
+                    raw.original_max_position_embeddings,
                     raw.rope_theta,
                     raw.partial_rotary_factor,
                     head_dim,
@@ -830,6 +837,18 @@ mod tests {
             s => panic!("{s:?}"),
         }
         assert!((c.rope.attention_factor() - 1.4158883083).abs() < 1e-9);
+        // Phi3-style top-level original_max_position_embeddings takes precedence
+        let top = ZLAB.replace(
+            r#""rope_scaling": null"#,
+            r#""original_max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
+        );
+        match DraftConfig::from_json_str(&top).unwrap().rope.scaling {
+            RopeScaling::Yarn {
+                original_max_position_embeddings,
+                ..
+            } => assert_eq!(original_max_position_embeddings, 4096.0),
+            s => panic!("{s:?}"),
+        }
         // old-style "type" key, linear
         let lin = ZLAB.replace(
             r#""rope_scaling": null"#,
