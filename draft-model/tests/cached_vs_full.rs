@@ -106,7 +106,7 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     };
     let lend = LentWeights::new(w("embed"), w("lm_head")).unwrap();
     let tw = taps.len() * hidden;
-    let tap_vals: Vec<f32> = (0..c.ctx * tw)
+    let tap_vals: Vec<f32> = (0..(c.ctx + 5) * tw)
         .map(|_| rng.random_range(-2.0f32..2.0))
         .collect();
     let anchor = rng.random_range(0..vocab as u32);
@@ -128,7 +128,8 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
         .unwrap();
 
     // cached, ingest in the given pieces
-    let mut kv = dr.new_kv(&be, c.ctx).unwrap();
+    let extra = 1 + (c.seed % 5) as usize;
+    let mut kv = dr.new_kv(&be, c.ctx + extra).unwrap();
     let mut bounds = vec![0];
     bounds.extend(c.cuts.iter().copied());
     bounds.push(c.ctx);
@@ -173,6 +174,31 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     .unwrap();
     let again = dr.draft(&be, &mut kv, &lend, anchor, c.ctx, &opts).unwrap();
     prop_assert_eq!(&again, &got);
+
+    // Next round: commit `extra` more context rows over the transient block rows the drafts
+    // left behind, draft again, and compare with a from-scratch forward over all rows.
+    let more = be
+        .upload(&tap_vals[c.ctx * tw..(c.ctx + extra) * tw])
+        .unwrap();
+    dr.ingest(&be, &mut kv, &more, extra, c.ctx).unwrap();
+    let ctx2 = c.ctx + extra;
+    prop_assert_eq!(kv.len(), ctx2);
+    let anchor2 = (anchor + 7) % vocab as u32;
+    let got2 = dr.draft(&be, &mut kv, &lend, anchor2, ctx2, &opts).unwrap();
+    let all = be.upload(&tap_vals[..ctx2 * tw]).unwrap();
+    let tokens2 = dr.block_tokens(anchor2, c.block_len);
+    let full2 = dr
+        .forward_full(&be, &lend, &all, ctx2, &tokens2, 1.0, false)
+        .unwrap();
+    let want2 = dr
+        .drafts_from_hidden(&be, &lend, &full2.final_hidden, c.block_len, anchor2, &opts)
+        .unwrap();
+    prop_assert_eq!(&got2.tokens, &want2.tokens);
+    let e = rel(
+        got2.logits.as_ref().unwrap(),
+        want2.logits.as_ref().unwrap(),
+    );
+    prop_assert!(e <= 1e-6, "round 2 logits: {e}");
     Ok(())
 }
 
