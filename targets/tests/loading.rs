@@ -1,0 +1,228 @@
+//! Checkpoint loading: sharded files, tied embeddings, and bad checkpoints as error values.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use dflash_backend::cpu::Cpu;
+use dflash_backend::Backend;
+use dflash_targets::{load_target, LoadOptions, LogitRows, Qwen3Dense, TargetError};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+fn fixture_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_dense/model")
+}
+
+type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+fn read_tensors() -> Tensors {
+    let bytes = std::fs::read(fixture_model().join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
+        .collect()
+}
+
+fn config() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture_model().join("config.json")).unwrap())
+        .unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dflash-targets-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn write_st(path: &Path, t: &Tensors) {
+    let views: Vec<(String, TensorView<'_>)> = t
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+fn write_dir(name: &str, cfg: &serde_json::Value, t: &Tensors) -> PathBuf {
+    let d = scratch(name);
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    write_st(&d.join("model.safetensors"), t);
+    d
+}
+
+fn logits(be: &Cpu, dir: &Path) -> Vec<f32> {
+    let mut m = Qwen3Dense::<Cpu>::load(be, dir, LoadOptions::default()).unwrap();
+    let f = m
+        .forward(be, &[1, 5, 9, 200, 7], 0, &[], LogitRows::All)
+        .unwrap();
+    be.download(f.logits.as_ref().unwrap()).unwrap()
+}
+
+#[test]
+fn sharded_checkpoint_equals_single_file() {
+    let be = Cpu::new();
+    let t = read_tensors();
+    let d = scratch("sharded");
+    std::fs::write(d.join("config.json"), config().to_string()).unwrap();
+    let (mut a, mut b) = (Tensors::new(), Tensors::new());
+    let mut map = serde_json::Map::new();
+    for (i, (n, v)) in t.into_iter().enumerate() {
+        let file = if i % 2 == 0 {
+            "model-00001-of-00002.safetensors"
+        } else {
+            "model-00002-of-00002.safetensors"
+        };
+        map.insert(n.clone(), file.into());
+        if i % 2 == 0 {
+            a.insert(n, v)
+        } else {
+            b.insert(n, v)
+        };
+    }
+    write_st(&d.join("model-00001-of-00002.safetensors"), &a);
+    write_st(&d.join("model-00002-of-00002.safetensors"), &b);
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+    let x = logits(&be, &fixture_model());
+    let y = logits(&be, &d);
+    assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
+}
+
+#[test]
+fn tied_embeddings_use_the_embedding_as_head() {
+    let be = Cpu::new();
+    let mut t = read_tensors();
+    let emb = t["model.embed_tokens.weight"].clone();
+    // Untied with an explicit copy of the embedding as lm_head ...
+    t.insert("lm_head.weight".into(), emb);
+    let explicit = write_dir("untied-copy", &config(), &t);
+    // ... equals tied with no lm_head tensor at all.
+    t.remove("lm_head.weight");
+    let mut cfg = config();
+    cfg["tie_word_embeddings"] = true.into();
+    let tied = write_dir("tied", &cfg, &t);
+    let x = logits(&be, &explicit);
+    let y = logits(&be, &tied);
+    assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
+    // An untied config without lm_head is an error naming it.
+    let broken = write_dir("untied-missing", &config(), &t);
+    let e = Qwen3Dense::<Cpu>::load(&be, &broken, LoadOptions::default())
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, TargetError::MissingTensor { name } if name == "lm_head.weight"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_checkpoints_are_errors_naming_the_problem() {
+    let be = Cpu::new();
+    let load = |d: &Path| {
+        Qwen3Dense::<Cpu>::load(&be, d, LoadOptions::default())
+            .err()
+            .unwrap()
+    };
+
+    let mut t = read_tensors();
+    t.remove("model.layers.3.mlp.up_proj.weight");
+    let e = load(&write_dir("missing", &config(), &t));
+    assert!(
+        matches!(&e, TargetError::MissingTensor { name } if name == "model.layers.3.mlp.up_proj.weight"),
+        "{e}"
+    );
+
+    let mut t = read_tensors();
+    let (d, _, b) = t["model.layers.1.self_attn.q_norm.weight"].clone();
+    t.insert(
+        "model.layers.1.self_attn.q_norm.weight".into(),
+        (d, vec![16], b[..32].to_vec()),
+    );
+    let e = load(&write_dir("shape", &config(), &t));
+    assert!(
+        matches!(&e, TargetError::Shape { name, expected, found } if name == "model.layers.1.self_attn.q_norm.weight" && expected == &vec![32] && found == &vec![16]),
+        "{e}"
+    );
+
+    let mut t = read_tensors();
+    let (_, s, b) = t["model.norm.weight"].clone();
+    t.insert("model.norm.weight".into(), (Dtype::I16, s, b));
+    let e = load(&write_dir("dtype", &config(), &t));
+    assert!(
+        matches!(&e, TargetError::Dtype { name, .. } if name == "model.norm.weight"),
+        "{e}"
+    );
+
+    let d = write_dir("truncated", &config(), &read_tensors());
+    let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
+    std::fs::write(d.join("model.safetensors"), &bytes[..bytes.len() - 100]).unwrap();
+    assert!(matches!(load(&d), TargetError::SafeTensors { .. }));
+    std::fs::write(
+        d.join("model.safetensors"),
+        b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage",
+    )
+    .unwrap();
+    assert!(matches!(load(&d), TargetError::SafeTensors { .. }));
+
+    let mut cfg = config();
+    cfg.as_object_mut().unwrap().remove("hidden_size");
+    let e = load(&write_dir("nokey", &cfg, &read_tensors()));
+    assert!(
+        matches!(&e, TargetError::Config { msg, .. } if msg.contains("hidden_size")),
+        "{e}"
+    );
+
+    let mut cfg = config();
+    cfg["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    let d = write_dir("arch", &cfg, &read_tensors());
+    let e = load_target(&be, &d, LoadOptions::default()).err().unwrap();
+    assert!(
+        matches!(&e, TargetError::Unsupported(m) if m.contains("LlamaForCausalLM")),
+        "{e}"
+    );
+
+    let e = load(Path::new("/nonexistent/dir"));
+    assert!(matches!(e, TargetError::Io { .. }));
+}
+
+#[test]
+fn precision_option_reencodes_weights() {
+    let be = Cpu::new();
+    let x = logits(&be, &fixture_model());
+    for (fmt, bound) in [
+        (dflash_backend::WeightFormat::F32, 0.0),
+        (dflash_backend::WeightFormat::Q8_0, 0.05),
+    ] {
+        let mut m = Qwen3Dense::<Cpu>::load(
+            &be,
+            fixture_model(),
+            LoadOptions {
+                precision: Some(fmt),
+                ctx_cap: Some(64),
+            },
+        )
+        .unwrap();
+        let f = m
+            .forward(&be, &[1, 5, 9, 200, 7], 0, &[], LogitRows::All)
+            .unwrap();
+        let y = be.download(f.logits.as_ref().unwrap()).unwrap();
+        let max_ref = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = x
+            .iter()
+            .zip(&y)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        // bf16 -> f32 is exact: identical logits; q8_0 is a real re-quantisation.
+        assert!(
+            diff / max_ref <= bound,
+            "{fmt:?}: rel err {}",
+            diff / max_ref
+        );
+        if bound > 0.0 {
+            assert!(diff > 0.0, "q8_0 changed nothing: the option was ignored");
+        }
+    }
+}
