@@ -16,7 +16,9 @@ use safetensors::{Dtype, SafeTensors};
 const BOUND: f64 = 1e-5;
 
 fn fixture(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(case)
 }
 
 struct Io {
@@ -71,7 +73,12 @@ fn qwen3_dense_matches_transformers() {
     let (_, prompt_logits) = io.f32s("prompt_logits");
     let (hs_shape, hs) = io.f32s("hidden_states");
     let (_, greedy_logits) = io.f32s("greedy_logits");
-    let mut m = Qwen3Dense::<Cpu>::load(&be, fixture("qwen3_dense").join("model"), LoadOptions::default()).unwrap();
+    let mut m = Qwen3Dense::<Cpu>::load(
+        &be,
+        fixture("qwen3_dense").join("model"),
+        LoadOptions::default(),
+    )
+    .unwrap();
     let c = m.config().clone();
     assert_eq!(hs_shape, vec![c.n_layers + 1, prompt.len(), c.hidden]);
 
@@ -85,7 +92,9 @@ fn qwen3_dense_matches_transformers() {
     let tv = be.download(f.taps.as_ref().unwrap()).unwrap();
     let (p, d, nt) = (prompt.len(), c.hidden, taps.len());
     for (j, &l) in taps.iter().enumerate() {
-        let ours: Vec<f32> = (0..p).flat_map(|r| tv[r * nt * d + j * d..r * nt * d + (j + 1) * d].to_vec()).collect();
+        let ours: Vec<f32> = (0..p)
+            .flat_map(|r| tv[r * nt * d + j * d..r * nt * d + (j + 1) * d].to_vec())
+            .collect();
         let k = (l + 1) as usize;
         let e = rel_err(&ours, &hs[k * p * d..(k + 1) * p * d]);
         println!("hidden_states[{k}] (tap {l}) rel err {e:.3e}");
