@@ -6,6 +6,7 @@
 
 mod kernel;
 mod panel;
+mod qpanel;
 
 use std::sync::Arc;
 
@@ -203,8 +204,8 @@ enum Packed {
     F32(Vec<f32>),
     Bf16(Vec<panel::Bf16Bits>),
     F16(Vec<panel::F16Bits>),
-    Q8_0(Vec<dflash_quant::BlockQ8_0>),
-    Q4_0(Vec<dflash_quant::BlockQ4_0>),
+    /// q8_0 or q4_0.
+    Quant(qpanel::QPanels),
 }
 
 impl CpuWeight {
@@ -214,8 +215,7 @@ impl CpuWeight {
             Packed::F32(v) => 4 * v.len(),
             Packed::Bf16(v) => 2 * v.len(),
             Packed::F16(v) => 2 * v.len(),
-            Packed::Q8_0(b) => std::mem::size_of_val(b.as_slice()),
-            Packed::Q4_0(b) => std::mem::size_of_val(b.as_slice()),
+            Packed::Quant(q) => q.bytes(),
         }
     }
 
@@ -224,20 +224,17 @@ impl CpuWeight {
             Packed::F32(_) => WeightFormat::F32,
             Packed::Bf16(_) => WeightFormat::Bf16,
             Packed::F16(_) => WeightFormat::F16,
-            Packed::Q8_0(_) => WeightFormat::Q8_0,
-            Packed::Q4_0(_) => WeightFormat::Q4_0,
+            Packed::Quant(q) if q.q4 => WeightFormat::Q4_0,
+            Packed::Quant(_) => WeightFormat::Q8_0,
         }
     }
 
     /// Stored elements (values, or blocks for the block formats) expected for `[rows, cols]`.
+    /// Values stored (with the padding of the last panel) expected for `[rows, cols]`.
     fn expected_len(&self, rows: usize, cols: usize) -> Option<usize> {
-        match &self.data {
-            Packed::F32(_) | Packed::Bf16(_) | Packed::F16(_) => rows
-                .div_ceil(panel::NP)
-                .checked_mul(panel::NP)?
-                .checked_mul(cols),
-            Packed::Q8_0(_) | Packed::Q4_0(_) => Some(rows.checked_mul(cols)? / QK),
-        }
+        rows.div_ceil(panel::NP)
+            .checked_mul(panel::NP)?
+            .checked_mul(cols)
     }
 
     fn stored_len(&self) -> usize {
@@ -245,29 +242,9 @@ impl CpuWeight {
             Packed::F32(v) => v.len(),
             Packed::Bf16(v) => v.len(),
             Packed::F16(v) => v.len(),
-            Packed::Q8_0(b) => b.len(),
-            Packed::Q4_0(b) => b.len(),
+            Packed::Quant(q) => q.n_values(),
         }
     }
-}
-
-/// Decode rows `o0 .. o0 + n` (each `cols` wide) of a block-format weight into `scratch`.
-fn quant_rows<'a>(
-    data: &Packed,
-    cols: usize,
-    o0: usize,
-    n: usize,
-    scratch: &'a mut Vec<f32>,
-) -> &'a [f32] {
-    let (a, b) = (o0 * cols / QK, (o0 + n) * cols / QK);
-    scratch.resize(n * cols, 0.0);
-    match data {
-        Packed::Q8_0(blk) => dflash_quant::dequantize_q8_0(&blk[a..b], scratch),
-        Packed::Q4_0(blk) => dflash_quant::dequantize_q4_0(&blk[a..b], scratch),
-        // Not reached: panel formats take the panel path.
-        _ => scratch.fill(f32::NAN),
-    }
-    &scratch[..n * cols]
 }
 
 /// Row `o` of any weight, decoded into `out` (`cols` values).
@@ -276,111 +253,15 @@ fn decode_row(data: &Packed, cols: usize, o: usize, out: &mut [f32]) {
         Packed::F32(v) => panel::unpack_row(v, cols, o, out),
         Packed::Bf16(v) => panel::unpack_row(v, cols, o, out),
         Packed::F16(v) => panel::unpack_row(v, cols, o, out),
-        Packed::Q8_0(b) => {
-            dflash_quant::dequantize_q8_0(&b[o * cols / QK..(o + 1) * cols / QK], out)
-        }
-        Packed::Q4_0(b) => {
-            dflash_quant::dequantize_q4_0(&b[o * cols / QK..(o + 1) * cols / QK], out)
-        }
+        Packed::Quant(q) => q.unpack_row(cols, o, out),
     }
 }
 
 /// Panels per thread chunk are a multiple of this (the widest one-row tile).
 const PANEL_UNIT: usize = 8;
 
-/// Output chunks handed to threads are multiples of this (a multiple of every weight tile).
-const CHUNK_UNIT: usize = 24;
 /// Below this many multiply-adds a matmul runs on the calling thread.
 const PAR_MIN_WORK: usize = 1 << 17;
-/// Input rows kept hot in cache while the weight streams past.
-const ROW_BLOCK: usize = 64;
-
-/// Compute `out_t[(o - c0) * rows + r]` for `o` in `c0 .. c0 + n` (one output chunk), with
-/// the tile shape of the instruction set.
-#[allow(clippy::too_many_arguments)]
-fn matmul_chunk(
-    isa: Isa,
-    x: &[f32],
-    rows: usize,
-    k: usize,
-    data: &Packed,
-    c0: usize,
-    n: usize,
-    out_t: &mut [f32],
-) {
-    match isa {
-        // 16 zmm accumulators for 4 x 4 tiles; 8 weight rows per decoded tile.
-        Isa::Avx512 => matmul_chunk_tiled::<4, 8>(isa, x, rows, k, data, c0, n, out_t),
-        // 12 ymm accumulators for 4 x 3 tiles; 6 weight rows per decoded tile.
-        _ => matmul_chunk_tiled::<3, 6>(isa, x, rows, k, data, c0, n, out_t),
-    }
-}
-
-/// `OM`: weight rows per 4-row tile; `WT`: weight rows decoded together (a multiple of `OM`,
-/// also the width of the one-row tile).
-#[allow(clippy::too_many_arguments)]
-fn matmul_chunk_tiled<const OM: usize, const WT: usize>(
-    isa: Isa,
-    x: &[f32],
-    rows: usize,
-    k: usize,
-    data: &Packed,
-    c0: usize,
-    n: usize,
-    out_t: &mut [f32],
-) {
-    let mut scratch = Vec::new();
-    let mut rb = 0;
-    while rb < rows {
-        let rend = (rb + ROW_BLOCK).min(rows);
-        let mut o = 0;
-        while o < n {
-            let nw = WT.min(n - o);
-            let w = quant_rows(data, k, c0 + o, nw, &mut scratch);
-            let wr = |j: usize| &w[j * k..(j + 1) * k];
-            let xr = |r: usize| &x[r * k..(r + 1) * k];
-            let mut r = rb;
-            while r + 4 <= rend {
-                let xs = [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)];
-                let mut j = 0;
-                while j + OM <= nw {
-                    let t =
-                        kernel::dot_tile::<4, OM>(isa, xs, std::array::from_fn(|d| wr(j + d)), k);
-                    for (dr, tr) in t.iter().enumerate() {
-                        for (dj, v) in tr.iter().enumerate() {
-                            out_t[(o + j + dj) * rows + r + dr] = *v;
-                        }
-                    }
-                    j += OM;
-                }
-                while j < nw {
-                    let t = kernel::dot_tile::<4, 1>(isa, xs, [wr(j)], k);
-                    for (dr, tr) in t.iter().enumerate() {
-                        out_t[(o + j) * rows + r + dr] = tr[0];
-                    }
-                    j += 1;
-                }
-                r += 4;
-            }
-            while r < rend {
-                if nw == WT {
-                    let t = kernel::dot_tile::<1, WT>(isa, [xr(r)], std::array::from_fn(wr), k);
-                    for (j, v) in t[0].iter().enumerate() {
-                        out_t[(o + j) * rows + r] = *v;
-                    }
-                } else {
-                    for j in 0..nw {
-                        out_t[(o + j) * rows + r] =
-                            kernel::dot_tile::<1, 1>(isa, [xr(r)], [wr(j)], k)[0][0];
-                    }
-                }
-                r += 1;
-            }
-            o += nw;
-        }
-        rb = rend;
-    }
-}
 
 fn check_host_data(w: &HostWeight) -> Result<()> {
     let fmt = w.data.format();
@@ -433,54 +314,6 @@ fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
     exactly(op, "weight", n, w.buf.stored_len())
 }
 
-impl Cpu {
-    /// Block-format matmul: rows of the weight dequantized a tile at a time, dot-product tiles.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_blocks(
-        &self,
-        x: &[f32],
-        rows: usize,
-        k: usize,
-        n_out: usize,
-        data: &Packed,
-        serial: bool,
-        out: &mut [f32],
-    ) {
-        let isa = self.isa;
-        let chunk = if serial {
-            n_out
-        } else {
-            n_out.div_ceil(4 * self.threads()).div_ceil(CHUNK_UNIT) * CHUNK_UNIT
-        };
-        let run = |out_t: &mut [f32]| {
-            if chunk >= n_out {
-                matmul_chunk(isa, x, rows, k, data, 0, n_out, out_t);
-            } else {
-                self.install(|| {
-                    out_t
-                        .par_chunks_mut(chunk * rows)
-                        .enumerate()
-                        .for_each(|(ci, ot)| {
-                            matmul_chunk(isa, x, rows, k, data, ci * chunk, ot.len() / rows, ot);
-                        })
-                });
-            }
-        };
-        if rows == 1 {
-            // [1, n_out] is its own transpose.
-            run(&mut out[..n_out]);
-        } else {
-            let mut out_t = vec![0.0f32; rows * n_out];
-            run(&mut out_t);
-            for (o, col) in out_t.chunks_exact(rows).enumerate() {
-                for (r, v) in col.iter().enumerate() {
-                    out[r * n_out + o] = *v;
-                }
-            }
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------------------
 
 impl Backend for Cpu {
@@ -520,8 +353,8 @@ impl Backend for Cpu {
                 let bits: Vec<panel::F16Bits> = v.iter().map(|&b| panel::F16Bits(b)).collect();
                 Packed::F16(panel::pack(&bits, rows, cols))
             }
-            HostData::Q8_0(b) => Packed::Q8_0(b.clone()),
-            HostData::Q4_0(b) => Packed::Q4_0(b.clone()),
+            HostData::Q8_0(b) => Packed::Quant(qpanel::QPanels::pack_q8(b, rows, cols)),
+            HostData::Q4_0(b) => Packed::Quant(qpanel::QPanels::pack_q4(b, rows, cols)),
         };
         Ok(Weight {
             name: w.name.clone(),
@@ -594,11 +427,7 @@ impl Backend for Cpu {
         let work = rows.saturating_mul(n_out).saturating_mul(k);
         let serial = threads <= 1 || work < self.par_min_work;
         let data = &w.buf.data;
-        if matches!(data, Packed::Q8_0(_) | Packed::Q4_0(_)) {
-            self.matmul_blocks(x, rows, k, n_out, data, serial, out);
-            return Ok(());
-        }
-        // Panel formats: threads take contiguous runs of panels.
+        // Threads take contiguous runs of panels.
         let n_panels = n_out.div_ceil(panel::NP);
         let chunk_p = if serial {
             n_panels
@@ -610,10 +439,16 @@ impl Backend for Cpu {
             let p0 = c * chunk_p;
             let p1 = (p0 + chunk_p).min(n_panels);
             match data {
-                Packed::F32(v) => panel::matmul_panels(isa, x, rows, k, v, n_out, p0, p1, ot),
-                Packed::Bf16(v) => panel::matmul_panels(isa, x, rows, k, v, n_out, p0, p1, ot),
-                Packed::F16(v) => panel::matmul_panels(isa, x, rows, k, v, n_out, p0, p1, ot),
-                Packed::Q8_0(_) | Packed::Q4_0(_) => {}
+                Packed::F32(v) => {
+                    panel::matmul_panels(isa, x, rows, k, &panel::Dense(v), n_out, p0, p1, ot)
+                }
+                Packed::Bf16(v) => {
+                    panel::matmul_panels(isa, x, rows, k, &panel::Dense(v), n_out, p0, p1, ot)
+                }
+                Packed::F16(v) => {
+                    panel::matmul_panels(isa, x, rows, k, &panel::Dense(v), n_out, p0, p1, ot)
+                }
+                Packed::Quant(q) => panel::matmul_panels(isa, x, rows, k, q, n_out, p0, p1, ot),
             }
         };
         // Each chunk writes `[rows, width]` for its outputs: with one chunk (or one row) that

@@ -107,22 +107,18 @@ proptest! {
                 prop_assert!(close(out[i], want[i], mag[i], 1e-5), "{fmt:?} {i}: {} vs {}", out[i], want[i]);
             }
             prop_assert_eq!(&out[rows * n..], &[7.0f32; 3][..]);
-            // A bf16 / f16 weight gives exactly the f32 matmul of its decoded values (the
-            // kernels widen in registers and share the f32 arithmetic).
-            if matches!(fmt, WeightFormat::Bf16 | WeightFormat::F16) {
-                let wf = be.upload_weight(&HostWeight::from_f32("wf", n, k, &wdec, WeightFormat::F32).unwrap()).unwrap();
-                let mut out_f = vec![0.0f32; rows * n];
-                be.matmul(&x, rows, &wf, &mut out_f).unwrap();
-                prop_assert_eq!(bits(&out[..rows * n]), bits(&out_f));
-            }
+            // Every format gives exactly the f32 matmul of its decoded values (the kernels
+            // widen / dequantize in registers and share the f32 arithmetic).
+            let wf = be.upload_weight(&HostWeight::from_f32("wf", n, k, &wdec, WeightFormat::F32).unwrap()).unwrap();
+            let mut out_f = vec![0.0f32; rows * n];
+            be.matmul(&x, rows, &wf, &mut out_f).unwrap();
+            prop_assert_eq!(bits(&out[..rows * n]), bits(&out_f));
             results.push(out[..rows * n].to_vec());
         }
-        // f32 / bf16 / f16 weights: every instruction set (AVX-512, AVX2, portable) and thread
-        // count gives identical bits (one sequential FMA chain per output).
-        if !matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) {
-            for r in &results[1..] {
-                prop_assert_eq!(bits(r), bits(&results[0]));
-            }
+        // Every instruction set (AVX-512, AVX2, portable) and thread count gives identical
+        // bits (one sequential FMA chain per output).
+        for r in &results[1..] {
+            prop_assert_eq!(bits(r), bits(&results[0]));
         }
     }
 

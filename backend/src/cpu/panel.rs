@@ -91,7 +91,7 @@ pub(crate) fn unpack_row<T: Elem>(packed: &[T], k: usize, o: usize, out: &mut [f
 }
 
 /// Tile result: `[R][P][16]`.
-type TileOut<const R: usize, const P: usize> = [[[f32; NP]; P]; R];
+pub(crate) type TileOut<const R: usize, const P: usize> = [[[f32; NP]; P]; R];
 
 /// `out[r][p][j] = Σ_i x_r[i] · panel_p[i*16 + j]` (one FMA chain per element).
 /// `xs[r]` must hold `k` values and `ws[p]` `16 k` elements (callers slice them).
@@ -264,15 +264,48 @@ mod avx2 {
     }
 }
 
+/// A matrix stored in panels of 16 output features that can compute tiles.
+pub(crate) trait PanelSrc: Sync {
+    /// `out[r][d][j] = Σ_i x_r[i] · W[16 ps[d] + j, i]`, one sequential FMA chain per element.
+    fn tile<const R: usize, const P: usize>(
+        &self,
+        isa: Isa,
+        xs: [&[f32]; R],
+        ps: [usize; P],
+        k: usize,
+    ) -> TileOut<R, P>;
+}
+
+/// f32 / bf16 / f16 panels.
+pub(crate) struct Dense<'a, T>(pub &'a [T]);
+
+impl<T: Elem> PanelSrc for Dense<'_, T> {
+    #[inline]
+    fn tile<const R: usize, const P: usize>(
+        &self,
+        isa: Isa,
+        xs: [&[f32]; R],
+        ps: [usize; P],
+        k: usize,
+    ) -> TileOut<R, P> {
+        let ws = std::array::from_fn(|d| {
+            self.0
+                .get(ps[d] * k * NP..(ps[d] + 1) * k * NP)
+                .unwrap_or(&[])
+        });
+        tile::<T, R, P>(isa, xs, ws, k)
+    }
+}
+
 /// Computes outputs `16 p0 .. min(16 p1, n_out)` for all `rows` into `out`, laid out
 /// `[rows, width]` with `width = min(16 p1, n_out) - 16 p0` (one thread's chunk).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_panels<T: Elem>(
+pub(crate) fn matmul_panels<S: PanelSrc>(
     isa: Isa,
     x: &[f32],
     rows: usize,
     k: usize,
-    packed: &[T],
+    src: &S,
     n_out: usize,
     p0: usize,
     p1: usize,
@@ -280,20 +313,20 @@ pub(crate) fn matmul_panels<T: Elem>(
 ) {
     match isa {
         // 32 zmm: 8 rows x 2 panels = 16 accumulators; one row: 8 panels.
-        Isa::Avx512 => run::<T, 8, 2, 8>(isa, x, rows, k, packed, n_out, p0, p1, out),
+        Isa::Avx512 => run::<S, 8, 2, 8>(isa, x, rows, k, src, n_out, p0, p1, out),
         // 16 ymm: 4 rows x 1 panel = 8 accumulators; one row: 4 panels.
-        _ => run::<T, 4, 1, 4>(isa, x, rows, k, packed, n_out, p0, p1, out),
+        _ => run::<S, 4, 1, 4>(isa, x, rows, k, src, n_out, p0, p1, out),
     }
 }
 
 /// `RM x PM`: the multi-row tile; `PR`: panels of the one-row tile.
 #[allow(clippy::too_many_arguments)]
-fn run<T: Elem, const RM: usize, const PM: usize, const PR: usize>(
+fn run<S: PanelSrc, const RM: usize, const PM: usize, const PR: usize>(
     isa: Isa,
     x: &[f32],
     rows: usize,
     k: usize,
-    packed: &[T],
+    src: &S,
     n_out: usize,
     p0: usize,
     p1: usize,
@@ -302,7 +335,6 @@ fn run<T: Elem, const RM: usize, const PM: usize, const PR: usize>(
     let o0 = p0 * NP;
     let width = (p1 * NP).min(n_out) - o0;
     let xr = |r: usize| &x[r * k..(r + 1) * k];
-    let wp = |p: usize| &packed[p * k * NP..(p + 1) * k * NP];
     // Write a tile's valid outputs.
     let mut put = |r: usize, p: usize, vals: &[f32; NP]| {
         let o = p * NP;
@@ -316,10 +348,10 @@ fn run<T: Elem, const RM: usize, const PM: usize, const PR: usize>(
             let mut r = 0;
             if np == PM {
                 while r + RM <= rows {
-                    let t = tile::<T, RM, PM>(
+                    let t = src.tile::<RM, PM>(
                         isa,
                         std::array::from_fn(|d| xr(r + d)),
-                        std::array::from_fn(|d| wp(p + d)),
+                        std::array::from_fn(|d| p + d),
                         k,
                     );
                     for (dr, tr) in t.iter().enumerate() {
@@ -334,14 +366,14 @@ fn run<T: Elem, const RM: usize, const PM: usize, const PR: usize>(
             for q in p..p + np {
                 let mut rr = r;
                 while rr + 4 <= rows {
-                    let t = tile::<T, 4, 1>(isa, std::array::from_fn(|d| xr(rr + d)), [wp(q)], k);
+                    let t = src.tile::<4, 1>(isa, std::array::from_fn(|d| xr(rr + d)), [q], k);
                     for (dr, tr) in t.iter().enumerate() {
                         put(rr + dr, q, &tr[0]);
                     }
                     rr += 4;
                 }
                 while rr < rows {
-                    let t = tile::<T, 1, 1>(isa, [xr(rr)], [wp(q)], k);
+                    let t = src.tile::<1, 1>(isa, [xr(rr)], [q], k);
                     put(rr, q, &t[0][0]);
                     rr += 1;
                 }
@@ -352,14 +384,14 @@ fn run<T: Elem, const RM: usize, const PM: usize, const PR: usize>(
         for r in 0..rows {
             let mut p = p0;
             while p + PR <= p1 {
-                let t = tile::<T, 1, PR>(isa, [xr(r)], std::array::from_fn(|d| wp(p + d)), k);
+                let t = src.tile::<1, PR>(isa, [xr(r)], std::array::from_fn(|d| p + d), k);
                 for (dp, v) in t[0].iter().enumerate() {
                     put(r, p + dp, v);
                 }
                 p += PR;
             }
             while p < p1 {
-                let t = tile::<T, 1, 1>(isa, [xr(r)], [wp(p)], k);
+                let t = src.tile::<1, 1>(isa, [xr(r)], [p], k);
                 put(r, p, &t[0][0]);
                 p += 1;
             }
@@ -402,7 +434,7 @@ mod tests {
         {
             for r in [rows, 1, 3] {
                 let mut out = vec![0.0f32; r * n];
-                matmul_panels(isa, &x, r, k, &packed, n, 0, np, &mut out);
+                matmul_panels(isa, &x, r, k, &Dense(&packed), n, 0, np, &mut out);
                 // Check against a sequential fma chain.
                 for rr in 0..r {
                     for o in 0..n {
