@@ -395,7 +395,9 @@ def stage_eval(a, dev, tcfg, dcfg, eos):
             log("eval: time budget reached")
             break
     pooled = sum(all_lens) / max(1, len(all_lens))
-    mean_pp = sum(r["tau"] for r in rows) / max(1, len(rows))
+    # prompts that end at once with EOS (zero rounds) have no tau: left out of the mean
+    taus = [r["tau"] for r in rows if r["rounds"] > 0]
+    mean_pp = sum(taus) / max(1, len(taus))
     METRICS.update(eval_rows=rows, tau_pooled=pooled, tau_mean_per_prompt=mean_pp,
                    eval_identical=sum(r["identical"] for r in rows), eval_prompts=len(rows),
                    eval_max_new=a.e_max_new, eval_wall_s=time.time() - t_start, eval_dtype="float32")
