@@ -312,8 +312,8 @@ pub(crate) fn matmul_panels<S: PanelSrc>(
     out: &mut [f32],
 ) {
     match isa {
-        // 32 zmm: 8 rows x 2 panels = 16 accumulators; one row: 8 panels.
-        Isa::Avx512 => run::<S, 8, 2, 8>(isa, x, rows, k, src, n_out, p0, p1, out),
+        // 32 zmm: 8 rows x 3 panels = 24 accumulators; one row: 8 panels.
+        Isa::Avx512 => run::<S, 8, 3, 8>(isa, x, rows, k, src, n_out, p0, p1, out),
         // 16 ymm: 4 rows x 1 panel = 8 accumulators; one row: 4 panels.
         _ => run::<S, 4, 1, 4>(isa, x, rows, k, src, n_out, p0, p1, out),
     }
