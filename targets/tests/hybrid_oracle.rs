@@ -19,10 +19,14 @@ use hybrid_common::{read_io, rel_err};
 
 const BOUND: f32 = 1e-5;
 
+/// The oracle fixture root: `DFLASH_FIXTURES_DIR` when set (`cargo xtask parity targets` points it
+/// at freshly regenerated fixtures), else the committed `tests/fixtures`.
 fn fixture(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(case)
+    let root = std::env::var_os("DFLASH_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+    println!("fixtures dir: {}", root.display());
+    root.join(case)
 }
 
 fn check(case: &str) {

@@ -286,9 +286,13 @@ fn fixture_test_targets(which: Which) -> Result<Vec<String>> {
             .and_then(|s| s.to_str())
             .unwrap_or_default()
             .to_string();
-        if ["oracle", "parity", "fixture"]
-            .iter()
-            .any(|k| stem.contains(k))
+        // named like a parity test and reading the oracle fixture dir (not other reference data)
+        let src = std::fs::read_to_string(&p).unwrap_or_default();
+        let reads_fixtures = src.contains("tests/fixtures") || src.contains("DFLASH_FIXTURES_DIR");
+        if reads_fixtures
+            && ["oracle", "parity", "fixture"]
+                .iter()
+                .any(|k| stem.contains(k))
         {
             names.push(stem);
         }
@@ -311,8 +315,8 @@ fn num(s: &str) -> Option<f64> {
         .ok()
 }
 
-/// `PARITY <case> <tensor> max_abs=<e> max_rel=<e> [bound=<b>]`, or the draft-model's
-/// `<case> <what...> max rel err <e> (bound <b>)`.
+/// `PARITY <case> <tensor> max_abs=<e> max_rel=<e> [bound=<b>]`, the draft-model's
+/// `<case> <what...> max rel err <e> (bound <b>)`, or `<case>: <what...> rel err <e>`.
 fn parse_line(line: &str) -> Option<Row> {
     let w: Vec<&str> = line.split_whitespace().collect();
     if w.first() == Some(&"PARITY") && w.len() >= 4 {
@@ -334,6 +338,20 @@ fn parse_line(line: &str) -> Option<Row> {
             }
         }
         return Some(r);
+    }
+    if let Some(c) = w.first().and_then(|c| c.strip_suffix(':')) {
+        let i = w.windows(2).position(|x| x == ["rel", "err"])?;
+        if i < 2 {
+            return None;
+        }
+        let rel = num(w.get(i + 2)?)?;
+        return Some(Row {
+            case: c.into(),
+            tensor: w[1..i].join(" "),
+            abs: None,
+            rel,
+            bound: None,
+        });
     }
     let i = w.windows(3).position(|x| x == ["max", "rel", "err"])?;
     if i < 2 {
@@ -362,38 +380,37 @@ fn run_tests(which: Which, dir: &Path) -> Result<Vec<String>> {
             which.crate_dir()
         )]);
     }
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.arg("test").arg("-p").arg(which.package());
-    for t in &targets {
-        cmd.arg("--test").arg(t);
-    }
-    cmd.args(["--", "--nocapture", "--test-threads=1"]);
-    cmd.env("DFLASH_FIXTURES_DIR", dir).current_dir(repo_root());
-    println!(
-        "== cargo test -p {} --test {} (DFLASH_FIXTURES_DIR={})",
-        which.package(),
-        targets.join(" --test "),
-        dir.display()
-    );
-    let out = cmd.output().context("running cargo test")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let mut failures = Vec::new();
-    if !out.status.success() {
-        println!("{stdout}");
-        println!("{}", tail(&stderr, 60));
-        failures.push(format!(
-            "cargo test -p {} failed ({})",
-            which.package(),
-            out.status
-        ));
-    }
+    // one cargo test per file, so each file is checked for honouring DFLASH_FIXTURES_DIR
     let dir_s = dir.display().to_string();
-    if !stdout.contains(&dir_s) {
-        failures.push(format!(
-            "the fixture tests never printed the temp dir {dir_s}: they ignore DFLASH_FIXTURES_DIR \
-             (see /work/fixture-format.md) and checked the committed fixtures instead"
-        ));
+    let mut failures = Vec::new();
+    let mut stdout = String::new();
+    for t in &targets {
+        let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        cmd.args(["test", "-p", which.package(), "--test", t.as_str()]);
+        cmd.args(["--", "--nocapture", "--test-threads=1"]);
+        cmd.env("DFLASH_FIXTURES_DIR", dir).current_dir(repo_root());
+        println!(
+            "== cargo test -p {} --test {t} (DFLASH_FIXTURES_DIR={dir_s})",
+            which.package()
+        );
+        let out = cmd.output().context("running cargo test")?;
+        let so = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            println!("{so}");
+            println!("{}", tail(&String::from_utf8_lossy(&out.stderr), 60));
+            failures.push(format!(
+                "cargo test -p {} --test {t} failed ({})",
+                which.package(),
+                out.status
+            ));
+        }
+        if !so.contains(&dir_s) {
+            failures.push(format!(
+                "test file {t} never printed the temp dir {dir_s}: it ignores DFLASH_FIXTURES_DIR \
+                 (see /work/fixture-format.md) and checked the committed fixtures instead"
+            ));
+        }
+        stdout.push_str(&so);
     }
     let rows: Vec<Row> = stdout.lines().filter_map(parse_line).collect();
     let mut by_case: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
