@@ -15,7 +15,7 @@ use dflash_spec_round::{
     generate, plain_greedy, DflashDrafter, RollbackArm, SpecConfig, Stats, Target,
 };
 use dflash_targets::hybrid::HybridConfig;
-use hybrid_common::{random_target_with, tiny_config};
+use hybrid_common::{random_target_with, tiny_config, with_moe};
 use proptest::prelude::*;
 
 const VOCAB: usize = 48;
@@ -66,6 +66,7 @@ struct Case {
     arm: RollbackArm,
     layers: usize,
     next_style: bool,
+    moe: bool,
     bf16: bool,
     prompt: Vec<u32>,
     n_drafts: usize,
@@ -79,12 +80,17 @@ struct Case {
 }
 
 fn config(c: &Case) -> HybridConfig {
-    tiny_config(
+    let cfg = tiny_config(
         VOCAB,
         HIDDEN,
         PATTERNS[c.layers % PATTERNS.len()],
         c.next_style,
-    )
+    );
+    if c.moe {
+        with_moe(cfg)
+    } else {
+        cfg
+    }
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -95,6 +101,7 @@ fn case() -> impl Strategy<Value = Case> {
             0usize..4,
             any::<bool>(),
             prop::bool::weighted(0.2),
+            prop::bool::weighted(0.25),
         ),
         prop::collection::vec(0u32..VOCAB as u32, 1..12),
         (1usize..8, 0usize..16, any::<bool>()),
@@ -108,7 +115,7 @@ fn case() -> impl Strategy<Value = Case> {
     )
         .prop_map(
             |(
-                (seed, arm, layers, next_style, bf16),
+                (seed, arm, layers, next_style, bf16, moe),
                 prompt,
                 (n_drafts, cap_sel, adaptive),
                 (max_new, eos_at, pattern, tight_ctx),
@@ -118,6 +125,7 @@ fn case() -> impl Strategy<Value = Case> {
                 arm: ARMS[arm],
                 layers,
                 next_style,
+                moe,
                 bf16,
                 prompt,
                 n_drafts,
@@ -225,6 +233,7 @@ fn corner_cases_every_arm() {
             arm,
             layers: 3,
             next_style: arm == RollbackArm::Replay,
+            moe: arm == RollbackArm::Gate,
             bf16: false,
             prompt: vec![1, 2, 3, 4, 5],
             n_drafts: 7,

@@ -160,12 +160,31 @@ fn config_errors_name_the_key() {
 }
 
 #[test]
-fn moe_layers_are_refused_at_load() {
+fn moe_shape_is_checked() {
     let mut cfg = tiny_config(40, 32, "lf", false);
     let src = random_tensors(&cfg, 1, 1.0);
     cfg.moe_layers[1] = true;
     match load_err(&cfg, &src) {
-        TargetError::Unsupported(m) => assert!(m.contains("layer 1") && m.contains("MoE"), "{m}"),
+        TargetError::Config { msg, .. } => assert!(msg.contains("MoE"), "{msg}"),
+        e => panic!("{e:?}"),
+    }
+    cfg.moe = Some(dflash_targets::hybrid::MoeConfig {
+        n_experts: 4,
+        top_k: 2,
+        intermediate: 16,
+        shared_intermediate: 16,
+        norm_topk: true,
+    });
+    // The dense MLP tensors of layer 1 do not make an MoE block: the router is named.
+    match load_err(&cfg, &src) {
+        TargetError::MissingTensor { name } => {
+            assert_eq!(name, "model.layers.1.mlp.experts.0.gate_proj.weight")
+        }
+        e => panic!("{e:?}"),
+    }
+    cfg.moe.as_mut().unwrap().top_k = 5;
+    match load_err(&cfg, &src) {
+        TargetError::Config { msg, .. } => assert!(msg.contains("num_experts_per_tok"), "{msg}"),
         e => panic!("{e:?}"),
     }
 }

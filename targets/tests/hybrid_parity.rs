@@ -68,14 +68,24 @@ fn check_case(case: &str, arch: HybridArch, expect_tied: bool) {
     let (hs_shape, hs) = &rc.tensors["hidden_states"];
     assert_eq!(hs_shape, &vec![l + 1, p, d]);
     let nt = taps.len();
+    let hs64 = &rc.tensors["hidden_states_f64"].1;
     let mut worst = 0f32;
     // hidden_states[L] is transformers' post-final-norm state (covered by the logits).
+    // Same two-sided bound as the logits: 1e-5 against float64, and 1e-5 plus transformers'
+    // own f32 distance from float64 against transformers' f32 values.
     for (j, _) in taps.iter().enumerate().take(l) {
         let ours: Vec<f32> = (0..p)
             .flat_map(|r| tap[(r * nt + j) * d..(r * nt + j + 1) * d].to_vec())
             .collect();
-        let e = rel_err(&ours, &hs[j * p * d..(j + 1) * p * d]);
-        assert!(e <= BOUND, "{case}: hidden_states[{j}] rel err {e:e}");
+        let range = j * p * d..(j + 1) * p * d;
+        let e = rel_err(&ours, &hs[range.clone()]);
+        let e64 = rel_err(&ours, &hs64[range.clone()]);
+        let t64 = rel_err(&hs[range.clone()], &hs64[range]);
+        assert!(
+            e64 <= BOUND,
+            "{case}: hidden_states[{j}] vs float64 {e64:e}"
+        );
+        assert!(e <= BOUND + t64, "{case}: hidden_states[{j}] rel err {e:e}");
         worst = worst.max(e);
     }
     println!("{case}: taps (hidden_states[0..{l}]) worst rel err {worst:.2e}");
@@ -108,6 +118,16 @@ fn qwen3_next_fused_projections_match_transformers() {
 }
 
 #[test]
+fn qwen3_next_sparse_moe_matches_transformers() {
+    check_case("qwen3_next_moe", HybridArch::Qwen3Next, false);
+}
+
+#[test]
+fn qwen3_5_moe_matches_transformers() {
+    check_case("qwen3_5_moe_text", HybridArch::Qwen3_5Moe, false);
+}
+
+#[test]
 fn forward_is_run_to_run_deterministic() {
     let be = Cpu::new();
     let rc = read_io(ref_dir("qwen3_next_dense"));
@@ -133,7 +153,13 @@ fn forward_is_run_to_run_deterministic() {
 #[test]
 fn load_target_dispatches_hybrid_checkpoints() {
     let be = Cpu::new();
-    for case in ["qwen3_5_text", "qwen3_5_vl", "qwen3_next_dense"] {
+    for case in [
+        "qwen3_5_text",
+        "qwen3_5_vl",
+        "qwen3_next_dense",
+        "qwen3_next_moe",
+        "qwen3_5_moe_text",
+    ] {
         let rc = read_io(ref_dir(case));
         let mut t =
             dflash_targets::load_target(&be, rc.dir.join("model"), LoadOptions::default()).unwrap();

@@ -9,7 +9,7 @@ use dflash_backend::Backend;
 use dflash_spec_round::{RollbackArm, SpecError, Target};
 use dflash_targets::hybrid::HybridTarget;
 use dflash_targets::LogitRows;
-use hybrid_common::{random_target, tiny_config};
+use hybrid_common::{random_target, tiny_config, with_moe};
 use proptest::prelude::*;
 
 const ARMS: [RollbackArm; 3] = [RollbackArm::Stash, RollbackArm::Replay, RollbackArm::Gate];
@@ -53,8 +53,14 @@ fn toks(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 #[test]
 fn commit_every_keep_equals_fresh_target_under_every_arm() {
     let be = Cpu::new();
-    for (pattern, next_style) in [("lflf", false), ("llfl", true), ("fll", false)] {
+    for (pattern, next_style, moe) in [
+        ("lflf", false, false),
+        ("llfl", true, false),
+        ("fll", false, false),
+        ("lfl", true, true),
+    ] {
         let cfg = tiny_config(97, 32, pattern, next_style);
+        let cfg = if moe { with_moe(cfg) } else { cfg };
         let prompt = toks(1, 9, cfg.vocab);
         let block = toks(2, 7, cfg.vocab);
         let next = toks(3, 3, cfg.vocab);
@@ -114,10 +120,12 @@ proptest! {
         seed in 0u64..1000,
         arm_i in 0usize..3,
         next_style in any::<bool>(),
+        moe in prop::bool::weighted(0.3),
         mut sched in rounds(),
     ) {
         let be = Cpu::new();
         let cfg = tiny_config(61, 32, "lfl", next_style);
+        let cfg = if moe { with_moe(cfg) } else { cfg };
         let arm = ARMS[arm_i];
         // Force the peer-engine trap: a long full accept then a zero-draft round.
         sched.insert(0, Round { t: 8, keep: 8 });

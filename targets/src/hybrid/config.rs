@@ -30,13 +30,28 @@ pub enum HybridArch {
     Qwen3Next,
 }
 
+/// The sparse MoE MLP of Qwen3-Next / Qwen3.5-MoE: a softmax top-k router over `n_experts`
+/// SwiGLU experts plus a shared SwiGLU expert scaled by `sigmoid(shared_expert_gate · x)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub n_experts: usize,
+    /// `num_experts_per_tok`.
+    pub top_k: usize,
+    /// `moe_intermediate_size` (each routed expert).
+    pub intermediate: usize,
+    /// `shared_expert_intermediate_size`.
+    pub shared_intermediate: usize,
+    /// Renormalise the top-k probabilities to sum to 1 (`norm_topk_prob`; always for Qwen3.5-MoE).
+    pub norm_topk: bool,
+}
+
 /// The shape of a hybrid model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HybridConfig {
     pub arch: HybridArch,
     pub vocab: usize,
     pub hidden: usize,
-    /// Dense MLP width.
+    /// Dense MLP width (`intermediate_size`; 0 when every layer is MoE and the key is absent).
     pub intermediate: usize,
     pub n_layers: usize,
     /// Full-attention query heads, KV heads and head width.
@@ -48,8 +63,10 @@ pub struct HybridConfig {
     pub rope: RopeSpec,
     pub tie_embeddings: bool,
     pub layer_kinds: Vec<LayerKind>,
-    /// Per layer: the MLP is a sparse MoE block (not supported by this reference target).
+    /// Per layer: the MLP is the sparse MoE block of `moe`.
     pub moe_layers: Vec<bool>,
+    /// Shape of the MoE blocks (`Some` whenever a layer is MoE).
+    pub moe: Option<MoeConfig>,
     /// Gated DeltaNet key heads, value heads, key width, value width, conv kernel.
     pub lin_k_heads: usize,
     pub lin_v_heads: usize,
@@ -177,6 +194,21 @@ impl HybridConfig {
                     .collect()
             }
         };
+        let moe = if moe_layers.iter().any(|&m| m) {
+            let (n_experts, top_k) = match arch {
+                HybridArch::Qwen3Next => (512, 10),
+                _ => (256, 8),
+            };
+            Some(MoeConfig {
+                n_experts: c.usize_or("num_experts", n_experts)?,
+                top_k: c.usize_or("num_experts_per_tok", top_k)?,
+                intermediate: c.usize_or("moe_intermediate_size", 512)?,
+                shared_intermediate: c.usize_or("shared_expert_intermediate_size", 512)?,
+                norm_topk: arch == HybridArch::Qwen3_5Moe || c.bool_or("norm_topk_prob", true)?,
+            })
+        } else {
+            None
+        };
         // Tied embeddings: the vision-language wrapper has its own flag.
         let tie_embeddings = match root_cfg.get("tie_word_embeddings") {
             Some(_) if nested => root_cfg.bool_or("tie_word_embeddings", false)?,
@@ -197,7 +229,11 @@ impl HybridConfig {
             arch,
             vocab: c.usize("vocab_size")?,
             hidden,
-            intermediate: c.usize("intermediate_size")?,
+            intermediate: if moe_layers.iter().all(|&m| m) {
+                c.usize_or("intermediate_size", 0)?
+            } else {
+                c.usize("intermediate_size")?
+            },
             n_layers,
             n_heads,
             n_kv_heads: c.usize_or("num_key_value_heads", n_heads)?,
@@ -206,6 +242,7 @@ impl HybridConfig {
             rope,
             tie_embeddings,
             layer_kinds,
+            moe,
             moe_layers,
             lin_k_heads: c.usize_or("linear_num_key_heads", 16)?,
             lin_v_heads: c.usize_or("linear_num_value_heads", 32)?,
@@ -265,6 +302,28 @@ impl HybridConfig {
             return Err(err(
                 "layer_types length differs from num_hidden_layers".into()
             ));
+        }
+        if self.moe_layers.iter().any(|&m| !m) && self.intermediate == 0 {
+            return Err(err(
+                "`intermediate_size` must be positive for dense-MLP layers".into(),
+            ));
+        }
+        if self.moe_layers.iter().any(|&m| m) {
+            let m = self
+                .moe
+                .ok_or_else(|| err("MoE layers without an MoE shape".into()))?;
+            if m.n_experts == 0 || m.top_k == 0 || m.top_k > m.n_experts {
+                return Err(err(format!(
+                    "num_experts_per_tok {} must be in 1..=num_experts {}",
+                    m.top_k, m.n_experts
+                )));
+            }
+            if m.intermediate == 0 || m.shared_intermediate == 0 {
+                return Err(err(
+                    "moe_intermediate_size and shared_expert_intermediate_size must be positive"
+                        .into(),
+                ));
+            }
         }
         Ok(())
     }

@@ -5,8 +5,10 @@ use std::path::Path;
 use dflash_backend::{AttnParams, Backend, DeltaParams, Weight};
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
-use super::config::{HybridConfig, LayerKind};
-use super::weights::{load_weights, Mixer, ModelWeights, TensorNames, TensorSource};
+use super::config::{HybridConfig, LayerKind, MoeConfig};
+use super::weights::{
+    load_weights, Mixer, Mlp, ModelWeights, MoeWeights, SwiGlu, TensorNames, TensorSource,
+};
 use crate::checkpoint::Checkpoint;
 use crate::qwen3::{LoadOptions, LogitRows};
 use crate::{Result, TargetError};
@@ -38,9 +40,10 @@ struct Pending<B: Backend> {
     snapshot: LinearStates<B>,
 }
 
-/// A Qwen3.5 / Qwen3-Next hybrid target (Gated DeltaNet + gated full attention, dense MLP)
-/// with its caches, as transformers 5.17 computes it (`Qwen3_5ForCausalLM`,
-/// the text part of `Qwen3_5ForConditionalGeneration`, `Qwen3NextForCausalLM` without experts).
+/// A Qwen3.5 / Qwen3-Next hybrid target (Gated DeltaNet + gated full attention, dense or
+/// sparse-MoE MLP) with its caches, as transformers 5.17 computes it (`Qwen3_5ForCausalLM`,
+/// the text part of `Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForCausalLM`,
+/// `Qwen3NextForCausalLM`).
 ///
 /// The linear layers run the recurrent form of the gated delta rule for every row count
 /// (transformers runs the chunked form for prefills; the two agree to f32 rounding).
@@ -279,9 +282,6 @@ impl<B: Backend> HybridTarget<B> {
         write_taps(be, -1, &x, &mut tap_buf)?;
         let mut h = be.zeros(t * d)?;
         let mut o = be.zeros(t * d)?;
-        let mut mg = be.zeros(t * c.intermediate)?;
-        let mut mu = be.zeros(t * c.intermediate)?;
-        let mut ma = be.zeros(t * c.intermediate)?;
         let mut stashes: LinearStates<B> = Vec::with_capacity(depth);
 
         for (li, (layer, state)) in self
@@ -393,10 +393,17 @@ impl<B: Backend> HybridTarget<B> {
             }
             be.add_assign(&mut x, 0, &o, t * d)?;
             be.rms_norm(&x, &layer.post_norm, d, eps, &mut h)?;
-            be.matmul(&h, t, &layer.gate_proj, &mut mg)?;
-            be.matmul(&h, t, &layer.up_proj, &mut mu)?;
-            be.silu_mul(&mg, &mu, &mut ma)?;
-            be.matmul(&ma, t, &layer.down_proj, &mut o)?;
+            match &layer.mlp {
+                Mlp::Dense(m) => swiglu(be, &h, t, m, &mut o)?,
+                Mlp::Moe(m) => {
+                    let moe = c.moe.ok_or_else(|| {
+                        TargetError::Unsupported(format!(
+                            "layer {li}: MoE weights without an MoE shape"
+                        ))
+                    })?;
+                    moe_forward(be, &h, t, d, m, &moe, &mut o)?
+                }
+            }
             be.add_assign(&mut x, 0, &o, t * d)?;
             write_taps(be, li as i32, &x, &mut tap_buf)?;
         }
@@ -552,6 +559,79 @@ impl<B: Backend> HybridTarget<B> {
         }
         Ok(())
     }
+}
+
+/// `out[..t·d] = down(silu(gate(x)) ⊙ up(x))` for `t` rows.
+fn swiglu<B: Backend>(be: &B, x: &B::Buf, t: usize, m: &SwiGlu<B>, out: &mut B::Buf) -> Result<()> {
+    let n = m.gate.rows;
+    let mut g = be.zeros(t * n)?;
+    let mut u = be.zeros(t * n)?;
+    let mut a = be.zeros(t * n)?;
+    be.matmul(x, t, &m.gate, &mut g)?;
+    be.matmul(x, t, &m.up, &mut u)?;
+    be.silu_mul(&g, &u, &mut a)?;
+    be.matmul(&a, t, &m.down, out)?;
+    Ok(())
+}
+
+/// The sparse MoE block as transformers computes it (`Qwen3NextSparseMoeBlock`,
+/// `Qwen3_5MoeSparseMoeBlock`): router softmax in f32, top-k (ties: lower expert index),
+/// optional renormalisation, each routed expert's output scaled by its weight and summed in
+/// ascending expert order, plus `sigmoid(shared_expert_gate · x) ⊙ shared_expert(x)`.
+/// Rows are routed independently (the router runs on the host), so a row's value does not
+/// depend on the other rows of the call.
+fn moe_forward<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    t: usize,
+    d: usize,
+    m: &MoeWeights<B>,
+    cfg: &MoeConfig,
+    out: &mut B::Buf,
+) -> Result<()> {
+    let ne = cfg.n_experts;
+    let mut logits = be.zeros(t * ne)?;
+    be.matmul(x, t, &m.router, &mut logits)?;
+    let logits = be.download(&logits)?;
+    // Shared expert and its gate over all rows.
+    let mut shared = be.zeros(t * d)?;
+    swiglu(be, x, t, &m.shared, &mut shared)?;
+    let mut sg = be.zeros(t)?;
+    be.matmul(x, t, &m.shared_gate, &mut sg)?;
+    let sg = be.download(&sg)?;
+    let gate_rows: Vec<f32> = sg.iter().flat_map(|&g| std::iter::repeat_n(g, d)).collect();
+    be.mul_sigmoid(&mut shared, &be.upload(&gate_rows)?)?;
+    // Routed experts, one row at a time.
+    let mut routed = be.zeros(t * d)?;
+    let mut xr = be.zeros(d)?;
+    let mut yr = be.zeros(d)?;
+    for r in 0..t {
+        let row = &logits[r * ne..(r + 1) * ne];
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let ex: Vec<f32> = row.iter().map(|&l| (l - mx).exp()).collect();
+        let sum: f32 = ex.iter().sum();
+        let probs: Vec<f32> = ex.iter().map(|&e| e / sum).collect();
+        let mut order: Vec<usize> = (0..ne).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let mut top: Vec<(usize, f32)> =
+            order[..cfg.top_k].iter().map(|&e| (e, probs[e])).collect();
+        if cfg.norm_topk {
+            let s: f32 = top.iter().map(|p| p.1).sum();
+            for p in &mut top {
+                p.1 /= s;
+            }
+        }
+        top.sort_by_key(|p| p.0);
+        be.copy(x, r * d, &mut xr, 0, d)?;
+        for (e, w) in top {
+            swiglu(be, &xr, 1, &m.experts[e], &mut yr)?;
+            be.scale(&mut yr, w)?;
+            be.add_assign(&mut routed, r * d, &yr, d)?;
+        }
+    }
+    be.add_assign(&mut routed, 0, &shared, t * d)?;
+    be.copy(&routed, 0, out, 0, t * d)?;
+    Ok(())
 }
 
 /// Bit-for-bit comparison of the Gate arm.

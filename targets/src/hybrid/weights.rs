@@ -211,14 +211,34 @@ pub(crate) enum Mixer<B: Backend> {
     Full(FullWeights<B>),
 }
 
+/// A SwiGLU MLP `down(silu(gate(x)) ⊙ up(x))`.
+pub(crate) struct SwiGlu<B: Backend> {
+    pub gate: Weight<B>,
+    pub up: Weight<B>,
+    pub down: Weight<B>,
+}
+
+/// The sparse MoE block.
+pub(crate) struct MoeWeights<B: Backend> {
+    /// Router `[n_experts, d]`.
+    pub router: Weight<B>,
+    pub experts: Vec<SwiGlu<B>>,
+    pub shared: SwiGlu<B>,
+    /// `[1, d]`.
+    pub shared_gate: Weight<B>,
+}
+
+pub(crate) enum Mlp<B: Backend> {
+    Dense(SwiGlu<B>),
+    Moe(MoeWeights<B>),
+}
+
 pub(crate) struct LayerWeights<B: Backend> {
     /// `1 + w` of the zero-centred input / post-attention norms.
     pub in_norm: B::Buf,
     pub post_norm: B::Buf,
     pub mixer: Mixer<B>,
-    pub gate_proj: Weight<B>,
-    pub up_proj: Weight<B>,
-    pub down_proj: Weight<B>,
+    pub mlp: Mlp<B>,
 }
 
 pub(crate) struct ModelWeights<B: Backend> {
@@ -308,12 +328,6 @@ pub(crate) fn load_weights<B: Backend>(
     names: &TensorNames,
     precision: Option<WeightFormat>,
 ) -> Result<ModelWeights<B>> {
-    if let Some(i) = cfg.moe_layers.iter().position(|&m| m) {
-        return Err(TargetError::Unsupported(format!(
-            "layer {i} has a sparse MoE MLP ({:?}); the hybrid reference target supports the dense MLP only",
-            cfg.arch
-        )));
-    }
     let mut ld = Loader {
         be,
         src,
@@ -426,13 +440,87 @@ pub(crate) fn load_weights<B: Backend>(
             }
         };
         let m = format!("{l}mlp.");
+        let mlp = match (cfg.moe_layers[i], cfg.moe) {
+            (false, _) => Mlp::Dense(SwiGlu {
+                gate: ld.mat(&format!("{m}gate_proj.weight"), cfg.intermediate, d)?,
+                up: ld.mat(&format!("{m}up_proj.weight"), cfg.intermediate, d)?,
+                down: ld.mat(&format!("{m}down_proj.weight"), d, cfg.intermediate)?,
+            }),
+            (true, None) => {
+                return Err(TargetError::Unsupported(format!(
+                    "layer {i} is MoE but the config has no MoE shape"
+                )))
+            }
+            (true, Some(moe)) => {
+                let mi = moe.intermediate;
+                let si = moe.shared_intermediate;
+                let fused = format!("{m}experts.gate_up_proj");
+                let experts = if src.has(&fused) {
+                    // transformers' in-memory layout: gate_up_proj [E, 2I, d] (gate rows
+                    // first), down_proj [E, d, I].
+                    let gu = ld.vals(&fused, &[moe.n_experts, 2 * mi, d])?;
+                    let dn = ld.vals(&format!("{m}experts.down_proj"), &[moe.n_experts, d, mi])?;
+                    let mut ex = Vec::with_capacity(moe.n_experts);
+                    for e in 0..moe.n_experts {
+                        let g0 = e * 2 * mi * d;
+                        let w =
+                            |name: String, r: usize, c: usize, v: &[f32]| -> Result<Weight<B>> {
+                                let hw = HostWeight::from_f32(
+                                    name,
+                                    r,
+                                    c,
+                                    v,
+                                    precision.unwrap_or(WeightFormat::F32),
+                                )?;
+                                Ok(be.upload_weight(&hw)?)
+                            };
+                        ex.push(SwiGlu {
+                            gate: w(format!("{fused}[{e}].gate"), mi, d, &gu[g0..g0 + mi * d])?,
+                            up: w(
+                                format!("{fused}[{e}].up"),
+                                mi,
+                                d,
+                                &gu[g0 + mi * d..g0 + 2 * mi * d],
+                            )?,
+                            down: w(
+                                format!("{m}experts.down_proj[{e}]"),
+                                d,
+                                mi,
+                                &dn[e * d * mi..(e + 1) * d * mi],
+                            )?,
+                        });
+                    }
+                    ex
+                } else {
+                    (0..moe.n_experts)
+                        .map(|e| {
+                            let x = format!("{m}experts.{e}.");
+                            Ok(SwiGlu {
+                                gate: ld.mat(&format!("{x}gate_proj.weight"), mi, d)?,
+                                up: ld.mat(&format!("{x}up_proj.weight"), mi, d)?,
+                                down: ld.mat(&format!("{x}down_proj.weight"), d, mi)?,
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()?
+                };
+                let x = format!("{m}shared_expert.");
+                Mlp::Moe(MoeWeights {
+                    router: ld.mat(&format!("{m}gate.weight"), moe.n_experts, d)?,
+                    experts,
+                    shared: SwiGlu {
+                        gate: ld.mat(&format!("{x}gate_proj.weight"), si, d)?,
+                        up: ld.mat(&format!("{x}up_proj.weight"), si, d)?,
+                        down: ld.mat(&format!("{x}down_proj.weight"), d, si)?,
+                    },
+                    shared_gate: ld.mat(&format!("{m}shared_expert_gate.weight"), 1, d)?,
+                })
+            }
+        };
         layers.push(LayerWeights {
             in_norm: ld.norm(&format!("{l}input_layernorm.weight"), d)?,
             post_norm: ld.norm(&format!("{l}post_attention_layernorm.weight"), d)?,
             mixer,
-            gate_proj: ld.mat(&format!("{m}gate_proj.weight"), cfg.intermediate, d)?,
-            up_proj: ld.mat(&format!("{m}up_proj.weight"), cfg.intermediate, d)?,
-            down_proj: ld.mat(&format!("{m}down_proj.weight"), d, cfg.intermediate)?,
+            mlp,
         });
     }
     // Census: the vision tower and the multi-token-prediction head are not part of the text

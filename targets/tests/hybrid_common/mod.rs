@@ -103,6 +103,7 @@ pub fn tiny_config(vocab: usize, hidden: usize, pattern: &str, next_style: bool)
         tie_embeddings: false,
         layer_kinds,
         moe_layers: vec![false; n],
+        moe: None,
         lin_k_heads: 2,
         lin_v_heads: 4,
         lin_dk: 8,
@@ -110,6 +111,19 @@ pub fn tiny_config(vocab: usize, hidden: usize, pattern: &str, next_style: bool)
         conv_kernel: 4,
         max_positions: 4096,
     }
+}
+
+/// `cfg` with the sparse MoE MLP on every layer whose index is odd (4 experts, top-2).
+pub fn with_moe(mut cfg: HybridConfig) -> HybridConfig {
+    cfg.moe = Some(dflash_targets::hybrid::MoeConfig {
+        n_experts: 4,
+        top_k: 2,
+        intermediate: 16,
+        shared_intermediate: 24,
+        norm_topk: true,
+    });
+    cfg.moe_layers = (0..cfg.n_layers).map(|i| i % 2 == 1).collect();
+    cfg
 }
 
 /// Random weights for `cfg` under the `model.` prefix, in the Qwen3.5 (separate projections)
@@ -332,30 +346,105 @@ pub fn random_tensors_steered(
             -0.2,
             0.2,
         );
-        mat(
-            &mut t,
-            &mut rng,
-            format!("{l}mlp.gate_proj.weight"),
-            cfg.intermediate,
-            d,
-            inv(d),
-        );
-        mat(
-            &mut t,
-            &mut rng,
-            format!("{l}mlp.up_proj.weight"),
-            cfg.intermediate,
-            d,
-            inv(d),
-        );
-        mat(
-            &mut t,
-            &mut rng,
-            format!("{l}mlp.down_proj.weight"),
-            d,
-            cfg.intermediate,
-            inv(cfg.intermediate),
-        );
+        if cfg.moe_layers[i] {
+            let moe = cfg.moe.expect("MoE layer without an MoE shape");
+            let m = format!("{l}mlp.");
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{m}gate.weight"),
+                moe.n_experts,
+                d,
+                inv(d),
+            );
+            for e in 0..moe.n_experts {
+                let x = format!("{m}experts.{e}.");
+                let mi = moe.intermediate;
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{x}gate_proj.weight"),
+                    mi,
+                    d,
+                    inv(d),
+                );
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{x}up_proj.weight"),
+                    mi,
+                    d,
+                    inv(d),
+                );
+                mat(
+                    &mut t,
+                    &mut rng,
+                    format!("{x}down_proj.weight"),
+                    d,
+                    mi,
+                    inv(mi),
+                );
+            }
+            let si = moe.shared_intermediate;
+            let x = format!("{m}shared_expert.");
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{x}gate_proj.weight"),
+                si,
+                d,
+                inv(d),
+            );
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{x}up_proj.weight"),
+                si,
+                d,
+                inv(d),
+            );
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{x}down_proj.weight"),
+                d,
+                si,
+                inv(si),
+            );
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{m}shared_expert_gate.weight"),
+                1,
+                d,
+                inv(d),
+            );
+        } else {
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{l}mlp.gate_proj.weight"),
+                cfg.intermediate,
+                d,
+                inv(d),
+            );
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{l}mlp.up_proj.weight"),
+                cfg.intermediate,
+                d,
+                inv(d),
+            );
+            mat(
+                &mut t,
+                &mut rng,
+                format!("{l}mlp.down_proj.weight"),
+                d,
+                cfg.intermediate,
+                inv(cfg.intermediate),
+            );
+        }
     }
     t
 }

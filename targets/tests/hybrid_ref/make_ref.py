@@ -8,8 +8,8 @@ transformers computes for them:
   runs the chunked gated delta rule there);
 * `step_logits` [P, V]: the same prompt fed one token at a time through the cache
   (transformers runs the recurrent gated delta rule there, the form the Rust target uses);
-* `prompt_logits_f64` [P, V]: the prefill forward of the same weights in float64 (what both
-  f32 computations approximate; used to justify the f32 bound);
+* `prompt_logits_f64` [P, V], `hidden_states_f64` [L+1, P, d]: the prefill forward of the same
+  weights in float64 (what both f32 computations approximate; used to justify the f32 bound);
 * `greedy_ids` [N]: `generate` greedy continuation, the first predicted from the prompt.
 
 Every parameter is re-drawn at a scale where the logits are O(1) (the default init gives
@@ -56,6 +56,9 @@ def run_case(case, model, text_model_of, arch, desc, prompt_len, seed, embed_sca
     os.makedirs(out, exist_ok=True)
     randomize(model, seed, embed_scale)
     model.eval()
+    if any("experts" in n for n, _ in model.named_parameters()):
+        # The reference per-expert loop (the default grouped_mm path has no float64 kernel).
+        model.set_experts_implementation("eager")
     model.save_pretrained(os.path.join(out, "model"), safe_serialization=True)
     vocab = text_model_of(model).config.vocab_size
     g = torch.Generator().manual_seed(seed + 1)
@@ -79,7 +82,9 @@ def run_case(case, model, text_model_of, arch, desc, prompt_len, seed, embed_sca
         )
         # float64 reference of the same weights: what both f32 computations approximate
         m64 = model.to(torch.float64)
-        logits64 = m64(input_ids=prompt, use_cache=False).logits[0].float()
+        o64 = m64(input_ids=prompt, use_cache=False, output_hidden_states=True)
+        logits64 = o64.logits[0].float()
+        hs64 = torch.stack([h[0] for h in o64.hidden_states]).float()
         model.to(torch.float32)
     greedy = gen[0, prompt_len:]
     save_file(
@@ -88,6 +93,7 @@ def run_case(case, model, text_model_of, arch, desc, prompt_len, seed, embed_sca
             "prompt_logits": logits.contiguous(),
             "step_logits": step_logits.contiguous(),
             "prompt_logits_f64": logits64.contiguous(),
+            "hidden_states_f64": hs64.contiguous(),
             "hidden_states": hs.contiguous(),
             "greedy_ids": greedy.to(torch.int64).contiguous(),
         },
@@ -164,6 +170,21 @@ def main():
     m = Qwen3NextForCausalLM(Qwen3NextConfig(**nxt))
     run_case("qwen3_next_dense", m, lambda m: m, "qwen3_next",
              "Qwen3NextForCausalLM with num_experts = 0 (dense MLP), fused in_proj_qkvz / in_proj_ba, tied embeddings, 3 value heads per key head, conv kernel 3", 30, 30, 0.1)
+
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    moe = dict(nxt, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+               shared_expert_intermediate_size=40, mlp_only_layers=[2], tie_word_embeddings=False)
+    m = Qwen3NextForCausalLM(Qwen3NextConfig(**moe))
+    run_case("qwen3_next_moe", m, lambda m: m, "qwen3_next",
+             "Qwen3NextForCausalLM with the sparse MoE block (6 experts, top-2, shared expert) on layers 0, 1, 3 and a dense MLP on layer 2 (mlp_only_layers)", 24, 40)
+
+    q35moe = {k: v for k, v in text.items() if k != "intermediate_size"}
+    q35moe.update(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                  num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**q35moe))
+    run_case("qwen3_5_moe_text", m, lambda m: m, "qwen3_5_moe_text",
+             "Qwen3_5MoeForCausalLM: every layer a sparse MoE block (4 experts, top-3, renormalised, shared expert)", 24, 50)
 
 
 if __name__ == "__main__":
