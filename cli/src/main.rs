@@ -13,8 +13,8 @@ use dflash_spec_round::{plain_greedy, DflashDrafter, RollbackArm, Session, SpecC
 use serde_json::json;
 
 /// Default model pair (the small trained pair shipped in `models/`).
-const DEFAULT_TARGET: &str = "models/target";
-const DEFAULT_DRAFT: &str = "models/draft";
+const DEFAULT_TARGET: &str = "target";
+const DEFAULT_DRAFT: &str = "draft";
 
 #[derive(Parser)]
 #[command(
@@ -117,6 +117,24 @@ fn main() -> Result<()> {
     }
 }
 
+/// A default model directory: `models/<name>` under the working directory, else under the
+/// source checkout the binary was built from.
+fn default_dir(name: &str) -> PathBuf {
+    let local = PathBuf::from("models").join(name);
+    if local.exists() {
+        return local;
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("models")
+        .join(name);
+    if built.exists() {
+        built
+    } else {
+        local
+    }
+}
+
 fn eos_from_config(dir: &Path) -> Result<Vec<u32>> {
     let mut out = Vec::new();
     for file in ["config.json", "generation_config.json"] {
@@ -147,11 +165,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let target_dir = a
         .target
         .clone()
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_TARGET));
+        .unwrap_or_else(|| default_dir(DEFAULT_TARGET));
     let draft_dir = a
         .draft
         .clone()
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_DRAFT));
+        .unwrap_or_else(|| default_dir(DEFAULT_DRAFT));
     let text = a.text.clone().or(a.prompt.clone());
     let tokenizer = {
         let p = target_dir.join("tokenizer.json");

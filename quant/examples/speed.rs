@@ -17,7 +17,10 @@ fn best(mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let mib: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(4);
+    let mib: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
     let n = (mib << 20) / 4 / QK * QK;
     let mut s = 0x12345678u64;
     let x: Vec<f32> = (0..n)
@@ -36,10 +39,19 @@ fn main() {
     let mut y = vec![0.0f32; n];
     let r = |name: &str, t: f64| println!("{name:<12} {:>7.2} GB/s", gb / t);
     r("q8_0 enc", best(|| quantize_row_q8_0(&x, &mut q8).unwrap()));
-    r("q8_0 dec", best(|| dequantize_row_q8_0(&q8, &mut y).unwrap()));
+    r(
+        "q8_0 dec",
+        best(|| dequantize_row_q8_0(&q8, &mut y).unwrap()),
+    );
     r("q4_0 enc", best(|| quantize_row_q4_0(&x, &mut q4).unwrap()));
-    r("q4_0 dec", best(|| dequantize_row_q4_0(&q4, &mut y).unwrap()));
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    r(
+        "q4_0 dec",
+        best(|| dequantize_row_q4_0(&q4, &mut y).unwrap()),
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
     pool.install(|| {
         r("bf16 enc", best(|| encode_bf16_into(&x, &mut h).unwrap()));
         r("bf16 dec", best(|| try_decode_bf16(&h, &mut y).unwrap()));

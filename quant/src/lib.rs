@@ -18,6 +18,22 @@
 //! are split over the rayon pool; every block is independent, so the bytes never depend on
 //! the number of threads.
 //!
+//! ```
+//! use dflash_quant::{dequantize_row_q8_0, quantize_q8_0, QK};
+//!
+//! let x: Vec<f32> = (0..2 * QK).map(|i| (i as f32 - 31.5) / 8.0).collect();
+//! let q = quantize_q8_0(&x)?; // 2 blocks, 34 bytes each on disk
+//! let mut y = vec![0.0f32; x.len()];
+//! dequantize_row_q8_0(&q, &mut y)?;
+//! let d = q[0].d.to_f32();
+//! assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() <= d));
+//! assert!(quantize_q8_0(&x[..40]).is_err()); // not whole blocks
+//! # Ok::<(), dflash_quant::QuantError>(())
+//! ```
+//!
+//! On an error, the `*_into` / `*_row_*` forms leave their output buffer in an unspecified
+//! (but initialised) state.
+//!
 //! One documented divergence of the Python port `gguf` 0.19.0 (used as the test oracle):
 //! for an all-zero q4_0 block whose first element is `-0.0` it stores `d = +0.0` (`0x0000`)
 //! where ggml's C code (and this crate) store `-0.0` (`0x8000`).

@@ -366,6 +366,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let scratch = Scratch::new("bench-quant")?;
     let input = scratch.0.join("bench.f32");
     write_f32(&input, &x)?;
+    if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
+        println!("load average before the run: {}", l.trim());
+    }
     println!("bench quant: {} MiB of f32 input ({n} values, bf16-origin N(0, 0.02)), GB/s of f32 input (median)", a.mib);
     println!("measuring gguf-py ...");
     let py = run_python(
