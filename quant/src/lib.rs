@@ -524,20 +524,37 @@ fn le_u16s(bytes: &[u8]) -> Result<Vec<u16>, QuantError> {
         .collect())
 }
 
+/// Decodes little-endian 16-bit values without a copy when the bytes are 2-aligned on a
+/// little-endian host, else through a copy.
+fn decode_le16(
+    bytes: &[u8],
+    f: impl Fn(&[u16], &mut [f32]) -> Result<(), QuantError>,
+) -> Result<Vec<f32>, QuantError> {
+    if bytes.len() % 2 != 0 {
+        return Err(QuantError::ByteLength {
+            len: bytes.len(),
+            elem: 2,
+        });
+    }
+    let mut out = vec![0.0f32; bytes.len() / 2];
+    if cfg!(target_endian = "little") {
+        if let Ok(bits) = bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            f(bits, &mut out)?;
+            return Ok(out);
+        }
+    }
+    f(&le_u16s(bytes)?, &mut out)?;
+    Ok(out)
+}
+
 /// Decode little-endian bf16 bytes as they sit in a safetensors file.
 pub fn bf16_bytes_to_f32(bytes: &[u8]) -> Result<Vec<f32>, QuantError> {
-    let bits = le_u16s(bytes)?;
-    let mut out = vec![0.0f32; bits.len()];
-    try_decode_bf16(&bits, &mut out)?;
-    Ok(out)
+    decode_le16(bytes, try_decode_bf16)
 }
 
 /// Decode little-endian f16 bytes as they sit in a safetensors file.
 pub fn f16_bytes_to_f32(bytes: &[u8]) -> Result<Vec<f32>, QuantError> {
-    let bits = le_u16s(bytes)?;
-    let mut out = vec![0.0f32; bits.len()];
-    try_decode_f16(&bits, &mut out)?;
-    Ok(out)
+    decode_le16(bytes, try_decode_f16)
 }
 
 /// q8_0 blocks from raw GGUF bytes (any alignment; 34 bytes per block).

@@ -706,6 +706,31 @@ fn length_mismatches_are_errors_not_panics() {
         f16_bytes_to_f32(&[0x00, 0x3C, 0x00, 0xC0]).unwrap(),
         vec![1.0, -2.0]
     );
+    // aligned and unaligned byte slices decode alike
+    let raw: Vec<u8> = (0..203u32).map(|i| (i * 37 % 251) as u8).collect();
+    for off in 0..2 {
+        let b = &raw[off..off + 200];
+        let want: Vec<u32> = b
+            .chunks(2)
+            .map(|c| (u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+            .collect();
+        let got: Vec<u32> = bf16_bytes_to_f32(b)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(got, want, "offset {off}");
+        let want: Vec<u32> = b
+            .chunks(2)
+            .map(|c| ggml::fp16_to_fp32(u16::from_le_bytes([c[0], c[1]])).to_bits())
+            .collect();
+        let got: Vec<u32> = f16_bytes_to_f32(b)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(got, want, "offset {off}");
+    }
     assert!(q8_0_blocks_from_bytes(&[0; 35]).is_err());
     assert!(q4_0_blocks_from_bytes(&[0; 17]).is_err());
     let raw = q8_bytes(&q8).to_vec();
