@@ -142,3 +142,35 @@ fn generate_reports_bad_input() {
     assert!(!ok);
     assert!(stderr.contains("nonexistent"), "{stderr}");
 }
+
+/// The shipped pair (models/), with the default directories and a text prompt: the streams
+/// are identical and the trained drafter gets accepts.
+#[test]
+fn shipped_pair_text_prompt() {
+    for prompt in ["def quicksort(arr):", "import os\n\nclass Config:"] {
+        let (ok, stdout, stderr) = run(&[
+            "generate",
+            prompt,
+            "--max-new",
+            "64",
+            "--compare-plain",
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(v["identical"], serde_json::Value::Bool(true));
+        assert_eq!(
+            v["tokens"].as_array().unwrap().len(),
+            v["n_tokens"].as_u64().unwrap() as usize
+        );
+        assert!(
+            v["n_tokens"].as_u64().unwrap() == 64
+                || v["tokens"].as_array().unwrap().last() == Some(&serde_json::json!(0))
+        );
+        assert!(
+            v["tau"].as_f64().unwrap() > 1.0,
+            "trained drafter accepted nothing: {stdout}"
+        );
+        assert!(v["text"].as_str().is_some());
+    }
+}
