@@ -243,6 +243,7 @@ proptest! {
         eos in prop::option::of(0u32..V),
         bad in 0usize..4,
         ctx_extra in 0usize..100,
+        stats in any::<bool>(),
     ) {
         let be = Cpu::new();
         let cap = prompt.len() + n + 1 + ctx_extra;
@@ -252,7 +253,7 @@ proptest! {
         t.verifies = 0;
         let mut d = Oracle { n, hist: vec![], bad: bads()[bad], rounds: 0, taps: vec![0, 2] };
         let verify_cap = if cap_sel == 0 { None } else { Some(2 + cap_sel % n.max(1)) }.map(|v| v.min(n + 1));
-        let cfg = SpecConfig { verify_cap, adaptive, ..SpecConfig::default() };
+        let cfg = SpecConfig { verify_cap, adaptive, stats, ..SpecConfig::default() };
         let (got, st) = generate(&be, &mut t, &mut d, cfg, &prompt, max_new, &eos).unwrap();
         prop_assert_eq!(&got, &want);
         match got.iter().position(|x| eos.contains(x)) {
@@ -268,6 +269,12 @@ proptest! {
         prop_assert_eq!(d.hist.len(), t.pos());
         prop_assert_eq!(&d.hist[..], &t.committed[..]);
         prop_assert_eq!(st.rounds, t.verifies);
+        prop_assert_eq!(st.committed, st.rounds + st.accepted);
+        if !stats {
+            prop_assert_eq!(st.verify + st.draft + st.rollback + st.ingest, std::time::Duration::ZERO);
+        } else if st.rounds > 0 {
+            prop_assert!(st.verify > std::time::Duration::ZERO);
+        }
     }
 }
 
