@@ -1,7 +1,8 @@
 """The oracle's own greedy speculative loop (semantics sec. 3.3, with the round engine's verify-width policy).
 
     python tools/oracle/spec_loop.py --target DIR --draft DIR --prompt-ids 1,2,3 [--prompt-ids ...]
-        [--prompts-file FILE (one comma/space separated id list per line)] [--max-new 64]
+        [--prompts-file FILE (one comma/space separated id list per line)] [--prompts-jsonl FILE] [--first N]
+        [--max-new 64]
         [--vt-cap 16] [--adaptive] [--no-markov] [--precision f32|bf16|q8_0|q4_0|mixed] [--eos ID,...] [--json]
 
 Per round: block = [last, MASK x (b-1)] at positions s..s+b-1; cached draft forward (context = every committed
@@ -18,9 +19,10 @@ committed per round, counted before the max_new cut); pooled tau = sum over prom
 of rounds; also the mean of per-prompt tau. The committed stream is checked against the target's plain greedy
 decode computed with the same forward (exit status 1 on any difference).
 
-The target runs without a KV cache (every call recomputes the whole sequence): slow but exact for dense and hybrid
-targets alike, and no rollback logic to get wrong. Targets are loaded with transformers' AutoModelForCausalLM in
-float32, eager attention.
+Dense targets run with transformers' DynamicCache, cropped to the committed length after each verify (plain greedy
+uses the same cache, one token per step); hybrid targets (linear-attention state cannot be cropped) and --no-cache
+recompute the whole sequence on every call. Targets are loaded with transformers' AutoModelForCausalLM in float32,
+eager attention.
 """
 
 from __future__ import annotations
@@ -56,28 +58,59 @@ class HFTarget:
         self.lm_head = self.model.get_output_embeddings().weight.detach().float()
         self.calls = 0
 
-    def forward(self, ids: list[int]):
-        """Logits [n, V] and hidden_states list (L+1 of [n, d]) of the whole sequence, no cache."""
+        lt = getattr(tc, "layer_types", None) or []
+        # a KV cache that can be cropped: dense attention only (linear-attention state cannot be cropped)
+        self.croppable = not any(t not in ("full_attention", "sliding_attention") for t in lt)
+        self.use_cache = self.croppable
+        self.calls = 0
+
+    def _run(self, ids: list[int], cache):
         self.calls += 1
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True,
+                             use_cache=cache is not None, past_key_values=cache)
         return out.logits[0].float(), [h[0].float() for h in out.hidden_states]
+
+    def start(self, prompt: list[int]):
+        """Begin a sequence; returns (logits, hidden_states) of the prompt rows."""
+        self.seq = list(prompt)
+        if self.use_cache:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.model.config)
+            return self._run(prompt, self.cache)
+        return self._run(self.seq, None)
+
+    def extend(self, tokens: list[int]):
+        """Append tokens; returns (logits, hidden_states) of the new rows only."""
+        n = len(tokens)
+        self.seq += tokens
+        if self.use_cache:
+            return self._run(tokens, self.cache)
+        logits, hs = self._run(self.seq, None)
+        return logits[-n:], [h[-n:] for h in hs]
+
+    def truncate(self, n: int):
+        """Keep the first n positions."""
+        self.seq = self.seq[:n]
+        if self.use_cache:
+            drop = self.cache.get_seq_length() - n
+            if drop > 0:
+                self.cache.crop(-drop)
 
     def taps(self, hs, layer_ids, rows: slice):
         return torch.cat([hs[l + 1][rows] for l in layer_ids], dim=-1)
 
 
 def plain_greedy(target: HFTarget, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
-    seq = list(prompt)
+    logits, _ = target.start(prompt)
     out = []
-    while len(out) < max_new:
-        logits, _ = target.forward(seq)
+    while True:
         t = int(torch.argmax(logits[-1]))
         out.append(t)
-        seq.append(t)
-        if t in eos:
-            break
-    return out
+        if t in eos or len(out) >= max_new:
+            return out
+        logits, _ = target.extend([t])
 
 
 def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, prompt: list[int], max_new: int,
@@ -86,7 +119,7 @@ def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, promp
     for l in ids:
         if not -1 <= l <= target.n_layers - 2:
             raise ValueError(f"tap layer {l} invalid for a {target.n_layers}-layer target")
-    logits, hs = target.forward(prompt)
+    logits, hs = target.start(prompt)
     cache = O.DraftCache(W)
     cache.ingest(target.taps(hs, ids, slice(0, len(prompt))), 0)
     last = int(torch.argmax(logits[-1]))
@@ -103,8 +136,9 @@ def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, promp
         if first_draft is None:
             first_draft = drafts
         block = [last] + drafts[: vt - 1]
-        vlogits, vhs = target.forward(seq + block)
-        am = torch.argmax(vlogits[s:], dim=-1).tolist()  # am[j] = target's token after block[0..j]
+        assert len(target.seq) == s
+        vlogits, vhs = target.extend(block)
+        am = torch.argmax(vlogits, dim=-1).tolist()  # am[j] = target's token after block[0..j]
         m = 0
         while m < len(block) - 1 and block[m + 1] == am[m]:
             m += 1
@@ -121,7 +155,8 @@ def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, promp
         if stop:
             break
         seq.extend(block[: m + 1])
-        cache.ingest(target.taps(vhs, ids, slice(s, s + m + 1)), s)
+        target.truncate(s + m + 1)  # keep anchor + accepted drafts; the next anchor is not in the target yet
+        cache.ingest(target.taps(vhs, ids, slice(0, m + 1)), s)
         last = am[m]
         if adaptive:
             vt = max(3, min(m + 2, vt_cap))
@@ -172,6 +207,8 @@ def main():
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompt-ids", action="append", default=[])
     ap.add_argument("--prompts-file")
+    ap.add_argument("--prompts-jsonl", help="JSON lines with an `ids` list (e.g. models/prompts-heldout.jsonl)")
+    ap.add_argument("--first", type=int, default=0, help="use only the first N prompts (0: all)")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--vt-cap", type=int, default=0, help="verify width cap (default: block size)")
     ap.add_argument("--adaptive", action="store_true", help="vt = clamp(m + 2, 3, cap) after each round")
@@ -181,6 +218,9 @@ def main():
     ap.add_argument("--eos", default="")
     ap.add_argument("--no-check", action="store_true", help="skip the plain greedy comparison")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="recompute the whole sequence every call (default for hybrid targets; dense targets "
+                    "use a KV cache cropped after each verify)")
     ap.add_argument("--selftest", action="store_true", help="check the loop itself with oracle drafters")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -189,10 +229,16 @@ def main():
     if args.prompts_file:
         with open(args.prompts_file) as f:
             prompts += [parse_ids(line) for line in f if line.strip()]
+    if args.prompts_jsonl:
+        with open(args.prompts_jsonl) as f:
+            prompts += [list(map(int, json.loads(line)["ids"])) for line in f if line.strip()]
+    if args.first:
+        prompts = prompts[: args.first]
     if not prompts:
         ap.error("no prompts")
     eos = set(parse_ids(args.eos)) if args.eos else set()
     target = HFTarget(args.target)
+    target.use_cache = target.croppable and not args.no_cache
     prec = "f32" if args.precision == "bf16" else args.precision  # bf16 weights upcast: same values
     cfg, W = O.load_draft(args.draft, precision=prec, layout=args.layout)
     nd = cfg.block_size - 1 if cfg.layout == "dflash" else cfg.block_size
