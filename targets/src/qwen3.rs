@@ -101,6 +101,51 @@ impl Qwen3Config {
     }
 }
 
+impl Qwen3Config {
+    /// Internal consistency: one window entry per layer, whole GQA groups, a rotary width
+    /// that fits the head, positive sizes.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(TargetError::Unsupported(format!("Qwen3 config: {msg}")));
+        if self.windows.len() != self.n_layers {
+            return bad(format!(
+                "{} window entries for {} layers",
+                self.windows.len(),
+                self.n_layers
+            ));
+        }
+        if [
+            self.vocab,
+            self.hidden,
+            self.intermediate,
+            self.n_layers,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+        ]
+        .contains(&0)
+        {
+            return bad("a size is zero".into());
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} query heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.rope.rot_dim() > self.head_dim {
+            return bad(format!(
+                "rotary width {} exceeds head_dim {}",
+                self.rope.rot_dim(),
+                self.head_dim
+            ));
+        }
+        if self.windows.contains(&Some(0)) {
+            return bad("a sliding window of 0".into());
+        }
+        Ok(())
+    }
+}
+
 /// Load options of a reference target.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadOptions {
@@ -222,6 +267,7 @@ impl<B: Backend> Qwen3Dense<B> {
         layers: Vec<Layer<B>>,
         cap: usize,
     ) -> Result<Self> {
+        cfg.validate()?;
         let kvw = cfg.n_kv_heads * cfg.head_dim;
         let mut k_cache = Vec::with_capacity(cfg.n_layers);
         let mut v_cache = Vec::with_capacity(cfg.n_layers);

@@ -148,3 +148,17 @@ fn plain_greedy_counts_and_stops() {
     assert_eq!(long.len(), 62);
     assert_eq!(long[..20], full[..]);
 }
+
+#[test]
+fn inconsistent_configs_are_errors() {
+    let be = Cpu::new();
+    let mut c = tiny_qwen3_config(50, 32, 2, None);
+    c.windows.pop();
+    assert!(random_qwen3(&be, c, 1, WeightFormat::F32, 8).is_err());
+    let mut c = tiny_qwen3_config(50, 32, 2, None);
+    c.n_kv_heads = 3;
+    assert!(random_qwen3(&be, c, 1, WeightFormat::F32, 8).is_err());
+    let mut c = tiny_qwen3_config(50, 32, 2, Some(0));
+    c.windows[0] = Some(0);
+    assert!(random_qwen3(&be, c, 1, WeightFormat::F32, 8).is_err());
+}
