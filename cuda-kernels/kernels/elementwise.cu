@@ -4,11 +4,32 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) x[i] = v;
 }
 
-// One block per row of width dim. out = w * x / sqrt(mean(x^2) + eps).
+// One block per row of width dim. out = w * x / sqrt(mean(x^2) + eps). The row is read once
+// into registers (dim <= 32 * blockDim), else twice. The block size is chosen from dim only.
+#define RMS_MAXV 32
 extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, int dim, float eps) {
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const float *xr = x + row * dim;
+    if (dim <= RMS_MAXV * (int)blockDim.x) {
+        float v[RMS_MAXV];
+        float ss = 0.0f;
+#pragma unroll
+        for (int u = 0; u < RMS_MAXV; ++u) {
+            const int i = threadIdx.x + u * blockDim.x;
+            v[u] = i < dim ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_MAXV; ++u) ss = fmaf(v[u], v[u], ss);
+        ss = block_sum(ss, red);
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+        for (int u = 0; u < RMS_MAXV; ++u) {
+            const int i = threadIdx.x + u * blockDim.x;
+            if (i < dim) out[row * dim + i] = w[i] * (v[u] * inv);
+        }
+        return;
+    }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     ss = block_sum(ss, red);

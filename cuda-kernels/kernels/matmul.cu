@@ -17,36 +17,70 @@
 #define SK_WARPS 4
 #define SK_R 4
 
+// Raw (undecoded) weight bytes of one thread for one 32-wide k tile and one output row:
+// bf16: 8 values (16 B); q8_0: 8 codes (8 B) + the f16 scale; q4_0: 8 nibbles (4 B) + scale.
+// Loads are issued one tile ahead of the math (register double buffering), decoding is done
+// with integer / FP32-add tricks instead of int->float conversions.
+struct RawA {
+    uint4 w;
+    u32 d;
+};
+
 template <int FMT>
-__device__ __forceinline__ void load_a(const void *__restrict__ wq, const u16 *__restrict__ wd, int N, int K, int KT, int o, int kt,
-                                       int t, u32 a[4], float &d) {
-    if (o >= N) { a[0] = a[1] = a[2] = a[3] = 0u; d = 0.0f; return; }
+__device__ __forceinline__ void load_raw(const void *__restrict__ wq, const u16 *__restrict__ wd, int N, int K, int KT, int o, int kt,
+                                         int t, RawA &ra) {
+    if (o >= N) { ra.w = make_uint4(0u, 0u, 0u, 0u); ra.d = 0u; return; }
     if (FMT == FMT_BF16) {
-        const uint4 w = *(const uint4 *)((const u16 *)wq + (long long)o * K + kt * 32 + 8 * t);
-        a[0] = w.x; a[1] = w.y; a[2] = w.z; a[3] = w.w;
-        d = 1.0f;
+        ra.w = __ldg((const uint4 *)((const u16 *)wq + (long long)o * K + kt * 32 + 8 * t));
+        ra.d = 0u;
     } else if (FMT == FMT_Q8_0) {
-        const uint2 w = *(const uint2 *)((const i8 *)wq + (long long)o * K + kt * 32 + 8 * t);
-        d = f16_to_f32(wd[(long long)o * KT + kt]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 word = h == 0 ? w.x : w.y;
-            const float v0 = (float)(signed char)(word & 0xff), v1 = (float)(signed char)((word >> 8) & 0xff);
-            const float v2 = (float)(signed char)((word >> 16) & 0xff), v3 = (float)(signed char)(word >> 24);
-            a[2 * h] = pack_bf16x2(v0, v1);
-            a[2 * h + 1] = pack_bf16x2(v2, v3);
-        }
+        const uint2 w = __ldg((const uint2 *)((const i8 *)wq + (long long)o * K + kt * 32 + 8 * t));
+        ra.w = make_uint4(w.x, w.y, 0u, 0u);
+        ra.d = __ldg(wd + (long long)o * KT + kt);
     } else {
-        const u32 w = ((const u32 *)wq)[((long long)o * KT + kt) * 4 + t];
-        d = f16_to_f32(wd[(long long)o * KT + kt]);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const float v0 = (float)((int)((w >> (8 * p)) & 0xfu) - 8);
-            const float v1 = (float)((int)((w >> (8 * p + 4)) & 0xfu) - 8);
-            a[p] = pack_bf16x2(v0, v1);
-        }
+        ra.w = make_uint4(__ldg((const u32 *)wq + ((long long)o * KT + kt) * 4 + t), 0u, 0u, 0u);
+        ra.d = __ldg(wd + (long long)o * KT + kt);
     }
 }
+
+// int8 code byte (signed) -> exact f32 via 2^23 magic: (0x4B0000uu as float) - (2^23 + 128).
+__device__ __forceinline__ float q8_byte(u32 wx, int i) {
+    return __int_as_float(__byte_perm(wx, 0x4B000000u, (u32)i | 0x7650u)) - 8388736.0f;
+}
+// Two small-integer f32 (exact in bf16) -> bf16x2 by taking their high half-words.
+__device__ __forceinline__ u32 hi_halves(float lo, float hi) {
+    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632u);
+}
+
+template <int FMT>
+__device__ __forceinline__ void decode_a(const RawA &ra, u32 a[4], float &d) {
+    if (FMT == FMT_BF16) {
+        a[0] = ra.w.x; a[1] = ra.w.y; a[2] = ra.w.z; a[3] = ra.w.w;
+        d = 1.0f;
+    } else if (FMT == FMT_Q8_0) {
+        const u32 x0 = ra.w.x ^ 0x80808080u, x1 = ra.w.y ^ 0x80808080u;
+        a[0] = hi_halves(q8_byte(x0, 0), q8_byte(x0, 1));
+        a[1] = hi_halves(q8_byte(x0, 2), q8_byte(x0, 3));
+        a[2] = hi_halves(q8_byte(x1, 0), q8_byte(x1, 1));
+        a[3] = hi_halves(q8_byte(x1, 2), q8_byte(x1, 3));
+        d = f16_to_f32((u16)ra.d);
+    } else {
+        // nibble pair p = (w >> 4p) & 0x000f000f; 0x4300 | n is bf16 (128 + n); minus 136.
+        const u32 one = 0x3f803f80u, m136 = 0xc308c308u;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const u32 v = ((ra.w.x >> (4 * p)) & 0x000f000fu) | 0x43004300u;
+            u32 r;
+            asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(m136));
+            a[p] = r;
+        }
+        d = f16_to_f32((u16)ra.d);
+    }
+}
+
+struct RawB {
+    float4 v0, v1;
+};
 
 template <int FMT, int NT>
 __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const float *__restrict__ x,
@@ -68,53 +102,72 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[r][j][c] = 0.0f;
 
-    for (int kt = kt0 + warp; kt < kt1; kt += SK_WARPS) {
-        u32 bh[NT][4], bl[NT][4];
+    RawA ca[SK_R][2], na[SK_R][2];
+    RawB cb[NT], nb[NT];
+    auto load_tile = [&](int kt, RawA (&ra)[SK_R][2], RawB (&rb)[NT]) {
+#pragma unroll
+        for (int r = 0; r < SK_R; ++r) {
+            const int o = o_base + r * 16 + g;
+            load_raw<FMT>(wq, wd, N, K, KT, o, kt, t, ra[r][0]);
+            load_raw<FMT>(wq, wd, N, K, KT, o + 8, kt, t, ra[r][1]);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int tok = g + 8 * j;
             if (tok < T) {
                 const float *xp = x + (long long)tok * K + kt * 32 + 8 * t;
-                const float4 v0 = *(const float4 *)xp;
-                const float4 v1 = *(const float4 *)(xp + 4);
-                split_bf16x2(v0.x, v0.y, bh[j][0], bl[j][0]);
-                split_bf16x2(v0.z, v0.w, bh[j][1], bl[j][1]);
-                split_bf16x2(v1.x, v1.y, bh[j][2], bl[j][2]);
-                split_bf16x2(v1.z, v1.w, bh[j][3], bl[j][3]);
+                rb[j].v0 = *(const float4 *)xp;
+                rb[j].v1 = *(const float4 *)(xp + 4);
             } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) { bh[j][q] = 0u; bl[j][q] = 0u; }
+                rb[j].v0 = make_float4(0.f, 0.f, 0.f, 0.f);
+                rb[j].v1 = rb[j].v0;
             }
         }
-        u32 ga[SK_R][4], gb[SK_R][4];
-        float da[SK_R], db[SK_R];
+    };
+    int kt = kt0 + warp;
+    if (kt < kt1) load_tile(kt, ca, cb);
+    for (; kt < kt1; kt += SK_WARPS) {
+        const bool more = kt + SK_WARPS < kt1;
+        if (more) load_tile(kt + SK_WARPS, na, nb);
+        u32 bh[NT][4], bl[NT][4];
 #pragma unroll
-        for (int r = 0; r < SK_R; ++r) {
-            const int o = o_base + r * 16 + g;
-            load_a<FMT>(wq, wd, N, K, KT, o, kt, t, ga[r], da[r]);
-            load_a<FMT>(wq, wd, N, K, KT, o + 8, kt, t, gb[r], db[r]);
+        for (int j = 0; j < NT; ++j) {
+            split_bf16x2(cb[j].v0.x, cb[j].v0.y, bh[j][0], bl[j][0]);
+            split_bf16x2(cb[j].v0.z, cb[j].v0.w, bh[j][1], bl[j][1]);
+            split_bf16x2(cb[j].v1.x, cb[j].v1.y, bh[j][2], bl[j][2]);
+            split_bf16x2(cb[j].v1.z, cb[j].v1.w, bh[j][3], bl[j][3]);
         }
 #pragma unroll
         for (int r = 0; r < SK_R; ++r) {
+            u32 ga[4], gb[4];
+            float da, db;
+            decode_a<FMT>(ca[r][0], ga, da);
+            decode_a<FMT>(ca[r][1], gb, db);
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 if (FMT == FMT_BF16) {
-                    mma_bf16_16816(acc[r][j], ga[r][0], gb[r][0], ga[r][1], gb[r][1], bh[j][0], bh[j][1]);
-                    mma_bf16_16816(acc[r][j], ga[r][0], gb[r][0], ga[r][1], gb[r][1], bl[j][0], bl[j][1]);
-                    mma_bf16_16816(acc[r][j], ga[r][2], gb[r][2], ga[r][3], gb[r][3], bh[j][2], bh[j][3]);
-                    mma_bf16_16816(acc[r][j], ga[r][2], gb[r][2], ga[r][3], gb[r][3], bl[j][2], bl[j][3]);
+                    mma_bf16_16816(acc[r][j], ga[0], gb[0], ga[1], gb[1], bh[j][0], bh[j][1]);
+                    mma_bf16_16816(acc[r][j], ga[0], gb[0], ga[1], gb[1], bl[j][0], bl[j][1]);
+                    mma_bf16_16816(acc[r][j], ga[2], gb[2], ga[3], gb[3], bh[j][2], bh[j][3]);
+                    mma_bf16_16816(acc[r][j], ga[2], gb[2], ga[3], gb[3], bl[j][2], bl[j][3]);
                 } else {
                     float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_bf16_16816(tmp, ga[r][0], gb[r][0], ga[r][1], gb[r][1], bh[j][0], bh[j][1]);
-                    mma_bf16_16816(tmp, ga[r][0], gb[r][0], ga[r][1], gb[r][1], bl[j][0], bl[j][1]);
-                    mma_bf16_16816(tmp, ga[r][2], gb[r][2], ga[r][3], gb[r][3], bh[j][2], bh[j][3]);
-                    mma_bf16_16816(tmp, ga[r][2], gb[r][2], ga[r][3], gb[r][3], bl[j][2], bl[j][3]);
-                    acc[r][j][0] = fmaf(da[r], tmp[0], acc[r][j][0]);
-                    acc[r][j][1] = fmaf(da[r], tmp[1], acc[r][j][1]);
-                    acc[r][j][2] = fmaf(db[r], tmp[2], acc[r][j][2]);
-                    acc[r][j][3] = fmaf(db[r], tmp[3], acc[r][j][3]);
+                    mma_bf16_16816(tmp, ga[0], gb[0], ga[1], gb[1], bh[j][0], bh[j][1]);
+                    mma_bf16_16816(tmp, ga[0], gb[0], ga[1], gb[1], bl[j][0], bl[j][1]);
+                    mma_bf16_16816(tmp, ga[2], gb[2], ga[3], gb[3], bh[j][2], bh[j][3]);
+                    mma_bf16_16816(tmp, ga[2], gb[2], ga[3], gb[3], bl[j][2], bl[j][3]);
+                    acc[r][j][0] = fmaf(da, tmp[0], acc[r][j][0]);
+                    acc[r][j][1] = fmaf(da, tmp[1], acc[r][j][1]);
+                    acc[r][j][2] = fmaf(db, tmp[2], acc[r][j][2]);
+                    acc[r][j][3] = fmaf(db, tmp[3], acc[r][j][3]);
                 }
             }
+        }
+        if (more) {
+#pragma unroll
+            for (int r = 0; r < SK_R; ++r) { ca[r][0] = na[r][0]; ca[r][1] = na[r][1]; }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) cb[j] = nb[j];
         }
     }
 
@@ -154,8 +207,20 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     for (int idx = threadIdx.x; idx < 16 * SK_R * 16; idx += blockDim.x) {
         const int o = o_base + idx / 16, tok = idx % 16;
         if (o < N && tok < T) {
-            float sum = __ldcg(ws + (long long)o * 16 + tok);
-            for (int q = 1; q < S; ++q) sum += __ldcg(ws + ((long long)q * N + o) * 16 + tok);
+            // Loads in groups of 4 (in flight together), added strictly in split order.
+            const float *p = ws + (long long)o * 16 + tok;
+            const long long stride = (long long)N * 16;
+            float sum = __ldcg(p);
+            int q = 1;
+            for (; q + 4 <= S; q += 4) {
+                const float a = __ldcg(p + q * stride), b = __ldcg(p + (q + 1) * stride);
+                const float c = __ldcg(p + (q + 2) * stride), e = __ldcg(p + (q + 3) * stride);
+                sum += a;
+                sum += b;
+                sum += c;
+                sum += e;
+            }
+            for (; q < S; ++q) sum += __ldcg(p + q * stride);
             out[(long long)tok * N + o] = sum;
         }
     }
@@ -163,7 +228,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 }
 
 #define SKINNY(NAME, FMT, NT)                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) NAME(const void *wq, const u16 *wd, const float *x, float *out, float *ws, \
+    extern "C" __global__ void __launch_bounds__(128, 4) NAME(const void *wq, const u16 *wd, const float *x, float *out, float *ws, \
                                                            u32 *counters, int N, int K, int T, int S, int tps) {               \
         skinny_mma<FMT, NT>(wq, wd, x, out, ws, counters, N, K, T, S, tps);                                                    \
     }

@@ -109,7 +109,8 @@ __device__ __forceinline__ void block_argmax(float &v, u32 &i, float *rv, u32 *r
 
 // Scalar weight access in any storage format. Block formats use the backend's repacked
 // layout: q8_0 = int8 values [rows, cols] + f16 scales [rows, cols/32]; q4_0 = one u32 per
-// (row, block, quarter) holding the 8 nibbles of values 8q..8q+7 + f16 scales.
+// (row, block, quarter) holding the 8 nibbles of values 8q..8q+7 (value 8q+i at bit 2i for
+// even i, at bit 16 + 2(i-1) for odd i) + f16 scales.
 __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, long long row, int col, int cols) {
     switch (fmt) {
     case FMT_F32: return ((const float *)wq)[row * cols + col];
@@ -123,7 +124,9 @@ __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, 
         const int b = col >> 5, e = col & 31;
         float d = f16_to_f32(wd[row * (cols / 32) + b]);
         u32 w = ((const u32 *)wq)[(row * (cols / 32) + b) * 4 + (e >> 3)];
-        int nib = (int)((w >> (4 * (e & 7))) & 0xfu);
+        const int i = e & 7;
+        const int shift = (i & 1) ? 16 + 2 * (i - 1) : 2 * i;
+        int nib = (int)((w >> shift) & 0xfu);
         return (float)(nib - 8) * d;
     }
     }

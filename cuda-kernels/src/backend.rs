@@ -22,7 +22,7 @@ type Result<T> = std::result::Result<T, BackendError>;
 pub const SKINNY_ROWS: usize = 16;
 const ARGMAX_CHUNK: usize = 4096;
 const MARKOV_CHUNK: usize = 1024;
-const ATT_SPLIT: usize = 256;
+const ATT_SPLIT: usize = 128;
 const ATT_QT: usize = 16;
 
 /// An f32 activation buffer on the device.
@@ -43,7 +43,8 @@ impl CudaBuf {
 
 /// A weight matrix in device memory, in its format. Block formats are repacked for aligned
 /// loads: q8_0 as int8 codes `[rows, cols]` + f16 scales `[rows, cols/32]`; q4_0 as one u32
-/// per (row, block, quarter q) holding the nibbles of values `8q..8q+7` + f16 scales.
+/// per (row, block, quarter q) holding the nibbles of values `8q..8q+7` (even ones in the low
+/// half-word, odd ones in the high half-word) + f16 scales.
 pub enum CudaWeightBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
@@ -171,7 +172,16 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
 }
 
 fn att_smem_bytes(d: usize) -> usize {
-    (16 * d + 64 * (d + 1) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
+    (16 * d + 64 * (d + 4) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
+}
+
+/// Threads per row of the row-wise norms, from the row width only (per-row determinism).
+fn norm_threads(dim: usize) -> u32 {
+    if dim > 2048 {
+        256
+    } else {
+        128
+    }
 }
 
 impl Cuda {
@@ -752,7 +762,10 @@ fn repack_q4_0(blocks: &[dflash_quant::BlockQ4_0]) -> (Vec<u32>, Vec<u16>) {
                 } else {
                     b.qs[e - 16] >> 4
                 };
-                word |= (nib as u32) << (4 * i);
+                // Element 8q+i: even i in the low half, odd i in the high half, so that
+                // `(word >> 4p) & 0x000f000f` is the pair (8q+2p, 8q+2p+1).
+                let shift = if i % 2 == 0 { 2 * i } else { 16 + 2 * (i - 1) };
+                word |= (nib as u32) << shift;
             }
             qs.push(word);
         }
@@ -966,7 +979,7 @@ impl Backend for Cuda {
             .arg(&mut out.data)
             .arg(&d)
             .arg(&eps);
-        unsafe { b.launch(cfg((rows as u32, 1, 1), 128, 0)) }.map_err(dev)?;
+        unsafe { b.launch(cfg((rows as u32, 1, 1), norm_threads(dim), 0)) }.map_err(dev)?;
         Ok(())
     }
 
@@ -1098,6 +1111,12 @@ impl Backend for Cuda {
         );
         let (qp0, kp0) = (p.q_pos0 as i64, p.kv_pos0 as i64);
         let causal = p.causal as i32;
+        if p.window == Some(0) {
+            return Err(BackendError::Invalid {
+                op,
+                msg: "window of 0".into(),
+            });
+        }
         let window = p.window.map(|w| w as i64).unwrap_or(-1);
         let scale = p.scale;
         let d = p.head_dim;

@@ -450,7 +450,33 @@ fn attention_against_cpu() {
         },
         70,
     );
-    // A query that sees no key gets zeros (window of 0 hides everything).
+    // A window of 0 is an error on both backends.
+    {
+        let p = AttnParams {
+            n_q: 3,
+            n_kv: 40,
+            q_pos0: 37,
+            causal: true,
+            window: Some(0),
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64,
+            ..base
+        };
+        let (q, kv) = (vec![0.5f32; 3 * 2 * 64], vec![0.5f32; 40 * 64]);
+        let mut oc = vec![0.0; 3 * 2 * 64];
+        assert!(
+            cpu.attention(&q, &kv, &kv, &p, &mut oc).is_err(),
+            "cpu accepted a window of 0"
+        );
+        let (qg, kg) = (g.upload(&q).unwrap(), g.upload(&kv).unwrap());
+        let mut og = g.zeros(3 * 2 * 64).unwrap();
+        assert!(
+            g.attention(&qg, &kg, &kg, &p, &mut og).is_err(),
+            "cuda accepted a window of 0"
+        );
+    }
+    // A query that sees no key (causal, all keys after it) gets a zero row.
     attn_case(
         g,
         &cpu,
@@ -458,9 +484,9 @@ fn attention_against_cpu() {
         AttnParams {
             n_q: 3,
             n_kv: 40,
-            q_pos0: 37,
+            q_pos0: 0,
+            kv_pos0: 10,
             causal: true,
-            window: Some(0),
             n_heads: 2,
             n_kv_heads: 1,
             head_dim: 64,

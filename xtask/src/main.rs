@@ -10,6 +10,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod gpu;
 mod oracle;
 mod quant;
 
@@ -50,6 +51,8 @@ enum ParityCmd {
 enum BenchCmd {
     /// Encode / decode throughput of every format, 1 thread and all threads, vs gguf-py.
     Quant(quant::BenchArgs),
+    /// The draft step on the CUDA backend vs PyTorch, HBM floor, verify vs decode (GPU machine).
+    Gpu(gpu::BenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -63,6 +66,7 @@ fn main() -> Result<()> {
         },
         Cmd::Bench { what } => match what {
             BenchCmd::Quant(a) => quant::bench(a),
+            BenchCmd::Gpu(a) => gpu::bench(a),
         },
     }
 }

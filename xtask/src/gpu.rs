@@ -1,0 +1,795 @@
+//! `cargo xtask bench gpu`: the DFlash draft step on the CUDA backend (bf16, q8_0, q4_0
+//! weights) side by side with a PyTorch bf16 implementation of the same step, the HBM floor
+//! from the copy bandwidth measured in the same run, and verify16-vs-decode1 of a dense
+//! Qwen3-8B-shaped target.
+//!
+//! The step is built here directly from the backend's ops in the drafter's structure
+//! (embedding -> L Qwen3-style layers over the cached ctx K/V -> final norm -> lm_head on rows
+//! 1..b-1 -> argmax), with device-side ids and argmax so the whole step can be captured as
+//! one CUDA graph and replayed. Weights are random, generated on the device.
+//! Built on the development machine, run on the GPU machine (`.gpu/xtask bench gpu`); the
+//! PyTorch side is `tools/bench/torch_drafter.py`, found relative to the working directory.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaSlice;
+use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
+use dflash_cuda_kernels::{Cuda, CudaBuf};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Context lengths (tokens already in the draft KV cache).
+    #[arg(long, default_value = "512,8192")]
+    ctx: String,
+    /// Shapes: 8b (Qwen3-8B-DFlash-b16), 27b (Qwen3.6-27B-DFlash).
+    #[arg(long, default_value = "8b,27b")]
+    shapes: String,
+    /// Drafter weight formats.
+    #[arg(long, default_value = "bf16,q8_0,q4_0")]
+    formats: String,
+    /// Timed replays per measurement (median reported).
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// Skip the PyTorch peer.
+    #[arg(long)]
+    no_torch: bool,
+    /// Skip the dense-target verify/decode table.
+    #[arg(long)]
+    no_target: bool,
+    /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
+    #[arg(long)]
+    markov: bool,
+    /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
+    #[arg(long)]
+    ops_only: bool,
+    /// Write the markdown report here (it is printed either way).
+    #[arg(long)]
+    md: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug)]
+struct Shape {
+    name: &'static str,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    inter: usize,
+    vocab: usize,
+    block: usize,
+    windows: Vec<Option<usize>>,
+}
+
+fn shape(name: &str) -> Result<Shape> {
+    Ok(match name {
+        "8b" => Shape {
+            name: "Qwen3-8B-DFlash-b16",
+            hidden: 4096,
+            layers: 5,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            inter: 12288,
+            vocab: 151936,
+            block: 16,
+            windows: vec![None; 5],
+        },
+        "27b" => Shape {
+            name: "Qwen3.6-27B-DFlash",
+            hidden: 5120,
+            layers: 5,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            inter: 17408,
+            vocab: 248320,
+            block: 16,
+            windows: vec![Some(2048), Some(2048), Some(2048), Some(2048), None],
+        },
+        _ => bail!("unknown shape {name} (8b, 27b)"),
+    })
+}
+
+fn parse_format(s: &str) -> Result<WeightFormat> {
+    Ok(match s {
+        "bf16" => WeightFormat::Bf16,
+        "f16" => WeightFormat::F16,
+        "f32" => WeightFormat::F32,
+        "q8_0" => WeightFormat::Q8_0,
+        "q4_0" => WeightFormat::Q4_0,
+        _ => bail!("unknown format {s}"),
+    })
+}
+
+struct Layer {
+    ln1: CudaBuf,
+    ln2: CudaBuf,
+    qn: CudaBuf,
+    kn: CudaBuf,
+    wq: Weight<Cuda>,
+    wk: Weight<Cuda>,
+    wv: Weight<Cuda>,
+    wo: Weight<Cuda>,
+    wg: Weight<Cuda>,
+    wu: Weight<Cuda>,
+    wd: Weight<Cuda>,
+    kc: CudaBuf,
+    vc: CudaBuf,
+    window: Option<usize>,
+}
+
+/// A Qwen3-style stack: the drafter (non-causal block attention) or the dense target (causal).
+struct Model {
+    s: Shape,
+    embed: Weight<Cuda>,
+    lm_head: Weight<Cuda>,
+    norm: CudaBuf,
+    layers: Vec<Layer>,
+    markov: Option<(Weight<Cuda>, Weight<Cuda>)>,
+    rope: RopeSpec,
+}
+
+struct Bufs {
+    ids: CudaSlice<u32>,
+    h: CudaBuf,
+    x: CudaBuf,
+    q0: CudaBuf,
+    k0: CudaBuf,
+    q: CudaBuf,
+    k: CudaBuf,
+    v: CudaBuf,
+    attn: CudaBuf,
+    o: CudaBuf,
+    gate: CudaBuf,
+    up: CudaBuf,
+    act: CudaBuf,
+    xl: CudaBuf,
+    logits: CudaBuf,
+    toks: CudaSlice<u32>,
+    prev: CudaSlice<u32>,
+}
+
+fn ones(g: &Cuda, n: usize) -> Result<CudaBuf> {
+    Ok(g.upload(&vec![1.0f32; n])?)
+}
+
+impl Model {
+    fn new(
+        g: &Cuda,
+        s: &Shape,
+        fmt: WeightFormat,
+        cap: usize,
+        markov: bool,
+        seed: u64,
+    ) -> Result<Self> {
+        let (h, hd) = (s.hidden, s.head_dim);
+        let mut sd = seed;
+        let mut w = |name: &str, rows: usize, cols: usize| -> Result<Weight<Cuda>> {
+            sd += 1;
+            Ok(g.random_weight(name, rows, cols, fmt, sd, (cols as f32).powf(-0.5))?)
+        };
+        let mut layers = Vec::new();
+        for li in 0..s.layers {
+            let kv = cap * s.kv_heads * hd;
+            let kc = g.random_buf(kv, seed + 1000 + li as u64, 1.0)?;
+            let vc = g.random_buf(kv, seed + 2000 + li as u64, 1.0)?;
+            layers.push(Layer {
+                ln1: ones(g, h)?,
+                ln2: ones(g, h)?,
+                qn: ones(g, hd)?,
+                kn: ones(g, hd)?,
+                wq: w("wq", s.heads * hd, h)?,
+                wk: w("wk", s.kv_heads * hd, h)?,
+                wv: w("wv", s.kv_heads * hd, h)?,
+                wo: w("wo", h, s.heads * hd)?,
+                wg: w("wg", s.inter, h)?,
+                wu: w("wu", s.inter, h)?,
+                wd: w("wd", h, s.inter)?,
+                kc,
+                vc,
+                window: s.windows.get(li).copied().flatten(),
+            });
+        }
+        let embed = w("embed", s.vocab, h)?;
+        let lm_head = w("lm_head", s.vocab, h)?;
+        let markov = if markov {
+            Some((w("markov_w1", s.vocab, 256)?, w("markov_w2", s.vocab, 256)?))
+        } else {
+            None
+        };
+        let inv_freq = (0..hd / 2)
+            .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / hd as f32))
+            .collect();
+        Ok(Model {
+            s: s.clone(),
+            embed,
+            lm_head,
+            norm: ones(g, h)?,
+            layers,
+            markov,
+            rope: RopeSpec {
+                inv_freq,
+                attention_scaling: 1.0,
+            },
+        })
+    }
+
+    /// Bytes a step must read from device memory at least: every weight matrix once (the
+    /// lm_head in full, the embedding for `rows` rows) and the visible K/V of each layer.
+    fn floor_bytes(&self, rows: usize, ctx: usize) -> usize {
+        let mut b =
+            self.lm_head.buf.device_bytes() + self.embed.buf.device_bytes() / self.s.vocab * rows;
+        for l in &self.layers {
+            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.wg, &l.wu, &l.wd] {
+                b += w.buf.device_bytes();
+            }
+            let keys = match l.window {
+                Some(w) => (ctx + rows).min(w + rows),
+                None => ctx + rows,
+            };
+            b += 2 * keys * self.s.kv_heads * self.s.head_dim * 4;
+        }
+        b
+    }
+
+    fn bufs(&self, g: &Cuda, rows: usize) -> Result<Bufs> {
+        let s = &self.s;
+        let ids: Vec<u32> = (0..rows as u32)
+            .map(|i| (i * 7919 + 13) % s.vocab as u32)
+            .collect();
+        Ok(Bufs {
+            ids: g.upload_ids(&ids)?,
+            h: g.zeros(rows * s.hidden)?,
+            x: g.zeros(rows * s.hidden)?,
+            q0: g.zeros(rows * s.heads * s.head_dim)?,
+            k0: g.zeros(rows * s.kv_heads * s.head_dim)?,
+            q: g.zeros(rows * s.heads * s.head_dim)?,
+            k: g.zeros(rows * s.kv_heads * s.head_dim)?,
+            v: g.zeros(rows * s.kv_heads * s.head_dim)?,
+            attn: g.zeros(rows * s.heads * s.head_dim)?,
+            o: g.zeros(rows * s.hidden)?,
+            gate: g.zeros(rows * s.inter)?,
+            up: g.zeros(rows * s.inter)?,
+            act: g.zeros(rows * s.inter)?,
+            xl: g.zeros(rows * s.hidden)?,
+            logits: g.zeros(rows * s.vocab)?,
+            toks: g.upload_ids(&vec![0u32; rows])?,
+            prev: g.upload_ids(&[1u32])?,
+        })
+    }
+
+    /// One forward of `rows` tokens at positions ctx.. over the cache; logits for rows
+    /// `lm_from..rows`, then the Markov chain (if any) and the argmax, all on the device.
+    fn forward(
+        &mut self,
+        g: &Cuda,
+        b: &mut Bufs,
+        rows: usize,
+        ctx: usize,
+        causal: bool,
+        lm_from: usize,
+    ) -> Result<()> {
+        let s = self.s.clone();
+        let (hd, eps) = (s.head_dim, 1e-6f32);
+        g.gather_rows_dev(&self.embed, &b.ids, rows, &mut b.h)?;
+        for l in &mut self.layers {
+            g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
+            g.matmul(&b.x, rows, &l.wq, &mut b.q0)?;
+            g.matmul(&b.x, rows, &l.wk, &mut b.k0)?;
+            g.matmul(&b.x, rows, &l.wv, &mut b.v)?;
+            g.rms_norm(&b.q0, &l.qn, hd, eps, &mut b.q)?;
+            g.rms_norm(&b.k0, &l.kn, hd, eps, &mut b.k)?;
+            g.rope(&mut b.q, rows, s.heads, hd, ctx, &self.rope)?;
+            g.rope(&mut b.k, rows, s.kv_heads, hd, ctx, &self.rope)?;
+            let kvw = s.kv_heads * hd;
+            g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
+            g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
+            let p = AttnParams {
+                n_q: rows,
+                n_kv: ctx + rows,
+                n_heads: s.heads,
+                n_kv_heads: s.kv_heads,
+                head_dim: hd,
+                q_pos0: ctx,
+                kv_pos0: 0,
+                causal,
+                window: l.window,
+                scale: (hd as f32).powf(-0.5),
+            };
+            g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
+            g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
+            g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
+            g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
+            g.matmul(&b.x, rows, &l.wg, &mut b.gate)?;
+            g.matmul(&b.x, rows, &l.wu, &mut b.up)?;
+            g.silu_mul(&b.gate, &b.up, &mut b.act)?;
+            g.matmul(&b.act, rows, &l.wd, &mut b.o)?;
+            g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
+        }
+        g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
+        let n = rows - lm_from;
+        g.copy(&b.x, lm_from * s.hidden, &mut b.xl, 0, n * s.hidden)?;
+        g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
+        match &self.markov {
+            Some((w1, w2)) => {
+                g.markov_chain_dev(&mut b.logits, n, s.vocab, &mut b.prev, &mut b.toks, w1, w2)?
+            }
+            None => g.argmax_rows_dev(&b.logits, 0, n, s.vocab, &mut b.toks)?,
+        }
+        Ok(())
+    }
+}
+
+/// Median milliseconds of `f` over `iters` runs, timed with device events.
+fn time_ms(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let ctx = g.context();
+    let st = g.stream();
+    for _ in 0..3 {
+        f()?;
+    }
+    st.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let e0 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let e1 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        e0.record(st)?;
+        f()?;
+        e1.record(st)?;
+        e1.synchronize()?;
+        ts.push(e0.elapsed_ms(&e1)? as f64);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
+}
+
+struct StepTimes {
+    eager: f64,
+    graph: Option<f64>,
+    graph_err: Option<String>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn time_forward(
+    g: &Cuda,
+    m: &mut Model,
+    b: &mut Bufs,
+    rows: usize,
+    ctx: usize,
+    causal: bool,
+    lm_from: usize,
+    iters: usize,
+) -> Result<StepTimes> {
+    let eager = time_ms(g, iters, || m.forward(g, b, rows, ctx, causal, lm_from))?;
+    let st = g.stream().clone();
+    let cap = (|| -> Result<Option<cudarc::driver::CudaGraph>> {
+        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let r = m.forward(g, b, rows, ctx, causal, lm_from);
+        let gr = st.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        Ok(gr?)
+    })();
+    let (graph, graph_err) = match cap {
+        Ok(Some(gr)) => (Some(time_ms(g, iters, || Ok(gr.launch()?))?), None),
+        Ok(None) => (None, Some("empty capture".to_string())),
+        Err(e) => (None, Some(format!("{e:#}"))),
+    };
+    Ok(StepTimes {
+        eager,
+        graph,
+        graph_err,
+    })
+}
+
+/// Device-to-device copy bandwidth, bytes read + written per second (median of 20).
+fn copy_bandwidth(g: &Cuda) -> Result<f64> {
+    let n = 1usize << 30; // 4 GiB of f32 each way... 1 Gi floats = 4 GiB
+    let src = g.random_buf(n, 7, 1.0)?;
+    let mut dst = g.zeros(n)?;
+    let ms = time_ms(g, 20, || Ok(g.copy(&src, 0, &mut dst, 0, n)?))?;
+    let raw = {
+        let st = g.stream();
+        time_ms(g, 20, || Ok(st.memcpy_dtod(src.slice(), dst.slice_mut())?))?
+    };
+    let best = ms.min(raw);
+    println!(
+        "copy bandwidth: kernel copy {:.0} GB/s, cuMemcpyDtoD {:.0} GB/s (read + write, 4 GiB)",
+        2.0 * 4.0 * n as f64 / ms / 1e6,
+        2.0 * 4.0 * n as f64 / raw / 1e6
+    );
+    Ok(2.0 * 4.0 * n as f64 / best / 1e6 * 1e9)
+}
+
+fn run_torch(s: &Shape, ctxs: &[usize], iters: usize) -> Result<Vec<serde_json::Value>> {
+    let script = PathBuf::from("tools/bench/torch_drafter.py");
+    let script = if script.exists() {
+        script
+    } else {
+        crate::repo_root().join("tools/bench/torch_drafter.py")
+    };
+    let windows: Vec<String> = s
+        .windows
+        .iter()
+        .map(|w| w.map(|x| x.to_string()).unwrap_or_else(|| "none".into()))
+        .collect();
+    let ctx: Vec<String> = ctxs.iter().map(|c| c.to_string()).collect();
+    let out = Command::new(crate::python())
+        .arg(&script)
+        .args([
+            "--hidden",
+            &s.hidden.to_string(),
+            "--layers",
+            &s.layers.to_string(),
+        ])
+        .args([
+            "--heads",
+            &s.heads.to_string(),
+            "--kv-heads",
+            &s.kv_heads.to_string(),
+        ])
+        .args([
+            "--head-dim",
+            &s.head_dim.to_string(),
+            "--inter",
+            &s.inter.to_string(),
+        ])
+        .args([
+            "--vocab",
+            &s.vocab.to_string(),
+            "--block",
+            &s.block.to_string(),
+        ])
+        .args([
+            "--windows",
+            &windows.join(","),
+            "--ctx",
+            &ctx.join(","),
+            "--iters",
+            &iters.to_string(),
+            "--name",
+            s.name,
+        ])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "torch_drafter.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            serde_json::from_str(l).map_err(|e| anyhow!("bad JSON from torch_drafter.py: {e}: {l}"))
+        })
+        .collect()
+}
+
+fn fmt_name(f: WeightFormat) -> &'static str {
+    match f {
+        WeightFormat::F32 => "f32",
+        WeightFormat::Bf16 => "bf16",
+        WeightFormat::F16 => "f16",
+        WeightFormat::Q8_0 => "q8_0",
+        WeightFormat::Q4_0 => "q4_0",
+    }
+}
+
+/// Per-op times at the 8B drafter shape: achieved bandwidth of each matmul and attention.
+fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
+    let mut md = String::from("\n### Per-op times (8B drafter shapes, CUDA graph of 1 op replayed; GB/s = weight or K/V bytes / time)\n\n| op | rows | ms | GB/s | % of copy bw |\n|---|---:|---:|---:|---:|\n");
+    let shapes = [
+        (4096usize, 4096usize, "q/o proj 4096x4096"),
+        (1024, 4096, "k/v proj 1024x4096"),
+        (12288, 4096, "gate/up 12288x4096"),
+        (4096, 12288, "down 4096x12288"),
+        (151936, 4096, "lm_head 151936x4096"),
+    ];
+    for f in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+        for &(n, k, name) in &shapes {
+            let w = g.random_weight("w", n, k, f, 9, 0.02)?;
+            for rows in [1usize, 16] {
+                let x = g.random_buf(rows * k, 3, 1.0)?;
+                let mut o = g.zeros(rows * n)?;
+                let ms = time_graph(g, iters, || Ok(g.matmul(&x, rows, &w, &mut o)?))?;
+                let gbs = w.buf.device_bytes() as f64 / ms / 1e6;
+                md += &format!(
+                    "| matmul {} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                    fmt_name(f),
+                    100.0 * gbs * 1e9 / bw
+                );
+            }
+        }
+    }
+    for ctx in [512usize, 8192] {
+        for (nq, causal) in [(16usize, false), (1, true)] {
+            let (h, hkv, hd) = (32usize, 8usize, 128usize);
+            let q = g.random_buf(nq * h * hd, 4, 1.0)?;
+            let kc = g.random_buf((ctx + 16) * hkv * hd, 5, 1.0)?;
+            let vc = g.random_buf((ctx + 16) * hkv * hd, 6, 1.0)?;
+            let mut o = g.zeros(nq * h * hd)?;
+            let p = AttnParams {
+                n_q: nq,
+                n_kv: ctx + nq,
+                n_heads: h,
+                n_kv_heads: hkv,
+                head_dim: hd,
+                q_pos0: ctx,
+                kv_pos0: 0,
+                causal,
+                window: None,
+                scale: 0.088,
+            };
+            let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
+            let bytes = 2 * (ctx + nq) * hkv * hd * 4;
+            let gbs = bytes as f64 / ms / 1e6;
+            md += &format!(
+                "| attention ctx {ctx} 32/8 heads d128 | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                100.0 * gbs * 1e9 / bw
+            );
+        }
+    }
+    for (rows, dim) in [(16usize, 4096usize), (512, 128)] {
+        let x = g.random_buf(rows * dim, 4, 1.0)?;
+        let w = g.random_buf(dim, 5, 1.0)?;
+        let mut o = g.zeros(rows * dim)?;
+        let ms = time_graph(g, iters, || Ok(g.rms_norm(&x, &w, dim, 1e-6, &mut o)?))?;
+        md += &format!("| rms_norm dim {dim} | {rows} | {ms:.4} | - | - |\n");
+    }
+    Ok(md)
+}
+
+/// Median ms of a CUDA graph holding what `f` queues (captured once after warm-up).
+fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    g.stream().synchronize()?;
+    let st = g.stream().clone();
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let r = f();
+    let gr = st.end_capture(CUgraphInstantiate_flags(0));
+    r?;
+    let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+    time_ms(g, iters, || Ok(gr.launch()?))
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    let g = Cuda::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
+    g.warm_up()?;
+    if a.ops_only {
+        let bw = copy_bandwidth(&g)?;
+        println!("{}", op_breakdown(&g, bw, a.iters)?);
+        return Ok(());
+    }
+    let dev_name = g.context().name()?;
+    let ctxs: Vec<usize> = a
+        .ctx
+        .split(',')
+        .map(|c| c.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let shapes: Vec<Shape> = a
+        .shapes
+        .split(',')
+        .map(|s| shape(s.trim()))
+        .collect::<Result<_>>()?;
+    let fmts: Vec<WeightFormat> = a
+        .formats
+        .split(',')
+        .map(|s| parse_format(s.trim()))
+        .collect::<Result<_>>()?;
+    let bw = copy_bandwidth(&g)?;
+    let mut md = String::new();
+    let date = Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    md += &format!("Measured {date} on {dev_name} ({} SMs, {}), copy bandwidth {:.0} GB/s (read + write, 4 GiB device-to-device, median of 20).\n\n", g.num_sms(), g.arch(), bw / 1e9);
+
+    let ops_md = op_breakdown(&g, bw, a.iters)?;
+    println!("{ops_md}");
+
+    // Our drafters.
+    struct Row {
+        shape: &'static str,
+        fmt: WeightFormat,
+        ctx: usize,
+        t: StepTimes,
+        markov: Option<StepTimes>,
+        floor_ms: f64,
+        bytes: usize,
+    }
+    let mut rows = Vec::new();
+    for s in &shapes {
+        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+        for &f in &fmts {
+            let mut m = Model::new(&g, s, f, cap, false, 42)?;
+            let mut b = m.bufs(&g, s.block)?;
+            for &ctx in &ctxs {
+                let t = time_forward(&g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
+                let bytes = m.floor_bytes(s.block, ctx);
+                let floor_ms = bytes as f64 / bw * 1e3;
+                println!(
+                    "{} {:>5} ctx {:>5}: eager {:.3} ms, graph {} ms, floor {:.3} ms ({:.2} GB){}",
+                    s.name,
+                    fmt_name(f),
+                    ctx,
+                    t.eager,
+                    t.graph.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
+                    floor_ms,
+                    bytes as f64 / 1e9,
+                    t.graph_err
+                        .as_ref()
+                        .map(|e| format!(" (graph: {e})"))
+                        .unwrap_or_default()
+                );
+                rows.push(Row {
+                    shape: s.name,
+                    fmt: f,
+                    ctx,
+                    t,
+                    markov: None,
+                    floor_ms,
+                    bytes,
+                });
+            }
+            if a.markov {
+                let n = rows.len();
+                let (w1, w2) = (
+                    g.random_weight("w1", s.vocab, 256, f, 77, 1.0)?,
+                    g.random_weight("w2", s.vocab, 256, f, 78, 1.0 / 16.0)?,
+                );
+                m.markov = Some((w1, w2));
+                for (i, &ctx) in ctxs.iter().enumerate() {
+                    let t = time_forward(&g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
+                    println!(
+                        "{} {:>5} ctx {:>5} + Markov r=256: eager {:.3} ms, graph {:?}",
+                        s.name,
+                        fmt_name(f),
+                        ctx,
+                        t.eager,
+                        t.graph
+                    );
+                    rows[n - ctxs.len() + i].markov = Some(t);
+                }
+            }
+        }
+    }
+
+    // Dense target: verify 16 vs decode 1 (Qwen3-8B shape, bf16).
+    let mut target_rows = Vec::new();
+    if !a.no_target {
+        let s = Shape {
+            name: "Qwen3-8B (dense target)",
+            layers: 36,
+            windows: vec![None; 36],
+            ..shape("8b")?
+        };
+        let cap = ctxs.iter().max().copied().unwrap_or(512) + 16;
+        let mut m = Model::new(&g, &s, WeightFormat::Bf16, cap, false, 4242)?;
+        let mut b16 = m.bufs(&g, 16)?;
+        let mut b1 = m.bufs(&g, 1)?;
+        for &ctx in &ctxs {
+            let v = time_forward(&g, &mut m, &mut b16, 16, ctx, true, 0, a.iters.min(20))?;
+            let d = time_forward(&g, &mut m, &mut b1, 1, ctx, true, 0, a.iters.min(20))?;
+            let floor = m.floor_bytes(1, ctx) as f64 / bw * 1e3;
+            println!(
+                "target ctx {ctx}: verify16 {:?} decode1 {:?} floor(decode) {floor:.3} ms",
+                v.graph, d.graph
+            );
+            target_rows.push((ctx, v, d, floor));
+        }
+    }
+
+    // PyTorch peer.
+    let mut torch: Vec<serde_json::Value> = Vec::new();
+    if !a.no_torch {
+        for s in &shapes {
+            match run_torch(s, &ctxs, a.iters) {
+                Ok(v) => torch.extend(v),
+                Err(e) => println!("PyTorch peer failed for {}: {e:#}", s.name),
+            }
+        }
+    }
+    let torch_best = |name: &str, ctx: usize| -> Option<(f64, Option<f64>)> {
+        torch
+            .iter()
+            .find(|v| v["name"] == name && v["ctx"] == ctx)
+            .map(|v| {
+                (
+                    v["eager_ms"].as_f64().unwrap_or(f64::NAN),
+                    v["graph_ms"].as_f64(),
+                )
+            })
+    };
+
+    md += "### Draft step (block 16: embedding + 5 layers + lm_head on 15 rows + argmax)\n\n";
+    md += "| shape | ctx | weights | ours eager ms | ours graph ms | HBM floor ms (GB read) | graph / floor | PyTorch bf16 eager ms | PyTorch bf16 graph ms | best PyTorch / ours |\n";
+    md += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
+    for r in &rows {
+        let ours = r.t.graph.unwrap_or(r.t.eager);
+        let (te, tg) = torch_best(r.shape, r.ctx).unwrap_or((f64::NAN, None));
+        let best_t = tg.map(|x| x.min(te)).unwrap_or(te);
+        md += &format!(
+            "| {} | {} | {} | {:.3} | {} | {:.3} ({:.2}) | {:.2}x | {:.3} | {} | {:.2}x |\n",
+            r.shape,
+            r.ctx,
+            fmt_name(r.fmt),
+            r.t.eager,
+            r.t.graph
+                .map(|x| format!("{x:.3}"))
+                .unwrap_or_else(|| format!(
+                    "failed: {}",
+                    r.t.graph_err.clone().unwrap_or_default()
+                )),
+            r.floor_ms,
+            r.bytes as f64 / 1e9,
+            ours / r.floor_ms,
+            te,
+            tg.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
+            best_t / ours
+        );
+    }
+    if rows.iter().any(|r| r.markov.is_some()) {
+        md += "\n### DSpark variant: the same step + Markov chain (rank 256, 15 sequential steps on the device)\n\n| shape | ctx | weights | eager ms | graph ms |\n|---|---:|---|---:|---:|\n";
+        for r in rows.iter().filter(|r| r.markov.is_some()) {
+            if let Some(t) = &r.markov {
+                md += &format!(
+                    "| {} | {} | {} | {:.3} | {} |\n",
+                    r.shape,
+                    r.ctx,
+                    fmt_name(r.fmt),
+                    t.eager,
+                    t.graph.map(|x| format!("{x:.3}")).unwrap_or("-".into())
+                );
+            }
+        }
+    }
+    if !target_rows.is_empty() {
+        md += "\n### Dense target at the Qwen3-8B shape (36 layers, bf16 weights): verify 16 vs decode 1 (CUDA graph)\n\n";
+        md += "| ctx | decode1 ms | verify16 ms | verify16 / decode1 | decode1 HBM floor ms |\n|---:|---:|---:|---:|---:|\n";
+        for (ctx, v, d, floor) in &target_rows {
+            let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
+            md += &format!(
+                "| {ctx} | {dm:.3} | {vm:.3} | {:.2}x | {floor:.3} |\n",
+                vm / dm
+            );
+        }
+        md += "\n### Projected end-to-end speedup at tau 6.5 (PROJECTION, not a measurement)\n\n";
+        md += "tau = 6.5 committed tokens per round (published Qwen3-8B-DFlash-b16 acceptance on GSM8K); one round = one draft step + one verify16; plain greedy = one decode1 per token: speedup = 6.5 x decode1 / (draft + verify16), from the times above (graph replays).\n\n| ctx | drafter weights | draft ms | verify16 ms | decode1 ms | projected speedup |\n|---:|---|---:|---:|---:|---:|\n";
+        for (ctx, v, d, _) in &target_rows {
+            for r in rows
+                .iter()
+                .filter(|r| r.ctx == *ctx && r.shape == "Qwen3-8B-DFlash-b16")
+            {
+                let draft = r.t.graph.unwrap_or(r.t.eager);
+                let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
+                md += &format!(
+                    "| {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
+                    fmt_name(r.fmt),
+                    6.5 * dm / (draft + vm)
+                );
+            }
+        }
+    }
+    md += &ops_md;
+    if let Some(v) = torch.first() {
+        md += &format!(
+            "\nPyTorch {} on {}.\n",
+            v["torch"].as_str().unwrap_or("?"),
+            v["device"].as_str().unwrap_or("?")
+        );
+    }
+    println!("\n{md}");
+    if let Some(p) = a.md {
+        std::fs::write(&p, &md).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
