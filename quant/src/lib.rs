@@ -139,7 +139,7 @@ impl GgmlType {
     /// Bytes taken by a row of `n` values (an error if `n` is not a whole number of blocks).
     pub fn row_bytes(self, n: usize) -> Result<usize, QuantError> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return Err(QuantError::Length { len: n, block: bs });
         }
         Ok(n / bs * self.type_size())
@@ -245,7 +245,7 @@ fn first_non_finite(x: &[f32]) -> QuantError {
 }
 
 fn check_len(x: &[f32], block: usize) -> Result<(), QuantError> {
-    if x.len() % block != 0 {
+    if !x.len().is_multiple_of(block) {
         return Err(QuantError::Length {
             len: x.len(),
             block,
@@ -512,7 +512,7 @@ pub fn try_decode_f16(bits: &[u16], out: &mut [f32]) -> Result<(), QuantError> {
 }
 
 fn le_u16s(bytes: &[u8]) -> Result<Vec<u16>, QuantError> {
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return Err(QuantError::ByteLength {
             len: bytes.len(),
             elem: 2,
@@ -530,7 +530,7 @@ fn decode_le16(
     bytes: &[u8],
     f: impl Fn(&[u16], &mut [f32]) -> Result<(), QuantError>,
 ) -> Result<Vec<f32>, QuantError> {
-    if bytes.len() % 2 != 0 {
+    if !bytes.len().is_multiple_of(2) {
         return Err(QuantError::ByteLength {
             len: bytes.len(),
             elem: 2,
@@ -569,7 +569,7 @@ pub fn q4_0_blocks_from_bytes(bytes: &[u8]) -> Result<Vec<BlockQ4_0>, QuantError
 
 fn blocks_from_bytes<T: Pod>(bytes: &[u8]) -> Result<Vec<T>, QuantError> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(QuantError::ByteLength {
             len: bytes.len(),
             elem: size,

@@ -246,7 +246,7 @@ fn gen_block(kind: u8, seed: u64) -> Vec<f32> {
             let mut v: Vec<f32> = (0..QK)
                 .map(|_| if r.next() & 1 == 0 { 0.0 } else { -0.0 })
                 .collect();
-            if r.next() % 3 == 0 {
+            if r.next().is_multiple_of(3) {
                 v[r.int(0, 31) as usize] = r.unit();
             }
             v
