@@ -25,7 +25,6 @@ import sys
 import os
 
 import numpy as np
-
 from gguf.quants import quantize, dequantize
 from gguf.constants import GGMLQuantizationType as T
 
