@@ -126,7 +126,7 @@ impl Qwen3Config {
         {
             return bad("a size is zero".into());
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
