@@ -163,8 +163,8 @@ pub enum QuantError {
     #[error(
         "row length {len} is not a multiple of {block}: the {} elements from element {} \
          do not fill a block",
-        len % block,
-        len - len % block
+        len.checked_rem(*block).unwrap_or(0),
+        len - len.checked_rem(*block).unwrap_or(0)
     )]
     Length { len: usize, block: usize },
     /// A byte buffer that does not hold a whole number of elements.
