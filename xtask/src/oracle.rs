@@ -44,7 +44,16 @@ pub struct SpecArgs {
     draft: String,
     /// File with one prompt per line (token ids, comma or space separated).
     #[arg(long)]
-    prompts_file: String,
+    prompts_file: Option<String>,
+    /// JSON lines with an `ids` list (used when --prompts-file is not given).
+    #[arg(long, default_value = "models/prompts-heldout.jsonl")]
+    prompts_jsonl: String,
+    /// Only the first N prompts (0: all).
+    #[arg(long, default_value_t = 0)]
+    first: usize,
+    /// EOS token ids, comma separated (the shipped pair uses 0).
+    #[arg(long, default_value = "0")]
+    eos: String,
     #[arg(long, default_value_t = 64)]
     max_new: usize,
     /// Verify-width cap (default: the block size).
@@ -476,12 +485,19 @@ pub fn parity_spec(a: SpecArgs) -> Result<()> {
         a.target.clone(),
         "--draft".into(),
         a.draft.clone(),
-        "--prompts-file".into(),
-        a.prompts_file.clone(),
         "--max-new".into(),
         a.max_new.to_string(),
+        "--first".into(),
+        a.first.to_string(),
         "--json".into(),
     ];
+    match &a.prompts_file {
+        Some(f) => args.extend(["--prompts-file".to_string(), f.clone()]),
+        None => args.extend(["--prompts-jsonl".to_string(), a.prompts_jsonl.clone()]),
+    }
+    if !a.eos.is_empty() {
+        args.extend(["--eos".to_string(), a.eos.clone()]);
+    }
     if let Some(c) = a.vt_cap {
         args.push("--vt-cap".into());
         args.push(c.to_string());
