@@ -684,26 +684,42 @@ impl Backend for Cpu {
                     }
                     let kvh = h / group;
                     let qh = &q[(i * p.n_heads + h) * hd..][..hd];
+                    let key = |j: usize| &k[(j * p.n_kv_heads + kvh) * hd..][..hd];
+                    // Scores sixteen keys at a time (same bits as one `dot` per key).
+                    let mut j = lo;
+                    for s16 in scores.chunks_mut(16) {
+                        if s16.len() == 16 {
+                            let d = kernel::dot16(isa, qh, std::array::from_fn(|t| key(j + t)));
+                            for (s, dv) in s16.iter_mut().zip(d) {
+                                *s = dv * p.scale;
+                            }
+                        } else {
+                            for (t, s) in s16.iter_mut().enumerate() {
+                                *s = kernel::dot(isa, qh, key(j + t)) * p.scale;
+                            }
+                        }
+                        j += 16;
+                    }
                     let mut max = f32::NEG_INFINITY;
-                    for (s, j) in scores.iter_mut().zip(lo..hi) {
-                        let kj = &k[(j * p.n_kv_heads + kvh) * hd..][..hd];
-                        *s = kernel::dot(isa, qh, kj) * p.scale;
-                        if *s > max {
-                            max = *s;
+                    for &s in scores.iter() {
+                        if s > max {
+                            max = s;
                         }
                     }
-                    let mut sum = 0.0f32;
                     for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
+                        *s -= max;
                     }
-                    for (s, j) in scores.iter().zip(lo..hi) {
-                        let pj = s / sum;
-                        let vj = &v[(j * p.n_kv_heads + kvh) * hd..][..hd];
-                        for (od, &vd) in o.iter_mut().zip(vj) {
-                            *od += pj * vd;
-                        }
+                    kernel::exp_in_place(isa, &mut scores);
+                    let mut sum = 0.0f32;
+                    for &s in scores.iter() {
+                        sum += s;
                     }
+                    let inv = 1.0 / sum;
+                    for s in scores.iter_mut() {
+                        *s *= inv;
+                    }
+                    let stride = p.n_kv_heads * hd;
+                    kernel::weighted_sum(isa, o, &scores, v, lo * stride + kvh * hd, stride);
                 }
             },
         );

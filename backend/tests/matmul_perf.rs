@@ -30,6 +30,14 @@ fn time_per_call(
     times[times.len() / 20]
 }
 
+/// CPU time of the calling thread in ns (Linux `/proc/thread-self/schedstat`).
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|t| t.parse().ok()))
+        .unwrap_or(0)
+}
+
 fn env_list<T: std::str::FromStr>(name: &str, default: Vec<T>) -> Vec<T> {
     match std::env::var(name) {
         Ok(v) => v.split(',').filter_map(|p| p.trim().parse().ok()).collect(),
@@ -95,5 +103,53 @@ fn matmul_1_vs_16_rows() {
                 );
             }
         }
+    }
+}
+
+/// Env knobs: ATT_CTX="300,1000".
+#[test]
+#[ignore = "timing report, run by hand"]
+fn attention_1_vs_16_queries() {
+    use dflash_backend::AttnParams;
+    // One thread: ops run on the calling thread, whose CPU time /proc reports (robust to a
+    // busy machine, unlike wall time).
+    let be = Cpu::with_threads(1).unwrap();
+    let (nh, nkv, hd) = (8usize, 4usize, 64usize);
+    for ctx in env_list("ATT_CTX", vec![300usize, 1000]) {
+        let total = ctx + 16;
+        let k: Vec<f32> = (0..total * nkv * hd)
+            .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+            .collect();
+        let v = k.clone();
+        let q: Vec<f32> = (0..16 * nh * hd)
+            .map(|i| ((i * 17) % 89) as f32 / 89.0 - 0.5)
+            .collect();
+        let mut out = vec![0.0; 16 * nh * hd];
+        let mut time = |n_q: usize| {
+            let p = AttnParams {
+                n_q,
+                n_kv: ctx + n_q,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_pos0: ctx,
+                kv_pos0: 0,
+                causal: true,
+                window: None,
+                scale: 0.125,
+            };
+            for _ in 0..20 {
+                be.attention(&q, &k, &v, &p, &mut out).unwrap();
+            }
+            let n = 200;
+            let c0 = thread_cpu_ns();
+            for _ in 0..n {
+                be.attention(&q, &k, &v, &p, &mut out).unwrap();
+            }
+            (thread_cpu_ns() - c0) as f64 * 1e-9 / n as f64
+        };
+        let t1 = time(1);
+        let t16 = time(16);
+        println!("attention (thread CPU time) ctx {ctx} heads {nh}/{nkv} hd {hd}: 1 query {:.1} us, 16 queries {:.1} us, ratio {:.2}x", t1 * 1e6, t16 * 1e6, t16 / t1);
     }
 }

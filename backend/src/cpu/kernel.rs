@@ -91,6 +91,155 @@ pub(crate) fn dot(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
     dot_tile::<1, 1>(isa, [x], [w], k)[0][0]
 }
 
+/// Sixteen dot products `dot(x, ws[t])` with exactly the bits of [`dot`] (the AVX-512 path
+/// shares the reduction shuffles between the sixteen sums; other paths call [`dot`]).
+#[inline]
+pub(crate) fn dot16(isa: Isa, x: &[f32], ws: [&[f32]; 16]) -> [f32; 16] {
+    let k = x.len();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && ws.iter().all(|w| w.len() >= k) {
+        // SAFETY: AVX-512F was checked by `Isa::supported` for this backend; every key slice
+        // holds at least `k` values.
+        return unsafe { avx512::dot16(x, ws, k) };
+    }
+    std::array::from_fn(|t| dot(isa, x, ws[t]))
+}
+
+/// `o[d] = Σ_t ps[t] · v[v0 + t·stride + d]` for `d < o.len()`, summed in increasing `t` from
+/// 0 with a multiply then an add per term (identical bits on every path). The attention
+/// output: weights times values.
+pub(crate) fn weighted_sum(
+    isa: Isa,
+    o: &mut [f32],
+    ps: &[f32],
+    v: &[f32],
+    v0: usize,
+    stride: usize,
+) {
+    let n = o.len();
+    let fits = ps.is_empty() || v0 + (ps.len() - 1) * stride + n <= v.len();
+    if !fits {
+        // Internal invariant (the caller checked the shapes); NaN makes a breach visible.
+        o.fill(f32::NAN);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let n16 = n / 16 * 16;
+        let mut c = 0;
+        while c < n16 {
+            let g = match (n16 - c) / 16 {
+                8.. => 8,
+                4..=7 => 4,
+                2..=3 => 2,
+                _ => 1,
+            };
+            // SAFETY: AVX-512F checked by `Isa::supported` for this backend; the reads stay
+            // inside `v` (checked above) and the writes inside `o` (16 g <= n - c).
+            unsafe {
+                match g {
+                    8 => avx512::weighted_sum::<8>(&mut o[c..], ps, v, v0 + c, stride),
+                    4 => avx512::weighted_sum::<4>(&mut o[c..], ps, v, v0 + c, stride),
+                    2 => avx512::weighted_sum::<2>(&mut o[c..], ps, v, v0 + c, stride),
+                    _ => avx512::weighted_sum::<1>(&mut o[c..], ps, v, v0 + c, stride),
+                }
+            }
+            c += 16 * g;
+        }
+        for (d, od) in o.iter_mut().enumerate().skip(n16) {
+            let mut acc = 0.0f32;
+            for (t, &p) in ps.iter().enumerate() {
+                acc += p * v[v0 + t * stride + d];
+            }
+            *od = acc;
+        }
+        return;
+    }
+    o.fill(0.0);
+    for (t, &p) in ps.iter().enumerate() {
+        axpy(isa, o, p, &v[v0 + t * stride..][..n]);
+    }
+}
+
+const EXP_HI: f32 = 88.72283;
+const EXP_LO: f32 = -87.33654;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+/// `e^x` in f32 (Cephes' range reduction and polynomial, about 1 ulp; below -87.34 it
+/// returns 0, above 88.72 infinity, NaN for NaN). Scalar reference of [`exp_in_place`].
+#[inline]
+pub(crate) fn exp_f32(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > EXP_HI {
+        return f32::INFINITY;
+    }
+    if x < EXP_LO {
+        return 0.0;
+    }
+    let n = x.mul_add(LOG2E, 0.5).floor();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let mut y = EXP_P[0];
+    for &c in &EXP_P[1..] {
+        y = y.mul_add(r, c);
+    }
+    let y = y.mul_add(r * r, r) + 1.0;
+    // 2^n for n in [-126, 128]: split in two factors so that both are normal.
+    let n = n as i32;
+    let (a, b) = (n / 2, n - n / 2);
+    y * f32::from_bits(((a + 127) as u32) << 23) * f32::from_bits(((b + 127) as u32) << 23)
+}
+
+/// `x[i] = exp_f32(x[i])` (vectorised on AVX-512 with the same operations: same bits).
+pub(crate) fn exp_in_place(isa: Isa, x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX-512F checked by `Isa::supported` for this backend.
+        unsafe { avx512::exp_in_place(x) };
+        return;
+    }
+    let _ = isa;
+    for v in x.iter_mut() {
+        *v = exp_f32(*v);
+    }
+}
+
+/// `o[i] += p * v[i]` (a multiply, then an add: identical bits on every path).
+#[inline]
+pub(crate) fn axpy(isa: Isa, o: &mut [f32], p: f32, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: AVX2 is implied by both non-portable instruction sets, checked by
+        // `Isa::supported` for this backend.
+        unsafe { axpy_avx2(o, p, v) };
+        return;
+    }
+    for (od, &vd) in o.iter_mut().zip(v) {
+        *od += p * vd;
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
+    for (od, &vd) in o.iter_mut().zip(v) {
+        *od += p * vd;
+    }
+}
+
 #[inline]
 fn reduce_lanes(a: &[f32; LANES]) -> f32 {
     let s0 = a[0] + a[4];
@@ -215,6 +364,148 @@ mod avx512 {
         _mm_cvtss_f32(s1)
     }
 
+    /// Sixteen dots with the bits of `hsum` + tail: the reduction levels are shared between
+    /// the sums through shuffles that pair exactly the lanes `hsum` pairs.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `x` and every `ws[t]` hold at least `k` values.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn dot16(x: &[f32], ws: [&[f32]; 16], k: usize) -> [f32; 16] {
+        let n16 = k / L * L;
+        let mut acc = [_mm512_setzero_ps(); 16];
+        let wp: [*const f32; 16] = std::array::from_fn(|t| ws[t].as_ptr());
+        let mut c = 0;
+        while c < n16 {
+            // SAFETY: c + 16 <= k <= every slice length.
+            let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(c)) };
+            for t in 0..16 {
+                acc[t] = _mm512_fmadd_ps(xv, unsafe { _mm512_loadu_ps(wp[t].add(c)) }, acc[t]);
+            }
+            c += L;
+        }
+        // Level 1: lanes l + (l+8); pairs of sums share a register (8 lanes each).
+        let l1: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (acc[2 * i], acc[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(a, b),
+                _mm512_shuffle_f32x4::<0xEE>(a, b),
+            )
+        });
+        // Level 2: l + (l+4) within each 8-lane half; four sums per register.
+        let l2: [__m512; 4] = std::array::from_fn(|m| {
+            let (a, b) = (l1[2 * m], l1[2 * m + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(a, b),
+                _mm512_shuffle_f32x4::<0xDD>(a, b),
+            )
+        });
+        // Level 3: l + (l+2) within each 4-lane quarter; two sums per quarter.
+        let l3: [__m512; 2] = std::array::from_fn(|n| {
+            let (a, b) = (_mm512_castps_pd(l2[2 * n]), _mm512_castps_pd(l2[2 * n + 1]));
+            _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            )
+        });
+        // Level 4: lanes 0 + 1 of each pair.
+        let f = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(l3[0], l3[1]),
+            _mm512_shuffle_ps::<0xDD>(l3[0], l3[1]),
+        );
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), f) };
+        let mut out = [0.0f32; 16];
+        for (lane, &v) in lanes.iter().enumerate() {
+            // Lane 4q + u holds sum 4u + q.
+            out[(lane % 4) * 4 + lane / 4] = v;
+        }
+        for (t, o) in out.iter_mut().enumerate() {
+            for i in n16..k {
+                *o = x[i].mul_add(ws[t][i], *o);
+            }
+        }
+        out
+    }
+
+    /// Vector `exp_f32` (same operations, same bits).
+    ///
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn exp_in_place(x: &mut [f32]) {
+        use super::{EXP_HI, EXP_LO, EXP_P, LN2_HI, LN2_LO, LOG2E};
+        let mut chunks = x.chunks_exact_mut(L);
+        for c in &mut chunks {
+            // SAFETY: c holds 16 f32.
+            let v = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+                _mm512_fmadd_ps(v, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5)),
+            );
+            let r = _mm512_fmadd_ps(
+                n,
+                _mm512_set1_ps(-LN2_LO),
+                _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), v),
+            );
+            let mut y = _mm512_set1_ps(EXP_P[0]);
+            for &c in &EXP_P[1..] {
+                y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+            }
+            let y = _mm512_add_ps(
+                _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r),
+                _mm512_set1_ps(1.0),
+            );
+            // n / 2 truncates toward zero like Rust's i32 division.
+            let ni = _mm512_cvttps_epi32(n);
+            let a = _mm512_srai_epi32::<1>(_mm512_add_epi32(ni, _mm512_srli_epi32::<31>(ni)));
+            let b = _mm512_sub_epi32(ni, a);
+            let bias = _mm512_set1_epi32(127);
+            let pa = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(a, bias)));
+            let pb = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(b, bias)));
+            let mut res = _mm512_mul_ps(_mm512_mul_ps(y, pa), pb);
+            // Out-of-range and NaN lanes, as the scalar code.
+            let hi = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, _mm512_set1_ps(EXP_HI));
+            let lo = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, _mm512_set1_ps(EXP_LO));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            res = _mm512_mask_mov_ps(res, hi, _mm512_set1_ps(f32::INFINITY));
+            res = _mm512_mask_mov_ps(res, lo, _mm512_setzero_ps());
+            res = _mm512_mask_mov_ps(res, nan, v);
+            // SAFETY: c holds 16 f32.
+            unsafe { _mm512_storeu_ps(c.as_mut_ptr(), res) };
+        }
+        for v in chunks.into_remainder() {
+            *v = super::exp_f32(*v);
+        }
+    }
+
+    /// `o[d] = Σ_t ps[t] v[v0 + t stride + d]` for `d < 16 G`, accumulators in registers.
+    ///
+    /// # Safety
+    /// AVX-512F available; `o` holds `16 G` values and every read is inside `v`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn weighted_sum<const G: usize>(
+        o: &mut [f32],
+        ps: &[f32],
+        v: &[f32],
+        v0: usize,
+        stride: usize,
+    ) {
+        let mut acc = [_mm512_setzero_ps(); G];
+        let base = v.as_ptr();
+        for (t, &p) in ps.iter().enumerate() {
+            let pv = _mm512_set1_ps(p);
+            for (c, a) in acc.iter_mut().enumerate() {
+                // SAFETY: v0 + t stride + 16 G <= v.len() (caller).
+                let x = unsafe { _mm512_loadu_ps(base.add(v0 + t * stride + c * L)) };
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(pv, x));
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            // SAFETY: o holds 16 G values (caller).
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * L), *a) };
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX-512F; every slice must hold at least `k` values.
     #[target_feature(enable = "avx512f,avx2,fma")]
@@ -260,6 +551,83 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_is_accurate_and_the_same_on_every_path() {
+        let mut xs: Vec<f32> = (0..200_000)
+            .map(|i| -90.0 + i as f32 * (180.0 / 200_000.0))
+            .collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            88.7,
+            88.8,
+            -87.3,
+            -87.4,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-30,
+            -1e-30,
+        ]);
+        let mut worst = 0.0f64;
+        for &x in &xs {
+            let got = exp_f32(x) as f64;
+            let want = (x as f64).exp();
+            if x.is_nan() {
+                assert!(got.is_nan());
+            } else if x > 88.72283 {
+                assert_eq!(got, f64::INFINITY);
+            } else if x < -87.33654 {
+                assert_eq!(got, 0.0);
+            } else {
+                worst = worst.max((got - want).abs() / want);
+            }
+        }
+        assert!(worst < 3e-7, "max relative error {worst}");
+        assert_eq!(exp_f32(0.0), 1.0);
+        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.supported())
+        {
+            let mut v = xs.clone();
+            exp_in_place(isa, &mut v);
+            for (a, &x) in v.iter().zip(&xs) {
+                assert_eq!(a.to_bits(), exp_f32(x).to_bits(), "{isa:?} x {x}");
+            }
+        }
+    }
+
+    #[test]
+    fn dot16_equals_sixteen_dots() {
+        for k in [1usize, 15, 16, 17, 64, 100, 128] {
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37) % 101) as f32 / 7.0 - 6.5)
+                .collect();
+            let w: Vec<Vec<f32>> = (0..16)
+                .map(|t| {
+                    (0..k)
+                        .map(|i| ((i * 13 + t * 71) % 89) as f32 / 3.0 - 14.0)
+                        .collect()
+                })
+                .collect();
+            for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512]
+                .into_iter()
+                .filter(|i| i.supported())
+            {
+                let got = dot16(isa, &x, std::array::from_fn(|t| w[t].as_slice()));
+                for t in 0..16 {
+                    assert_eq!(
+                        got[t].to_bits(),
+                        dot(isa, &x, &w[t]).to_bits(),
+                        "{isa:?} k {k} t {t}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn tiles_agree_with_single_dots() {
