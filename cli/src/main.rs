@@ -2,15 +2,19 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::WeightFormat;
-use dflash_draft_model::{Drafter as DraftModel, LoadOptions as DraftLoad, Precision};
-use dflash_spec_round::{plain_greedy, DflashDrafter, RollbackArm, Session, SpecConfig};
+use dflash_spec_round::{DflashDrafter, RollbackArm, SpecConfig};
 use serde_json::json;
+
+mod bench;
+mod common;
+mod load;
+mod machine;
+mod run;
+mod stream;
 
 /// Default model pair (the small trained pair shipped in `models/`).
 const DEFAULT_TARGET: &str = "target";
@@ -31,6 +35,9 @@ struct Cli {
 enum Cmd {
     /// Generate with speculative decoding (optionally compared with plain greedy decode).
     Generate(GenerateArgs),
+    /// Speculative vs plain greedy over a held-out prompt set: tau, acceptance, tokens/s,
+    /// speedup, exactness, per prompt and overall.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -69,9 +76,12 @@ struct GenerateArgs {
     /// Tokens to generate (every generated token counts, the first included).
     #[arg(long, default_value_t = 128)]
     max_new: usize,
-    /// Also run plain greedy decode and compare the two streams.
+    /// Also run plain greedy decode and compare the two streams (the default without --json).
     #[arg(long)]
     compare_plain: bool,
+    /// Without --json: skip the plain greedy comparison.
+    #[arg(long, conflicts_with = "compare_plain")]
+    spec_only: bool,
     /// Print one JSON object (one line) instead of text.
     #[arg(long)]
     json: bool,
@@ -114,6 +124,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().cmd {
         Cmd::Generate(a) => generate(a),
+        Cmd::Bench(a) => bench::bench(a),
     }
 }
 
@@ -208,37 +219,21 @@ fn generate(a: GenerateArgs) -> Result<()> {
     eos.extend(&a.eos);
 
     let be = Cpu::new();
-    let t_load = Instant::now();
     let ctx_cap = a.ctx.unwrap_or(prompt.len() + a.max_new + 64);
-    let target_precision = a.target_precision.map(|p| match p {
-        PrecisionArg::F32 => WeightFormat::F32,
-        PrecisionArg::Bf16 => WeightFormat::Bf16,
-        PrecisionArg::Q8_0 | PrecisionArg::Mixed => WeightFormat::Q8_0,
-        PrecisionArg::Q4_0 => WeightFormat::Q4_0,
-    });
-    let mut target = dflash_targets::load_target(
+    let pair = load::load_pair(
         &be,
-        &target_dir,
-        dflash_targets::LoadOptions {
-            precision: target_precision,
-            ctx_cap: Some(ctx_cap),
+        &load::PairSpec {
+            target_dir: target_dir.clone(),
+            draft_dir: draft_dir.clone(),
+            target_precision: a.target_precision.map(common::target_format),
+            draft_precision: common::draft_precision(a.draft_precision),
+            ctx_cap,
+            quiet: a.json,
         },
-    )
-    .with_context(|| format!("loading the target from {}", target_dir.display()))?;
-    let draft_opts = DraftLoad {
-        precision: match a.draft_precision {
-            PrecisionArg::F32 => Precision::F32,
-            PrecisionArg::Bf16 => Precision::Bf16,
-            PrecisionArg::Q8_0 => Precision::Q8_0,
-            PrecisionArg::Q4_0 => Precision::Q4_0,
-            PrecisionArg::Mixed => Precision::Mixed,
-        },
-        ..DraftLoad::default()
-    };
-    let model = DraftModel::<Cpu>::load(&be, &draft_dir, &draft_opts)
-        .with_context(|| format!("loading the drafter from {}", draft_dir.display()))?;
-    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    let mut drafter = DflashDrafter::new(&model)?;
+    )?;
+    let load_ms = pair.load_ms;
+    let mut target = pair.target;
+    let mut drafter = DflashDrafter::new(&pair.draft)?;
     let cfg = SpecConfig {
         verify_cap: a.verify_cap,
         adaptive: !a.no_adaptive,
@@ -252,58 +247,49 @@ fn generate(a: GenerateArgs) -> Result<()> {
         stats: true,
     };
 
-    // ---- speculative run (streamed when printing text)
-    let t_spec = Instant::now();
-    let mut session = Session::new(
+    // ---- speculative run, the text streamed round by round when printing text
+    let mut stdout = std::io::stdout();
+    let mut text_stream = match (&tokenizer, a.json) {
+        (Some(tk), false) => {
+            if let Some(t) = &text {
+                write!(stdout, "{t}")?;
+                stdout.flush()?;
+            }
+            Some(stream::TextStream::new(tk))
+        }
+        _ => None,
+    };
+    let run = run::spec_run(
         &be,
         target.as_mut(),
         &mut drafter,
         cfg,
         &prompt,
         &eos,
-        Some(a.max_new),
-    )?;
-    let mut tokens: Vec<u32> = Vec::with_capacity(a.max_new);
-    let mut printed = 0usize;
-    let stream_text = !a.json && tokenizer.is_some();
-    let mut stdout = std::io::stdout();
-    if !a.json {
-        if let (Some(tk), Some(t)) = (&tokenizer, &text) {
-            let _ = tk;
-            write!(stdout, "{t}")?;
-            stdout.flush()?;
-        }
-    }
-    while !session.finished() {
-        let step = session.burst(1)?;
-        if step.is_empty() {
-            break;
-        }
-        tokens.extend(step);
-        if stream_text {
-            if let Some(tk) = &tokenizer {
-                let s = tk
-                    .decode(&tokens, false)
-                    .map_err(|e| anyhow::anyhow!("decode: {e}"))?;
-                // Print only whole characters that are new (a multi-token character may
-                // still be incomplete: the replacement char marks it).
-                if s.len() > printed && !s.ends_with('\u{FFFD}') {
-                    write!(stdout, "{}", &s[printed..])?;
-                    stdout.flush()?;
-                    printed = s.len();
-                }
+        a.max_new,
+        |ids| {
+            if let Some(ts) = text_stream.as_mut() {
+                write!(stdout, "{}", ts.push(ids)?)?;
+                stdout.flush()?;
             }
-        }
+            Ok(())
+        },
+    )?;
+    if let Some(ts) = text_stream.as_mut() {
+        write!(stdout, "{}", ts.finish()?)?;
     }
-    let spec_s = t_spec.elapsed().as_secs_f64();
-    let stats = session.stats().clone();
-    drop(session);
+    let stream_text = text_stream.is_some();
+    let (tokens, stats, spec_s) = (run.tokens, run.stats, run.wall_s);
 
-    // ---- plain greedy reference
-    let plain = if a.compare_plain {
-        let t = Instant::now();
-        let p = plain_greedy(&be, target.as_mut(), &prompt, a.max_new, &eos)?;
-        Some((p, t.elapsed().as_secs_f64()))
+    // ---- plain greedy reference (same target, same kernels): by default when printing text
+    let plain = if a.compare_plain || (!a.json && !a.spec_only) {
+        Some(run::plain_run(
+            &be,
+            target.as_mut(),
+            &prompt,
+            &eos,
+            a.max_new,
+        )?)
     } else {
         None
     };
@@ -330,6 +316,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
             "spec_tok_per_s": tokens.len() as f64 / decode_s.max(1e-9),
             "load_ms": load_ms,
         });
+        if plain.is_some() {
+            // end to end (prefill included) on both sides, like plain_tok_per_s
+            o["spec_tok_s"] = json!(tokens.len() as f64 / spec_s.max(1e-9));
+        }
         if let Some(tk) = &tokenizer {
             o["text"] = json!(tk
                 .decode(&tokens, false)
@@ -340,6 +330,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             o["identical"] = json!(identical);
             o["plain_ms"] = json!(s * 1e3);
             o["plain_tok_per_s"] = json!(p.len() as f64 / s.max(1e-9));
+            o["plain_tok_s"] = json!(p.len() as f64 / s.max(1e-9));
             o["speedup"] = json!(s / spec_s.max(1e-9));
         }
         println!("{o}");
@@ -350,19 +341,30 @@ fn generate(a: GenerateArgs) -> Result<()> {
             println!();
         }
         println!(
-            "tau {:.2} ({} rounds, {}/{} drafts accepted); spec {:.1} tok/s",
+            "--\ntau {:.2} ({} rounds, {}/{} drafts accepted, {:.1}%)",
             stats.tau(),
             stats.rounds,
             stats.accepted,
             stats.drafted,
-            tokens.len() as f64 / spec_s.max(1e-9)
+            100.0 * stats.acceptance()
+        );
+        println!(
+            "spec  {:7.1} tok/s ({} tokens in {:.3} s, prefill included)",
+            tokens.len() as f64 / spec_s.max(1e-9),
+            tokens.len(),
+            spec_s
         );
         if let Some((p, s)) = &plain {
             println!(
-                "plain {:.1} tok/s; speedup {:.2}x; streams identical: {}",
+                "plain {:7.1} tok/s ({} tokens in {:.3} s, same target and kernels)",
                 p.len() as f64 / s.max(1e-9),
+                p.len(),
+                s
+            );
+            println!(
+                "speedup {:.2}x; streams identical: {}",
                 s / spec_s.max(1e-9),
-                identical.unwrap_or(false)
+                if identical == Some(true) { "yes" } else { "NO" }
             );
         }
     }

@@ -1,0 +1,128 @@
+//! Pair, policy and precision flags of `dflash bench` (the same meaning as `generate`'s).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use dflash_backend::WeightFormat;
+use dflash_draft_model::Precision;
+use dflash_spec_round::{RollbackArm, SpecConfig};
+
+use crate::{ArmArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
+
+#[derive(Args)]
+pub struct CommonArgs {
+    /// Target checkpoint directory (HF layout). Default: models/target.
+    #[arg(long)]
+    pub target: Option<PathBuf>,
+    /// Drafter checkpoint directory (HF layout). Default: models/draft.
+    #[arg(long)]
+    pub draft: Option<PathBuf>,
+    /// Most rows per verify (anchor + drafts); default: the whole block.
+    #[arg(long)]
+    pub verify_cap: Option<usize>,
+    /// Keep the verify width fixed at the cap.
+    #[arg(long)]
+    pub no_adaptive: bool,
+    /// Ignore the drafter's Markov head.
+    #[arg(long)]
+    pub no_markov: bool,
+    /// Rollback arm for hybrid targets.
+    #[arg(long, value_enum, default_value_t = ArmArg::Stash)]
+    pub rollback: ArmArg,
+    /// Extra EOS ids (the target config's eos_token_id is always used).
+    #[arg(long, value_delimiter = ',')]
+    pub eos: Vec<u32>,
+    /// Ignore the target config's eos_token_id.
+    #[arg(long)]
+    pub no_eos: bool,
+    /// Drafter weight precision.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    pub draft_precision: PrecisionArg,
+    /// Re-encode the target's matrices (default: keep the file's format).
+    #[arg(long, value_enum)]
+    pub target_precision: Option<PrecisionArg>,
+    /// Context capacity in positions (default: longest prompt + max_new + 64).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// Multiply the borrowed embedding rows by this (gemma-class targets: sqrt(hidden)).
+    #[arg(long, default_value_t = 1.0)]
+    pub emb_scale: f32,
+}
+
+impl CommonArgs {
+    pub fn target_dir(&self) -> PathBuf {
+        self.target
+            .clone()
+            .unwrap_or_else(|| crate::default_dir(DEFAULT_TARGET))
+    }
+
+    pub fn draft_dir(&self) -> PathBuf {
+        self.draft
+            .clone()
+            .unwrap_or_else(|| crate::default_dir(DEFAULT_DRAFT))
+    }
+
+    /// The target directory's `tokenizer.json`, when there is one.
+    pub fn tokenizer(&self) -> Result<Option<tokenizers::Tokenizer>> {
+        let p = self.target_dir().join("tokenizer.json");
+        if !p.exists() {
+            return Ok(None);
+        }
+        tokenizers::Tokenizer::from_file(&p)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))
+    }
+
+    pub fn eos(&self) -> Result<Vec<u32>> {
+        let mut eos = if self.no_eos {
+            Vec::new()
+        } else {
+            crate::eos_from_config(&self.target_dir())?
+        };
+        eos.extend(&self.eos);
+        Ok(eos)
+    }
+
+    pub fn target_format(&self) -> Option<WeightFormat> {
+        self.target_precision.map(target_format)
+    }
+
+    pub fn draft_precision(&self) -> Precision {
+        draft_precision(self.draft_precision)
+    }
+
+    pub fn spec_config(&self) -> SpecConfig {
+        SpecConfig {
+            verify_cap: self.verify_cap,
+            adaptive: !self.no_adaptive,
+            markov: !self.no_markov,
+            rollback: match self.rollback {
+                ArmArg::Stash => RollbackArm::Stash,
+                ArmArg::Replay => RollbackArm::Replay,
+                ArmArg::Gate => RollbackArm::Gate,
+            },
+            emb_scale: self.emb_scale,
+            stats: true,
+        }
+    }
+}
+
+pub fn target_format(p: PrecisionArg) -> WeightFormat {
+    match p {
+        PrecisionArg::F32 => WeightFormat::F32,
+        PrecisionArg::Bf16 => WeightFormat::Bf16,
+        PrecisionArg::Q8_0 | PrecisionArg::Mixed => WeightFormat::Q8_0,
+        PrecisionArg::Q4_0 => WeightFormat::Q4_0,
+    }
+}
+
+pub fn draft_precision(p: PrecisionArg) -> Precision {
+    match p {
+        PrecisionArg::F32 => Precision::F32,
+        PrecisionArg::Bf16 => Precision::Bf16,
+        PrecisionArg::Q8_0 => Precision::Q8_0,
+        PrecisionArg::Q4_0 => Precision::Q4_0,
+        PrecisionArg::Mixed => Precision::Mixed,
+    }
+}
