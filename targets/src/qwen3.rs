@@ -169,6 +169,27 @@ struct Layer<B: Backend> {
     wd: Weight<B>,
 }
 
+/// Activation buffers of one forward width (reused across forwards of that width).
+struct Scratch<B: Backend> {
+    x: B::Buf,
+    h: B::Buf,
+    q: B::Buf,
+    qn: B::Buf,
+    k: B::Buf,
+    kn: B::Buf,
+    v: B::Buf,
+    att: B::Buf,
+    o: B::Buf,
+    g: B::Buf,
+    u: B::Buf,
+    a: B::Buf,
+    /// `[t, vocab]`; handed out (and re-allocated next time) when the caller keeps logits.
+    logits: Option<B::Buf>,
+}
+
+/// Forward widths up to this many rows keep their scratch buffers (verify blocks, decode).
+const SCRATCH_MAX_ROWS: usize = 64;
+
 /// Which rows of a forward get logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitRows {
@@ -193,6 +214,8 @@ pub struct Qwen3Dense<B: Backend> {
     pos: usize,
     /// Rows of the last verify not yet committed (`start`, `rows`).
     pending: Option<(usize, usize)>,
+    /// Scratch per forward width `t` (index `t`), up to [`SCRATCH_MAX_ROWS`].
+    scratch: Vec<Option<Scratch<B>>>,
 }
 
 fn upload_vec<B: Backend>(be: &B, ck: &Checkpoint, name: &str, len: usize) -> Result<B::Buf> {
@@ -286,6 +309,7 @@ impl<B: Backend> Qwen3Dense<B> {
             cap,
             pos: 0,
             pending: None,
+            scratch: Vec::new(),
         })
     }
 
@@ -419,10 +443,73 @@ impl<B: Backend> Qwen3Dense<B> {
         taps: &[i32],
         rows: LogitRows,
     ) -> Result<Forward<B>> {
+        self.forward_inner(be, tokens, start, taps, rows, true)
+    }
+
+    fn new_scratch(&self, be: &B, t: usize) -> Result<Scratch<B>> {
+        let c = &self.cfg;
+        let (d, qw, kvw, i) = (
+            c.hidden,
+            c.n_heads * c.head_dim,
+            c.n_kv_heads * c.head_dim,
+            c.intermediate,
+        );
+        Ok(Scratch {
+            x: be.zeros(t * d)?,
+            h: be.zeros(t * d)?,
+            q: be.zeros(t * qw)?,
+            qn: be.zeros(t * qw)?,
+            k: be.zeros(t * kvw)?,
+            kn: be.zeros(t * kvw)?,
+            v: be.zeros(t * kvw)?,
+            att: be.zeros(t * qw)?,
+            o: be.zeros(t * d)?,
+            g: be.zeros(t * i)?,
+            u: be.zeros(t * i)?,
+            a: be.zeros(t * i)?,
+            logits: None,
+        })
+    }
+
+    fn forward_inner(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        start: usize,
+        taps: &[i32],
+        rows: LogitRows,
+        return_logits: bool,
+    ) -> Result<Forward<B>> {
+        let t = tokens.len();
+        let cached = (1..=SCRATCH_MAX_ROWS).contains(&t);
+        let mut sc = match self.scratch.get_mut(t).and_then(Option::take) {
+            Some(sc) if cached => sc,
+            _ => self.new_scratch(be, t.max(1))?,
+        };
+        let r = self.forward_with(be, tokens, start, taps, rows, return_logits, &mut sc);
+        if cached {
+            if self.scratch.len() <= t {
+                self.scratch.resize_with(t + 1, || None);
+            }
+            self.scratch[t] = Some(sc);
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_with(
+        &mut self,
+        be: &B,
+        tokens: &[u32],
+        start: usize,
+        taps: &[i32],
+        rows: LogitRows,
+        return_logits: bool,
+        sc: &mut Scratch<B>,
+    ) -> Result<Forward<B>> {
         let c = &self.cfg;
         let t = tokens.len();
         let (d, hd) = (c.hidden, c.head_dim);
-        let qw = c.n_heads * hd;
         let kvw = c.n_kv_heads * hd;
         if t == 0 {
             return Err(SpecError::Protocol("forward of zero tokens".into()).into());
@@ -471,32 +558,35 @@ impl<B: Backend> Qwen3Dense<B> {
             Ok(())
         };
 
-        let mut x = be.zeros(t * d)?;
-        be.gather_rows(&self.embed, tokens, &mut x)?;
-        write_taps(be, -1, &x, &mut tap_buf)?;
+        let Scratch {
+            x,
+            h,
+            q,
+            qn,
+            k,
+            kn,
+            v,
+            att,
+            o,
+            g,
+            u,
+            a,
+            logits: sc_logits,
+        } = sc;
+        be.gather_rows(&self.embed, tokens, x)?;
+        write_taps(be, -1, x, &mut tap_buf)?;
 
-        let mut h = be.zeros(t * d)?;
-        let mut q = be.zeros(t * qw)?;
-        let mut qn = be.zeros(t * qw)?;
-        let mut k = be.zeros(t * kvw)?;
-        let mut kn = be.zeros(t * kvw)?;
-        let mut v = be.zeros(t * kvw)?;
-        let mut att = be.zeros(t * qw)?;
-        let mut o = be.zeros(t * d)?;
-        let mut g = be.zeros(t * c.intermediate)?;
-        let mut u = be.zeros(t * c.intermediate)?;
-        let mut a = be.zeros(t * c.intermediate)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            be.rms_norm(&x, &layer.in_norm, d, c.rms_eps, &mut h)?;
-            be.matmul(&h, t, &layer.wq, &mut q)?;
-            be.matmul(&h, t, &layer.wk, &mut k)?;
-            be.matmul(&h, t, &layer.wv, &mut v)?;
-            be.rms_norm(&q, &layer.q_norm, hd, c.rms_eps, &mut qn)?;
-            be.rms_norm(&k, &layer.k_norm, hd, c.rms_eps, &mut kn)?;
-            be.rope(&mut qn, t, c.n_heads, hd, start, &c.rope)?;
-            be.rope(&mut kn, t, c.n_kv_heads, hd, start, &c.rope)?;
-            be.copy(&kn, 0, &mut self.k_cache[li], start * kvw, t * kvw)?;
-            be.copy(&v, 0, &mut self.v_cache[li], start * kvw, t * kvw)?;
+            be.rms_norm(&*x, &layer.in_norm, d, c.rms_eps, h)?;
+            be.matmul(&*h, t, &layer.wq, q)?;
+            be.matmul(&*h, t, &layer.wk, k)?;
+            be.matmul(&*h, t, &layer.wv, v)?;
+            be.rms_norm(&*q, &layer.q_norm, hd, c.rms_eps, qn)?;
+            be.rms_norm(&*k, &layer.k_norm, hd, c.rms_eps, kn)?;
+            be.rope(qn, t, c.n_heads, hd, start, &c.rope)?;
+            be.rope(kn, t, c.n_kv_heads, hd, start, &c.rope)?;
+            be.copy(&*kn, 0, &mut self.k_cache[li], start * kvw, t * kvw)?;
+            be.copy(&*v, 0, &mut self.v_cache[li], start * kvw, t * kvw)?;
             let p = AttnParams {
                 n_q: t,
                 n_kv: start + t,
@@ -509,34 +599,44 @@ impl<B: Backend> Qwen3Dense<B> {
                 window: c.windows[li],
                 scale: (hd as f32).powf(-0.5),
             };
-            be.attention(&qn, &self.k_cache[li], &self.v_cache[li], &p, &mut att)?;
-            be.matmul(&att, t, &layer.wo, &mut o)?;
-            be.add_assign(&mut x, 0, &o, t * d)?;
-            be.rms_norm(&x, &layer.post_norm, d, c.rms_eps, &mut h)?;
-            be.matmul(&h, t, &layer.wg, &mut g)?;
-            be.matmul(&h, t, &layer.wu, &mut u)?;
-            be.silu_mul(&g, &u, &mut a)?;
-            be.matmul(&a, t, &layer.wd, &mut o)?;
-            be.add_assign(&mut x, 0, &o, t * d)?;
-            write_taps(be, li as i32, &x, &mut tap_buf)?;
+            be.attention(&*qn, &self.k_cache[li], &self.v_cache[li], &p, att)?;
+            be.matmul(&*att, t, &layer.wo, o)?;
+            be.add_assign(x, 0, &*o, t * d)?;
+            be.rms_norm(&*x, &layer.post_norm, d, c.rms_eps, h)?;
+            be.matmul(&*h, t, &layer.wg, g)?;
+            be.matmul(&*h, t, &layer.wu, u)?;
+            be.silu_mul(&*g, &*u, a)?;
+            be.matmul(&*a, t, &layer.wd, o)?;
+            be.add_assign(x, 0, &*o, t * d)?;
+            write_taps(be, li as i32, &*x, &mut tap_buf)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let (argmax, logits) = match rows {
             LogitRows::None => (Vec::new(), None),
             LogitRows::Last => {
                 let mut last = be.zeros(d)?;
-                be.copy(&x, (t - 1) * d, &mut last, 0, d)?;
+                be.copy(x, (t - 1) * d, &mut last, 0, d)?;
                 let mut ln = be.zeros(d)?;
                 be.rms_norm(&last, &self.norm, d, c.rms_eps, &mut ln)?;
                 let mut lg = be.zeros(c.vocab)?;
                 be.matmul(&ln, 1, head, &mut lg)?;
-                (be.argmax_rows(&lg, 0, 1, c.vocab)?, Some(lg))
+                let am = be.argmax_rows(&lg, 0, 1, c.vocab)?;
+                (am, return_logits.then_some(lg))
             }
             LogitRows::All => {
-                be.rms_norm(&x, &self.norm, d, c.rms_eps, &mut h)?;
-                let mut lg = be.zeros(t * c.vocab)?;
-                be.matmul(&h, t, head, &mut lg)?;
-                (be.argmax_rows(&lg, 0, t, c.vocab)?, Some(lg))
+                be.rms_norm(x, &self.norm, d, c.rms_eps, h)?;
+                let mut lg = match sc_logits.take() {
+                    Some(lg) => lg,
+                    None => be.zeros(t * c.vocab)?,
+                };
+                be.matmul(h, t, head, &mut lg)?;
+                let am = be.argmax_rows(&lg, 0, t, c.vocab)?;
+                if return_logits {
+                    (am, Some(lg))
+                } else {
+                    *sc_logits = Some(lg);
+                    (am, None)
+                }
             }
         };
         Ok(Forward {
@@ -605,10 +705,7 @@ impl<B: Backend> Target<B> for Qwen3Dense<B> {
                 }
             )));
         }
-        let mut f = self.forward(be, tokens, start, taps, LogitRows::All)?;
-        if !want_logits {
-            f.logits = None;
-        }
+        let f = self.forward_inner(be, tokens, start, taps, LogitRows::All, want_logits)?;
         self.pending = Some((start, tokens.len()));
         Ok(f)
     }
