@@ -15,10 +15,14 @@ use safetensors::{Dtype, SafeTensors};
 
 const BOUND: f64 = 1e-5;
 
+/// The oracle fixture root: `DFLASH_FIXTURES_DIR` when set (`cargo xtask parity targets`
+/// points it at freshly regenerated fixtures), else the committed `tests/fixtures`.
 fn fixture(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(case)
+    let root = std::env::var_os("DFLASH_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+    println!("fixtures dir: {}", root.display());
+    root.join(case)
 }
 
 struct Io {
@@ -87,7 +91,7 @@ fn qwen3_dense_matches_transformers() {
     let f = m.forward(&be, &prompt, 0, &taps, LogitRows::All).unwrap();
     let logits = be.download(f.logits.as_ref().unwrap()).unwrap();
     let e = rel_err(&logits, &prompt_logits);
-    println!("prompt_logits rel err {e:.3e}");
+    println!("qwen3_dense: prompt_logits rel err {e:.3e}");
     assert!(e <= BOUND, "prompt logits rel err {e}");
     let tv = be.download(f.taps.as_ref().unwrap()).unwrap();
     let (p, d, nt) = (prompt.len(), c.hidden, taps.len());
@@ -97,7 +101,7 @@ fn qwen3_dense_matches_transformers() {
             .collect();
         let k = (l + 1) as usize;
         let e = rel_err(&ours, &hs[k * p * d..(k + 1) * p * d]);
-        println!("hidden_states[{k}] (tap {l}) rel err {e:.3e}");
+        println!("qwen3_dense: hidden_states[{k}] rel err {e:.3e}");
         assert!(e <= BOUND, "tap {l}: rel err {e}");
     }
 
@@ -116,6 +120,6 @@ fn qwen3_dense_matches_transformers() {
         let l = be.download(f.logits.as_ref().unwrap()).unwrap();
         worst = worst.max(rel_err(&l, &greedy_logits[i * v..(i + 1) * v]));
     }
-    println!("greedy step logits worst rel err {worst:.3e}");
+    println!("qwen3_dense: greedy_logits rel err {worst:.3e}");
     assert!(worst <= BOUND, "greedy logits rel err {worst}");
 }
