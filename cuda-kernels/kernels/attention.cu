@@ -8,7 +8,7 @@
 // and the keys of the split (masked keys contribute exact zeros and alpha = 1), so a query's
 // output is the same for any n_q (per-row determinism across verify widths and decode).
 
-#define ATT_SPLIT 128
+#define ATT_SPLIT 256
 #define ATT_CK 64
 #define ATT_QT 16
 
@@ -173,7 +173,8 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
             }
         }
         __syncthreads();
-        // Phase 3: O[r][d] = alpha * O + sum_k P[r][k] V[k][d]; rows 4w.., d = lane + 32e
+        // Phase 3: O[r][d] = alpha * O + sum_k P[r][k] V[k][d]; rows 4w..; d = lane*DL + e when
+        // DL is a multiple of 4 (float4 reads), else d = lane + 32e
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const float al = alpha_s[warp * 4 + r];
@@ -183,8 +184,17 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
         for (int kk = 0; kk < ATT_CK; ++kk) {
             const float4 p = *(const float4 *)(Ps + kk * ATT_QT + warp * 4);
             float vv[DL];
+            if (DL % 4 == 0) {
+                // lane owns d = lane*DL .. lane*DL + DL-1: 16-byte reads
 #pragma unroll
-            for (int e = 0; e < DL; ++e) vv[e] = Vs[kk * D + lane + 32 * e];
+                for (int c = 0; c < DL / 4; ++c) {
+                    const float4 v4 = *(const float4 *)(Vs + kk * D + lane * DL + 4 * c);
+                    vv[4 * c] = v4.x; vv[4 * c + 1] = v4.y; vv[4 * c + 2] = v4.z; vv[4 * c + 3] = v4.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < DL; ++e) vv[e] = Vs[kk * D + lane + 32 * e];
+            }
 #pragma unroll
             for (int e = 0; e < DL; ++e) {
                 o[0][e] = fmaf(p.x, vv[e], o[0][e]);
@@ -204,7 +214,7 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
             const int i = qr / G, h = hk * G + qr % G;
             const long long row = (long long)split * rows_total + (long long)i * H + h;
 #pragma unroll
-            for (int e = 0; e < DL; ++e) ws_o[row * D + lane + 32 * e] = o[r][e];
+            for (int e = 0; e < DL; ++e) ws_o[row * D + (DL % 4 == 0 ? lane * DL + e : lane + 32 * e)] = o[r][e];
             if (lane == 0) {
                 ws_ml[row * 2] = m_run[rr];
                 ws_ml[row * 2 + 1] = l_run[rr];

@@ -8,14 +8,15 @@
 //
 // Tensor-core path (bf16, q8_0, q4_0): A = W tile (16 output rows x 16 k), B = x^T tile
 // (16 k x 8 tokens), m16n8k16 bf16 mma with f32 accumulation. x is split into bf16 hi + lo
-// parts (two mmas), so activations keep ~16 significant bits; weights are exact in bf16
+// parts (two mmas; the split is done once per call by split_bf16), so activations keep ~16
+// significant bits; weights are exact in bf16
 // (bf16 itself, int8 and 4-bit values), and block scales are applied in f32 after each
 // 32-wide block. Within a 32-wide k tile, thread (g, t) owns the 8 consecutive k values
 // 8t..8t+7 for both A and B (a permutation of the k index, which a dot product allows):
 // 16-byte weight loads, 32-byte x loads.
 
 #define SK_WARPS 4
-#define SK_R 4
+#define SK_R 2
 
 // Raw (undecoded) weight bytes of one thread for one 32-wide k tile and one output row:
 // bf16: 8 values (16 B); q8_0: 8 codes (8 B) + the f16 scale; q4_0: 8 nibbles (4 B) + scale.
@@ -79,11 +80,12 @@ __device__ __forceinline__ void decode_a(const RawA &ra, u32 a[4], float &d) {
 }
 
 struct RawB {
-    float4 v0, v1;
+    uint4 h, l;
 };
 
 template <int FMT, int NT>
-__device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const float *__restrict__ x,
+__device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const u16 *__restrict__ xh,
+                                           const u16 *__restrict__ xl,
                                            float *__restrict__ out, float *__restrict__ ws, u32 *__restrict__ counters, int N, int K,
                                            int T, int S, int tiles_per_split) {
     __shared__ float red[SK_WARPS][SK_R * NT * 4][32];
@@ -115,12 +117,12 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         for (int j = 0; j < NT; ++j) {
             const int tok = g + 8 * j;
             if (tok < T) {
-                const float *xp = x + (long long)tok * K + kt * 32 + 8 * t;
-                rb[j].v0 = *(const float4 *)xp;
-                rb[j].v1 = *(const float4 *)(xp + 4);
+                const long long off = (long long)tok * K + kt * 32 + 8 * t;
+                rb[j].h = *(const uint4 *)(xh + off);
+                rb[j].l = *(const uint4 *)(xl + off);
             } else {
-                rb[j].v0 = make_float4(0.f, 0.f, 0.f, 0.f);
-                rb[j].v1 = rb[j].v0;
+                rb[j].h = make_uint4(0u, 0u, 0u, 0u);
+                rb[j].l = rb[j].h;
             }
         }
     };
@@ -132,10 +134,8 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         u32 bh[NT][4], bl[NT][4];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            split_bf16x2(cb[j].v0.x, cb[j].v0.y, bh[j][0], bl[j][0]);
-            split_bf16x2(cb[j].v0.z, cb[j].v0.w, bh[j][1], bl[j][1]);
-            split_bf16x2(cb[j].v1.x, cb[j].v1.y, bh[j][2], bl[j][2]);
-            split_bf16x2(cb[j].v1.z, cb[j].v1.w, bh[j][3], bl[j][3]);
+            bh[j][0] = cb[j].h.x; bh[j][1] = cb[j].h.y; bh[j][2] = cb[j].h.z; bh[j][3] = cb[j].h.w;
+            bl[j][0] = cb[j].l.x; bl[j][1] = cb[j].l.y; bl[j][2] = cb[j].l.z; bl[j][3] = cb[j].l.w;
         }
 #pragma unroll
         for (int r = 0; r < SK_R; ++r) {
@@ -228,9 +228,10 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 }
 
 #define SKINNY(NAME, FMT, NT)                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128, 4) NAME(const void *wq, const u16 *wd, const float *x, float *out, float *ws, \
-                                                           u32 *counters, int N, int K, int T, int S, int tps) {               \
-        skinny_mma<FMT, NT>(wq, wd, x, out, ws, counters, N, K, T, S, tps);                                                    \
+    extern "C" __global__ void __launch_bounds__(128) NAME(const void *wq, const u16 *wd, const u16 *xh, const u16 *xl, \
+                                                           float *out, float *ws, u32 *counters, int N, int K, int T, int S, \
+                                                           int tps) {                                                          \
+        skinny_mma<FMT, NT>(wq, wd, xh, xl, out, ws, counters, N, K, T, S, tps);                                               \
     }
 
 SKINNY(skinny_bf16_n1, FMT_BF16, 1)

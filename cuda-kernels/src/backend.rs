@@ -20,9 +20,11 @@ type Result<T> = std::result::Result<T, BackendError>;
 
 /// Largest row count served by the per-row-deterministic skinny matmul in one launch.
 pub const SKINNY_ROWS: usize = 16;
+/// Output features per block of the tensor-core skinny matmul (`16 * SK_R` in matmul.cu).
+const SKINNY_TILE_ROWS: usize = 32;
 const ARGMAX_CHUNK: usize = 4096;
 const MARKOV_CHUNK: usize = 1024;
-const ATT_SPLIT: usize = 128;
+const ATT_SPLIT: usize = 256;
 const ATT_QT: usize = 16;
 
 /// An f32 activation buffer on the device.
@@ -567,13 +569,15 @@ impl Cuda {
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
                 let f = self.func(kern)?;
-                let nb = n.div_ceil(64);
+                let fs = self.func(Kernel::SplitBf16)?;
+                let nb = n.div_ceil(SKINNY_TILE_ROWS);
                 let kt = k / 32;
                 // Split-k chosen from (N, K, SM count) only: never from the row count.
                 let want = (2 * self.num_sms).div_ceil(nb);
                 let splits = want.clamp(1, (kt / 8).max(1));
                 let tps = kt.div_ceil(splits);
                 let splits = kt.div_ceil(tps);
+                let len = rows * k;
                 let mut s = lock(&self.scratch);
                 ensure(
                     &self.stream,
@@ -582,17 +586,33 @@ impl Cuda {
                 )
                 .map_err(dev)?;
                 ensure(&self.stream, &mut s.mm_counters, nb).map_err(dev)?;
+                ensure(&self.stream, &mut s.x_hi, len).map_err(dev)?;
+                ensure(&self.stream, &mut s.x_lo, len).map_err(dev)?;
                 let Scratch {
-                    mm_ws, mm_counters, ..
+                    mm_ws,
+                    mm_counters,
+                    x_hi,
+                    x_lo,
+                    ..
                 } = &mut *s;
                 let (ws, cnt) = (
                     mm_ws.as_mut().ok_or_else(internal)?,
                     mm_counters.as_mut().ok_or_else(internal)?,
                 );
+                let (hi, lo) = (
+                    x_hi.as_mut().ok_or_else(internal)?,
+                    x_lo.as_mut().ok_or_else(internal)?,
+                );
+                // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
+                let n64 = len as i64;
+                let mut b = self.stream.launch_builder(&fs);
+                b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
                 let (s_i, tps_i) = (splits as i32, tps as i32);
                 let mut b = self.stream.launch_builder(&f);
                 push_weight(&mut b, &w.buf);
-                b.arg(x)
+                b.arg(&*hi)
+                    .arg(&*lo)
                     .arg(out)
                     .arg(ws)
                     .arg(cnt)
