@@ -341,6 +341,11 @@ fn dflash_q4_0() {
 }
 
 #[test]
+fn dflash_mixed() {
+    run_case("dflash_mixed");
+}
+
+#[test]
 fn dflash_plain_bf16_storage() {
     run_case_with("dflash_plain", Some(Precision::Bf16));
 }

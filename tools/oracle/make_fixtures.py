@@ -255,6 +255,14 @@ DRAFT_CASES = {
                      "rope_theta": 1000000.0, "rope_scaling": None,
                      "layer_types": ["full_attention"] * 2, "sliding_window": None, "use_sliding_window": False},
     ),
+    "dflash_mixed": dict(
+        description="as dflash_plain (other seed) with precision mixed: attention q/k/v/o and fc stay bf16 (upcast), "
+        "MLP gate/up/down q8_0 via gguf 0.19.0 quantize+dequantize",
+        n_layers=2, block=16, ctx=24, precision="mixed", seed=77,
+        cfg=lambda: {"block_size": 16, "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [0, 2, 4]},
+                     "rope_theta": 1000000.0, "rope_scaling": None,
+                     "layer_types": ["full_attention"] * 2, "sliding_window": None, "use_sliding_window": False},
+    ),
 }
 
 
