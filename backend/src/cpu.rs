@@ -314,6 +314,111 @@ fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
     exactly(op, "weight", n, w.buf.stored_len())
 }
 
+/// Scores of queries `u0 .. u0 + QN` against keys `bl .. bh`:
+/// `sc[u * width + j - lo_all] = dot(q_u, k_j) * scale`, `QN x KN` at a time.
+#[allow(clippy::too_many_arguments)]
+fn score_tiles<'a, const QN: usize, const KN: usize>(
+    isa: Isa,
+    qrow: &impl Fn(usize) -> &'a [f32],
+    key: &impl Fn(usize) -> &'a [f32],
+    u0: usize,
+    bl: usize,
+    bh: usize,
+    lo_all: usize,
+    width: usize,
+    scale: f32,
+    sc: &mut [f32],
+) {
+    let qs: [&[f32]; QN] = std::array::from_fn(|d| qrow(u0 + d));
+    let mut j = bl;
+    while j + KN <= bh {
+        let t = kernel::dot_grid::<QN, KN>(isa, qs, std::array::from_fn(|d| key(j + d)));
+        for (d, row) in t.iter().enumerate() {
+            let base = (u0 + d) * width + j - lo_all;
+            for (s, &v) in sc[base..base + KN].iter_mut().zip(row) {
+                *s = v * scale;
+            }
+        }
+        j += KN;
+    }
+    for jj in j..bh {
+        for (d, qv) in qs.iter().enumerate() {
+            sc[(u0 + d) * width + jj - lo_all] = kernel::dot(isa, qv, key(jj)) * scale;
+        }
+    }
+}
+
+/// What the attention output accumulation of one kv head reads.
+struct PvCtx<'a> {
+    isa: Isa,
+    /// Normalised weights, `[m, width]` over keys `lo_all ..`.
+    sc: &'a [f32],
+    width: usize,
+    lo_all: usize,
+    /// Visible keys of each query.
+    ranges: &'a [(usize, usize)],
+    v: &'a [f32],
+    /// Offset of the kv head in a value row.
+    voff: usize,
+    stride: usize,
+    hd: usize,
+}
+
+impl PvCtx<'_> {
+    /// Weights of query `u` for keys `a .. b`.
+    fn w(&self, u: usize, a: usize, b: usize) -> &[f32] {
+        &self.sc[u * self.width + a - self.lo_all..u * self.width + b - self.lo_all]
+    }
+
+    /// One query alone over keys `a .. b`, continuing its accumulation in `o`.
+    fn one(&self, u: usize, o: &mut [f32], a: usize, b: usize) {
+        if a < b {
+            kernel::weighted_acc::<1>(
+                self.isa,
+                [o],
+                [self.w(u, a, b)],
+                self.v,
+                a * self.stride + self.voff,
+                self.stride,
+            );
+        }
+    }
+
+    /// Queries `u0 .. u0 + QN` (outputs `out`, `[QN, hd]`): each one is a single sequential
+    /// FMA chain over its keys in order, the common keys processed jointly (shared loads).
+    fn block<const QN: usize>(&self, u0: usize, out: &mut [f32]) {
+        let rs: [(usize, usize); QN] = std::array::from_fn(|d| self.ranges[u0 + d]);
+        let c_lo = rs.iter().map(|r| r.0).max().unwrap_or(0);
+        let c_hi = rs.iter().map(|r| r.1).min().unwrap_or(0);
+        let mut it = out.chunks_exact_mut(self.hd);
+        let mut os: [&mut [f32]; QN] = std::array::from_fn(|_| it.next().unwrap_or_default());
+        if QN == 1 || c_lo >= c_hi || rs.iter().any(|r| r.0 >= r.1) {
+            for (d, o) in os.iter_mut().enumerate() {
+                self.one(u0 + d, o, rs[d].0, rs[d].1);
+            }
+            return;
+        }
+        for (d, o) in os.iter_mut().enumerate() {
+            self.one(u0 + d, o, rs[d].0, c_lo);
+        }
+        let ws: [&[f32]; QN] = std::array::from_fn(|d| self.w(u0 + d, c_lo, c_hi));
+        {
+            let joint: [&mut [f32]; QN] = os.each_mut().map(|o| &mut **o);
+            kernel::weighted_acc::<QN>(
+                self.isa,
+                joint,
+                ws,
+                self.v,
+                c_lo * self.stride + self.voff,
+                self.stride,
+            );
+        }
+        for (d, o) in os.iter_mut().enumerate() {
+            self.one(u0 + d, o, c_hi, rs[d].1);
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 
 impl Backend for Cpu {
@@ -652,77 +757,135 @@ impl Backend for Cpu {
         let group = p.n_heads / p.n_kv_heads;
         let isa = self.isa;
         let p = *p;
-        self.for_rows(
-            &mut out[..p.n_q * qw],
-            qw,
-            p.n_q * qw * p.n_kv.max(1) * 2,
-            |i, orow| {
-                let qpos = p.q_pos0 + i;
-                // Visible keys form one contiguous range of j.
-                let hi = if p.causal {
-                    if qpos < p.kv_pos0 {
-                        0
-                    } else {
-                        (qpos - p.kv_pos0 + 1).min(p.n_kv)
-                    }
-                } else {
-                    p.n_kv
+        let stride = kw;
+        // Visible keys of query i: one contiguous range of j.
+        let range = |i: usize| -> (usize, usize) {
+            let qpos = p.q_pos0 + i;
+            let hi = if !p.causal {
+                p.n_kv
+            } else if qpos < p.kv_pos0 {
+                0
+            } else {
+                (qpos - p.kv_pos0 + 1).min(p.n_kv)
+            };
+            let lo = match p.window {
+                // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
+                Some(w) => (qpos + 1)
+                    .saturating_sub(w)
+                    .saturating_sub(p.kv_pos0)
+                    .min(hi),
+                None => 0,
+            };
+            (lo, hi)
+        };
+        // The queries of one kv head: u = i * group + hh reads head g * group + hh.
+        let m = p.n_q * group;
+        let head = |g: usize| -> Vec<f32> {
+            let mut res = vec![0.0f32; m * hd];
+            let ranges: Vec<(usize, usize)> = (0..m).map(|u| range(u / group)).collect();
+            let span = |us: std::ops::Range<usize>| {
+                ranges[us]
+                    .iter()
+                    .filter(|r| r.0 < r.1)
+                    .fold((usize::MAX, 0), |a, r| (a.0.min(r.0), a.1.max(r.1)))
+            };
+            let (lo_all, hi_all) = span(0..m);
+            if lo_all >= hi_all {
+                return res;
+            }
+            let width = hi_all - lo_all;
+            let ones = vec![1.0f32; width];
+            let qrow =
+                |u: usize| &q[((u / group) * p.n_heads + g * group + u % group) * hd..][..hd];
+            let key = |j: usize| &k[j * stride + g * hd..][..hd];
+            // Scores: tiles of queries x keys (each score has the bits of one `dot`).
+            let mut sc = vec![0.0f32; m * width];
+            let mut u = 0;
+            while u < m {
+                let qn = match m - u {
+                    4.. => 4,
+                    2..=3 => 2,
+                    _ => 1,
                 };
-                let lo = match p.window {
-                    // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
-                    Some(w) => (qpos + 1)
-                        .saturating_sub(w)
-                        .saturating_sub(p.kv_pos0)
-                        .min(hi),
-                    None => 0,
-                };
-                let mut scores = vec![0.0f32; hi - lo];
-                for (h, o) in orow.chunks_exact_mut(hd).enumerate() {
-                    o.fill(0.0);
-                    if hi == lo {
-                        continue;
+                let (bl, bh) = span(u..u + qn);
+                if bl < bh {
+                    match qn {
+                        4 => score_tiles::<4, 4>(
+                            isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                        ),
+                        2 => score_tiles::<2, 8>(
+                            isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                        ),
+                        _ => score_tiles::<1, 16>(
+                            isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                        ),
                     }
-                    let kvh = h / group;
-                    let qh = &q[(i * p.n_heads + h) * hd..][..hd];
-                    let key = |j: usize| &k[(j * p.n_kv_heads + kvh) * hd..][..hd];
-                    // Scores sixteen keys at a time (same bits as one `dot` per key).
-                    let mut j = lo;
-                    for s16 in scores.chunks_mut(16) {
-                        if s16.len() == 16 {
-                            let d = kernel::dot16(isa, qh, std::array::from_fn(|t| key(j + t)));
-                            for (s, dv) in s16.iter_mut().zip(d) {
-                                *s = dv * p.scale;
-                            }
-                        } else {
-                            for (t, s) in s16.iter_mut().enumerate() {
-                                *s = kernel::dot(isa, qh, key(j + t)) * p.scale;
-                            }
-                        }
-                        j += 16;
-                    }
-                    let mut max = f32::NEG_INFINITY;
-                    for &s in scores.iter() {
-                        if s > max {
-                            max = s;
-                        }
-                    }
-                    for s in scores.iter_mut() {
-                        *s -= max;
-                    }
-                    kernel::exp_in_place(isa, &mut scores);
-                    let mut sum = 0.0f32;
-                    for &s in scores.iter() {
-                        sum += s;
-                    }
-                    let inv = 1.0 / sum;
-                    for s in scores.iter_mut() {
-                        *s *= inv;
-                    }
-                    let stride = p.n_kv_heads * hd;
-                    kernel::weighted_sum(isa, o, &scores, v, lo * stride + kvh * hd, stride);
                 }
-            },
-        );
+                u += qn;
+            }
+            // Softmax per query over its visible keys.
+            for (u, &(lo, hi)) in ranges.iter().enumerate() {
+                if lo >= hi {
+                    continue;
+                }
+                let scores = &mut sc[u * width + lo - lo_all..u * width + hi - lo_all];
+                let max = kernel::max_non_nan(scores);
+                for s in scores.iter_mut() {
+                    *s -= max;
+                }
+                kernel::exp_in_place(isa, scores);
+                // Sum with the dot kernel's fixed order (x * 1 + acc is exact addition).
+                let sum = kernel::dot(isa, scores, &ones[..scores.len()]);
+                let inv = 1.0 / sum;
+                for s in scores.iter_mut() {
+                    *s *= inv;
+                }
+            }
+            // Weights times values, queries in the same blocks as the scores.
+            let pv = PvCtx {
+                isa,
+                sc: &sc,
+                width,
+                lo_all,
+                ranges: &ranges,
+                v,
+                voff: g * hd,
+                stride,
+                hd,
+            };
+            let mut u = 0;
+            while u < m {
+                let qn = match m - u {
+                    4.. => 4,
+                    2..=3 => 2,
+                    _ => 1,
+                };
+                let block = &mut res[u * hd..(u + qn) * hd];
+                match qn {
+                    4 => pv.block::<4>(u, block),
+                    2 => pv.block::<2>(u, block),
+                    _ => pv.block::<1>(u, block),
+                }
+                u += qn;
+            }
+            res
+        };
+        let work = m
+            .saturating_mul(p.n_kv)
+            .saturating_mul(hd)
+            .saturating_mul(p.n_kv_heads);
+        let per_head: Vec<Vec<f32>> =
+            if self.threads() <= 1 || p.n_kv_heads == 1 || work < self.par_min_work {
+                (0..p.n_kv_heads).map(head).collect()
+            } else {
+                self.install(|| (0..p.n_kv_heads).into_par_iter().map(head).collect())
+            };
+        for (g, res) in per_head.iter().enumerate() {
+            for (u, r) in res.chunks_exact(hd).enumerate() {
+                let (i, h) = (u / group, g * group + u % group);
+                out[(i * p.n_heads + h) * hd..][..hd].copy_from_slice(r);
+            }
+        }
         Ok(())
     }
 

@@ -91,74 +91,138 @@ pub(crate) fn dot(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
     dot_tile::<1, 1>(isa, [x], [w], k)[0][0]
 }
 
-/// Sixteen dot products `dot(x, ws[t])` with exactly the bits of [`dot`] (the AVX-512 path
-/// shares the reduction shuffles between the sixteen sums; other paths call [`dot`]).
+/// `QN x KN = 16` dot products `dot(xs[q], ws[k])` with exactly the bits of [`dot`] (the
+/// AVX-512 path shares loads and the reduction shuffles; other paths call [`dot`]).
 #[inline]
-pub(crate) fn dot16(isa: Isa, x: &[f32], ws: [&[f32]; 16]) -> [f32; 16] {
-    let k = x.len();
+pub(crate) fn dot_grid<const QN: usize, const KN: usize>(
+    isa: Isa,
+    xs: [&[f32]; QN],
+    ws: [&[f32]; KN],
+) -> [[f32; KN]; QN] {
+    let k = xs[0].len();
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && ws.iter().all(|w| w.len() >= k) {
-        // SAFETY: AVX-512F was checked by `Isa::supported` for this backend; every key slice
+    if isa == Isa::Avx512
+        && QN * KN == 16
+        && xs.iter().all(|x| x.len() == k)
+        && ws.iter().all(|w| w.len() >= k)
+    {
+        // SAFETY: AVX-512F was checked by `Isa::supported` for this backend; every slice
         // holds at least `k` values.
-        return unsafe { avx512::dot16(x, ws, k) };
+        return unsafe { avx512::dot_grid::<QN, KN>(xs, ws, k) };
     }
-    std::array::from_fn(|t| dot(isa, x, ws[t]))
+    std::array::from_fn(|q| std::array::from_fn(|t| dot(isa, xs[q], ws[t])))
 }
 
-/// `o[d] = Σ_t ps[t] · v[v0 + t·stride + d]` for `d < o.len()`, summed in increasing `t` from
-/// 0 with a multiply then an add per term (identical bits on every path). The attention
-/// output: weights times values.
-pub(crate) fn weighted_sum(
+/// Attention output accumulation for `QN` queries over the same keys:
+/// `os[q][d] = fma(ps[q][t], v[v0 + t·stride + d], os[q][d])` for `t = 0, 1, ...` in order,
+/// continuing from the current `os` (one sequential FMA chain per element: the result does
+/// not depend on how the keys are split into calls nor on `QN`; identical bits on every path).
+pub(crate) fn weighted_acc<const QN: usize>(
     isa: Isa,
-    o: &mut [f32],
-    ps: &[f32],
+    os: [&mut [f32]; QN],
+    ps: [&[f32]; QN],
     v: &[f32],
     v0: usize,
     stride: usize,
 ) {
-    let n = o.len();
-    let fits = ps.is_empty() || v0 + (ps.len() - 1) * stride + n <= v.len();
+    let n = os[0].len();
+    let t_len = ps[0].len();
+    let fits = os.iter().all(|o| o.len() == n)
+        && ps.iter().all(|p| p.len() == t_len)
+        && (t_len == 0 || v0 + (t_len - 1) * stride + n <= v.len());
     if !fits {
         // Internal invariant (the caller checked the shapes); NaN makes a breach visible.
-        o.fill(f32::NAN);
+        for o in os {
+            o.fill(f32::NAN);
+        }
+        return;
+    }
+    if t_len == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         let n16 = n / 16 * 16;
+        let mut ptrs: [*mut f32; QN] = [std::ptr::null_mut(); QN];
+        for (p, o) in ptrs.iter_mut().zip(os.iter()) {
+            *p = o.as_ptr() as *mut f32;
+        }
         let mut c = 0;
         while c < n16 {
             let g = match (n16 - c) / 16 {
-                8.. => 8,
-                4..=7 => 4,
+                4.. => 4,
                 2..=3 => 2,
                 _ => 1,
             };
-            // SAFETY: AVX-512F checked by `Isa::supported` for this backend; the reads stay
-            // inside `v` (checked above) and the writes inside `o` (16 g <= n - c).
+            let at: [*mut f32; QN] = std::array::from_fn(|q| ptrs[q].wrapping_add(c));
+            // SAFETY: AVX-512F checked by `Isa::supported`; every `os[q]` holds `c + 16 g`
+            // values and the reads stay inside `v` (checked above). The pointers come from
+            // distinct `&mut` slices, so the writes do not alias.
             unsafe {
                 match g {
-                    8 => avx512::weighted_sum::<8>(&mut o[c..], ps, v, v0 + c, stride),
-                    4 => avx512::weighted_sum::<4>(&mut o[c..], ps, v, v0 + c, stride),
-                    2 => avx512::weighted_sum::<2>(&mut o[c..], ps, v, v0 + c, stride),
-                    _ => avx512::weighted_sum::<1>(&mut o[c..], ps, v, v0 + c, stride),
+                    4 => avx512::weighted_acc::<QN, 4>(at, ps, v, v0 + c, stride),
+                    2 => avx512::weighted_acc::<QN, 2>(at, ps, v, v0 + c, stride),
+                    _ => avx512::weighted_acc::<QN, 1>(at, ps, v, v0 + c, stride),
                 }
             }
             c += 16 * g;
         }
-        for (d, od) in o.iter_mut().enumerate().skip(n16) {
-            let mut acc = 0.0f32;
-            for (t, &p) in ps.iter().enumerate() {
-                acc += p * v[v0 + t * stride + d];
+        for (o, p) in os.into_iter().zip(ps) {
+            for (d, od) in o.iter_mut().enumerate().skip(n16) {
+                for (t, &pt) in p.iter().enumerate() {
+                    *od = pt.mul_add(v[v0 + t * stride + d], *od);
+                }
             }
-            *od = acc;
         }
         return;
     }
-    o.fill(0.0);
-    for (t, &p) in ps.iter().enumerate() {
-        axpy(isa, o, p, &v[v0 + t * stride..][..n]);
+    for (o, p) in os.into_iter().zip(ps) {
+        for (t, &pt) in p.iter().enumerate() {
+            let vt = &v[v0 + t * stride..][..n];
+            #[cfg(target_arch = "x86_64")]
+            if isa == Isa::Avx2Fma {
+                // SAFETY: AVX2 and FMA checked by `Isa::supported` for this backend.
+                unsafe { fma_axpy_avx2(o, pt, vt) };
+                continue;
+            }
+            for (od, &vd) in o.iter_mut().zip(vt) {
+                *od = pt.mul_add(vd, *od);
+            }
+        }
     }
+}
+
+/// `o[i] = fma(p, v[i], o[i])`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
+    for (od, &vd) in o.iter_mut().zip(v) {
+        *od = p.mul_add(vd, *od);
+    }
+}
+
+/// Max of the non-NaN values (`-inf` if none); order-independent, so any lane split gives
+/// the same value.
+pub(crate) fn max_non_nan(x: &[f32]) -> f32 {
+    let mut m8 = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &s) in m8.iter_mut().zip(c) {
+            *m = if s > *m { s } else { *m };
+        }
+    }
+    let mut m = m8
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    for &s in chunks.remainder() {
+        if s > m {
+            m = s;
+        }
+    }
+    m
 }
 
 const EXP_HI: f32 = 88.72283;
@@ -212,31 +276,6 @@ pub(crate) fn exp_in_place(isa: Isa, x: &mut [f32]) {
     let _ = isa;
     for v in x.iter_mut() {
         *v = exp_f32(*v);
-    }
-}
-
-/// `o[i] += p * v[i]` (a multiply, then an add: identical bits on every path).
-#[inline]
-pub(crate) fn axpy(isa: Isa, o: &mut [f32], p: f32, v: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Portable {
-        // SAFETY: AVX2 is implied by both non-portable instruction sets, checked by
-        // `Isa::supported` for this backend.
-        unsafe { axpy_avx2(o, p, v) };
-        return;
-    }
-    for (od, &vd) in o.iter_mut().zip(v) {
-        *od += p * vd;
-    }
-}
-
-/// # Safety
-/// The CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn axpy_avx2(o: &mut [f32], p: f32, v: &[f32]) {
-    for (od, &vd) in o.iter_mut().zip(v) {
-        *od += p * vd;
     }
 }
 
@@ -364,22 +403,33 @@ mod avx512 {
         _mm_cvtss_f32(s1)
     }
 
-    /// Sixteen dots with the bits of `hsum` + tail: the reduction levels are shared between
-    /// the sums through shuffles that pair exactly the lanes `hsum` pairs.
+    /// `QN x KN = 16` dots with the bits of `hsum` + tail: the reduction levels are shared
+    /// between the sums through shuffles that pair exactly the lanes `hsum` pairs.
     ///
     /// # Safety
     /// The CPU must support AVX-512F; `x` and every `ws[t]` hold at least `k` values.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn dot16(x: &[f32], ws: [&[f32]; 16], k: usize) -> [f32; 16] {
+    pub(super) unsafe fn dot_grid<const QN: usize, const KN: usize>(
+        xs: [&[f32]; QN],
+        ws: [&[f32]; KN],
+        k: usize,
+    ) -> [[f32; KN]; QN] {
+        const { assert!(QN * KN == 16) };
         let n16 = k / L * L;
         let mut acc = [_mm512_setzero_ps(); 16];
-        let wp: [*const f32; 16] = std::array::from_fn(|t| ws[t].as_ptr());
+        let xp: [*const f32; QN] = std::array::from_fn(|t| xs[t].as_ptr());
+        let wp: [*const f32; KN] = std::array::from_fn(|t| ws[t].as_ptr());
         let mut c = 0;
         while c < n16 {
             // SAFETY: c + 16 <= k <= every slice length.
-            let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(c)) };
-            for t in 0..16 {
-                acc[t] = _mm512_fmadd_ps(xv, unsafe { _mm512_loadu_ps(wp[t].add(c)) }, acc[t]);
+            let wv: [__m512; KN] =
+                std::array::from_fn(|t| unsafe { _mm512_loadu_ps(wp[t].add(c)) });
+            for qi in 0..QN {
+                // SAFETY: as above.
+                let xv = unsafe { _mm512_loadu_ps(xp[qi].add(c)) };
+                for kj in 0..KN {
+                    acc[qi * KN + kj] = _mm512_fmadd_ps(xv, wv[kj], acc[qi * KN + kj]);
+                }
             }
             c += L;
         }
@@ -415,15 +465,16 @@ mod avx512 {
         let mut lanes = [0.0f32; 16];
         // SAFETY: `lanes` holds 16 f32.
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), f) };
-        let mut out = [0.0f32; 16];
+        let mut out = [[0.0f32; KN]; QN];
         for (lane, &v) in lanes.iter().enumerate() {
             // Lane 4q + u holds sum 4u + q.
-            out[(lane % 4) * 4 + lane / 4] = v;
-        }
-        for (t, o) in out.iter_mut().enumerate() {
+            let t = (lane % 4) * 4 + lane / 4;
+            let (qi, kj) = (t / KN, t % KN);
+            let mut o = v;
             for i in n16..k {
-                *o = x[i].mul_add(ws[t][i], *o);
+                o = xs[qi][i].mul_add(ws[kj][i], o);
             }
+            out[qi][kj] = o;
         }
         out
     }
@@ -478,31 +529,46 @@ mod avx512 {
         }
     }
 
-    /// `o[d] = Σ_t ps[t] v[v0 + t stride + d]` for `d < 16 G`, accumulators in registers.
+    /// `os[q][d] = fma(ps[q][t], v[v0 + t stride + d], os[q][d])` for `d < 16 G`, all `t`:
+    /// `QN x G` accumulators in registers, the value loads shared by the queries.
     ///
     /// # Safety
-    /// AVX-512F available; `o` holds `16 G` values and every read is inside `v`.
+    /// AVX-512F available; each `os[q]` points at `16 G` writable values not aliasing
+    /// anything else read here; every read is inside `v`; `ps[q].len()` are equal.
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn weighted_sum<const G: usize>(
-        o: &mut [f32],
-        ps: &[f32],
+    pub(super) unsafe fn weighted_acc<const QN: usize, const G: usize>(
+        os: [*mut f32; QN],
+        ps: [&[f32]; QN],
         v: &[f32],
         v0: usize,
         stride: usize,
     ) {
-        let mut acc = [_mm512_setzero_ps(); G];
-        let base = v.as_ptr();
-        for (t, &p) in ps.iter().enumerate() {
-            let pv = _mm512_set1_ps(p);
-            for (c, a) in acc.iter_mut().enumerate() {
-                // SAFETY: v0 + t stride + 16 G <= v.len() (caller).
-                let x = unsafe { _mm512_loadu_ps(base.add(v0 + t * stride + c * L)) };
-                *a = _mm512_add_ps(*a, _mm512_mul_ps(pv, x));
+        let mut acc = [[_mm512_setzero_ps(); G]; QN];
+        for q in 0..QN {
+            for c in 0..G {
+                // SAFETY: os[q] holds 16 G values (caller).
+                acc[q][c] = unsafe { _mm512_loadu_ps(os[q].add(c * L)) };
             }
         }
-        for (c, a) in acc.iter().enumerate() {
-            // SAFETY: o holds 16 G values (caller).
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * L), *a) };
+        let base = v.as_ptr();
+        for t in 0..ps[0].len() {
+            // SAFETY: v0 + t stride + 16 G <= v.len() (caller).
+            let vt: [__m512; G] = std::array::from_fn(|c| unsafe {
+                _mm512_loadu_ps(base.add(v0 + t * stride + c * L))
+            });
+            for q in 0..QN {
+                let pb = _mm512_set1_ps(ps[q][t]);
+                for c in 0..G {
+                    acc[q][c] = _mm512_fmadd_ps(pb, vt[c], acc[q][c]);
+                }
+            }
+        }
+        for q in 0..QN {
+            for c in 0..G {
+                // SAFETY: os[q] holds 16 G values (caller).
+                unsafe { _mm512_storeu_ps(os[q].add(c * L), acc[q][c]) };
+            }
         }
     }
 
@@ -601,7 +667,7 @@ mod tests {
     }
 
     #[test]
-    fn dot16_equals_sixteen_dots() {
+    fn dot_grids_equal_single_dots() {
         for k in [1usize, 15, 16, 17, 64, 100, 128] {
             let x: Vec<f32> = (0..k)
                 .map(|i| ((i * 37) % 101) as f32 / 7.0 - 6.5)
@@ -617,13 +683,32 @@ mod tests {
                 .into_iter()
                 .filter(|i| i.supported())
             {
-                let got = dot16(isa, &x, std::array::from_fn(|t| w[t].as_slice()));
+                let got = dot_grid::<1, 16>(isa, [&x], std::array::from_fn(|t| w[t].as_slice()));
                 for t in 0..16 {
                     assert_eq!(
-                        got[t].to_bits(),
+                        got[0][t].to_bits(),
                         dot(isa, &x, &w[t]).to_bits(),
                         "{isa:?} k {k} t {t}"
                     );
+                }
+                let g = dot_grid::<4, 4>(
+                    isa,
+                    std::array::from_fn(|q| w[q + 8].as_slice()),
+                    std::array::from_fn(|t| w[t].as_slice()),
+                );
+                let h = dot_grid::<2, 8>(
+                    isa,
+                    [&x, &w[15]],
+                    std::array::from_fn(|t| w[t + 3].as_slice()),
+                );
+                for a in 0..4 {
+                    for b in 0..4 {
+                        assert_eq!(g[a][b].to_bits(), dot(isa, &w[a + 8], &w[b]).to_bits());
+                    }
+                }
+                for b in 0..8 {
+                    assert_eq!(h[0][b].to_bits(), dot(isa, &x, &w[b + 3]).to_bits());
+                    assert_eq!(h[1][b].to_bits(), dot(isa, &w[15], &w[b + 3]).to_bits());
                 }
             }
         }
