@@ -207,7 +207,7 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
     #[test]
     fn spec_equals_plain_greedy_dense(c in case()) {
         run_case(&c)?;
