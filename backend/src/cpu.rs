@@ -257,9 +257,6 @@ fn decode_row(data: &Packed, cols: usize, o: usize, out: &mut [f32]) {
     }
 }
 
-/// Panels per thread chunk are a multiple of this (the widest one-row tile).
-const PANEL_UNIT: usize = 8;
-
 /// Below this many multiply-adds a matmul runs on the calling thread.
 const PAR_MIN_WORK: usize = 1 << 17;
 
@@ -537,7 +534,10 @@ impl Backend for Cpu {
         let chunk_p = if serial {
             n_panels
         } else {
-            n_panels.div_ceil(4 * threads).div_ceil(PANEL_UNIT) * PANEL_UNIT
+            {
+                let unit = panel::panel_unit(isa, rows);
+                n_panels.div_ceil(4 * threads).div_ceil(unit) * unit
+            }
         };
         let chunk_o = chunk_p * panel::NP;
         let run_chunk = |c: usize, ot: &mut [f32]| {

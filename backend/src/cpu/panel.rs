@@ -312,10 +312,35 @@ pub(crate) fn matmul_panels<S: PanelSrc>(
     out: &mut [f32],
 ) {
     match isa {
-        // 32 zmm: 8 rows x 3 panels = 24 accumulators; one row: 8 panels.
+        // 32 zmm: 8 rows x 3 panels = 24 accumulators; one row: 8 panels. (`panel_unit`
+        // must agree.)
         Isa::Avx512 => run::<S, 8, 3, 8>(isa, x, rows, k, src, n_out, p0, p1, out),
         // 16 ymm: 4 rows x 1 panel = 8 accumulators; one row: 4 panels.
         _ => run::<S, 4, 1, 4>(isa, x, rows, k, src, n_out, p0, p1, out),
+    }
+}
+
+/// Hand a tile's rows and panels (starting at row `r`, panel `p`) to `put`.
+fn emit<const R: usize, const P: usize>(
+    put: &mut impl FnMut(usize, usize, &[f32; NP]),
+    r: usize,
+    p: usize,
+    t: &TileOut<R, P>,
+) {
+    for (dr, tr) in t.iter().enumerate() {
+        for (dp, v) in tr.iter().enumerate() {
+            put(r + dr, p + dp, v);
+        }
+    }
+}
+
+/// Panels per thread chunk should be a multiple of this (whole tiles).
+pub(crate) fn panel_unit(isa: Isa, rows: usize) -> usize {
+    match (isa, rows >= 4) {
+        (Isa::Avx512, true) => 3,
+        (Isa::Avx512, false) => 8,
+        (_, true) => 1,
+        (_, false) => 4,
     }
 }
 
@@ -346,35 +371,35 @@ fn run<S: PanelSrc, const RM: usize, const PM: usize, const PR: usize>(
         while p < p1 {
             let np = PM.min(p1 - p);
             let mut r = 0;
-            if np == PM {
-                while r + RM <= rows {
-                    let t = src.tile::<RM, PM>(
-                        isa,
-                        std::array::from_fn(|d| xr(r + d)),
-                        std::array::from_fn(|d| p + d),
-                        k,
-                    );
-                    for (dr, tr) in t.iter().enumerate() {
-                        for (dp, v) in tr.iter().enumerate() {
-                            put(r + dr, p + dp, v);
-                        }
-                    }
-                    r += RM;
+            // RM-row tiles over the np (<= PM <= 3) panels.
+            while r + RM <= rows {
+                let xs = std::array::from_fn(|d| xr(r + d));
+                match np {
+                    3 => emit(
+                        &mut put,
+                        r,
+                        p,
+                        &src.tile::<RM, 3>(isa, xs, [p, p + 1, p + 2], k),
+                    ),
+                    2 => emit(&mut put, r, p, &src.tile::<RM, 2>(isa, xs, [p, p + 1], k)),
+                    _ => emit(&mut put, r, p, &src.tile::<RM, 1>(isa, xs, [p], k)),
                 }
+                r += RM;
             }
-            // Leftover rows (and a leftover panel): 4-row then 1-row tiles, panel by panel.
+            // Leftover rows: 4-row then 1-row tiles, panel by panel.
             for q in p..p + np {
                 let mut rr = r;
                 while rr + 4 <= rows {
-                    let t = src.tile::<4, 1>(isa, std::array::from_fn(|d| xr(rr + d)), [q], k);
-                    for (dr, tr) in t.iter().enumerate() {
-                        put(rr + dr, q, &tr[0]);
-                    }
+                    emit(
+                        &mut put,
+                        rr,
+                        q,
+                        &src.tile::<4, 1>(isa, std::array::from_fn(|d| xr(rr + d)), [q], k),
+                    );
                     rr += 4;
                 }
                 while rr < rows {
-                    let t = src.tile::<1, 1>(isa, [xr(rr)], [q], k);
-                    put(rr, q, &t[0][0]);
+                    emit(&mut put, rr, q, &src.tile::<1, 1>(isa, [xr(rr)], [q], k));
                     rr += 1;
                 }
             }
