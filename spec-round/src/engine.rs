@@ -261,7 +261,9 @@ impl<'a, B: Backend> Session<'a, B> {
                 self.drafter.ctx_len()
             )));
         }
-        let remaining = self.budget.map_or(usize::MAX, |b| b - self.produced);
+        let remaining = self
+            .budget
+            .map_or(usize::MAX, |b| b.saturating_sub(self.produced));
         let room = cap.saturating_sub(start);
         if remaining <= 1 || room == 0 {
             // The next token is already known: emit it without a forward.

@@ -6,6 +6,19 @@
 //! go into the drafter's context cache and `last` becomes the target's argmax at row `m`.
 //! The committed stream is the target's greedy stream by construction; the tests check it
 //! token for token against [`plain_greedy`].
+//!
+//! Pieces:
+//! * [`Target`]: the object-safe seam a target model implements (prime with taps, verify a
+//!   block, commit a prefix = its own rollback, lend embedding rows and the lm_head);
+//!   `dflash-targets` has Qwen3 dense and the Qwen3.5 / Qwen3-Next hybrid.
+//! * [`Drafter`]: what the engine needs from a drafter; [`DflashDrafter`] wraps the DFlash /
+//!   DSpark drafter of `dflash-draft-model` with its draft KV cache, and [`TargetAsLend`]
+//!   hands any `dyn Target` to it as its `TargetLend`.
+//! * [`Session`]: prime once, then [`Session::burst`] rounds until at least `n` tokens are
+//!   ready (overshoot stays queued), EOS or the context cap; [`generate`] is one session run
+//!   to a token budget. [`SpecConfig`] configures it, [`Stats`] reports rounds, drafted,
+//!   accepted, tau and per-phase wall time.
+//! * [`plain_greedy`]: the reference decode through the same `Target` trait.
 
 mod config;
 mod dflash;
