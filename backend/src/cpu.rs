@@ -1,5 +1,19 @@
-//! The CPU reference backend: plain f32 math, rayon across rows / heads / output features,
-//! quantized weights dequantized a few rows at a time inside `matmul` (never whole matrices).
+//! The CPU reference backend: f32 math, rayon across output panels / rows / kv heads (only
+//! above a work threshold: small ops run on the calling thread), AVX-512 / AVX2 kernels chosen
+//! at run time with a portable fallback.
+//!
+//! * `matmul`: weights are repacked at upload in panels of 16 output features (same memory
+//!   as the host data: f32 / bf16 / f16 values as they are, q8_0 / q4_0 codes with f32 block
+//!   scales), widened or dequantized in registers. Each output element is one sequential FMA
+//!   chain over the inner dimension, so its bits depend neither on the other rows of the call
+//!   (per-row determinism) nor on the thread count nor on the instruction set; a quantized
+//!   weight gives exactly the f32 matmul of its dequantized values. One row reads each weight
+//!   once (memory bound); 16 rows run register tiles of 8 rows x 48 outputs (compute bound,
+//!   near the FMA peak).
+//! * `attention`: per kv head, scores by query x key tiles (each with the bits of one fixed
+//!   order dot product), softmax (vectorised exp, same bits on every path), values accumulated
+//!   by one FMA chain per output element with the value loads shared by blocks of queries.
+//!   A query's output depends only on its own position and keys.
 //!
 //! Buffers are `Vec<f32>`. A buffer may be longer than what an op reads or writes (scratch
 //! reuse); the ops check that every operand is long enough and name it when it is not.

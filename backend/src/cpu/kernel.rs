@@ -1,4 +1,5 @@
-//! Dot-product tile kernels of the CPU backend.
+//! Dot-product kernels of the CPU backend (attention scores, norms), the attention value
+//! accumulation and the vectorised exp. Matmul uses the panel kernels of `panel`.
 //!
 //! Every output element `dot(x_r, w_o)` is computed with the same sequence of operations
 //! whatever tile it sits in: eight lane accumulators over the inner dimension in chunks of
