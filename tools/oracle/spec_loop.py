@@ -12,7 +12,8 @@ drafts equal to the target's argmax; commit last + d_1..d_m (m + 1 tokens); next
 the taps of the m + 1 kept rows go into the draft cache. vt = cap (default: the block size; at most the number of
 drafts + 1), or with --adaptive vt = clamp(m + 2, 3, cap) after each round, starting at cap.
 max_new counts every generated token, the first (the argmax after the prompt) included; output is exactly max_new
-tokens unless an EOS id comes first.
+tokens unless an EOS id comes first. With --engine-budget the loop follows the Rust round engine's budget rule
+(vt = min(vt, tokens left); a last single token is emitted without a round), so rounds and tau compare exactly.
 
 Stats per prompt: rounds, drafted (sum of vt - 1), accepted (sum of m), tau = (accepted + rounds) / rounds (mean
 committed per round, counted before the max_new cut); pooled tau = sum over prompts of (accepted + rounds) / sum
@@ -114,7 +115,7 @@ def plain_greedy(target: HFTarget, prompt: list[int], max_new: int, eos: set[int
 
 
 def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, prompt: list[int], max_new: int,
-                  vt_cap: int, adaptive: bool, use_markov: bool, eos: set[int]):
+                  vt_cap: int, adaptive: bool, use_markov: bool, eos: set[int], engine_budget: bool = False):
     ids = cfg.target_layer_ids
     for l in ids:
         if not -1 <= l <= target.n_layers - 2:
@@ -132,10 +133,19 @@ def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, promp
     while len(out) < max_new:
         s = len(seq)
         assert len(cache) == s
+        vt_round = vt
+        if engine_budget:
+            # the round engine's budget rule: never verify past max_new; the last token, already
+            # known, is emitted without a forward (not a round)
+            left = max_new - len(out)
+            if left == 1:
+                out.append(last)
+                break
+            vt_round = min(vt, left)
         drafts = O.propose(W, cache, last, s, target.embed, target.lm_head, use_markov=use_markov).tolist()
         if first_draft is None:
             first_draft = drafts
-        block = [last] + drafts[: vt - 1]
+        block = [last] + drafts[: vt_round - 1]
         assert len(target.seq) == s
         vlogits, vhs = target.extend(block)
         am = torch.argmax(vlogits, dim=-1).tolist()  # am[j] = target's token after block[0..j]
@@ -159,7 +169,7 @@ def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, promp
         cache.ingest(target.taps(vhs, ids, slice(0, m + 1)), s)
         last = am[m]
         if adaptive:
-            vt = max(3, min(m + 2, vt_cap))
+            vt = min(max(m + 2, 3), vt_cap)  # as the engine: the cap wins when it is below 3
     return out, {"rounds": rounds, "drafted": drafted, "accepted": accepted,
                  "tau": (accepted + rounds) / rounds if rounds else 0.0, "first_draft": first_draft,
                  "committed_per_round": per_round}
@@ -217,6 +227,9 @@ def main():
     ap.add_argument("--layout", choices=["dflash", "anchor"])
     ap.add_argument("--eos", default="")
     ap.add_argument("--no-check", action="store_true", help="skip the plain greedy comparison")
+    ap.add_argument("--engine-budget", action="store_true",
+                    help="the Rust round engine's budget rule: vt = min(vt, tokens left); the last token "
+                         "is emitted without a round (rounds/tau then match the engine's exactly)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-cache", action="store_true",
                     help="recompute the whole sequence every call (default for hybrid targets; dense targets "
@@ -252,7 +265,8 @@ def main():
     ok = True
     t0 = time.time()
     for i, p in enumerate(prompts):
-        toks, st = spec_generate(target, cfg, W, p, args.max_new, cap, args.adaptive, not args.no_markov, eos)
+        toks, st = spec_generate(target, cfg, W, p, args.max_new, cap, args.adaptive, not args.no_markov, eos,
+                                 args.engine_budget)
         r = {"prompt": i, "prompt_len": len(p), "tokens": toks, **st}
         if not args.no_check:
             plain = plain_greedy(target, p, args.max_new, eos)

@@ -43,7 +43,7 @@ enum ParityCmd {
     Draft(oracle::FixtureArgs),
     /// Target fixtures (transformers Qwen3 / Qwen3.5): same, for dflash-targets.
     Targets(oracle::FixtureArgs),
-    /// The oracle's greedy speculative loop on a target + drafter pair (tau), vs the Rust figure.
+    /// The oracle's greedy speculative loop vs the Rust engine (`dflash bench`), prompt by prompt: streams, rounds, tau.
     Spec(oracle::SpecArgs),
 }
 

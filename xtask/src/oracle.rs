@@ -8,8 +8,12 @@
 //! `PARITY` lines they print. Exits non-zero if any step fails, if a test did not report the temp
 //! dir (it ignored the env var), or if a case reported nothing.
 //!
-//! `spec`: the oracle's greedy speculative loop (`spec_loop.py --json`) on a target + drafter pair,
-//! printed next to whatever tau the caller passes with `--expect-tau` (the Rust CLI's figure).
+//! `spec`: the oracle's greedy speculative loop (`spec_loop.py --json --engine-budget`) and the
+//! Rust round engine (`dflash bench --json`) on the same pair, prompts, verify-width policy and
+//! `max_new`, compared prompt by prompt: each side's spec stream equals its own greedy; where the
+//! two greedy streams agree, the rounds (tokens committed per round) and tau are identical; where
+//! they part (an f32 near-tie between torch and the Rust kernels), the position, the two tokens
+//! and the target's top-2 logit gap are shown and the rounds before it must be identical.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -42,28 +46,33 @@ pub struct SpecArgs {
     /// Drafter directory.
     #[arg(long, default_value = "models/draft")]
     draft: String,
-    /// File with one prompt per line (token ids, comma or space separated).
+    /// Prompt set: JSON lines with `ids` (as models/prompts-heldout.jsonl), or one id list per
+    /// line (comma or space separated).
+    #[arg(
+        long,
+        default_value = "models/prompts-heldout.jsonl",
+        alias = "prompts-jsonl",
+        alias = "prompts-file"
+    )]
+    prompts: String,
+    /// The first N prompts (0: all).
+    #[arg(long, default_value_t = 10, alias = "first")]
+    limit: usize,
+    /// EOS ids, comma separated, for both loops (default: the target config's eos_token_id).
     #[arg(long)]
-    prompts_file: Option<String>,
-    /// JSON lines with an `ids` list (used when --prompts-file is not given).
-    #[arg(long, default_value = "models/prompts-heldout.jsonl")]
-    prompts_jsonl: String,
-    /// Only the first N prompts (0: all).
-    #[arg(long, default_value_t = 0)]
-    first: usize,
-    /// EOS token ids, comma separated (the shipped pair uses 0).
-    #[arg(long, default_value = "0")]
-    eos: String,
-    #[arg(long, default_value_t = 64)]
+    eos: Option<String>,
+    #[arg(long, default_value_t = 128)]
     max_new: usize,
     /// Verify-width cap (default: the block size).
     #[arg(long)]
     vt_cap: Option<usize>,
+    /// Fixed verify width (both loops; the default is the engine's adaptive width).
     #[arg(long)]
-    adaptive: bool,
-    /// tau measured by the Rust engine on the same prompts; compared to the oracle's pooled tau.
-    #[arg(long)]
-    expect_tau: Option<f64>,
+    no_adaptive: bool,
+    /// Where the greedy streams part, a target top-2 logit gap (torch f32) below this is an
+    /// f32 near-tie (reported, not a failure); above it, a real discrepancy.
+    #[arg(long, default_value_t = 1e-3)]
+    tie_gap: f64,
 }
 
 #[derive(Clone, Copy)]
@@ -477,61 +486,380 @@ fn tail(s: &str, n: usize) -> String {
 }
 
 // -------------------------------------------------------------------------------------------
-// spec loop tau
+// spec loop: the oracle's loop vs the Rust engine (`dflash bench --json`), round for round
 
-pub fn parity_spec(a: SpecArgs) -> Result<()> {
-    let mut args = vec![
-        "--target".to_string(),
-        a.target.clone(),
-        "--draft".into(),
-        a.draft.clone(),
-        "--max-new".into(),
-        a.max_new.to_string(),
-        "--first".into(),
-        a.first.to_string(),
-        "--json".into(),
-    ];
-    match &a.prompts_file {
-        Some(f) => args.extend(["--prompts-file".to_string(), f.clone()]),
-        None => args.extend(["--prompts-jsonl".to_string(), a.prompts_jsonl.clone()]),
-    }
-    if !a.eos.is_empty() {
-        args.extend(["--eos".to_string(), a.eos.clone()]);
-    }
-    if let Some(c) = a.vt_cap {
-        args.push("--vt-cap".into());
-        args.push(c.to_string());
-    }
-    if a.adaptive {
-        args.push("--adaptive".into());
-    }
-    println!(
-        "== oracle spec loop ({}): {} + {}",
-        python(),
-        a.target,
-        a.draft
-    );
-    let out = run_python("tools/oracle/spec_loop.py", &args)?;
-    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default())
-        .context("parsing spec_loop.py --json output")?;
-    let tau = v["tau_pooled"].as_f64().unwrap_or(f64::NAN);
-    println!(
-        "oracle: prompts {} rounds {} accepted {} tau pooled {tau:.4} (mean per prompt {:.4}) identical {}",
-        v["prompts"], v["rounds"], v["accepted"], v["tau_mean_per_prompt"].as_f64().unwrap_or(f64::NAN), v["identical"]
-    );
-    if v["identical"] != serde_json::Value::Bool(true) {
-        bail!("the oracle's spec stream differs from its plain greedy");
-    }
-    if let Some(t) = a.expect_tau {
-        let mean = v["tau_mean_per_prompt"].as_f64().unwrap_or(f64::NAN);
-        println!(
-            "rust:   tau {t:.4}   vs oracle pooled: diff {:.2e}, vs oracle per-prompt mean: diff {:.2e}",
-            (t - tau).abs(),
-            (t - mean).abs()
-        );
-        if (t - tau).abs() > 1e-9 && (t - mean).abs() > 1e-9 {
-            bail!("tau differs: greedy is deterministic, the two loops must agree round for round");
+fn read_spec_prompts(path: &Path, limit: usize) -> Result<Vec<Vec<u32>>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let ids: Vec<u32> = if line.starts_with('{') {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
+            v["ids"]
+                .as_array()
+                .with_context(|| format!("{}:{}: no `ids`", path.display(), i + 1))?
+                .iter()
+                .map(|x| x.as_u64().map(|x| x as u32))
+                .collect::<Option<_>>()
+                .with_context(|| format!("{}:{}: non-integer id", path.display(), i + 1))?
+        } else {
+            line.replace(',', " ")
+                .split_whitespace()
+                .map(|x| x.parse::<u32>())
+                .collect::<std::result::Result<_, _>>()
+                .with_context(|| format!("{}:{}: bad id list", path.display(), i + 1))?
+        };
+        out.push(ids);
+        if out.len() == limit && limit > 0 {
+            break;
         }
     }
+    Ok(out)
+}
+
+fn eos_ids(target: &Path) -> Vec<u32> {
+    let v: serde_json::Value = std::fs::read_to_string(target.join("config.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_default();
+    let e = v
+        .get("text_config")
+        .and_then(|t| t.get("eos_token_id"))
+        .or_else(|| v.get("eos_token_id"));
+    match e {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn u32s(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn usizes(v: &serde_json::Value) -> Vec<usize> {
+    u32s(v).into_iter().map(|x| x as usize).collect()
+}
+
+fn first_diff(a: &[u32], b: &[u32]) -> Option<usize> {
+    let n = a.len().min(b.len());
+    (0..n)
+        .find(|&i| a[i] != b[i])
+        .or((a.len() != b.len()).then_some(n))
+}
+
+/// The last line of a command's stdout as JSON (the command may exit non-zero after printing
+/// it: both loops report a spec != greedy prompt that way).
+fn json_of(mut cmd: Command, what: &str) -> Result<serde_json::Value> {
+    let out = cmd.output().with_context(|| format!("running {what}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| {
+        format!(
+            "{what} ({}) printed no JSON:\n{}\n{}",
+            out.status,
+            tail(&stdout, 20),
+            tail(&String::from_utf8_lossy(&out.stderr), 40)
+        )
+    })
+}
+
+pub fn parity_spec(a: SpecArgs) -> Result<()> {
+    let root = repo_root();
+    let prompts = read_spec_prompts(&root.join(&a.prompts), a.limit)?;
+    if prompts.is_empty() {
+        bail!("no prompts in {}", a.prompts);
+    }
+    let scratch = Scratch::new("spec-parity")?;
+    let ids_txt = scratch.0.join("ids.txt");
+    let jsonl = scratch.0.join("prompts.jsonl");
+    let mut t = String::new();
+    let mut j = String::new();
+    for p in &prompts {
+        let s: Vec<String> = p.iter().map(u32::to_string).collect();
+        t += &s.join(",");
+        t += "\n";
+        j += &serde_json::json!({ "ids": p }).to_string();
+        j += "\n";
+    }
+    std::fs::write(&ids_txt, t)?;
+    std::fs::write(&jsonl, j)?;
+    let eos = match &a.eos {
+        Some(e) => e
+            .split(',')
+            .filter(|x| !x.trim().is_empty())
+            .map(|x| x.trim().parse::<u32>())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .context("--eos: comma separated ids")?,
+        None => eos_ids(&root.join(&a.target)),
+    };
+    let eos_s: Vec<String> = eos.iter().map(u32::to_string).collect();
+
+    // ---- the oracle (torch f32, no KV cache), with the engine's budget rule
+    let mut py = Command::new(python());
+    py.arg(root.join("tools/oracle/spec_loop.py"))
+        .args(["--target", &a.target, "--draft", &a.draft])
+        .arg("--prompts-file")
+        .arg(&ids_txt)
+        .args([
+            "--max-new",
+            &a.max_new.to_string(),
+            "--engine-budget",
+            "--json",
+        ])
+        .current_dir(&root);
+    if !a.no_adaptive {
+        py.arg("--adaptive");
+    }
+    if let Some(c) = a.vt_cap {
+        py.args(["--vt-cap", &c.to_string()]);
+    }
+    if !eos_s.is_empty() {
+        py.args(["--eos", &eos_s.join(",")]);
+    }
+    println!(
+        "== oracle: {} tools/oracle/spec_loop.py, {} prompts of {}, max_new {}, {} (EOS {:?})",
+        python(),
+        prompts.len(),
+        a.prompts,
+        a.max_new,
+        if a.no_adaptive {
+            "fixed width"
+        } else {
+            "adaptive width"
+        },
+        eos
+    );
+    let o = json_of(py, "spec_loop.py")?;
+
+    // ---- the Rust engine (release build of the CLI, CPU backend)
+    let mut rs = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    rs.args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "dflash-cli",
+        "--",
+        "bench",
+    ])
+    .args(["--target", &a.target, "--draft", &a.draft])
+    .arg("--prompts")
+    .arg(&jsonl)
+    .args(["--max-new", &a.max_new.to_string(), "--json"])
+    .current_dir(&root);
+    if a.no_adaptive {
+        rs.arg("--no-adaptive");
+    }
+    if a.eos.is_some() {
+        rs.arg("--no-eos");
+        for e in &eos {
+            rs.args(["--eos", &e.to_string()]);
+        }
+    }
+    if let Some(c) = a.vt_cap {
+        rs.args(["--verify-cap", &c.to_string()]);
+    }
+    println!("== rust: cargo run --release -p dflash-cli -- bench --json (same prompts)");
+    let r = json_of(rs, "dflash bench")?;
+
+    let op = o["per_prompt"]
+        .as_array()
+        .context("oracle: no per_prompt")?;
+    let rp = r["per_prompt"].as_array().context("rust: no per_prompt")?;
+    if op.len() != prompts.len() || rp.len() != prompts.len() {
+        bail!(
+            "prompt counts differ: {} asked, oracle {}, rust {}",
+            prompts.len(),
+            op.len(),
+            rp.len()
+        );
+    }
+    println!(
+        "{:>6} {:>4} | {:>6} {:>6} | {:>6} {:>6} | {:<10} {:<9} | verdict",
+        "prompt", "len", "o.rnds", "o.tau", "r.rnds", "r.tau", "greedy", "spec=grdy"
+    );
+    let mut failures = Vec::new();
+    let mut ties = 0;
+    let mut agree = 0;
+    let (mut ag_o, mut ag_r) = ((0usize, 0usize), (0usize, 0usize));
+    for (i, (ov, rv)) in op.iter().zip(rp).enumerate() {
+        let (o_tok, o_plain) = (u32s(&ov["tokens"]), u32s(&ov["plain_tokens"]));
+        let (r_tok, r_plain) = (u32s(&rv["tokens"]), u32s(&rv["plain_tokens"]));
+        let (o_rounds, r_rounds) = (
+            usizes(&ov["committed_per_round"]),
+            usizes(&rv["committed_per_round"]),
+        );
+        let o_tau = ov["tau"].as_f64().unwrap_or(f64::NAN);
+        let r_tau = rv["tau"].as_f64().unwrap_or(f64::NAN);
+        let o_ok = o_tok == o_plain;
+        let r_ok = r_tok == r_plain;
+        let diff = first_diff(&o_plain, &r_plain);
+        let mut verdict = String::new();
+        if !o_ok {
+            failures.push(format!(
+                "prompt {i}: the oracle's spec stream differs from its greedy"
+            ));
+            verdict += "ORACLE SPEC != GREEDY; ";
+        }
+        if !r_ok {
+            failures.push(format!(
+                "prompt {i}: the Rust spec stream differs from its greedy"
+            ));
+            verdict += "RUST SPEC != GREEDY; ";
+        }
+        let greedy = match diff {
+            None => {
+                agree += 1;
+                if o_rounds == r_rounds {
+                    verdict += "identical rounds";
+                    ag_o.0 += o_rounds.iter().sum::<usize>();
+                    ag_o.1 += o_rounds.len();
+                    ag_r.0 += r_rounds.iter().sum::<usize>();
+                    ag_r.1 += r_rounds.len();
+                } else {
+                    let k = o_rounds
+                        .iter()
+                        .zip(&r_rounds)
+                        .take_while(|(x, y)| x == y)
+                        .count();
+                    verdict += &format!("ROUNDS DIFFER from round {k}");
+                    failures.push(format!(
+                        "prompt {i}: same greedy stream but different rounds (first at round {k}: \
+                         oracle {:?}, rust {:?}): a real bug",
+                        o_rounds.get(k),
+                        r_rounds.get(k)
+                    ));
+                }
+                "agree".to_string()
+            }
+            Some(k) => {
+                // rounds that end before the parting position saw identical inputs
+                let mut cum = 0;
+                let before = r_rounds
+                    .iter()
+                    .take_while(|&&c| {
+                        cum += c;
+                        cum < k
+                    })
+                    .count();
+                let same_before =
+                    o_rounds.len() >= before && o_rounds[..before] == r_rounds[..before];
+                let mut ids: Vec<String> = prompts[i].iter().map(u32::to_string).collect();
+                ids.extend(o_plain[..k].iter().map(u32::to_string));
+                let toks: Vec<String> = [o_plain.get(k), r_plain.get(k)]
+                    .into_iter()
+                    .flatten()
+                    .map(u32::to_string)
+                    .collect();
+                let g = run_python(
+                    "tools/oracle/logit_gap.py",
+                    &[
+                        "--target".into(),
+                        a.target.clone(),
+                        "--ids".into(),
+                        ids.join(","),
+                        "--tokens".into(),
+                        toks.join(","),
+                        "--json".into(),
+                    ],
+                )?;
+                let g: serde_json::Value =
+                    serde_json::from_str(g.lines().last().unwrap_or_default())
+                        .context("parsing logit_gap.py output")?;
+                let gap = g["gap"].as_f64().unwrap_or(f64::NAN);
+                // the gap between the two chosen tokens in torch's logits
+                let chosen: Vec<f64> = toks
+                    .iter()
+                    .filter_map(|t| g["tokens"][t].as_f64())
+                    .collect();
+                let pair_gap = if chosen.len() == 2 {
+                    (chosen[0] - chosen[1]).abs()
+                } else {
+                    f64::NAN
+                };
+                verdict += &format!(
+                    "greedy parts at token {k}: oracle {} rust {}, torch top-2 {} gap {gap:.2e}, \
+                     logit(oracle) - logit(rust) {pair_gap:.2e}; {before} rounds before it {}",
+                    o_plain.get(k).map_or("-".into(), u32::to_string),
+                    r_plain.get(k).map_or("-".into(), u32::to_string),
+                    g["top"],
+                    if same_before { "identical" } else { "DIFFER" }
+                );
+                if pair_gap.is_nan() || pair_gap > a.tie_gap {
+                    failures.push(format!(
+                        "prompt {i}: greedy streams part at token {k} where the chosen tokens' \
+                         logits differ by {pair_gap:.2e} (> tie gap {:.1e}): not a near-tie",
+                        a.tie_gap
+                    ));
+                } else {
+                    ties += 1;
+                }
+                if !same_before {
+                    failures.push(format!(
+                        "prompt {i}: the rounds before the parting position differ: a real bug"
+                    ));
+                }
+                format!("part@{k}")
+            }
+        };
+        println!(
+            "{:>6} {:>4} | {:>6} {:>6.3} | {:>6} {:>6.3} | {:<10} {:<9} | {verdict}",
+            i,
+            prompts[i].len(),
+            o_rounds.len(),
+            o_tau,
+            r_rounds.len(),
+            r_tau,
+            greedy,
+            format!(
+                "{}/{}",
+                if o_ok { "yes" } else { "NO" },
+                if r_ok { "yes" } else { "NO" }
+            ),
+        );
+    }
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "all prompts: oracle tau pooled {:.4} (mean per prompt {:.4}), rust tau pooled {:.4} (mean per prompt {:.4})",
+        f(&o, "tau_pooled"),
+        f(&o, "tau_mean_per_prompt"),
+        f(&r, "tau_pooled"),
+        f(&r, "tau_mean_per_prompt")
+    );
+    println!(
+        "prompts whose greedy streams agree: {agree}/{}; over them tau pooled oracle {:.4} rust {:.4} \
+         ({} vs {} rounds); near-ties: {ties}",
+        prompts.len(),
+        ag_o.0 as f64 / ag_o.1.max(1) as f64,
+        ag_r.0 as f64 / ag_r.1.max(1) as f64,
+        ag_o.1,
+        ag_r.1
+    );
+    if !failures.is_empty() {
+        for s in &failures {
+            println!("FAIL {s}");
+        }
+        bail!("{} spec-loop discrepancies", failures.len());
+    }
+    println!("spec parity OK");
     Ok(())
 }
