@@ -22,7 +22,7 @@ mod kernel;
 mod panel;
 mod qpanel;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use dflash_quant::QK;
 use rayon::prelude::*;
@@ -41,6 +41,35 @@ pub struct Cpu {
     pool: Option<Arc<rayon::ThreadPool>>,
     isa: Isa,
     par_min_work: usize,
+    rope_cache: Arc<Mutex<Vec<RopeCache>>>,
+}
+
+/// cos / sin of the RoPE pairs for positions `0 .. table.len() / half` of one spec.
+#[derive(Debug)]
+struct RopeCache {
+    inv_freq: Vec<u32>,
+    scaling: u32,
+    table: Vec<(f32, f32)>,
+}
+
+/// Positions beyond this are computed on the fly rather than cached.
+const ROPE_CACHE_POSITIONS: usize = 1 << 16;
+/// Specs remembered (drafter and target may differ).
+const ROPE_CACHE_SPECS: usize = 4;
+
+/// `(cos, sin) * attention_scaling` of each pair at `pos`, in f32 as transformers computes them.
+fn rope_row(spec: &RopeSpec, pos: usize) -> Vec<(f32, f32)> {
+    let p = pos as f32;
+    spec.inv_freq
+        .iter()
+        .map(|&f| {
+            let a = p * f;
+            (
+                a.cos() * spec.attention_scaling,
+                a.sin() * spec.attention_scaling,
+            )
+        })
+        .collect()
 }
 
 impl Default for Cpu {
@@ -48,6 +77,7 @@ impl Default for Cpu {
         Cpu {
             pool: None,
             par_min_work: PAR_MIN_WORK,
+            rope_cache: Arc::default(),
             isa: Isa::detect(),
         }
     }
@@ -69,6 +99,7 @@ impl Cpu {
         Ok(Cpu {
             pool: Some(Arc::new(pool)),
             par_min_work: PAR_MIN_WORK,
+            rope_cache: Arc::default(),
             isa: Isa::detect(),
         })
     }
@@ -129,6 +160,46 @@ impl Cpu {
                     .for_each(|(i, c)| f(i, c))
             });
         }
+    }
+
+    /// The cached (cos, sin) rows of positions `pos0 .. pos0 + rows` (`rows * half` pairs),
+    /// or `None` when they fall outside the cache (computed per row then: same values).
+    fn rope_table(&self, spec: &RopeSpec, pos0: usize, rows: usize) -> Option<Vec<(f32, f32)>> {
+        let end = pos0.checked_add(rows)?;
+        if end > ROPE_CACHE_POSITIONS {
+            return None;
+        }
+        let half = spec.inv_freq.len();
+        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let scaling = spec.attention_scaling.to_bits();
+        let mut caches = self.rope_cache.lock().ok()?;
+        let idx = match caches
+            .iter()
+            .position(|c| c.inv_freq == key && c.scaling == scaling)
+        {
+            Some(i) => i,
+            None => {
+                if caches.len() >= ROPE_CACHE_SPECS {
+                    caches.remove(0);
+                }
+                caches.push(RopeCache {
+                    inv_freq: key,
+                    scaling,
+                    table: Vec::new(),
+                });
+                caches.len() - 1
+            }
+        };
+        let c = &mut caches[idx];
+        let have = c.table.len() / half.max(1);
+        if have < end {
+            // Grow in steps so that decoding one position at a time stays cheap.
+            let target = end.max(have * 2).clamp(256, ROPE_CACHE_POSITIONS);
+            for pos in have..target {
+                c.table.extend(rope_row(spec, pos));
+            }
+        }
+        Some(c.table[pos0 * half..end * half].to_vec())
     }
 
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -709,19 +780,16 @@ impl Backend for Cpu {
             return Ok(());
         }
         let half = rot / 2;
+        let table = self.rope_table(spec, pos0, rows);
         self.for_rows(&mut x[..rows * width], width, rows * width * 4, |r, row| {
-            let pos = (pos0 + r) as f32;
-            let cs: Vec<(f32, f32)> = spec
-                .inv_freq
-                .iter()
-                .map(|&f| {
-                    let a = pos * f;
-                    (
-                        a.cos() * spec.attention_scaling,
-                        a.sin() * spec.attention_scaling,
-                    )
-                })
-                .collect();
+            let computed;
+            let cs: &[(f32, f32)] = match &table {
+                Some(t) => &t[r * half..(r + 1) * half],
+                None => {
+                    computed = rope_row(spec, pos0 + r);
+                    &computed
+                }
+            };
             for head in row.chunks_exact_mut(head_dim) {
                 for (i, &(c, s)) in cs.iter().enumerate() {
                     let x1 = head[i];

@@ -1042,3 +1042,31 @@ fn weight_errors() {
     assert!(matches!(be.upload_weight(&hw), Err(BackendError::Weight(m)) if m.contains("w:")));
     assert!(HostWeight::from_f32("q", 1, 16, &[1.0; 16], WeightFormat::Q4_0).is_err());
 }
+
+#[test]
+fn rope_cached_and_uncached_positions_agree() {
+    // Positions below 65536 come from the backend's cos/sin cache, the others are computed on
+    // the fly: a call crossing the boundary must match one-row calls on either side.
+    let spec = RopeSpec {
+        inv_freq: (0..8).map(|i| 10000f32.powf(-(i as f32) / 8.0)).collect(),
+        attention_scaling: 1.1,
+    };
+    let (rows, nh, hd, pos0) = (12, 2, 20, 65530);
+    let x: Vec<f32> = (0..rows * nh * hd)
+        .map(|i| ((i * 7) % 23) as f32 * 0.1 - 1.0)
+        .collect();
+    let be = Cpu::default();
+    let mut all = x.clone();
+    be.rope(&mut all, rows, nh, hd, pos0, &spec).unwrap();
+    let mut want = x.clone();
+    naive_rope(&mut want, rows, nh, hd, pos0, &spec);
+    let w = nh * hd;
+    for r in 0..rows {
+        let mut one = x[r * w..(r + 1) * w].to_vec();
+        be.rope(&mut one, 1, nh, hd, pos0 + r, &spec).unwrap();
+        assert_eq!(bits(&one), bits(&all[r * w..(r + 1) * w]), "row {r}");
+    }
+    for (a, b) in all.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()) * 4.0);
+    }
+}
