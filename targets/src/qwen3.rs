@@ -1,6 +1,8 @@
 //! Qwen3 dense (`Qwen3ForCausalLM`) as transformers implements it, generic over a backend,
 //! with a KV cache whose rollback is a truncation.
 
+use std::sync::Arc;
+
 use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
@@ -201,13 +203,19 @@ pub enum LogitRows {
     All,
 }
 
-/// A Qwen3 dense model with its KV cache.
-pub struct Qwen3Dense<B: Backend> {
+/// The weights of a Qwen3 dense model (shared between instances, see [`Qwen3Dense::share`]).
+struct Weights<B: Backend> {
     cfg: Qwen3Config,
     embed: Weight<B>,
     lm_head: Option<Weight<B>>,
     norm: B::Buf,
     layers: Vec<Layer<B>>,
+}
+
+/// A Qwen3 dense model with its KV cache. The weights sit behind an `Arc`: [`Self::share`]
+/// makes another instance (its own cache, e.g. one per serving session) over the same weights.
+pub struct Qwen3Dense<B: Backend> {
+    w: Arc<Weights<B>>,
     k_cache: Vec<B::Buf>,
     v_cache: Vec<B::Buf>,
     cap: usize,
@@ -291,19 +299,29 @@ impl<B: Backend> Qwen3Dense<B> {
         cap: usize,
     ) -> Result<Self> {
         cfg.validate()?;
-        let kvw = cfg.n_kv_heads * cfg.head_dim;
-        let mut k_cache = Vec::with_capacity(cfg.n_layers);
-        let mut v_cache = Vec::with_capacity(cfg.n_layers);
-        for _ in 0..cfg.n_layers {
+        Self::with_cache(
+            be,
+            Arc::new(Weights {
+                cfg,
+                embed,
+                lm_head,
+                norm,
+                layers,
+            }),
+            cap,
+        )
+    }
+
+    fn with_cache(be: &B, w: Arc<Weights<B>>, cap: usize) -> Result<Self> {
+        let kvw = w.cfg.n_kv_heads * w.cfg.head_dim;
+        let mut k_cache = Vec::with_capacity(w.cfg.n_layers);
+        let mut v_cache = Vec::with_capacity(w.cfg.n_layers);
+        for _ in 0..w.cfg.n_layers {
             k_cache.push(be.zeros(cap * kvw)?);
             v_cache.push(be.zeros(cap * kvw)?);
         }
         Ok(Qwen3Dense {
-            cfg,
-            embed,
-            lm_head,
-            norm,
-            layers,
+            w,
             k_cache,
             v_cache,
             cap,
@@ -311,6 +329,11 @@ impl<B: Backend> Qwen3Dense<B> {
             pending: None,
             scratch: Vec::new(),
         })
+    }
+
+    /// Another instance over the same weights with its own empty cache of `cap` positions.
+    pub fn share(&self, be: &B, cap: usize) -> Result<Self> {
+        Self::with_cache(be, Arc::clone(&self.w), cap)
     }
 
     /// A model from host weights given by name (tests and random models): the same tensor
@@ -394,17 +417,17 @@ impl<B: Backend> Qwen3Dense<B> {
 
     /// The model's shape.
     pub fn config(&self) -> &Qwen3Config {
-        &self.cfg
+        &self.w.cfg
     }
 
     /// The output projection (the embedding when tied).
     pub fn head(&self) -> &Weight<B> {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
+        self.w.lm_head.as_ref().unwrap_or(&self.w.embed)
     }
 
     /// The embedding table.
     pub fn embedding(&self) -> &Weight<B> {
-        &self.embed
+        &self.w.embed
     }
 
     /// Committed positions.
@@ -447,7 +470,7 @@ impl<B: Backend> Qwen3Dense<B> {
     }
 
     fn new_scratch(&self, be: &B, t: usize) -> Result<Scratch<B>> {
-        let c = &self.cfg;
+        let c = &self.w.cfg;
         let (d, qw, kvw, i) = (
             c.hidden,
             c.n_heads * c.head_dim,
@@ -507,7 +530,7 @@ impl<B: Backend> Qwen3Dense<B> {
         return_logits: bool,
         sc: &mut Scratch<B>,
     ) -> Result<Forward<B>> {
-        let c = &self.cfg;
+        let c = &self.w.cfg;
         let t = tokens.len();
         let (d, hd) = (c.hidden, c.head_dim);
         let kvw = c.n_kv_heads * hd;
@@ -573,10 +596,10 @@ impl<B: Backend> Qwen3Dense<B> {
             a,
             logits: sc_logits,
         } = sc;
-        be.gather_rows(&self.embed, tokens, x)?;
+        be.gather_rows(&self.w.embed, tokens, x)?;
         write_taps(be, -1, x, &mut tap_buf)?;
 
-        for (li, layer) in self.layers.iter().enumerate() {
+        for (li, layer) in self.w.layers.iter().enumerate() {
             be.rms_norm(&*x, &layer.in_norm, d, c.rms_eps, h)?;
             be.matmul(&*h, t, &layer.wq, q)?;
             be.matmul(&*h, t, &layer.wk, k)?;
@@ -610,21 +633,21 @@ impl<B: Backend> Qwen3Dense<B> {
             be.add_assign(x, 0, &*o, t * d)?;
             write_taps(be, li as i32, &*x, &mut tap_buf)?;
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
         let (argmax, logits) = match rows {
             LogitRows::None => (Vec::new(), None),
             LogitRows::Last => {
                 let mut last = be.zeros(d)?;
                 be.copy(x, (t - 1) * d, &mut last, 0, d)?;
                 let mut ln = be.zeros(d)?;
-                be.rms_norm(&last, &self.norm, d, c.rms_eps, &mut ln)?;
+                be.rms_norm(&last, &self.w.norm, d, c.rms_eps, &mut ln)?;
                 let mut lg = be.zeros(c.vocab)?;
                 be.matmul(&ln, 1, head, &mut lg)?;
                 let am = be.argmax_rows(&lg, 0, 1, c.vocab)?;
                 (am, return_logits.then_some(lg))
             }
             LogitRows::All => {
-                be.rms_norm(x, &self.norm, d, c.rms_eps, h)?;
+                be.rms_norm(x, &self.w.norm, d, c.rms_eps, h)?;
                 let mut lg = match sc_logits.take() {
                     Some(lg) => lg,
                     None => be.zeros(t * c.vocab)?,
@@ -656,9 +679,9 @@ pub enum HostTensor {
 impl<B: Backend> Target<B> for Qwen3Dense<B> {
     fn info(&self) -> TargetInfo {
         TargetInfo {
-            n_layers: self.cfg.n_layers,
-            hidden: self.cfg.hidden,
-            vocab: self.cfg.vocab,
+            n_layers: self.w.cfg.n_layers,
+            hidden: self.w.cfg.hidden,
+            vocab: self.w.cfg.vocab,
             ctx_cap: self.cap,
         }
     }
@@ -726,7 +749,7 @@ impl<B: Backend> Target<B> for Qwen3Dense<B> {
     }
 
     fn embed_rows(&self, be: &B, ids: &[u32], out: &mut B::Buf) -> dflash_backend::Result<()> {
-        be.gather_rows(&self.embed, ids, out)
+        be.gather_rows(&self.w.embed, ids, out)
     }
 
     fn lm_head(&self) -> &Weight<B> {

@@ -409,3 +409,66 @@ fn session_errors() {
     assert!(s.burst(5).unwrap().is_empty());
     assert!(s.finished());
 }
+
+/// Sessions over instances that share one set of weights (`Qwen3Dense::share`), interleaved,
+/// give each prompt's plain greedy stream.
+#[test]
+fn sessions_sharing_weights_interleave_exactly() {
+    let be = Cpu::new();
+    let base = random_qwen3(
+        &be,
+        tiny_qwen3_config(VOCAB, HIDDEN, 3, Some(5)),
+        9,
+        WeightFormat::Bf16,
+        96,
+    )
+    .unwrap();
+    let prompts = [vec![3u32, 1, 4], vec![2u32, 7, 1, 8, 2, 8], vec![5u32]];
+    let mut reference = base.share(&be, 96).unwrap();
+    let longs: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| plain_greedy(&be, &mut reference, p, 200, &[]).unwrap())
+        .collect();
+    let mut targets: Vec<_> = prompts
+        .iter()
+        .map(|_| base.share(&be, 96).unwrap())
+        .collect();
+    let mut drafters: Vec<_> = prompts
+        .iter()
+        .zip(&longs)
+        .enumerate()
+        .map(|(i, (p, l))| {
+            let pat = [
+                Pattern::Alternate,
+                Pattern::Random(i as u64),
+                Pattern::Perfect,
+            ][i];
+            ScriptDrafter::<Cpu>::new(
+                [&p[..], &l[..]].concat(),
+                VOCAB as u32,
+                vec![-1, 1],
+                HIDDEN,
+                5,
+                bad_fn(pat),
+            )
+        })
+        .collect();
+    let mut sessions: Vec<Session<'_, Cpu>> = targets
+        .iter_mut()
+        .zip(drafters.iter_mut())
+        .zip(&prompts)
+        .map(|((t, d), p)| {
+            Session::new(&be, t, d, SpecConfig::default(), p, &[], Some(60)).unwrap()
+        })
+        .collect();
+    let mut outs = vec![Vec::new(); prompts.len()];
+    for step in 0..200 {
+        for (i, s) in sessions.iter_mut().enumerate() {
+            outs[i].extend(s.burst(1 + (step + i) % 4).unwrap());
+        }
+    }
+    for (i, o) in outs.iter().enumerate() {
+        assert_eq!(o[..], longs[i][..60], "session {i}");
+        assert!(sessions[i].finished());
+    }
+}
