@@ -16,7 +16,6 @@
 // 16-byte weight loads, 32-byte x loads.
 
 #define SK_WARPS 4
-#define SK_R 2
 
 // Raw (undecoded) weight bytes of one thread for one 32-wide k tile and one output row:
 // bf16: 8 values (16 B); q8_0: 8 codes (8 B) + the f16 scale; q4_0: 8 nibbles (4 B) + scale.
@@ -83,7 +82,7 @@ struct RawB {
     uint4 h, l;
 };
 
-template <int FMT, int NT>
+template <int FMT, int NT, int SK_R>
 __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const u16 *__restrict__ xh,
                                            const u16 *__restrict__ xl,
                                            float *__restrict__ out, float *__restrict__ ws, u32 *__restrict__ counters, int N, int K,
@@ -227,19 +226,27 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
 
-#define SKINNY(NAME, FMT, NT)                                                                                                    \
+#define SKINNY(NAME, FMT, NT, R)                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) NAME(const void *wq, const u16 *wd, const u16 *xh, const u16 *xl, \
                                                            float *out, float *ws, u32 *counters, int N, int K, int T, int S, \
                                                            int tps) {                                                          \
-        skinny_mma<FMT, NT>(wq, wd, xh, xl, out, ws, counters, N, K, T, S, tps);                                               \
+        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws, counters, N, K, T, S, tps);                                            \
     }
 
-SKINNY(skinny_bf16_n1, FMT_BF16, 1)
-SKINNY(skinny_bf16_n2, FMT_BF16, 2)
-SKINNY(skinny_q8_0_n1, FMT_Q8_0, 1)
-SKINNY(skinny_q8_0_n2, FMT_Q8_0, 2)
-SKINNY(skinny_q4_0_n1, FMT_Q4_0, 1)
-SKINNY(skinny_q4_0_n2, FMT_Q4_0, 2)
+// R = output tiles of 16 rows per warp (32 or 64 rows per block): 2 for most shapes, 4 for
+// very tall matrices (the lm_head), where x is re-read from L2 once per block.
+SKINNY(skinny_bf16_n1, FMT_BF16, 1, 2)
+SKINNY(skinny_bf16_n2, FMT_BF16, 2, 2)
+SKINNY(skinny_q8_0_n1, FMT_Q8_0, 1, 2)
+SKINNY(skinny_q8_0_n2, FMT_Q8_0, 2, 2)
+SKINNY(skinny_q4_0_n1, FMT_Q4_0, 1, 2)
+SKINNY(skinny_q4_0_n2, FMT_Q4_0, 2, 2)
+SKINNY(skinny_bf16_n1_r4, FMT_BF16, 1, 4)
+SKINNY(skinny_bf16_n2_r4, FMT_BF16, 2, 4)
+SKINNY(skinny_q8_0_n1_r4, FMT_Q8_0, 1, 4)
+SKINNY(skinny_q8_0_n2_r4, FMT_Q8_0, 2, 4)
+SKINNY(skinny_q4_0_n1_r4, FMT_Q4_0, 1, 4)
+SKINNY(skinny_q4_0_n2_r4, FMT_Q4_0, 2, 4)
 
 // CUDA-core skinny kernel for any format and any K (f32 / f16 weights, and shapes the
 // tensor-core path does not take). One warp per output feature; lane l owns k = l + 32i;

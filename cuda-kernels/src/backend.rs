@@ -20,7 +20,8 @@ type Result<T> = std::result::Result<T, BackendError>;
 
 /// Largest row count served by the per-row-deterministic skinny matmul in one launch.
 pub const SKINNY_ROWS: usize = 16;
-/// Output features per block of the tensor-core skinny matmul (`16 * SK_R` in matmul.cu).
+/// Output features per block of the tensor-core skinny matmul (`16 * R` in matmul.cu, R = 2;
+/// twice that for the R = 4 kernels of very tall matrices).
 const SKINNY_TILE_ROWS: usize = 32;
 const ARGMAX_CHUNK: usize = 4096;
 const MARKOV_CHUNK: usize = 1024;
@@ -557,20 +558,34 @@ impl Cuda {
             i32_of("matmul", "w.cols", k)?,
             rows as i32,
         );
-        let mma_kernel = match (&w.buf, rows > 8) {
-            (CudaWeightBuf::Bf16(_), false) => Some(Kernel::SkinnyBf16N1),
-            (CudaWeightBuf::Bf16(_), true) => Some(Kernel::SkinnyBf16N2),
-            (CudaWeightBuf::Q8_0 { .. }, false) => Some(Kernel::SkinnyQ8N1),
-            (CudaWeightBuf::Q8_0 { .. }, true) => Some(Kernel::SkinnyQ8N2),
-            (CudaWeightBuf::Q4_0 { .. }, false) => Some(Kernel::SkinnyQ4N1),
-            (CudaWeightBuf::Q4_0 { .. }, true) => Some(Kernel::SkinnyQ4N2),
+        // Very tall matrices (vocabulary heads) take 64-row tiles (x re-read from L2 half as
+        // often); the choice depends on N and the SM count only.
+        let tall = n.div_ceil(SKINNY_TILE_ROWS) >= 8 * self.num_sms;
+        let mma_kernel = match (&w.buf, rows > 8, tall) {
+            (CudaWeightBuf::Bf16(_), false, false) => Some(Kernel::SkinnyBf16N1),
+            (CudaWeightBuf::Bf16(_), true, false) => Some(Kernel::SkinnyBf16N2),
+            (CudaWeightBuf::Q8_0 { .. }, false, false) => Some(Kernel::SkinnyQ8N1),
+            (CudaWeightBuf::Q8_0 { .. }, true, false) => Some(Kernel::SkinnyQ8N2),
+            (CudaWeightBuf::Q4_0 { .. }, false, false) => Some(Kernel::SkinnyQ4N1),
+            (CudaWeightBuf::Q4_0 { .. }, true, false) => Some(Kernel::SkinnyQ4N2),
+            (CudaWeightBuf::Bf16(_), false, true) => Some(Kernel::SkinnyBf16N1R4),
+            (CudaWeightBuf::Bf16(_), true, true) => Some(Kernel::SkinnyBf16N2R4),
+            (CudaWeightBuf::Q8_0 { .. }, false, true) => Some(Kernel::SkinnyQ8N1R4),
+            (CudaWeightBuf::Q8_0 { .. }, true, true) => Some(Kernel::SkinnyQ8N2R4),
+            (CudaWeightBuf::Q4_0 { .. }, false, true) => Some(Kernel::SkinnyQ4N1R4),
+            (CudaWeightBuf::Q4_0 { .. }, true, true) => Some(Kernel::SkinnyQ4N2R4),
             _ => None,
+        };
+        let tile_rows = if tall {
+            2 * SKINNY_TILE_ROWS
+        } else {
+            SKINNY_TILE_ROWS
         };
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
                 let f = self.func(kern)?;
                 let fs = self.func(Kernel::SplitBf16)?;
-                let nb = n.div_ceil(SKINNY_TILE_ROWS);
+                let nb = n.div_ceil(tile_rows);
                 let kt = k / 32;
                 // Split-k chosen from (N, K, SM count) only: never from the row count.
                 let want = (2 * self.num_sms).div_ceil(nb);

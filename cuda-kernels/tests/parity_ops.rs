@@ -42,7 +42,8 @@ fn matmul_all_formats_and_row_counts() {
     let mut r = rng("matmul_all_formats_and_row_counts");
     // (N, K): split-k on and off, ragged N, K not a multiple of 32 (SIMT fallback), long K.
     let shapes = [
-        (4096usize, 4096usize),
+        (40000usize, 96usize), // tall: the 64-row-tile kernels of vocabulary heads
+        (4096, 4096),
         (1024, 4096),
         (300, 96),
         (77, 50),
@@ -86,7 +87,7 @@ fn matmul_is_per_row_deterministic() {
         return;
     };
     let mut r = rng("matmul_is_per_row_deterministic");
-    for &(n, k) in &[(1024usize, 4096usize), (4096, 1024), (333, 160), (64, 40)] {
+    for &(n, k) in &[(1024usize, 4096usize), (4096, 1024), (333, 160), (64, 40), (40000, 64)] {
         let wv = rand_vec(&mut r, n * k, 1.0);
         for fmt in FORMATS {
             if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k % 32 != 0 {
