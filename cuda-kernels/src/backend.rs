@@ -1517,3 +1517,72 @@ impl Backend for Cuda {
         self.stream.clone_dtoh(&toks).map_err(dev)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
+    //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
+    use super::repack_q4_0;
+
+    fn bf16(bits: u16) -> f32 {
+        f32::from_bits((bits as u32) << 16)
+    }
+
+    #[test]
+    fn q8_magic_decode_is_exact_for_every_byte() {
+        for b in i8::MIN..=i8::MAX {
+            // __byte_perm(x ^ 0x80, 0x4B000000, i | 0x7650) -> 0x4B0000uu; minus 2^23 + 128.
+            let u = (b as u8 ^ 0x80) as u32;
+            let f = f32::from_bits(0x4B00_0000 | u) - 8_388_736.0;
+            assert_eq!(f, b as f32, "byte {b}");
+            // The high half-word of that f32 is its exact bf16 (hi_halves).
+            assert_eq!(
+                bf16((f.to_bits() >> 16) as u16),
+                b as f32,
+                "bf16 of byte {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn q4_magic_decode_is_exact_for_every_nibble() {
+        // fma.rn.bf16x2(0x4300 | n, 1.0, -136): 0x3f80 = 1.0, 0xc308 = -136.
+        assert_eq!(bf16(0x3f80), 1.0);
+        assert_eq!(bf16(0xc308), -136.0);
+        for n in 0u16..16 {
+            let v = bf16(0x4300 | n);
+            assert_eq!(v, 128.0 + n as f32);
+            let r = v.mul_add(1.0, -136.0);
+            assert_eq!(r, n as f32 - 8.0);
+            // exactly representable in bf16, so the bf16 fma rounds to the same value
+            assert_eq!(bf16((r.to_bits() >> 16) as u16), r);
+        }
+    }
+
+    #[test]
+    fn q4_repack_matches_ggml_dequantization() {
+        let x: Vec<f32> = (0..32 * 64)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        let blocks = dflash_quant::quantize_q4_0(&x).expect("quantize");
+        let mut want = vec![0.0f32; x.len()];
+        dflash_quant::dequantize_q4_0(&blocks, &mut want);
+        let (qs, d) = repack_q4_0(&blocks);
+        for (b, blk) in want.chunks(32).enumerate() {
+            let scale = half::f16::from_bits(d[b]).to_f32();
+            for (e, &w) in blk.iter().enumerate() {
+                let word = qs[b * 4 + e / 8];
+                let i = e % 8;
+                // load_w's scalar extraction (prelude.cuh)
+                let shift = if i % 2 == 1 { 16 + 2 * (i - 1) } else { 2 * i };
+                let nib = (word >> shift) & 0xf;
+                assert_eq!((nib as f32 - 8.0) * scale, w, "block {b} element {e}");
+                // decode_a's pair extraction: (word >> 4p) & 0x000f000f = (elem 2p, elem 2p+1)
+                let p = i / 2;
+                let pair = (word >> (4 * p)) & 0x000f_000f;
+                let got = if i % 2 == 0 { pair & 0xf } else { pair >> 16 };
+                assert_eq!(got, nib, "pair layout, block {b} element {e}");
+            }
+        }
+    }
+}

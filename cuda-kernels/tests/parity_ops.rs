@@ -87,7 +87,13 @@ fn matmul_is_per_row_deterministic() {
         return;
     };
     let mut r = rng("matmul_is_per_row_deterministic");
-    for &(n, k) in &[(1024usize, 4096usize), (4096, 1024), (333, 160), (64, 40), (40000, 64)] {
+    for &(n, k) in &[
+        (1024usize, 4096usize),
+        (4096, 1024),
+        (333, 160),
+        (64, 40),
+        (40000, 64),
+    ] {
         let wv = rand_vec(&mut r, n * k, 1.0);
         for fmt in FORMATS {
             if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && k % 32 != 0 {
