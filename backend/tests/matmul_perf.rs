@@ -153,3 +153,112 @@ fn attention_1_vs_16_queries() {
         println!("attention (thread CPU time) ctx {ctx} heads {nh}/{nkv} hd {hd}: 1 query {:.1} us, 16 queries {:.1} us, ratio {:.2}x", t1 * 1e6, t16 * 1e6, t16 / t1);
     }
 }
+
+/// A Qwen3-style decoder layer (hidden 256, 4 / 2 heads of 64, intermediate 768, f32) over a
+/// cache of `ctx` positions: 1 row (decode) vs 16 rows (verify), thread CPU time, one thread.
+/// Env knobs: LAYER_CTX="300".
+#[test]
+#[ignore = "timing report, run by hand"]
+fn layer_1_vs_16_rows() {
+    use dflash_backend::{AttnParams, RopeSpec};
+    let be = Cpu::with_threads(1).unwrap();
+    let (d, nh, nkv, hd, inter) = (256usize, 4usize, 2usize, 64usize, 768usize);
+    let mk = |rows: usize, cols: usize, seed: usize| {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| (((i + seed) * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        be.upload_weight(&HostWeight::from_f32("w", rows, cols, &v, WeightFormat::F32).unwrap())
+            .unwrap()
+    };
+    let (wq, wk, wv, wo) = (
+        mk(nh * hd, d, 1),
+        mk(nkv * hd, d, 2),
+        mk(nkv * hd, d, 3),
+        mk(d, nh * hd, 4),
+    );
+    let (wg, wu, wd) = (mk(inter, d, 5), mk(inter, d, 6), mk(d, inter, 7));
+    let norm = vec![1.0f32; d];
+    let hnorm = vec![1.0f32; hd];
+    let spec = RopeSpec {
+        inv_freq: (0..hd / 2)
+            .map(|i| 1e6f32.powf(-(2.0 * i as f32) / hd as f32))
+            .collect(),
+        attention_scaling: 1.0,
+    };
+    for ctx in env_list("LAYER_CTX", vec![300usize]) {
+        let cap = ctx + 16;
+        let kc: Vec<f32> = (0..cap * nkv * hd)
+            .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+            .collect();
+        let vc = kc.clone();
+        let run = |rows: usize| {
+            let x: Vec<f32> = (0..rows * d)
+                .map(|i| ((i * 13) % 71) as f32 / 71.0 - 0.5)
+                .collect();
+            let mut kc = kc.clone();
+            let mut vc = vc.clone();
+            let mut h = vec![0.0; rows * d];
+            let mut q = vec![0.0; rows * nh * hd];
+            let mut qn = q.clone();
+            let mut k = vec![0.0; rows * nkv * hd];
+            let mut kn = k.clone();
+            let mut v = k.clone();
+            let mut att = q.clone();
+            let mut o = h.clone();
+            let mut g = vec![0.0; rows * inter];
+            let mut u = g.clone();
+            let mut a = g.clone();
+            let mut step = || {
+                be.rms_norm(&x, &norm, d, 1e-6, &mut h).unwrap();
+                be.matmul(&h, rows, &wq, &mut q).unwrap();
+                be.matmul(&h, rows, &wk, &mut k).unwrap();
+                be.matmul(&h, rows, &wv, &mut v).unwrap();
+                be.rms_norm(&q, &hnorm, hd, 1e-6, &mut qn).unwrap();
+                be.rms_norm(&k, &hnorm, hd, 1e-6, &mut kn).unwrap();
+                be.rope(&mut qn, rows, nh, hd, ctx, &spec).unwrap();
+                be.rope(&mut kn, rows, nkv, hd, ctx, &spec).unwrap();
+                be.copy(&kn, 0, &mut kc, ctx * nkv * hd, rows * nkv * hd)
+                    .unwrap();
+                be.copy(&v, 0, &mut vc, ctx * nkv * hd, rows * nkv * hd)
+                    .unwrap();
+                let p = AttnParams {
+                    n_q: rows,
+                    n_kv: ctx + rows,
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                    q_pos0: ctx,
+                    kv_pos0: 0,
+                    causal: true,
+                    window: None,
+                    scale: 0.125,
+                };
+                be.attention(&qn, &kc, &vc, &p, &mut att).unwrap();
+                be.matmul(&att, rows, &wo, &mut o).unwrap();
+                be.add_assign(&mut o, 0, &x, rows * d).unwrap();
+                be.rms_norm(&o, &norm, d, 1e-6, &mut h).unwrap();
+                be.matmul(&h, rows, &wg, &mut g).unwrap();
+                be.matmul(&h, rows, &wu, &mut u).unwrap();
+                be.silu_mul(&g, &u, &mut a).unwrap();
+                be.matmul(&a, rows, &wd, &mut h).unwrap();
+            };
+            for _ in 0..20 {
+                step();
+            }
+            let n = 200;
+            let c0 = thread_cpu_ns();
+            for _ in 0..n {
+                step();
+            }
+            (thread_cpu_ns() - c0) as f64 * 1e-9 / n as f64
+        };
+        let t1 = run(1);
+        let t16 = run(16);
+        println!(
+            "layer (thread CPU time) ctx {ctx}: 1 row {:.1} us, 16 rows {:.1} us, ratio {:.2}x",
+            t1 * 1e6,
+            t16 * 1e6,
+            t16 / t1
+        );
+    }
+}
