@@ -46,7 +46,8 @@ pub struct Stats {
     pub accepted: usize,
     /// Tokens committed by rounds (`m + 1` per round).
     pub committed: usize,
-    /// Draft tokens of round 1 (after the Markov chain, if any); empty if it drafted nothing.
+    /// Every draft token of round 1's block (after the Markov chain, if any), whatever the
+    /// verify width; empty if round 1 drafted nothing.
     pub first_draft: Vec<u32>,
     pub prime: Duration,
     pub draft: Duration,

@@ -280,12 +280,19 @@ impl<'a, B: Backend> Session<'a, B> {
         // ---- draft
         let t0 = self.clock()?;
         if vt >= 2 {
+            // Round 1 computes every draft of the block (reported as `first_draft`); later
+            // rounds only the `vt - 1` that get verified.
+            let n = if self.stats.rounds == 0 {
+                self.drafter.n_drafts().max(vt - 1)
+            } else {
+                vt - 1
+            };
             let drafts = self.drafter.draft(
                 be,
                 &*self.target,
                 self.last,
                 start,
-                vt - 1,
+                n,
                 DraftOptions {
                     markov: self.cfg.markov,
                     emb_scale: self.cfg.emb_scale,

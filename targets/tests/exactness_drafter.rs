@@ -93,6 +93,10 @@ fn run(c: &Case) -> Result<Stats, TestCaseError> {
     .unwrap();
     prop_assert_eq!(&got, &expected, "spec != plain ({:?})", stats);
     prop_assert!(stats.accepted <= stats.drafted);
+    if c.max_new >= 2 {
+        // Round 1 drafts the whole block whatever the verify width.
+        prop_assert_eq!(stats.first_draft.len(), n_drafts);
+    }
     Ok(stats)
 }
 
