@@ -9,7 +9,7 @@ pub mod qwen3;
 pub mod random;
 
 pub use error::{Result, TargetError};
-pub use qwen3::{HostTensor, LoadOptions, LogitRows, Qwen3Config, Qwen3Dense};
+pub use qwen3::{unused_tensors, HostTensor, LoadOptions, LogitRows, Qwen3Config, Qwen3Dense};
 
 use dflash_backend::Backend;
 use dflash_spec_round::Target;

@@ -285,6 +285,9 @@ impl<B: Backend> Qwen3Dense<B> {
                 wd: w(format!("{l}mlp.down_proj.weight"), d, cfg.intermediate)?,
             });
         }
+        for name in unused_tensors(ck, &cfg, prefix, lm_head_name) {
+            tracing::warn!(tensor = %name, "checkpoint tensor not used by the Qwen3 dense target");
+        }
         let cap = opts.ctx_cap.unwrap_or(cfg.max_positions.min(4096));
         Self::assemble(be, cfg, embed, lm_head, norm, layers, cap)
     }
@@ -668,6 +671,41 @@ impl<B: Backend> Qwen3Dense<B> {
             taps: tap_buf,
         })
     }
+}
+
+/// Census: tensors of `ck` that a Qwen3 dense target with `cfg` does not read (loading warns
+/// about each through `tracing`).
+pub fn unused_tensors(
+    ck: &Checkpoint,
+    cfg: &Qwen3Config,
+    prefix: &str,
+    lm_head_name: &str,
+) -> Vec<String> {
+    let mut used = std::collections::HashSet::new();
+    used.insert(format!("{prefix}embed_tokens.weight"));
+    used.insert(format!("{prefix}norm.weight"));
+    used.insert(lm_head_name.to_string());
+    for i in 0..cfg.n_layers {
+        for t in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ] {
+            used.insert(format!("{prefix}layers.{i}.{t}.weight"));
+        }
+    }
+    ck.names()
+        .filter(|n| !used.contains(*n))
+        .map(str::to_string)
+        .collect()
 }
 
 /// A host tensor handed to [`Qwen3Dense::from_host`].

@@ -226,3 +226,28 @@ fn precision_option_reencodes_weights() {
         }
     }
 }
+
+#[test]
+fn census_lists_tensors_the_target_does_not_read() {
+    use dflash_targets::checkpoint::Checkpoint;
+    use dflash_targets::config::Cfg;
+    use dflash_targets::{unused_tensors, Qwen3Config};
+    let ck = Checkpoint::open(fixture_model()).unwrap();
+    let cfg = Qwen3Config::from_cfg(&Cfg::new(ck.config_path(), ck.config())).unwrap();
+    assert!(unused_tensors(&ck, &cfg, "model.", "lm_head.weight").is_empty());
+    let mut t = read_tensors();
+    let extra = t["model.norm.weight"].clone();
+    t.insert("model.layers.0.self_attn.q_proj.bias".into(), extra.clone());
+    t.insert("mtp.head.weight".into(), extra);
+    let d = write_dir("census", &config(), &t);
+    let ck = Checkpoint::open(&d).unwrap();
+    assert_eq!(
+        unused_tensors(&ck, &cfg, "model.", "lm_head.weight"),
+        vec![
+            "model.layers.0.self_attn.q_proj.bias".to_string(),
+            "mtp.head.weight".to_string()
+        ]
+    );
+    // Loading still succeeds (plain targets warn, they do not refuse).
+    Qwen3Dense::<Cpu>::load(&Cpu::new(), &d, LoadOptions::default()).unwrap();
+}
