@@ -24,6 +24,11 @@ pub struct CommonArgs {
     /// Keep the verify width fixed at the cap.
     #[arg(long)]
     pub no_adaptive: bool,
+    /// Round the adaptive verify width (and the drafts computed) up to a multiple of this:
+    /// the CPU matmul runs 8- and 4-row tiles, so 4/8/12/16-row verifies are the cheap ones
+    /// (1: exactly m + 2).
+    #[arg(long, default_value_t = 4)]
+    pub verify_multiple: usize,
     /// Ignore the drafter's Markov head.
     #[arg(long)]
     pub no_markov: bool,
@@ -96,6 +101,7 @@ impl CommonArgs {
         SpecConfig {
             verify_cap: self.verify_cap,
             adaptive: !self.no_adaptive,
+            verify_multiple: self.verify_multiple,
             markov: !self.no_markov,
             rollback: match self.rollback {
                 ArmArg::Stash => RollbackArm::Stash,

@@ -91,6 +91,11 @@ struct GenerateArgs {
     /// Keep the verify width fixed at the cap.
     #[arg(long)]
     no_adaptive: bool,
+    /// Round the adaptive verify width (and the drafts computed) up to a multiple of this:
+    /// the CPU matmul runs 8- and 4-row tiles, so 4/8/12/16-row verifies are the cheap ones
+    /// (1: exactly m + 2).
+    #[arg(long, default_value_t = 4)]
+    verify_multiple: usize,
     /// Ignore the drafter's Markov head.
     #[arg(long)]
     no_markov: bool,
@@ -237,6 +242,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let cfg = SpecConfig {
         verify_cap: a.verify_cap,
         adaptive: !a.no_adaptive,
+        verify_multiple: a.verify_multiple,
         markov: !a.no_markov,
         rollback: match a.rollback {
             ArmArg::Stash => RollbackArm::Stash,

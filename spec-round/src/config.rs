@@ -12,6 +12,12 @@ pub struct SpecConfig {
     pub verify_cap: Option<usize>,
     /// Adapt the verify width to the last accept: `vt = clamp(m + 2, 3, cap)`.
     pub adaptive: bool,
+    /// Round the adaptive width up to a multiple of this (never past the cap), and ask the
+    /// drafter for a multiple of this many drafts (never past its block; only the first
+    /// `vt - 1` are verified): backends run multi-row tiles (the CPU's AVX-512 matmul: 8- and
+    /// 4-row tiles), so a 7-row verify or lm_head can cost more than an 8-row one, and extra
+    /// verified rows can only add accepts. `1` (the default) keeps `clamp(m + 2, 3, cap)`.
+    pub verify_multiple: usize,
     /// Use the drafter's Markov chain when it has one.
     pub markov: bool,
     /// Rollback arm handed to hybrid targets.
@@ -27,6 +33,7 @@ impl Default for SpecConfig {
         SpecConfig {
             verify_cap: None,
             adaptive: true,
+            verify_multiple: 1,
             markov: true,
             rollback: RollbackArm::Stash,
             emb_scale: 1.0,

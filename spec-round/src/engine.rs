@@ -281,11 +281,15 @@ impl<'a, B: Backend> Session<'a, B> {
         let t0 = self.clock()?;
         if vt >= 2 {
             // Round 1 computes every draft of the block (reported as `first_draft`); later
-            // rounds only the `vt - 1` that get verified.
+            // rounds the `vt - 1` that get verified, rounded up to `verify_multiple` (lm_head
+            // rows in whole multi-row tiles; the first `vt - 1` drafts do not depend on it).
             let n = if self.stats.rounds == 0 {
                 self.drafter.n_drafts().max(vt - 1)
             } else {
-                vt - 1
+                (vt - 1)
+                    .next_multiple_of(self.cfg.verify_multiple.max(1))
+                    .min(self.drafter.n_drafts())
+                    .max(vt - 1)
             };
             let drafts = self.drafter.draft(
                 be,
@@ -355,7 +359,10 @@ impl<'a, B: Backend> Session<'a, B> {
         self.stats.committed += keep;
         self.last = f.argmax[m];
         self.vt = if self.cfg.adaptive {
-            (m + 2).max(3).min(self.vt_cap)
+            (m + 2)
+                .max(3)
+                .next_multiple_of(self.cfg.verify_multiple.max(1))
+                .min(self.vt_cap)
         } else {
             self.vt_cap
         };

@@ -244,6 +244,7 @@ proptest! {
         bad in 0usize..4,
         ctx_extra in 0usize..100,
         stats in any::<bool>(),
+        multiple in 1usize..9,
     ) {
         let be = Cpu::new();
         let cap = prompt.len() + n + 1 + ctx_extra;
@@ -253,7 +254,7 @@ proptest! {
         t.verifies = 0;
         let mut d = Oracle { n, hist: vec![], bad: bads()[bad], rounds: 0, taps: vec![0, 2] };
         let verify_cap = if cap_sel == 0 { None } else { Some(2 + cap_sel % n.max(1)) }.map(|v| v.min(n + 1));
-        let cfg = SpecConfig { verify_cap, adaptive, stats, ..SpecConfig::default() };
+        let cfg = SpecConfig { verify_cap, adaptive, stats, verify_multiple: multiple, ..SpecConfig::default() };
         let (got, st) = generate(&be, &mut t, &mut d, cfg, &prompt, max_new, &eos).unwrap();
         prop_assert_eq!(&got, &want);
         match got.iter().position(|x| eos.contains(x)) {
@@ -335,4 +336,113 @@ fn stop_reasons_and_bursts() {
     assert_eq!(out, want[..=first]);
     assert!(s.finished());
     assert!(s.burst(5).unwrap().is_empty());
+}
+
+/// Records how many drafts the engine asks for.
+struct Asked<'a>(&'a mut Oracle, Vec<usize>);
+
+impl Drafter<Cpu> for Asked<'_> {
+    fn tap_layers(&self) -> &[i32] {
+        self.0.tap_layers()
+    }
+    fn hidden(&self) -> usize {
+        self.0.hidden()
+    }
+    fn n_drafts(&self) -> usize {
+        self.0.n_drafts()
+    }
+    fn reset(&mut self, be: &Cpu, cap: usize) -> Result<()> {
+        self.0.reset(be, cap)
+    }
+    fn ctx_len(&self) -> usize {
+        self.0.ctx_len()
+    }
+    fn ingest(&mut self, be: &Cpu, taps: &Vec<f32>, rows: usize) -> Result<()> {
+        self.0.ingest(be, taps, rows)
+    }
+    fn draft(
+        &mut self,
+        be: &Cpu,
+        t: &dyn Target<Cpu>,
+        anchor: u32,
+        pos: usize,
+        n: usize,
+        o: DraftOptions,
+    ) -> Result<Vec<u32>> {
+        self.1.push(n);
+        self.0.draft(be, t, anchor, pos, n, o)
+    }
+}
+
+/// `verify_multiple` rounds the adaptive width (and the drafts asked for) up: with a drafter
+/// that is always wrong (m = 0), the widths are 4 instead of 3 after round 1, except where
+/// the budget clips them; the stream stays plain greedy.
+#[test]
+fn verify_multiple_rounds_the_width_up() {
+    let be = Cpu::new();
+    let prompt = [3u32, 1, 4];
+    for (multiple, cap, want_drafted, want_asked) in [
+        // round 1: 16 rows (the cap), 15 asked; then m = 0 every round
+        (
+            1usize,
+            None,
+            15 + 27 * 2 + 1,
+            vec![15]
+                .into_iter()
+                .chain(std::iter::repeat_n(2, 27))
+                .chain([1])
+                .collect::<Vec<_>>(),
+        ),
+        (
+            4,
+            None,
+            15 + 26 * 3 + 2 + 1,
+            vec![15]
+                .into_iter()
+                .chain(std::iter::repeat_n(4, 26))
+                .chain([4, 4])
+                .collect(),
+        ),
+        // rounded widths never pass the cap; asked never passes the block
+        (
+            4,
+            Some(3),
+            2 + 27 * 2 + 1,
+            vec![15]
+                .into_iter()
+                .chain(std::iter::repeat_n(4, 28))
+                .collect(),
+        ),
+        (
+            8,
+            Some(16),
+            15 + 22 * 7 + (6 + 5 + 4 + 3 + 2 + 1),
+            vec![15]
+                .into_iter()
+                .chain(std::iter::repeat_n(8, 28))
+                .collect(),
+        ),
+    ] {
+        let mut t = Toy::new(&be, 200);
+        let want = plain_greedy(&be, &mut t, &prompt, 30, &[]).unwrap();
+        let mut o = Oracle {
+            n: 15,
+            hist: vec![],
+            bad: |_, _| true,
+            rounds: 0,
+            taps: vec![1],
+        };
+        let mut d = Asked(&mut o, Vec::new());
+        let cfg = SpecConfig {
+            verify_cap: cap,
+            verify_multiple: multiple,
+            ..SpecConfig::default()
+        };
+        let (got, st) = generate(&be, &mut t, &mut d, cfg, &prompt, 30, &[]).unwrap();
+        assert_eq!(got, want);
+        assert_eq!(st.rounds, 29, "multiple {multiple} cap {cap:?}");
+        assert_eq!(st.accepted, 0);
+        assert_eq!(st.drafted, want_drafted, "multiple {multiple} cap {cap:?}");
+        assert_eq!(d.1, want_asked, "multiple {multiple} cap {cap:?}");
+    }
 }

@@ -10,7 +10,8 @@ position < s); drafts = argmax of the draft rows (DFlash rows 1..b-1, anchor lay
 Markov chain when the drafter has one; the target verifies [last, d_1..d_{vt-1}] (vt rows); m = longest prefix of
 drafts equal to the target's argmax; commit last + d_1..d_m (m + 1 tokens); next last = target argmax at row m;
 the taps of the m + 1 kept rows go into the draft cache. vt = cap (default: the block size; at most the number of
-drafts + 1), or with --adaptive vt = clamp(m + 2, 3, cap) after each round, starting at cap.
+drafts + 1), or with --adaptive vt = clamp(m + 2, 3, cap) after each round, starting at cap (rounded up to a
+multiple of --vt-multiple, never past the cap).
 max_new counts every generated token, the first (the argmax after the prompt) included; output is exactly max_new
 tokens unless an EOS id comes first. With --engine-budget the loop follows the Rust round engine's budget rule
 (vt = min(vt, tokens left); a last single token is emitted without a round), so rounds and tau compare exactly.
@@ -115,7 +116,8 @@ def plain_greedy(target: HFTarget, prompt: list[int], max_new: int, eos: set[int
 
 
 def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, prompt: list[int], max_new: int,
-                  vt_cap: int, adaptive: bool, use_markov: bool, eos: set[int], engine_budget: bool = False):
+                  vt_cap: int, adaptive: bool, use_markov: bool, eos: set[int], engine_budget: bool = False,
+                  vt_multiple: int = 1):
     ids = cfg.target_layer_ids
     for l in ids:
         if not -1 <= l <= target.n_layers - 2:
@@ -169,7 +171,7 @@ def spec_generate(target: HFTarget, cfg: O.DraftConfig, W: O.DraftWeights, promp
         cache.ingest(target.taps(vhs, ids, slice(0, m + 1)), s)
         last = am[m]
         if adaptive:
-            vt = min(max(m + 2, 3), vt_cap)  # as the engine: the cap wins when it is below 3
+            vt = min(-(-max(m + 2, 3) // vt_multiple) * vt_multiple, vt_cap)  # as the engine: the cap wins
     return out, {"rounds": rounds, "drafted": drafted, "accepted": accepted,
                  "tau": (accepted + rounds) / rounds if rounds else 0.0, "first_draft": first_draft,
                  "committed_per_round": per_round}
@@ -227,6 +229,9 @@ def main():
     ap.add_argument("--layout", choices=["dflash", "anchor"])
     ap.add_argument("--eos", default="")
     ap.add_argument("--no-check", action="store_true", help="skip the plain greedy comparison")
+    ap.add_argument("--vt-multiple", type=int, default=1,
+                    help="with --adaptive, round vt up to a multiple of this (never past the cap), as the "
+                         "engine's SpecConfig::verify_multiple")
     ap.add_argument("--engine-budget", action="store_true",
                     help="the Rust round engine's budget rule: vt = min(vt, tokens left); the last token "
                          "is emitted without a round (rounds/tau then match the engine's exactly)")
@@ -266,7 +271,7 @@ def main():
     t0 = time.time()
     for i, p in enumerate(prompts):
         toks, st = spec_generate(target, cfg, W, p, args.max_new, cap, args.adaptive, not args.no_markov, eos,
-                                 args.engine_budget)
+                                 args.engine_budget, max(1, args.vt_multiple))
         r = {"prompt": i, "prompt_len": len(p), "tokens": toks, **st}
         if not args.no_check:
             plain = plain_greedy(target, p, args.max_new, eos)

@@ -69,6 +69,9 @@ pub struct SpecArgs {
     /// Fixed verify width (both loops; the default is the engine's adaptive width).
     #[arg(long)]
     no_adaptive: bool,
+    /// Adaptive width rounded up to a multiple of this (both loops; the CLI's default is 4).
+    #[arg(long, default_value_t = 4)]
+    verify_multiple: usize,
     /// Where the greedy streams part, a target top-2 logit gap (torch f32) below this is an
     /// f32 near-tie (reported, not a failure); above it, a real discrepancy.
     #[arg(long, default_value_t = 1e-3)]
@@ -627,7 +630,11 @@ pub fn parity_spec(a: SpecArgs) -> Result<()> {
         ])
         .current_dir(&root);
     if !a.no_adaptive {
-        py.arg("--adaptive");
+        py.args([
+            "--adaptive",
+            "--vt-multiple",
+            &a.verify_multiple.to_string(),
+        ]);
     }
     if let Some(c) = a.vt_cap {
         py.args(["--vt-cap", &c.to_string()]);
@@ -642,9 +649,12 @@ pub fn parity_spec(a: SpecArgs) -> Result<()> {
         a.prompts,
         a.max_new,
         if a.no_adaptive {
-            "fixed width"
+            "fixed width".to_string()
         } else {
-            "adaptive width"
+            format!(
+                "adaptive width rounded up to a multiple of {}",
+                a.verify_multiple
+            )
         },
         eos
     );
@@ -669,6 +679,7 @@ pub fn parity_spec(a: SpecArgs) -> Result<()> {
     if a.no_adaptive {
         rs.arg("--no-adaptive");
     }
+    rs.args(["--verify-multiple", &a.verify_multiple.to_string()]);
     if a.eos.is_some() {
         rs.arg("--no-eos");
         for e in &eos {
