@@ -45,3 +45,48 @@ impl From<TargetError> for SpecError {
 
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, TargetError>;
+
+/// The input checks every target forward makes before touching state: a non-empty block that
+/// fits under the context cap, token ids inside the vocabulary, and tap layers in `-1..n_layers`.
+pub(crate) fn check_forward_input(
+    tokens: &[u32],
+    start: usize,
+    cap: usize,
+    vocab: usize,
+    taps: &[i32],
+    n_layers: usize,
+) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(SpecError::Protocol("forward of zero tokens".into()).into());
+    }
+    if start + tokens.len() > cap {
+        return Err(SpecError::ContextCap {
+            what: "forward",
+            needed: start + tokens.len(),
+            cap,
+        }
+        .into());
+    }
+    if let Some((index, &id)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(SpecError::TokenOutOfRange {
+            what: "forward token",
+            index,
+            id,
+            vocab,
+        }
+        .into());
+    }
+    if let Some(&layer) = taps.iter().find(|&&l| l < -1 || l >= n_layers as i32) {
+        return Err(SpecError::TapLayer {
+            layer,
+            n_layers,
+            max: n_layers as i64 - 1,
+        }
+        .into());
+    }
+    Ok(())
+}

@@ -8,6 +8,7 @@ use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::Cfg;
+use crate::error::check_forward_input;
 use crate::{Result, TargetError};
 
 /// The shape of a Qwen3 dense model.
@@ -537,38 +538,7 @@ impl<B: Backend> Qwen3Dense<B> {
         let t = tokens.len();
         let (d, hd) = (c.hidden, c.head_dim);
         let kvw = c.n_kv_heads * hd;
-        if t == 0 {
-            return Err(SpecError::Protocol("forward of zero tokens".into()).into());
-        }
-        if start + t > self.cap {
-            return Err(SpecError::ContextCap {
-                what: "forward",
-                needed: start + t,
-                cap: self.cap,
-            }
-            .into());
-        }
-        for (i, &tok) in tokens.iter().enumerate() {
-            if tok as usize >= c.vocab {
-                return Err(SpecError::TokenOutOfRange {
-                    what: "forward token",
-                    index: i,
-                    id: tok,
-                    vocab: c.vocab,
-                }
-                .into());
-            }
-        }
-        for &l in taps {
-            if l < -1 || l >= c.n_layers as i32 {
-                return Err(SpecError::TapLayer {
-                    layer: l,
-                    n_layers: c.n_layers,
-                    max: c.n_layers as i64 - 1,
-                }
-                .into());
-            }
-        }
+        check_forward_input(tokens, start, self.cap, c.vocab, taps, c.n_layers)?;
         let nt = taps.len();
         let mut tap_buf = if nt > 0 {
             Some(be.zeros(t * nt * d)?)

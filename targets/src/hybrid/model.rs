@@ -10,6 +10,7 @@ use super::weights::{
     load_weights, Mixer, Mlp, ModelWeights, MoeWeights, SwiGlu, TensorNames, TensorSource,
 };
 use crate::checkpoint::Checkpoint;
+use crate::error::check_forward_input;
 use crate::qwen3::{LoadOptions, LogitRows};
 use crate::{Result, TargetError};
 
@@ -212,38 +213,7 @@ impl<B: Backend> HybridTarget<B> {
         let c = &self.cfg;
         let t = tokens.len();
         let d = c.hidden;
-        if t == 0 {
-            return Err(SpecError::Protocol("forward of zero tokens".into()).into());
-        }
-        if start + t > self.cap {
-            return Err(SpecError::ContextCap {
-                what: "forward",
-                needed: start + t,
-                cap: self.cap,
-            }
-            .into());
-        }
-        for (i, &tok) in tokens.iter().enumerate() {
-            if tok as usize >= c.vocab {
-                return Err(SpecError::TokenOutOfRange {
-                    what: "forward token",
-                    index: i,
-                    id: tok,
-                    vocab: c.vocab,
-                }
-                .into());
-            }
-        }
-        for &l in taps {
-            if l < -1 || l >= c.n_layers as i32 {
-                return Err(SpecError::TapLayer {
-                    layer: l,
-                    n_layers: c.n_layers,
-                    max: c.n_layers as i64 - 1,
-                }
-                .into());
-            }
-        }
+        check_forward_input(tokens, start, self.cap, c.vocab, taps, c.n_layers)?;
         let nt = taps.len();
         let mut tap_buf = if nt > 0 && depth == c.n_layers {
             Some(be.zeros(t * nt * d)?)
