@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// Backend threads (0: one per logical CPU).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Matmuls (and other ops) below this many multiply-adds run on the calling thread
+    /// (default: the backend's own threshold).
+    #[arg(long)]
+    pub par_min_work: Option<usize>,
     /// Also time the target's verify at several widths and the draft step (where a round's
     /// time goes).
     #[arg(long)]
@@ -110,11 +114,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("no prompts in {}", a.prompts.display());
     }
     let eos = c.eos()?;
-    let be = if a.threads == 0 {
+    let mut be = if a.threads == 0 {
         Cpu::new()
     } else {
         Cpu::with_threads(a.threads)?
     };
+    if let Some(w) = a.par_min_work {
+        be = be.with_par_min_work(w);
+    }
     let machine = Machine::probe(&be);
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let ctx_cap = c.ctx.unwrap_or(longest + a.max_new + 64);
