@@ -90,3 +90,23 @@ pub(crate) fn check_forward_input(
     }
     Ok(())
 }
+
+/// The verify protocol shared by the targets: a verify starts at the committed length and
+/// only after the previous verify was committed.
+pub(crate) fn check_verify_start(
+    start: usize,
+    committed: usize,
+    pending: bool,
+) -> dflash_spec_round::Result<()> {
+    if start != committed || pending {
+        return Err(SpecError::Protocol(format!(
+            "verify at {start} with {committed} committed positions{}",
+            if pending {
+                " and an uncommitted verify"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@ use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::Cfg;
-use crate::error::check_forward_input;
+use crate::error::{check_forward_input, check_verify_start};
 use crate::{Result, TargetError};
 
 /// The shape of a Qwen3 dense model.
@@ -725,17 +725,7 @@ impl<B: Backend> Target<B> for Qwen3Dense<B> {
         want_logits: bool,
     ) -> dflash_spec_round::Result<Forward<B>> {
         self.info().check_taps(taps)?;
-        if start != self.pos || self.pending.is_some() {
-            return Err(SpecError::Protocol(format!(
-                "verify at {start} with {} committed positions{}",
-                self.pos,
-                if self.pending.is_some() {
-                    " and an uncommitted verify"
-                } else {
-                    ""
-                }
-            )));
-        }
+        check_verify_start(start, self.pos, self.pending.is_some())?;
         let f = self.forward_inner(be, tokens, start, taps, LogitRows::All, want_logits)?;
         self.pending = Some((start, tokens.len()));
         Ok(f)

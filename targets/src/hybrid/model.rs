@@ -10,7 +10,7 @@ use super::weights::{
     load_weights, Mixer, Mlp, ModelWeights, MoeWeights, SwiGlu, TensorNames, TensorSource,
 };
 use crate::checkpoint::Checkpoint;
-use crate::error::check_forward_input;
+use crate::error::{check_forward_input, check_verify_start};
 use crate::qwen3::{LoadOptions, LogitRows};
 use crate::{Result, TargetError};
 
@@ -677,17 +677,7 @@ impl<B: Backend> Target<B> for HybridTarget<B> {
         want_logits: bool,
     ) -> dflash_spec_round::Result<Forward<B>> {
         self.info().check_taps(taps)?;
-        if start != self.pos || self.pending.is_some() {
-            return Err(SpecError::Protocol(format!(
-                "verify at {start} with {} committed positions{}",
-                self.pos,
-                if self.pending.is_some() {
-                    " and an uncommitted verify"
-                } else {
-                    ""
-                }
-            )));
-        }
+        check_verify_start(start, self.pos, self.pending.is_some())?;
         let arm = self.arm;
         let snapshot = match arm {
             RollbackArm::Replay | RollbackArm::Gate => self.snapshot(be)?,
