@@ -45,7 +45,8 @@ fn env_list<T: std::str::FromStr>(name: &str, default: Vec<T>) -> Vec<T> {
     }
 }
 
-/// Env knobs: MM_SHAPES="1024x512,512x512" (out x in), MM_THREADS="1,2", MM_FORMATS="f32,q8".
+/// Env knobs: MM_SHAPES="1024x512,512x512" (out x in), MM_THREADS="1,2", MM_FORMATS="f32,q8",
+/// MM_ROWS="5,7,12" (extra widths timed).
 #[test]
 #[ignore = "timing report, run by hand"]
 fn matmul_1_vs_16_rows() {
@@ -101,6 +102,15 @@ fn matmul_1_vs_16_rows() {
                     2.0 * 16.0 * (n * k) as f64 / t16 / 1e9,
                     be.isa()
                 );
+                for rows in env_list::<usize>("MM_ROWS", vec![]) {
+                    let rows = rows.clamp(1, 16);
+                    let t = time_per_call(&be, &x, rows, &w, &mut out);
+                    println!(
+                        "    {rows:2} rows {:8.1} us ({:.1} GFLOP/s)",
+                        t * 1e6,
+                        2.0 * (rows * n * k) as f64 / t / 1e9
+                    );
+                }
             }
         }
     }
