@@ -398,10 +398,10 @@ fn rows_wide<S: PanelSrc, const R: usize, const PW: usize>(
     }
 }
 
-/// AVX-512 (32 zmm): 4 or more rows are cut into `ceil(rows / 8)` row tiles of balanced
-/// sizes (4 to 8 rows) over 3 panels (at most 24 accumulators), the row tiles of a panel
-/// group sharing the weights while they are in L1; 2 or 3 rows: `rows x 8` tiles; one row:
-/// 1 x 8 tiles. Every element stays one sequential FMA chain over `k`, so the tiling changes
+/// AVX-512 (32 zmm): 13 to 16 rows: `rows x 1` tiles, 9 to 12 rows: `rows x 2` tiles (every
+/// weight vector widened once for all rows); 4 to 8 rows: `rows x 3` tiles (more rows, e.g.
+/// at other call sites: `ceil(rows / 8)` balanced row tiles of 4 to 8 rows per 3 panels);
+/// 2 or 3 rows: `rows x 8` tiles; one row: 1 x 8 tiles. At most 24 accumulators. Every element stays one sequential FMA chain over `k`, so the tiling changes
 /// no bits.
 #[allow(clippy::too_many_arguments)]
 fn run_avx512<S: PanelSrc>(
@@ -428,6 +428,14 @@ fn run_avx512<S: PanelSrc>(
     match rows {
         2 => return rows_wide::<S, 2, 8>(isa, src, x, k, 0, p0, p1, &mut put),
         3 => return rows_wide::<S, 3, 8>(isa, src, x, k, 0, p0, p1, &mut put),
+        9 => return rows_wide::<S, 9, 2>(isa, src, x, k, 0, p0, p1, &mut put),
+        10 => return rows_wide::<S, 10, 2>(isa, src, x, k, 0, p0, p1, &mut put),
+        11 => return rows_wide::<S, 11, 2>(isa, src, x, k, 0, p0, p1, &mut put),
+        12 => return rows_wide::<S, 12, 2>(isa, src, x, k, 0, p0, p1, &mut put),
+        13 => return rows_wide::<S, 13, 1>(isa, src, x, k, 0, p0, p1, &mut put),
+        14 => return rows_wide::<S, 14, 1>(isa, src, x, k, 0, p0, p1, &mut put),
+        15 => return rows_wide::<S, 15, 1>(isa, src, x, k, 0, p0, p1, &mut put),
+        16 => return rows_wide::<S, 16, 1>(isa, src, x, k, 0, p0, p1, &mut put),
         _ => {}
     }
     let n_tiles = rows.div_ceil(8);
