@@ -573,7 +573,7 @@ mod tests {
             .into_iter()
             .filter(|i| i.supported())
         {
-            for r in [rows, 1, 2, 3, 4, 5, 7, 8, 9, 11, 16] {
+            for r in [rows, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] {
                 let mut out = vec![0.0f32; r * n];
                 matmul_panels(isa, &x, r, k, &Dense(&packed), n, 0, np, &mut out);
                 // Check against a sequential fma chain.
