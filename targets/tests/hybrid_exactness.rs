@@ -6,7 +6,7 @@
 mod common;
 mod hybrid_common;
 
-use common::ScriptDrafter;
+use common::{bad_fn, pattern, Pattern, ScriptDrafter};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{Backend, WeightFormat};
 use dflash_draft_model::random::{random_tensor_map, tiny_config as draft_tiny_config};
@@ -24,41 +24,6 @@ const ARMS: [RollbackArm; 3] = [RollbackArm::Stash, RollbackArm::Replay, Rollbac
 const PATTERNS: [&str; 4] = ["lfl", "llf", "fll", "lflf"];
 
 /// How the script drafter corrupts drafts.
-#[derive(Clone, Copy, Debug)]
-enum Pattern {
-    Perfect,
-    Wrong,
-    /// Even rounds perfect, odd rounds wrong from the first draft: a zero-accept round right
-    /// after a long accept.
-    Alternate,
-    Random(u64),
-    PrefixOf(usize),
-}
-
-fn bad_fn(p: Pattern) -> Box<dyn FnMut(usize, usize, usize) -> bool> {
-    match p {
-        Pattern::Perfect => Box::new(|_, _, _| false),
-        Pattern::Wrong => Box::new(|_, _, _| true),
-        Pattern::Alternate => Box::new(|r, _, _| r % 2 == 1),
-        Pattern::Random(s) => Box::new(move |r, pos, i| {
-            let mut h = s ^ ((r as u64) << 32) ^ ((pos as u64) << 16) ^ i as u64;
-            h = h.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            h ^= h >> 29;
-            h & 3 == 0
-        }),
-        Pattern::PrefixOf(k) => Box::new(move |_, _, i| i >= k),
-    }
-}
-
-fn pattern() -> impl Strategy<Value = Pattern> {
-    prop_oneof![
-        Just(Pattern::Perfect),
-        Just(Pattern::Wrong),
-        Just(Pattern::Alternate),
-        any::<u64>().prop_map(Pattern::Random),
-        (0usize..8).prop_map(Pattern::PrefixOf),
-    ]
-}
 
 #[derive(Clone, Debug)]
 struct Case {

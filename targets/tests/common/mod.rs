@@ -120,3 +120,46 @@ impl<B: Backend> Drafter<B> for ScriptDrafter<B> {
             .collect())
     }
 }
+
+/// How a scripted drafter errs, per round `r`, position `pos` and draft index `i`
+/// (shared by the dense and hybrid exactness proptests).
+#[derive(Clone, Copy, Debug)]
+pub enum Pattern {
+    /// Every draft right: long accepts.
+    Perfect,
+    /// Every draft wrong: zero accepts.
+    Wrong,
+    /// Even rounds perfect, odd rounds wrong from the first draft: a zero-accept round
+    /// right after a long accept.
+    Alternate,
+    /// Draft `i` of a round is wrong with probability 1/4 (hash of round, position, i).
+    Random(u64),
+    /// Right up to draft `k`, wrong after.
+    PrefixOf(usize),
+}
+
+pub fn bad_fn(p: Pattern) -> Box<dyn FnMut(usize, usize, usize) -> bool> {
+    match p {
+        Pattern::Perfect => Box::new(|_, _, _| false),
+        Pattern::Wrong => Box::new(|_, _, _| true),
+        Pattern::Alternate => Box::new(|r, _, _| r % 2 == 1),
+        Pattern::Random(s) => Box::new(move |r, pos, i| {
+            let mut h = s ^ ((r as u64) << 32) ^ ((pos as u64) << 16) ^ i as u64;
+            h = h.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            h ^= h >> 29;
+            h & 3 == 0
+        }),
+        Pattern::PrefixOf(k) => Box::new(move |_, _, i| i >= k),
+    }
+}
+
+pub fn pattern() -> impl proptest::strategy::Strategy<Value = Pattern> {
+    use proptest::prelude::*;
+    prop_oneof![
+        Just(Pattern::Perfect),
+        Just(Pattern::Wrong),
+        Just(Pattern::Alternate),
+        any::<u64>().prop_map(Pattern::Random),
+        (0usize..8).prop_map(Pattern::PrefixOf),
+    ]
+}
