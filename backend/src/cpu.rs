@@ -349,7 +349,7 @@ const PAR_MIN_WORK: usize = 1 << 17;
 
 fn check_host_data(w: &HostWeight) -> Result<()> {
     let fmt = w.data.format();
-    let blocks = matches!(fmt, crate::WeightFormat::Q8_0 | crate::WeightFormat::Q4_0);
+    let blocks = fmt.is_block();
     if blocks && !w.cols.is_multiple_of(QK) {
         return Err(BackendError::Weight(format!(
             "{}: {fmt:?} needs rows whose length is a multiple of {QK}, found {}",
@@ -385,7 +385,7 @@ fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
             ),
         ));
     }
-    if matches!(w.format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && !w.cols.is_multiple_of(QK) {
+    if w.format.is_block() && !w.cols.is_multiple_of(QK) {
         return Err(invalid(
             op,
             format!("{}: {:?} with {} columns", w.name, w.format, w.cols),
@@ -544,6 +544,12 @@ impl Backend for Cpu {
             }
             HostData::Q8_0(b) => Packed::Quant(qpanel::QPanels::pack_q8(b, rows, cols)),
             HostData::Q4_0(b) => Packed::Quant(qpanel::QPanels::pack_q4(b, rows, cols)),
+            HostData::Q8_0A8(_) => {
+                return Err(BackendError::Weight(format!(
+                    "{}: Q8_0A8 is not implemented on the CPU backend yet",
+                    w.name
+                )))
+            }
         };
         Ok(Weight {
             name: w.name.clone(),

@@ -10,15 +10,33 @@ pub enum WeightFormat {
     F16,
     Q8_0,
     Q4_0,
+    /// q8_0 storage (ggml blocks, as [`WeightFormat::Q8_0`]) used the way ggml's CPU backend
+    /// uses it: `matmul` first quantizes each row of `x` to q8_0 (byte-exact with ggml's
+    /// `quantize_row_q8_0`, i.e. `dflash_quant::quantize_q8_0` of the row), then computes
+    /// `out[r, o] = Σ_b (d_w[o, b] · d_x[r, b]) · Σ_{i ∈ b} q_w[o, i] · q_x[r, i]`, the
+    /// per-block integer sums exact (int32), the f32 scale products and the accumulation over
+    /// blocks in block order. The integer dot is what makes it fast (VNNI `vpdpbusd` on the
+    /// CPU, int8 tensor cores / dp4a on the GPU); the price is the 8-bit rounding of `x`, the
+    /// same as llama.cpp's q8_0 on the CPU. Meant for the drafter, whose numerics only change
+    /// what it proposes, never what is committed. `gather_rows` dequantizes exactly as q8_0.
+    Q8_0A8,
 }
 
 impl WeightFormat {
+    /// Formats stored in 32-value blocks (rows must hold whole blocks).
+    pub fn is_block(self) -> bool {
+        matches!(
+            self,
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q8_0A8
+        )
+    }
+
     /// Bytes used by `n` values (n a multiple of 32 for the block formats).
     pub fn bytes_for(self, n: usize) -> usize {
         match self {
             WeightFormat::F32 => 4 * n,
             WeightFormat::Bf16 | WeightFormat::F16 => 2 * n,
-            WeightFormat::Q8_0 => n / QK * std::mem::size_of::<BlockQ8_0>(),
+            WeightFormat::Q8_0 | WeightFormat::Q8_0A8 => n / QK * std::mem::size_of::<BlockQ8_0>(),
             WeightFormat::Q4_0 => n / QK * std::mem::size_of::<BlockQ4_0>(),
         }
     }
@@ -35,6 +53,8 @@ pub enum HostData {
     F16(Vec<u16>),
     Q8_0(Vec<BlockQ8_0>),
     Q4_0(Vec<BlockQ4_0>),
+    /// q8_0 blocks for [`WeightFormat::Q8_0A8`] (activations quantized at matmul time).
+    Q8_0A8(Vec<BlockQ8_0>),
 }
 
 impl HostData {
@@ -44,6 +64,7 @@ impl HostData {
             HostData::Bf16(_) => WeightFormat::Bf16,
             HostData::F16(_) => WeightFormat::F16,
             HostData::Q8_0(_) => WeightFormat::Q8_0,
+            HostData::Q8_0A8(_) => WeightFormat::Q8_0A8,
             HostData::Q4_0(_) => WeightFormat::Q4_0,
         }
     }
@@ -53,7 +74,7 @@ impl HostData {
         match self {
             HostData::F32(v) => v.len(),
             HostData::Bf16(v) | HostData::F16(v) => v.len(),
-            HostData::Q8_0(b) => b.len() * QK,
+            HostData::Q8_0(b) | HostData::Q8_0A8(b) => b.len() * QK,
             HostData::Q4_0(b) => b.len() * QK,
         }
     }
@@ -63,7 +84,7 @@ impl HostData {
         match self {
             HostData::F32(v) => bytemuck::cast_slice(v),
             HostData::Bf16(v) | HostData::F16(v) => bytemuck::cast_slice(v),
-            HostData::Q8_0(b) => bytemuck::cast_slice(b),
+            HostData::Q8_0(b) | HostData::Q8_0A8(b) => bytemuck::cast_slice(b),
             HostData::Q4_0(b) => bytemuck::cast_slice(b),
         }
     }
@@ -84,7 +105,7 @@ impl HostWeight {
     pub fn new(name: impl Into<String>, rows: usize, cols: usize, data: HostData) -> Result<Self> {
         let name = name.into();
         let fmt = data.format();
-        if matches!(fmt, WeightFormat::Q8_0 | WeightFormat::Q4_0) && !cols.is_multiple_of(QK) {
+        if fmt.is_block() && !cols.is_multiple_of(QK) {
             return Err(BackendError::Weight(format!(
                 "{name}: {fmt:?} needs rows whose length is a multiple of {QK}, found {cols}"
             )));
@@ -117,6 +138,7 @@ impl HostWeight {
             WeightFormat::Bf16 => HostData::Bf16(dflash_quant::encode_bf16(values)?),
             WeightFormat::F16 => HostData::F16(dflash_quant::encode_f16(values)?),
             WeightFormat::Q8_0 => HostData::Q8_0(dflash_quant::quantize_q8_0(values)?),
+            WeightFormat::Q8_0A8 => HostData::Q8_0A8(dflash_quant::quantize_q8_0(values)?),
             WeightFormat::Q4_0 => HostData::Q4_0(dflash_quant::quantize_q4_0(values)?),
         };
         HostWeight::new(name, rows, cols, data)
@@ -129,7 +151,7 @@ impl HostWeight {
             HostData::F32(v) => out.copy_from_slice(v),
             HostData::Bf16(v) => dflash_quant::decode_bf16(v, &mut out),
             HostData::F16(v) => dflash_quant::decode_f16(v, &mut out),
-            HostData::Q8_0(b) => dflash_quant::dequantize_q8_0(b, &mut out),
+            HostData::Q8_0(b) | HostData::Q8_0A8(b) => dflash_quant::dequantize_q8_0(b, &mut out),
             HostData::Q4_0(b) => dflash_quant::dequantize_q4_0(b, &mut out),
         }
         out

@@ -307,7 +307,7 @@ impl Cuda {
         amp: f32,
     ) -> Result<Weight<Self>> {
         let n = rows * cols;
-        if matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_0) && !cols.is_multiple_of(32) {
+        if format.is_block() && !cols.is_multiple_of(32) {
             return Err(BackendError::Weight(format!(
                 "{name}: {format:?} needs cols % 32 == 0, found {cols}"
             )));
@@ -351,6 +351,11 @@ impl Cuda {
                 unsafe { b.launch(grid_1d(n / 4, 256)) }.map_err(dev)?;
                 let d = half(n / 32, seed ^ 0x5555, amp / 127.0, 1)?;
                 CudaWeightBuf::Q8_0 { qs, d }
+            }
+            WeightFormat::Q8_0A8 => {
+                return Err(BackendError::Weight(format!(
+                    "{name}: Q8_0A8 is not implemented on the CUDA backend yet"
+                )))
             }
             WeightFormat::Q4_0 => {
                 let qs = words(n / 8, seed)?;
@@ -864,6 +869,12 @@ impl Backend for Cuda {
                     qs: st.clone_htod(&qs).map_err(dev)?,
                     d: st.clone_htod(&d).map_err(dev)?,
                 }
+            }
+            HostData::Q8_0A8(_) => {
+                return Err(BackendError::Weight(format!(
+                    "{}: Q8_0A8 is not implemented on the CUDA backend yet",
+                    w.name
+                )))
             }
             HostData::Q4_0(blocks) => {
                 let (qs, d) = repack_q4_0(blocks);

@@ -477,6 +477,7 @@ fn fmt_name(f: WeightFormat) -> &'static str {
         WeightFormat::F16 => "f16",
         WeightFormat::Q8_0 => "q8_0",
         WeightFormat::Q4_0 => "q4_0",
+        WeightFormat::Q8_0A8 => "q8_0 (int8 x)",
     }
 }
 

@@ -168,6 +168,7 @@ pub(crate) fn take_rows(
         HostData::F16(v) => HostData::F16(pick(v, c, ranges)),
         HostData::Q8_0(b) => HostData::Q8_0(pick(b, c / QK, ranges)),
         HostData::Q4_0(b) => HostData::Q4_0(pick(b, c / QK, ranges)),
+        HostData::Q8_0A8(b) => HostData::Q8_0A8(pick(b, c / QK, ranges)),
     };
     Ok(HostWeight::new(name, rows, c, data)?)
 }
