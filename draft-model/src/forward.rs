@@ -402,37 +402,50 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// One layer over the block rows `s.x` (`[b, hidden]`, in place). `attend` receives the
-    /// normed + roped Q and K and the V of the block and writes the attention output.
+    /// normed + roped Q (its first `rows` rows) and K and V of all `b` block rows and writes the
+    /// attention output of the `rows` queries.
+    ///
+    /// Only the first `rows` rows (`1..=b`) are carried through the query side, the o
+    /// projection and the MLP; K and V still cover the whole block. The last layer of a draft
+    /// step runs with `rows` = the rows whose drafts are wanted: the other rows only ever feed
+    /// later layers' keys and values, and every op is per-row deterministic, so the kept rows
+    /// are bit for bit those of the full block. Rows `rows..b` of `s.x` are left stale.
     #[allow(clippy::type_complexity)]
     fn block_layer(
         &self,
         be: &B,
         li: usize,
         s: &mut Scratch<B>,
+        rows: usize,
         pos0: usize,
-        attend: &mut dyn FnMut(usize, &B::Buf, &B::Buf, &B::Buf, &mut B::Buf) -> Result<()>,
+        attend: &mut dyn FnMut(usize, usize, &B::Buf, &B::Buf, &B::Buf, &mut B::Buf) -> Result<()>,
     ) -> Result<()> {
         let c = &self.cfg;
         let l: &DraftLayer<B> = &self.layers[li];
         let (d, hd, eps, b) = (c.hidden_size, c.head_dim, c.rms_norm_eps, s.b);
+        if rows == 0 || rows > b {
+            return Err(DraftError::Invalid(format!(
+                "layer {li}: {rows} query rows for a block of {b}"
+            )));
+        }
         be.rms_norm(&s.x, &l.ln_in, d, eps, &mut s.xn)?;
-        be.matmul(&s.xn, b, &l.wq, &mut s.q0)?;
+        be.matmul(&s.xn, rows, &l.wq, &mut s.q0)?;
         be.matmul(&s.xn, b, &l.wk, &mut s.k0)?;
         be.matmul(&s.xn, b, &l.wv, &mut s.v)?;
         be.rms_norm(&s.q0, &l.q_norm, hd, eps, &mut s.q)?;
         be.rms_norm(&s.k0, &l.k_norm, hd, eps, &mut s.k)?;
         let rope = &self.ropes[li];
-        be.rope(&mut s.q, b, c.num_attention_heads, hd, pos0, rope)?;
+        be.rope(&mut s.q, rows, c.num_attention_heads, hd, pos0, rope)?;
         be.rope(&mut s.k, b, c.num_key_value_heads, hd, pos0, rope)?;
-        attend(li, &s.q, &s.k, &s.v, &mut s.attn)?;
-        be.matmul(&s.attn, b, &l.wo, &mut s.o)?;
-        be.add_assign(&mut s.x, 0, &s.o, b * d)?;
+        attend(li, rows, &s.q, &s.k, &s.v, &mut s.attn)?;
+        be.matmul(&s.attn, rows, &l.wo, &mut s.o)?;
+        be.add_assign(&mut s.x, 0, &s.o, rows * d)?;
         be.rms_norm(&s.x, &l.ln_post, d, eps, &mut s.xn)?;
-        be.matmul(&s.xn, b, &l.w_gate, &mut s.g)?;
-        be.matmul(&s.xn, b, &l.w_up, &mut s.u)?;
+        be.matmul(&s.xn, rows, &l.w_gate, &mut s.g)?;
+        be.matmul(&s.xn, rows, &l.w_up, &mut s.u)?;
         be.silu_mul(&s.g, &s.u, &mut s.a)?;
-        be.matmul(&s.a, b, &l.w_down, &mut s.o)?;
-        be.add_assign(&mut s.x, 0, &s.o, b * d)?;
+        be.matmul(&s.a, rows, &l.w_down, &mut s.o)?;
+        be.add_assign(&mut s.x, 0, &s.o, rows * d)?;
         Ok(())
     }
 
@@ -469,11 +482,14 @@ impl<B: Backend> Drafter<B> {
     ) -> Result<B::Buf> {
         self.check_block(tokens)?;
         let mut s = Scratch::new(be, &self.cfg, tokens.len())?;
-        self.forward_cached_in(be, kv, lend, tokens, emb_scale, &mut s)?;
+        self.forward_cached_in(be, kv, lend, tokens, emb_scale, tokens.len(), &mut s)?;
         Ok(s.hidden)
     }
 
-    /// [`Drafter::forward_cached`] into the buffers of `s` (final rows in `s.hidden`).
+    /// [`Drafter::forward_cached`] into the buffers of `s`: the final rows `0..out_rows` in
+    /// `s.hidden` (the last layer runs its query side, o projection and MLP on those rows only;
+    /// the rows past them are not final).
+    #[allow(clippy::too_many_arguments)]
     fn forward_cached_in(
         &self,
         be: &B,
@@ -481,6 +497,7 @@ impl<B: Backend> Drafter<B> {
         lend: &dyn TargetLend<B>,
         tokens: &[u32],
         emb_scale: f32,
+        out_rows: usize,
         s: &mut Scratch<B>,
     ) -> Result<()> {
         self.check_block(tokens)?;
@@ -493,16 +510,23 @@ impl<B: Backend> Drafter<B> {
         let (kv_pos0, n_ctx) = (kv.pos0(), kv.len());
         let start = kv_pos0 + n_ctx;
         self.embed_block(be, lend, tokens, emb_scale, &mut s.x)?;
-        for li in 0..self.layers.len() {
-            let mut attend =
-                |li: usize, q: &B::Buf, k: &B::Buf, v: &B::Buf, out: &mut B::Buf| -> Result<()> {
-                    kv.write_block(be, li, k, v, b)?;
-                    let (kb, vb) = kv.layer(li)?;
-                    let p = attn_params(self, li, b, n_ctx + b, start, kv_pos0);
-                    be.attention(q, kb, vb, &p, out)?;
-                    Ok(())
-                };
-            self.block_layer(be, li, s, start, &mut attend)?;
+        let n_layers = self.layers.len();
+        for li in 0..n_layers {
+            let mut attend = |li: usize,
+                              n_q: usize,
+                              q: &B::Buf,
+                              k: &B::Buf,
+                              v: &B::Buf,
+                              out: &mut B::Buf|
+             -> Result<()> {
+                kv.write_block(be, li, k, v, b)?;
+                let (kb, vb) = kv.layer(li)?;
+                let p = attn_params(self, li, n_q, n_ctx + b, start, kv_pos0);
+                be.attention(q, kb, vb, &p, out)?;
+                Ok(())
+            };
+            let rows = if li + 1 == n_layers { out_rows } else { b };
+            self.block_layer(be, li, s, rows, start, &mut attend)?;
         }
         self.final_norm(be, s)
     }
@@ -532,19 +556,24 @@ impl<B: Backend> Drafter<B> {
         let mut layer_outs = Vec::new();
         for li in 0..self.layers.len() {
             let (kc, vc) = self.ctx_kv(be, li, &feats, ctx, 0)?;
-            let mut attend =
-                |li: usize, q: &B::Buf, k: &B::Buf, v: &B::Buf, out: &mut B::Buf| -> Result<()> {
-                    let mut ka = be.zeros((ctx + b) * kvd)?;
-                    let mut va = be.zeros((ctx + b) * kvd)?;
-                    be.copy(&kc, 0, &mut ka, 0, ctx * kvd)?;
-                    be.copy(&vc, 0, &mut va, 0, ctx * kvd)?;
-                    be.copy(k, 0, &mut ka, ctx * kvd, b * kvd)?;
-                    be.copy(v, 0, &mut va, ctx * kvd, b * kvd)?;
-                    let p = attn_params(self, li, b, ctx + b, ctx, 0);
-                    be.attention(q, &ka, &va, &p, out)?;
-                    Ok(())
-                };
-            self.block_layer(be, li, &mut s, ctx, &mut attend)?;
+            let mut attend = |li: usize,
+                              n_q: usize,
+                              q: &B::Buf,
+                              k: &B::Buf,
+                              v: &B::Buf,
+                              out: &mut B::Buf|
+             -> Result<()> {
+                let mut ka = be.zeros((ctx + b) * kvd)?;
+                let mut va = be.zeros((ctx + b) * kvd)?;
+                be.copy(&kc, 0, &mut ka, 0, ctx * kvd)?;
+                be.copy(&vc, 0, &mut va, 0, ctx * kvd)?;
+                be.copy(k, 0, &mut ka, ctx * kvd, b * kvd)?;
+                be.copy(v, 0, &mut va, ctx * kvd, b * kvd)?;
+                let p = attn_params(self, li, n_q, ctx + b, ctx, 0);
+                be.attention(q, &ka, &va, &p, out)?;
+                Ok(())
+            };
+            self.block_layer(be, li, &mut s, b, ctx, &mut attend)?;
             if trace {
                 layer_outs.push(be.download(&s.x)?);
             }
@@ -718,7 +747,13 @@ impl<B: Backend> Drafter<B> {
             }
             None => local.insert(Scratch::new(be, &self.cfg, b)?),
         };
-        self.forward_cached_in(be, kv, lend, &tokens, opts.emb_scale, s)?;
+        // Only the rows whose drafts are computed need the last layer's query side and MLP.
+        let mut n = self.layout.n_drafts(b);
+        if let Some(m) = opts.max_drafts {
+            n = n.min(m);
+        }
+        let out_rows = (self.layout.first_row() + n).clamp(1, b);
+        self.forward_cached_in(be, kv, lend, &tokens, opts.emb_scale, out_rows, s)?;
         self.drafts_from_hidden(be, lend, &s.hidden, b, anchor, opts)
     }
 

@@ -1,7 +1,9 @@
 //! Property: over random tiny drafters (full / sliding layers, GQA, Markov + confidence heads,
 //! both row layouts), the cached round (chunked ingest in arbitrary pieces, then one block
 //! forward) equals the uncached forward from scratch to 1e-6 and drafts the same tokens, for
-//! contexts shorter and far longer than the sliding window and longer than one ingest chunk.
+//! contexts shorter and far longer than the sliding window and longer than one ingest chunk;
+//! a step asked for fewer drafts (last layer on fewer rows) gives the same first drafts bit
+//! for bit.
 
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{Backend, HostWeight, WeightFormat};
@@ -174,6 +176,32 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     .unwrap();
     let again = dr.draft(&be, &mut kv, &lend, anchor, c.ctx, &opts).unwrap();
     prop_assert_eq!(&again, &got);
+    // Asking for fewer drafts runs the last layer on fewer rows only: the kept drafts, their
+    // logits and confidences are bit for bit the first ones of the full step.
+    let n_all = got.tokens.len();
+    if n_all > 0 {
+        let k = 1 + (c.seed as usize / 7) % n_all;
+        let fewer = DraftOptions {
+            max_drafts: Some(k),
+            ..opts
+        };
+        let part = dr
+            .draft(&be, &mut kv, &lend, anchor, c.ctx, &fewer)
+            .unwrap();
+        prop_assert_eq!(&part.tokens[..], &got.tokens[..k]);
+        let (pl, gl) = (part.logits.as_ref().unwrap(), got.logits.as_ref().unwrap());
+        prop_assert_eq!(pl.len(), k * vocab);
+        prop_assert!(
+            pl.iter()
+                .zip(&gl[..k * vocab])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "logits of the first {} drafts differ",
+            k
+        );
+        if let (Some(a), Some(b)) = (&part.confidence, &got.confidence) {
+            prop_assert_eq!(&a[..], &b[..k]);
+        }
+    }
 
     // Next round: commit `extra` more context rows over the transient block rows the drafts
     // left behind, draft again, and compare with a from-scratch forward over all rows.
