@@ -18,6 +18,7 @@
 //! Buffers are `Vec<f32>`. A buffer may be longer than what an op reads or writes (scratch
 //! reuse); the ops check that every operand is long enough and name it when it is not.
 
+mod a8panel;
 mod kernel;
 mod panel;
 mod qpanel;
@@ -27,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use dflash_quant::QK;
 use rayon::prelude::*;
 
+pub use a8panel::vnni_supported;
 pub use kernel::Isa;
 
 use crate::{
@@ -293,6 +295,8 @@ enum Packed {
     F16(Vec<panel::F16Bits>),
     /// q8_0 or q4_0.
     Quant(qpanel::QPanels),
+    /// q8_0 for the integer dot with quantized activations (Q8_0A8).
+    A8(a8panel::A8Panels),
 }
 
 impl CpuWeight {
@@ -303,6 +307,7 @@ impl CpuWeight {
             Packed::Bf16(v) => 2 * v.len(),
             Packed::F16(v) => 2 * v.len(),
             Packed::Quant(q) => q.bytes(),
+            Packed::A8(q) => q.bytes(),
         }
     }
 
@@ -313,6 +318,7 @@ impl CpuWeight {
             Packed::F16(_) => WeightFormat::F16,
             Packed::Quant(q) if q.q4 => WeightFormat::Q4_0,
             Packed::Quant(_) => WeightFormat::Q8_0,
+            Packed::A8(_) => WeightFormat::Q8_0A8,
         }
     }
 
@@ -330,6 +336,7 @@ impl CpuWeight {
             Packed::Bf16(v) => v.len(),
             Packed::F16(v) => v.len(),
             Packed::Quant(q) => q.n_values(),
+            Packed::A8(q) => q.n_values(),
         }
     }
 }
@@ -341,6 +348,7 @@ fn decode_row(data: &Packed, cols: usize, o: usize, out: &mut [f32]) {
         Packed::Bf16(v) => panel::unpack_row(v, cols, o, out),
         Packed::F16(v) => panel::unpack_row(v, cols, o, out),
         Packed::Quant(q) => q.unpack_row(cols, o, out),
+        Packed::A8(q) => q.unpack_row(cols, o, out),
     }
 }
 
@@ -468,10 +476,14 @@ impl PvCtx<'_> {
         }
     }
 
-    /// Queries `u0 .. u0 + QN` (outputs `out`, `[QN, hd]`): each one is a single sequential
-    /// FMA chain over its keys in order, the common keys processed jointly (shared loads).
-    fn block<const QN: usize>(&self, u0: usize, out: &mut [f32]) {
-        let rs: [(usize, usize); QN] = std::array::from_fn(|d| self.ranges[u0 + d]);
+    /// Queries `u0 .. u0 + QN` (outputs `out`, `[QN, hd]`) over their visible keys within
+    /// `b0 .. b1`: each one continues a single sequential FMA chain over its keys in order, the
+    /// common keys processed jointly (shared loads).
+    fn block<const QN: usize>(&self, u0: usize, out: &mut [f32], b0: usize, b1: usize) {
+        let rs: [(usize, usize); QN] = std::array::from_fn(|d| {
+            let (lo, hi) = self.ranges[u0 + d];
+            (lo.max(b0), hi.min(b1))
+        });
         let c_lo = rs.iter().map(|r| r.0).max().unwrap_or(0);
         let c_hi = rs.iter().map(|r| r.1).min().unwrap_or(0);
         let mut it = out.chunks_exact_mut(self.hd);
@@ -544,12 +556,7 @@ impl Backend for Cpu {
             }
             HostData::Q8_0(b) => Packed::Quant(qpanel::QPanels::pack_q8(b, rows, cols)),
             HostData::Q4_0(b) => Packed::Quant(qpanel::QPanels::pack_q4(b, rows, cols)),
-            HostData::Q8_0A8(_) => {
-                return Err(BackendError::Weight(format!(
-                    "{}: Q8_0A8 is not implemented on the CPU backend yet",
-                    w.name
-                )))
-            }
+            HostData::Q8_0A8(b) => Packed::A8(a8panel::A8Panels::pack(b, rows, cols)),
         };
         Ok(Weight {
             name: w.name.clone(),
@@ -622,15 +629,30 @@ impl Backend for Cpu {
         let work = rows.saturating_mul(n_out).saturating_mul(k);
         let serial = threads <= 1 || work < self.par_min_work;
         let data = &w.buf.data;
+        // Q8_0A8: the rows of x quantized once, before the outputs are split.
+        let qx = match data {
+            Packed::A8(_) => {
+                let mut q = a8panel::QRows::take();
+                match q.quantize(&w.name, x, rows, k) {
+                    Ok(()) => Some(q),
+                    Err(e) => {
+                        q.recycle();
+                        return Err(e);
+                    }
+                }
+            }
+            _ => None,
+        };
         // Threads take contiguous runs of panels.
         let n_panels = n_out.div_ceil(panel::NP);
         let chunk_p = if serial {
             n_panels
         } else {
-            {
-                let unit = panel::panel_unit(isa, rows);
-                n_panels.div_ceil(4 * threads).div_ceil(unit) * unit
-            }
+            let unit = match data {
+                Packed::A8(_) => 1,
+                _ => panel::panel_unit(isa, rows),
+            };
+            n_panels.div_ceil(4 * threads).div_ceil(unit) * unit
         };
         let chunk_o = chunk_p * panel::NP;
         let run_chunk = |c: usize, ot: &mut [f32]| {
@@ -647,6 +669,11 @@ impl Backend for Cpu {
                     panel::matmul_panels(isa, x, rows, k, &panel::Dense(v), n_out, p0, p1, ot)
                 }
                 Packed::Quant(q) => panel::matmul_panels(isa, x, rows, k, q, n_out, p0, p1, ot),
+                Packed::A8(q) => {
+                    if let Some(qx) = &qx {
+                        a8panel::matmul_panels(isa, qx, q, n_out, p0, p1, ot)
+                    }
+                }
             }
         };
         // Each chunk writes `[rows, width]` for its outputs: with one chunk (or one row) that
@@ -674,6 +701,9 @@ impl Backend for Cpu {
                     out[r * n_out + o0..][..width].copy_from_slice(seg);
                 }
             }
+        }
+        if let Some(q) = qx {
+            q.recycle();
         }
         Ok(())
     }
@@ -888,30 +918,43 @@ impl Backend for Cpu {
             let qrow =
                 |u: usize| &q[((u / group) * p.n_heads + g * group + u % group) * hd..][..hd];
             let key = |j: usize| &k[j * stride + g * hd..][..hd];
+            // Keys are visited in blocks of about 24 KiB of K (or V) so that a block stays in
+            // L1 while every query of the head reads it. This is only a loop order: each score
+            // has the bits of one `dot`, and each output element is one FMA chain over its keys
+            // in increasing order (continued across blocks), whatever the block size.
+            let kblock = (6144 / hd).max(16) / 16 * 16;
+            let blocks = || {
+                (lo_all..hi_all)
+                    .step_by(kblock)
+                    .map(move |b0| (b0, (b0 + kblock).min(hi_all)))
+            };
             // Scores: tiles of queries x keys (each score has the bits of one `dot`).
             let mut sc = vec![0.0f32; m * width];
-            let mut u = 0;
-            while u < m {
-                let qn = match m - u {
-                    4.. => 4,
-                    2..=3 => 2,
-                    _ => 1,
-                };
-                let (bl, bh) = span(u..u + qn);
-                if bl < bh {
-                    match qn {
-                        4 => score_tiles::<4, 4>(
-                            isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
-                        ),
-                        2 => score_tiles::<2, 8>(
-                            isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
-                        ),
-                        _ => score_tiles::<1, 16>(
-                            isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
-                        ),
+            for (b0, b1) in blocks() {
+                let mut u = 0;
+                while u < m {
+                    let qn = match m - u {
+                        4.. => 4,
+                        2..=3 => 2,
+                        _ => 1,
+                    };
+                    let (bl, bh) = span(u..u + qn);
+                    let (bl, bh) = (bl.max(b0), bh.min(b1));
+                    if bl < bh {
+                        match qn {
+                            4 => score_tiles::<4, 4>(
+                                isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                            ),
+                            2 => score_tiles::<2, 8>(
+                                isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                            ),
+                            _ => score_tiles::<1, 16>(
+                                isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                            ),
+                        }
                     }
+                    u += qn;
                 }
-                u += qn;
             }
             // Softmax per query over its visible keys.
             for (u, &(lo, hi)) in ranges.iter().enumerate() {
@@ -943,20 +986,22 @@ impl Backend for Cpu {
                 stride,
                 hd,
             };
-            let mut u = 0;
-            while u < m {
-                let qn = match m - u {
-                    4.. => 4,
-                    2..=3 => 2,
-                    _ => 1,
-                };
-                let block = &mut res[u * hd..(u + qn) * hd];
-                match qn {
-                    4 => pv.block::<4>(u, block),
-                    2 => pv.block::<2>(u, block),
-                    _ => pv.block::<1>(u, block),
+            for (b0, b1) in blocks() {
+                let mut u = 0;
+                while u < m {
+                    let qn = match m - u {
+                        4.. => 4,
+                        2..=3 => 2,
+                        _ => 1,
+                    };
+                    let block = &mut res[u * hd..(u + qn) * hd];
+                    match qn {
+                        4 => pv.block::<4>(u, block, b0, b1),
+                        2 => pv.block::<2>(u, block, b0, b1),
+                        _ => pv.block::<1>(u, block, b0, b1),
+                    }
+                    u += qn;
                 }
-                u += qn;
             }
             res
         };

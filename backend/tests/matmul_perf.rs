@@ -272,3 +272,62 @@ fn layer_1_vs_16_rows() {
         );
     }
 }
+
+/// G MAC/s of Q8_0A8 (integer dot, activations quantized per call) vs bf16 / f32 / q8_0 at
+/// the drafter's shapes (out x in) and widths. Env knobs: A8_SHAPES, A8_ROWS, MM_THREADS.
+#[test]
+#[ignore = "timing report, run by hand"]
+fn q8_0a8_vs_float_gmacs() {
+    let shapes: Vec<(usize, usize)> = env_list::<String>(
+        "A8_SHAPES",
+        vec![
+            "256x256".into(),
+            "768x256".into(),
+            "256x768".into(),
+            "8192x256".into(),
+        ],
+    )
+    .iter()
+    .filter_map(|s| {
+        s.split_once('x')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+    })
+    .collect();
+    let widths = env_list::<usize>("A8_ROWS", vec![1, 4, 8, 16]);
+    let formats = [
+        WeightFormat::F32,
+        WeightFormat::Bf16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q8_0A8,
+    ];
+    for threads in env_list("MM_THREADS", vec![1usize]) {
+        let be = Cpu::with_threads(threads).unwrap();
+        println!(
+            "threads {threads}, isa {:?}, VNNI {}",
+            be.isa(),
+            dflash_backend::cpu::vnni_supported()
+        );
+        for &(n, k) in &shapes {
+            let vals: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect();
+            let x: Vec<f32> = (0..16 * k)
+                .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                .collect();
+            let mut out = vec![0.0; 16 * n];
+            let mut line = format!("[{n:5} x {k:4}]");
+            for &fmt in &formats {
+                let w = be
+                    .upload_weight(&HostWeight::from_f32("w", n, k, &vals, fmt).unwrap())
+                    .unwrap();
+                line += &format!(" {fmt:?}:");
+                for &rows in &widths {
+                    let rows = rows.clamp(1, 16);
+                    let t = time_per_call(&be, &x, rows, &w, &mut out);
+                    line += &format!(" {:6.1}", (rows * n * k) as f64 / t / 1e9);
+                }
+            }
+            println!("{line}   (G MAC/s at rows {widths:?})");
+        }
+    }
+}
