@@ -283,3 +283,191 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
         lo[i] = (u16)(l & 0xffffu);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Q8_0A8: q8_0 weights x activations quantized to q8_0 (ggml's CPU q8_0 dot), on the int8
+// tensor cores (mma m16n8k32 s8.s8.s32). Contract (backend WeightFormat::Q8_0A8, the CPU
+// backend's a8panel): per output (row r, feature o)
+//     acc = 0; for b in 0..K/32 (in order): acc = fma((float)isum_b, d_w[o,b] * d_x[r,b], acc)
+// with isum_b the exact int32 block dot. Each output's blocks are accumulated by ONE thread,
+// in block order, so results are bit-identical to the CPU transcription and independent of
+// the row count and of the launch shape.
+
+// f32 -> f16 bits, round to nearest even (ggml's GGML_FP32_TO_FP16 on F16C machines).
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// x [T, K] f32 -> q8_0 codes in mma B-fragment order + f32 scales (the f16 value), padded
+// to NT*8 tokens and KBp blocks with zeros:
+//   xq[((b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = codes k = 16h + 4t .. +3
+//   xd[b * NT * 8 + tok]
+// Byte-exact with dflash_quant::quantize_q8_0 (ggml quantize_row_q8_0_ref) for finite x:
+// d = amax / 127, id = d != 0 ? 1 / d : 0 (an infinite id gives the codes of id = 0, as on
+// x86), q = roundf(x * id), stored d = f16(d).
+extern "C" __global__ void a8_quant_x(const float *__restrict__ x, int T, int K, int NT, int KBp, u32 *__restrict__ xq,
+                                      float *__restrict__ xd) {
+    const int ntok = NT * 8;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= KBp * ntok) return;
+    const int b = idx / ntok, tok = idx % ntok;
+    const int KB = K / 32;
+    float v[32];
+    float d = 0.0f, id = 0.0f;
+    if (tok < T && b < KB) {
+        const float4 *p = (const float4 *)(x + (long long)tok * K + b * 32);
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float4 q = p[i];
+            v[4 * i] = q.x; v[4 * i + 1] = q.y; v[4 * i + 2] = q.z; v[4 * i + 3] = q.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const float a = fabsf(v[i]);
+            amax = amax > a ? amax : a;
+        }
+        d = amax / 127.0f;
+        id = d != 0.0f ? 1.0f / d : 0.0f;
+        if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = 0.0f;
+    }
+    const long long base = ((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4) * 2;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 w = 0u;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int q = (int)roundf(__fmul_rn(v[16 * h + 4 * t + i], id));
+                w |= ((u32)(q & 0xff)) << (8 * i);
+            }
+            xq[base + 2 * t + h] = w;
+        }
+    }
+    xd[(long long)b * ntok + tok] = f16_to_f32(f32_to_f16_bits(d));
+}
+
+__device__ __forceinline__ u32 smem_addr(const void *p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void *s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void mma_s8_16832(int c[4], const uint4 &a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+// Exact int -> f32 for |i| < 2^22 (block sums are at most 32 * 128 * 127 in magnitude).
+__device__ __forceinline__ float i2f_small(int i) { return __int_as_float(i + 0x4B400000) - 12582912.0f; }
+
+// One warp = one tile of 16 output features over all of K; W warps per block share the
+// x stages; S-stage cp.async pipeline of A8_KC blocks per stage (weights, scales, x codes
+// and x scales all land in shared memory, each thread reads only whole fragments).
+template <int NT, int W, int S>
+__device__ __forceinline__ void a8_mma(const u8 *__restrict__ wq, const u16 *__restrict__ wsc, const u32 *__restrict__ xq,
+                                       const float *__restrict__ xd, float *__restrict__ out, int N, int K, int T) {
+    extern __shared__ __align__(16) u8 a8_smem[];
+    const int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    const int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nst = KBp / A8_KC;
+    const int tile = blockIdx.x * W + warp;
+    const bool tile_ok = tile * 16 < N;
+
+    auto issue = [&](int st, int slot) {
+        u8 *base = a8_smem + slot * STAGE_B;
+        const u8 *gx = (const u8 *)xq + (long long)st * XQ_B;
+        for (int i = tid; i < XQ_B / 16; i += W * 32) cp_async16(base + i * 16, gx + i * 16);
+        const u8 *gd = (const u8 *)xd + (long long)st * XD_B;
+        for (int i = tid; i < XD_B / 16; i += W * 32) cp_async16(base + XQ_B + i * 16, gd + i * 16);
+        if (tile_ok) {
+            u8 *wb = base + XQ_B + XD_B + warp * (WQ_B + WS_B);
+            const long long pb = (long long)tile * KBp + (long long)st * A8_KC;
+            const u8 *gw = wq + pb * 512;
+#pragma unroll
+            for (int i = 0; i < WQ_B / 512; ++i) cp_async16(wb + (i * 32 + lane) * 16, gw + (i * 32 + lane) * 16);
+            if (lane < WS_B / 16) cp_async16(wb + WQ_B + lane * 16, (const u8 *)wsc + pb * 32 + lane * 16);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue(s, s);
+        cp_async_commit();
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+
+    for (int st = 0; st < nst; ++st) {
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        const int nx = st + S - 1;
+        if (nx < nst) issue(nx, nx % S);
+        cp_async_commit();
+        if (tile_ok) {
+            const u8 *base = a8_smem + (st % S) * STAGE_B;
+            const uint2 *sx = (const uint2 *)base;
+            const float *sd = (const float *)(base + XQ_B);
+            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + warp * (WQ_B + WS_B));
+            const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
+            const int nb = min(A8_KC, KB - st * A8_KC);
+#pragma unroll
+            for (int bb = 0; bb < A8_KC; ++bb) {
+                if (bb < nb) {
+                    const uint4 a = sw[bb * 32 + lane];
+                    const u32 sc = ss[bb * 8 + g];
+                    const float dw0 = f16_to_f32((u16)(sc & 0xffffu)), dw1 = f16_to_f32((u16)(sc >> 16));
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        const uint2 bx = sx[(bb * NT + j) * 32 + lane];
+                        const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
+                        int c[4] = {0, 0, 0, 0};
+                        mma_s8_16832(c, a, bx.x, bx.y);
+                        acc[j][0] = fmaf(i2f_small(c[0]), __fmul_rn(dw0, dx.x), acc[j][0]);
+                        acc[j][1] = fmaf(i2f_small(c[1]), __fmul_rn(dw0, dx.y), acc[j][1]);
+                        acc[j][2] = fmaf(i2f_small(c[2]), __fmul_rn(dw1, dx.x), acc[j][2]);
+                        acc[j][3] = fmaf(i2f_small(c[3]), __fmul_rn(dw1, dx.y), acc[j][3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    if (!tile_ok) return;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+            const int tok = 8 * j + 2 * t + (c & 1);
+            if (o < N && tok < T) out[(long long)tok * N + o] = acc[j][c];
+        }
+}
+
+#define A8_STAGES 6
+#define A8(NAME, NT, W)                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * W) NAME(const u8 *wq, const u16 *wsc, const u32 *xq, const float *xd, \
+                                                              float *out, int N, int K, int T) {                            \
+        a8_mma<NT, W, A8_STAGES>(wq, wsc, xq, xd, out, N, K, T);                                                            \
+    }
+A8(a8_n1_w1, 1, 1)
+A8(a8_n1_w2, 1, 2)
+A8(a8_n1_w4, 1, 4)
+A8(a8_n2_w1, 2, 1)
+A8(a8_n2_w2, 2, 2)
+A8(a8_n2_w4, 2, 4)

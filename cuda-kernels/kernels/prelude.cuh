@@ -10,6 +10,11 @@ typedef unsigned long long u64;
 #define FMT_F16 2
 #define FMT_Q8_0 3
 #define FMT_Q4_0 4
+#define FMT_Q8A8 5
+
+// Q8_0A8 weight layout: 32-value blocks per stage of the int8-mma kernel (rows padded to
+// whole stages of blocks).
+#define A8_KC 8
 
 #define NEG_INF (__int_as_float(0xff800000))
 #define ARGMAX_NONE 0xffffffffu
@@ -119,6 +124,17 @@ __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, 
     case FMT_Q8_0: {
         float d = f16_to_f32(wd[row * (cols / 32) + col / 32]);
         return (float)((const i8 *)wq)[row * cols + col] * d;
+    }
+    case FMT_Q8A8: {
+        // Tiles of 16 rows; per (tile, block) 32 lanes x 16 bytes = the m16n8k32 A fragments
+        // (reg = (k >= 16) * 2 + (row >= 8), lane = (row % 8) * 4 + (k % 16) / 4), then the
+        // f16 scales as pairs (row g, row g + 8) per (tile, block, g).
+        const long long kbp = (long long)((cols / 32 + A8_KC - 1) / A8_KC) * A8_KC;
+        const long long pb = (row >> 4) * kbp + (col >> 5);
+        const int r = (int)(row & 15), g = r & 7, hi = r >> 3, kk = col & 31;
+        const int lane = g * 4 + ((kk & 15) >> 2), reg = ((kk >> 4) << 1) | hi;
+        const float d = f16_to_f32(wd[(pb * 8 + g) * 2 + hi]);
+        return (float)((const i8 *)wq)[(pb * 32 + lane) * 16 + reg * 4 + (kk & 3)] * d;
     }
     default: {
         const int b = col >> 5, e = col & 31;

@@ -27,6 +27,21 @@ const ARGMAX_CHUNK: usize = 4096;
 const MARKOV_CHUNK: usize = 1024;
 const ATT_SPLIT: usize = 256;
 const ATT_QT: usize = 16;
+/// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
+/// repacked weight are padded to a whole number of stages.
+const A8_KC: usize = 8;
+/// Q8_0A8: cp.async pipeline depth (`A8_STAGES` in matmul.cu).
+const A8_STAGES: usize = 6;
+
+/// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
+fn a8_kbp(cols: usize) -> usize {
+    (cols / 32).div_ceil(A8_KC) * A8_KC
+}
+
+/// Shared memory of one Q8_0A8 matmul block: `nt` token groups of 8, `w` warps.
+fn a8_smem_bytes(nt: usize, w: usize) -> usize {
+    A8_STAGES * (A8_KC * nt * 288 + w * A8_KC * 544)
+}
 
 /// An f32 activation buffer on the device.
 pub struct CudaBuf {
@@ -60,6 +75,14 @@ pub enum CudaWeightBuf {
         qs: CudaSlice<u32>,
         d: CudaSlice<u16>,
     },
+    /// [`WeightFormat::Q8_0A8`]: q8_0 codes repacked into int8 mma A fragments. Tiles of 16
+    /// rows (padded); per (tile, block) 32 lanes x 16 bytes (lane `(r % 8) * 4 + (k % 16) / 4`,
+    /// register `(k >= 16) * 2 + (r >= 8)`, byte `k % 4`), blocks padded to whole stages
+    /// ([`a8_kbp`]); scales as f16 pairs `(row g, row g + 8)` per (tile, block, g).
+    Q8A8 {
+        qs: CudaSlice<u8>,
+        d: CudaSlice<u16>,
+    },
 }
 
 impl CudaWeightBuf {
@@ -70,6 +93,7 @@ impl CudaWeightBuf {
             CudaWeightBuf::Bf16(s) | CudaWeightBuf::F16(s) => s.num_bytes(),
             CudaWeightBuf::Q8_0 { qs, d } => qs.num_bytes() + d.num_bytes(),
             CudaWeightBuf::Q4_0 { qs, d } => qs.num_bytes() + d.num_bytes(),
+            CudaWeightBuf::Q8A8 { qs, d } => qs.num_bytes() + d.num_bytes(),
         }
     }
     fn fmt_code(&self) -> i32 {
@@ -79,6 +103,7 @@ impl CudaWeightBuf {
             CudaWeightBuf::F16(_) => 2,
             CudaWeightBuf::Q8_0 { .. } => 3,
             CudaWeightBuf::Q4_0 { .. } => 4,
+            CudaWeightBuf::Q8A8 { .. } => 5,
         }
     }
 }
@@ -112,6 +137,8 @@ struct Scratch {
     toks: Option<CudaSlice<u32>>,
     x_hi: Option<CudaSlice<u16>>,
     x_lo: Option<CudaSlice<u16>>,
+    a8_q: Option<CudaSlice<u32>>,
+    a8_d: Option<CudaSlice<f32>>,
 }
 
 fn ensure<T: DeviceRepr + ValidAsZeroBits>(
@@ -236,6 +263,8 @@ impl Cuda {
                 toks: None,
                 x_hi: None,
                 x_lo: None,
+                a8_q: None,
+                a8_d: None,
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
@@ -353,9 +382,17 @@ impl Cuda {
                 CudaWeightBuf::Q8_0 { qs, d }
             }
             WeightFormat::Q8_0A8 => {
-                return Err(BackendError::Weight(format!(
-                    "{name}: Q8_0A8 is not implemented on the CUDA backend yet"
-                )))
+                // Random bytes over the whole repacked buffer (padding included: padded rows
+                // and blocks are never read into a result).
+                let blocks = rows.div_ceil(16) * 16 * a8_kbp(cols);
+                let mut qs = self.stream.alloc_zeros::<u8>(blocks * 32).map_err(dev)?;
+                let f = self.func(Kernel::FillRandomU32)?;
+                let words = (blocks * 8) as i64;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&mut qs).arg(&words).arg(&seed);
+                unsafe { b.launch(grid_1d(blocks * 8, 256)) }.map_err(dev)?;
+                let d = half(blocks, seed ^ 0x5555, amp / 127.0, 1)?;
+                CudaWeightBuf::Q8A8 { qs, d }
             }
             WeightFormat::Q4_0 => {
                 let qs = words(n / 8, seed)?;
@@ -426,6 +463,7 @@ impl Cuda {
             CudaWeightBuf::Bf16(s) | CudaWeightBuf::F16(s) => b.arg(s).arg(&0u64),
             CudaWeightBuf::Q8_0 { qs, d } => b.arg(qs).arg(d),
             CudaWeightBuf::Q4_0 { qs, d } => b.arg(qs).arg(d),
+            CudaWeightBuf::Q8A8 { qs, d } => b.arg(qs).arg(d),
         };
         b.arg(ids).arg(&cols).arg(&mut out.data);
         unsafe { b.launch(c) }.map_err(dev)?;
@@ -586,6 +624,9 @@ impl Cuda {
         } else {
             SKINNY_TILE_ROWS
         };
+        if let CudaWeightBuf::Q8A8 { qs, d } = &w.buf {
+            return self.matmul_a8(x, rows, n, k, qs, d, out);
+        }
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
                 let f = self.func(kern)?;
@@ -654,6 +695,133 @@ impl Cuda {
             }
         }
         Ok(())
+    }
+
+    /// Q8_0A8: quantize x (q8_0, ggml's bytes) into the mma B-fragment layout, then the int8
+    /// tensor-core kernel. Warps per block from (N, SM count) only; the result does not
+    /// depend on it anyway (each output is one thread's block-ordered sum).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_a8(
+        &self,
+        x: &cudarc::driver::CudaView<'_, f32>,
+        rows: usize,
+        n: usize,
+        k: usize,
+        qs: &CudaSlice<u8>,
+        d: &CudaSlice<u16>,
+        out: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        if !k.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op: "matmul",
+                msg: format!("Q8_0A8 needs cols % 32 == 0, found {k}"),
+            });
+        }
+        let nt = if rows > 8 { 2 } else { 1 };
+        let kbp = a8_kbp(k);
+        let tiles = n.div_ceil(16);
+        let sms = self.num_sms.max(1);
+        // Largest warps-per-block whose busiest SM holds no more tiles than with 1 warp.
+        let load = |w: usize| tiles.div_ceil(w).div_ceil(sms) * w;
+        let w = [4usize, 2, 1]
+            .into_iter()
+            .find(|&w| load(w) <= load(1))
+            .unwrap_or(1);
+        let kern = match (nt, w) {
+            (1, 1) => Kernel::A8N1W1,
+            (1, 2) => Kernel::A8N1W2,
+            (1, _) => Kernel::A8N1W4,
+            (_, 1) => Kernel::A8N2W1,
+            (_, 2) => Kernel::A8N2W2,
+            _ => Kernel::A8N2W4,
+        };
+        let smem = a8_smem_bytes(nt, w);
+        let f = self.func_smem(kern, smem)?;
+        let fq = self.func(Kernel::A8QuantX)?;
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        let Scratch { a8_q, a8_d, .. } = &mut *s;
+        let (xq, xd) = (
+            a8_q.as_mut().ok_or_else(internal)?,
+            a8_d.as_mut().ok_or_else(internal)?,
+        );
+        let (n_i, k_i, t_i) = (
+            i32_of("matmul", "w.rows", n)?,
+            i32_of("matmul", "w.cols", k)?,
+            rows as i32,
+        );
+        let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
+        let mut b = self.stream.launch_builder(&fq);
+        b.arg(x)
+            .arg(&t_i)
+            .arg(&k_i)
+            .arg(&nt_i)
+            .arg(&kbp_i)
+            .arg(&mut *xq)
+            .arg(&mut *xd);
+        unsafe { b.launch(grid_1d(kbp * nt * 8, 128)) }.map_err(dev)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(qs)
+            .arg(d)
+            .arg(&*xq)
+            .arg(&*xd)
+            .arg(out)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&t_i);
+        let grid = tiles.div_ceil(w) as u32;
+        unsafe { b.launch(cfg((grid, 1, 1), 32 * w as u32, smem as u32)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// Test hook: run the Q8_0A8 activation quantizer on `rows` (<= 16) rows of `x` (row
+    /// length `k`, a multiple of 32) and return its output re-ordered as ggml blocks: the
+    /// codes `[rows, k]` and the f16 scale bits `[rows, k / 32]`.
+    pub fn a8_quantize_rows(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        k: usize,
+    ) -> Result<(Vec<i8>, Vec<u16>)> {
+        check("a8_quantize_rows", "x", rows * k, x.len)?;
+        if rows == 0 || rows > SKINNY_ROWS || !k.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op: "a8_quantize_rows",
+                msg: format!("needs 1..=16 rows and k % 32 == 0, found {rows} rows, k {k}"),
+            });
+        }
+        let nt = if rows > 8 { 2 } else { 1 };
+        let kbp = a8_kbp(k);
+        let mut xq = self.stream.alloc_zeros::<u32>(kbp * nt * 64).map_err(dev)?;
+        let mut xd = self.stream.alloc_zeros::<f32>(kbp * nt * 8).map_err(dev)?;
+        let fq = self.func(Kernel::A8QuantX)?;
+        let (t_i, k_i, nt_i, kbp_i) = (rows as i32, k as i32, nt as i32, kbp as i32);
+        let mut b = self.stream.launch_builder(&fq);
+        b.arg(&x.data)
+            .arg(&t_i)
+            .arg(&k_i)
+            .arg(&nt_i)
+            .arg(&kbp_i)
+            .arg(&mut xq)
+            .arg(&mut xd);
+        unsafe { b.launch(grid_1d(kbp * nt * 8, 128)) }.map_err(dev)?;
+        let q = self.stream.clone_dtoh(&xq).map_err(dev)?;
+        let d = self.stream.clone_dtoh(&xd).map_err(dev)?;
+        let kb = k / 32;
+        let mut codes = vec![0i8; rows * k];
+        let mut scales = vec![0u16; rows * kb];
+        for tok in 0..rows {
+            for blk in 0..kb {
+                scales[tok * kb + blk] = half::f16::from_f32(d[blk * nt * 8 + tok]).to_bits();
+                for kk in 0..32 {
+                    let (t, h) = ((kk % 16) / 4, kk / 16);
+                    let word = q[((blk * nt + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h];
+                    codes[tok * k + blk * 32 + kk] = (word >> (8 * (kk % 4))) as u8 as i8;
+                }
+            }
+        }
+        Ok((codes, scales))
     }
 
     fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
@@ -785,7 +953,40 @@ fn push_weight<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, w: &'a CudaWeightBuf)
         CudaWeightBuf::Q4_0 { qs, d } => {
             b.arg(qs).arg(d);
         }
+        CudaWeightBuf::Q8A8 { qs, d } => {
+            b.arg(qs).arg(d);
+        }
     }
+}
+
+/// Q8_0A8 repack (layout on [`CudaWeightBuf::Q8A8`]); padding is code 0 with scale 0.
+pub fn repack_q8_a8(
+    blocks: &[dflash_quant::BlockQ8_0],
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<u16>) {
+    let kb = cols / 32;
+    let kbp = a8_kbp(cols);
+    let tiles = rows.div_ceil(16);
+    let mut qs = vec![0u8; tiles * kbp * 512];
+    let mut d = vec![0u16; tiles * kbp * 16];
+    for o in 0..rows {
+        let (tile, r) = (o / 16, o % 16);
+        let (g, hi) = (r % 8, r / 8);
+        for b in 0..kb {
+            let Some(blk) = blocks.get(o * kb + b) else {
+                return (qs, d);
+            };
+            let pb = tile * kbp + b;
+            d[(pb * 8 + g) * 2 + hi] = blk.d.to_bits();
+            for (kk, &q) in blk.qs.iter().enumerate() {
+                let lane = g * 4 + (kk % 16) / 4;
+                let reg = (kk / 16) * 2 + hi;
+                qs[(pb * 32 + lane) * 16 + reg * 4 + kk % 4] = q as u8;
+            }
+        }
+    }
+    (qs, d)
 }
 
 fn repack_q4_0(blocks: &[dflash_quant::BlockQ4_0]) -> (Vec<u32>, Vec<u16>) {
@@ -870,11 +1071,21 @@ impl Backend for Cuda {
                     d: st.clone_htod(&d).map_err(dev)?,
                 }
             }
-            HostData::Q8_0A8(_) => {
-                return Err(BackendError::Weight(format!(
-                    "{}: Q8_0A8 is not implemented on the CUDA backend yet",
-                    w.name
-                )))
+            HostData::Q8_0A8(blocks) => {
+                if blocks.len() * 32 != w.rows * w.cols {
+                    return Err(BackendError::Weight(format!(
+                        "{}: expected {}x{} values, found {}",
+                        w.name,
+                        w.rows,
+                        w.cols,
+                        blocks.len() * 32
+                    )));
+                }
+                let (qs, d) = repack_q8_a8(blocks, w.rows, w.cols);
+                CudaWeightBuf::Q8A8 {
+                    qs: st.clone_htod(&qs).map_err(dev)?,
+                    d: st.clone_htod(&d).map_err(dev)?,
+                }
             }
             HostData::Q4_0(blocks) => {
                 let (qs, d) = repack_q4_0(blocks);

@@ -29,7 +29,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "8b,27b")]
     shapes: String,
     /// Drafter weight formats.
-    #[arg(long, default_value = "bf16,q8_0,q4_0")]
+    #[arg(long, default_value = "bf16,q8_0,q8_0a8,q4_0")]
     formats: String,
     /// Timed replays per measurement (median reported).
     #[arg(long, default_value_t = 50)]
@@ -101,6 +101,7 @@ fn parse_format(s: &str) -> Result<WeightFormat> {
         "f16" => WeightFormat::F16,
         "f32" => WeightFormat::F32,
         "q8_0" => WeightFormat::Q8_0,
+        "q8_0a8" => WeightFormat::Q8_0A8,
         "q4_0" => WeightFormat::Q4_0,
         _ => bail!("unknown format {s}"),
     })
@@ -477,7 +478,7 @@ fn fmt_name(f: WeightFormat) -> &'static str {
         WeightFormat::F16 => "f16",
         WeightFormat::Q8_0 => "q8_0",
         WeightFormat::Q4_0 => "q4_0",
-        WeightFormat::Q8_0A8 => "q8_0 (int8 x)",
+        WeightFormat::Q8_0A8 => "q8_0a8",
     }
 }
 
@@ -491,7 +492,12 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         (4096, 12288, "down 4096x12288"),
         (151936, 4096, "lm_head 151936x4096"),
     ];
-    for f in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+    for f in [
+        WeightFormat::Bf16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q8_0A8,
+        WeightFormat::Q4_0,
+    ] {
         for &(n, k, name) in &shapes {
             let w = g.random_weight("w", n, k, f, 9, 0.02)?;
             for rows in [1usize, 16] {

@@ -1,0 +1,244 @@
+//! `WeightFormat::Q8_0A8` on CUDA (q8_0 weights x activations quantized to q8_0 on the int8
+//! tensor cores), on fresh random inputs each run (seed printed), outputs poisoned (NaN):
+//! * the activation quantizer byte for byte against `dflash_quant::quantize_q8_0`;
+//! * the matmul BIT FOR BIT against a host transcription of the contract
+//!   (`acc = fma(isum_b as f32, d_w * d_x, acc)` over the blocks in order, per output);
+//! * the matmul bit for bit against the CPU backend's Q8_0A8;
+//! * per-row determinism (rows of a 16-row call == the same rows alone), bit for bit;
+//! * `gather_rows` of a Q8_0A8 table == q8_0 dequantization, exactly.
+
+mod common;
+
+use common::{gpu, poisoned, rand_vec, rng};
+use dflash_backend::cpu::Cpu;
+use dflash_backend::{Backend, HostData, HostWeight, WeightFormat};
+use dflash_quant::{quantize_q8_0, BlockQ8_0};
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// x with per-block magnitudes spread over many octaves, some all-zero blocks, some blocks
+/// of tiny values (subnormal scales) and some with exact .5 products (rounding ties).
+fn spread_x(r: &mut StdRng, rows: usize, k: usize) -> Vec<f32> {
+    let mut x = rand_vec(r, rows * k, 1.0);
+    for blk in x.chunks_exact_mut(32) {
+        match r.random_range(0..10u32) {
+            0 => blk.iter_mut().for_each(|v| *v = 0.0),
+            1 => blk.iter_mut().for_each(|v| *v *= 1e-40),
+            2 => {
+                // amax 127 -> d = 1, id = 1: halves round away from zero.
+                for (i, v) in blk.iter_mut().enumerate() {
+                    *v = (i as f32 - 16.0) + 0.5;
+                }
+                blk[0] = 127.0;
+            }
+            3 => {
+                let s = 2f32.powi(r.random_range(-20..20));
+                blk.iter_mut().for_each(|v| *v *= s);
+            }
+            _ => {}
+        }
+    }
+    x
+}
+
+fn weight_blocks(hw: &HostWeight) -> &[BlockQ8_0] {
+    match &hw.data {
+        HostData::Q8_0A8(b) => b,
+        _ => panic!("not a Q8_0A8 weight"),
+    }
+}
+
+/// The contract, transcribed on the host.
+fn contract(x: &[f32], rows: usize, k: usize, w: &[BlockQ8_0], n: usize) -> Vec<f32> {
+    let kb = k / 32;
+    let xq: Vec<BlockQ8_0> = (0..rows)
+        .flat_map(|r| quantize_q8_0(&x[r * k..(r + 1) * k]).expect("finite x"))
+        .collect();
+    let mut out = vec![0.0f32; rows * n];
+    for r in 0..rows {
+        for o in 0..n {
+            let mut acc = 0.0f32;
+            for b in 0..kb {
+                let (wb, xb) = (&w[o * kb + b], &xq[r * kb + b]);
+                let isum: i32 = wb
+                    .qs
+                    .iter()
+                    .zip(&xb.qs)
+                    .map(|(&a, &c)| a as i32 * c as i32)
+                    .sum();
+                acc = (isum as f32).mul_add(wb.d.to_f32() * xb.d.to_f32(), acc);
+            }
+            out[r * n + o] = acc;
+        }
+    }
+    out
+}
+
+fn assert_bits(what: &str, got: &[f32], want: &[f32], n: usize) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let bad = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a.to_bits() != b.to_bits());
+    if let Some(i) = bad {
+        panic!(
+            "{what}: row {} col {}: gpu {} vs {} ({} of {} values differ)",
+            i / n,
+            i % n,
+            got[i],
+            want[i],
+            got.iter()
+                .zip(want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count(),
+            got.len()
+        );
+    }
+}
+
+#[test]
+fn a8_activation_quantizer_is_byte_exact() {
+    let Some(g) = gpu("a8_activation_quantizer_is_byte_exact") else {
+        return;
+    };
+    let mut r = rng("a8_activation_quantizer_is_byte_exact");
+    for &(rows, k) in &[(1usize, 32usize), (5, 288), (8, 4096), (9, 96), (16, 12288)] {
+        let x = spread_x(&mut r, rows, k);
+        let xg = g.upload(&x).expect("upload");
+        let (codes, scales) = g.a8_quantize_rows(&xg, rows, k).expect("quantize");
+        let want = quantize_q8_0(&x).expect("finite");
+        for (i, b) in want.iter().enumerate() {
+            assert_eq!(
+                scales[i],
+                b.d.to_bits(),
+                "rows={rows} k={k}: scale of block {i} (row {}, block {})",
+                i / (k / 32),
+                i % (k / 32)
+            );
+            assert_eq!(
+                &codes[i * 32..(i + 1) * 32],
+                &b.qs[..],
+                "rows={rows} k={k}: codes of block {i}"
+            );
+        }
+        eprintln!("EXACT a8 quantize rows={rows} k={k}: {} blocks byte-identical", want.len());
+    }
+}
+
+#[test]
+fn a8_matmul_matches_the_contract_bit_for_bit() {
+    let Some(g) = gpu("a8_matmul_matches_the_contract_bit_for_bit") else {
+        return;
+    };
+    let mut r = rng("a8_matmul_matches_the_contract_bit_for_bit");
+    // Ragged N (partial 16-row tiles), K with partial pipeline stages (288 = 9 blocks), the
+    // drafter's shapes, a tall head-like matrix (4 warps per block).
+    let shapes = [
+        (17usize, 32usize),
+        (300, 288),
+        (1024, 4096),
+        (4096, 4096),
+        (512, 12288),
+        (40000, 96),
+        (20000, 256),
+    ];
+    for &(n, k) in &shapes {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+        let wg = g.upload_weight(&hw).expect("gpu weight");
+        for rows in [1usize, 3, 8, 9, 15, 16, 17, 40] {
+            if rows > 16 && n * k > 4096 * 1024 {
+                continue;
+            }
+            let x = spread_x(&mut r, rows, k);
+            let want = contract(&x, rows, k, weight_blocks(&hw), n);
+            let xg = g.upload(&x).expect("upload");
+            let mut og = poisoned(g, rows * n);
+            g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
+            let got = g.download(&og).expect("download");
+            assert_bits(&format!("Q8_0A8 n={n} k={k} rows={rows}"), &got, &want, n);
+        }
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: rows 1..40 bit-identical to the contract");
+    }
+}
+
+#[test]
+fn a8_matmul_matches_the_cpu_backend_bit_for_bit() {
+    let Some(g) = gpu("a8_matmul_matches_the_cpu_backend_bit_for_bit") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("a8_matmul_matches_the_cpu_backend_bit_for_bit");
+    for &(n, k) in &[(4096usize, 4096usize), (333, 160), (1000, 12288)] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+        let wc = cpu.upload_weight(&hw).expect("cpu weight");
+        let wg = g.upload_weight(&hw).expect("gpu weight");
+        for rows in [1usize, 7, 16, 33] {
+            let x = spread_x(&mut r, rows, k);
+            let mut oc = vec![0.0f32; rows * n];
+            cpu.matmul(&x, rows, &wc, &mut oc).expect("cpu matmul");
+            let xg = g.upload(&x).expect("upload");
+            let mut og = poisoned(g, rows * n);
+            g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
+            let got = g.download(&og).expect("download");
+            assert_bits(&format!("Q8_0A8 vs cpu n={n} k={k} rows={rows}"), &got, &oc, n);
+        }
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: bit-identical to the CPU backend");
+    }
+}
+
+#[test]
+fn a8_matmul_is_per_row_deterministic() {
+    let Some(g) = gpu("a8_matmul_is_per_row_deterministic") else {
+        return;
+    };
+    let mut r = rng("a8_matmul_is_per_row_deterministic");
+    for &(n, k) in &[(1024usize, 4096usize), (40000, 64), (333, 160)] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let wg = g
+            .upload_weight(&HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("e"))
+            .expect("w");
+        let xv = spread_x(&mut r, 16, k);
+        let xg = g.upload(&xv).expect("x");
+        let mut all = poisoned(g, 16 * n);
+        g.matmul(&xg, 16, &wg, &mut all).expect("16 rows");
+        let all = g.download(&all).expect("dl");
+        for rows in [1usize, 5, 9] {
+            let xs = g.upload(&xv[..rows * k]).expect("x");
+            let mut o = poisoned(g, rows * n);
+            g.matmul(&xs, rows, &wg, &mut o).expect("few rows");
+            let o = g.download(&o).expect("dl");
+            assert_bits(
+                &format!("Q8_0A8 n={n} k={k}: {rows} rows vs 16"),
+                &o,
+                &all[..rows * n],
+                n,
+            );
+        }
+        eprintln!("DETERMINISM matmul Q8_0A8 n={n} k={k}: rows 1/5/9 bit-identical to a 16-row call");
+    }
+}
+
+#[test]
+fn a8_gather_rows_is_q8_0_dequantization() {
+    let Some(g) = gpu("a8_gather_rows_is_q8_0_dequantization") else {
+        return;
+    };
+    let mut r = rng("a8_gather_rows_is_q8_0_dequantization");
+    let (n, k) = (1000usize, 288usize);
+    let wv = rand_vec(&mut r, n * k, 3.0);
+    let hw = HostWeight::from_f32("emb", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+    let wg = g.upload_weight(&hw).expect("w");
+    let ids: Vec<u32> = (0..17).map(|_| r.random_range(0..n as u32)).collect();
+    let mut og = poisoned(g, ids.len() * k);
+    g.gather_rows(&wg, &ids, &mut og).expect("gpu");
+    let got = g.download(&og).expect("dl");
+    let all = hw.to_f32();
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&i| all[i as usize * k..(i as usize + 1) * k].to_vec())
+        .collect();
+    assert_bits("gather_rows Q8_0A8", &got, &want, k);
+    eprintln!("EXACT gather_rows Q8_0A8: 17 rows identical to q8_0 dequantization");
+}
