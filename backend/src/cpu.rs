@@ -413,6 +413,7 @@ fn score_tiles<'a, const QN: usize, const KN: usize>(
     isa: Isa,
     qrow: &impl Fn(usize) -> &'a [f32],
     key: &impl Fn(usize) -> &'a [f32],
+    kv: (&'a [f32], usize, usize),
     u0: usize,
     bl: usize,
     bh: usize,
@@ -422,7 +423,11 @@ fn score_tiles<'a, const QN: usize, const KN: usize>(
     sc: &mut [f32],
 ) {
     let qs: [&[f32]; QN] = std::array::from_fn(|d| qrow(u0 + d));
-    let mut j = bl;
+    // Whole strips of KN keys in one kernel call where the ISA has one (same bits).
+    let (k, stride, koff) = kv;
+    let rows: [usize; QN] = std::array::from_fn(|d| (u0 + d) * width + bl - lo_all);
+    let done = kernel::score_strip::<QN, KN>(isa, qs, k, koff, stride, bl, bh, scale, sc, rows);
+    let mut j = bl + done;
     while j + KN <= bh {
         let t = kernel::dot_grid::<QN, KN>(isa, qs, std::array::from_fn(|d| key(j + d)));
         for (d, row) in t.iter().enumerate() {
@@ -918,6 +923,7 @@ impl Backend for Cpu {
             let qrow =
                 |u: usize| &q[((u / group) * p.n_heads + g * group + u % group) * hd..][..hd];
             let key = |j: usize| &k[j * stride + g * hd..][..hd];
+            let kvs = (&k[..], stride, g * hd);
             // Keys are visited in blocks of about 24 KiB of K (or V) so that a block stays in
             // L1 while every query of the head reads it. This is only a loop order: each score
             // has the bits of one `dot`, and each output element is one FMA chain over its keys
@@ -943,13 +949,13 @@ impl Backend for Cpu {
                     if bl < bh {
                         match qn {
                             4 => score_tiles::<4, 4>(
-                                isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, &key, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
                             ),
                             2 => score_tiles::<2, 8>(
-                                isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, &key, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
                             ),
                             _ => score_tiles::<1, 16>(
-                                isa, &qrow, &key, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, &key, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
                             ),
                         }
                     }

@@ -369,6 +369,43 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(cfg(24))]
+
+    /// Drafter / verify shapes: head dims of 64 and 128 (the AVX-512 strip kernel) and
+    /// contexts long enough to span several key blocks of the L1-sized loop.
+    #[test]
+    fn attention_long_context_matches_naive(
+        seed in any::<u64>(), n_q in 1usize..17, n_kv in 1usize..700,
+        hd in prop_oneof![Just(16usize), Just(64), Just(128), Just(80)],
+        group in 1usize..3, causal in any::<bool>(), window in proptest::option::of(1usize..400),
+    ) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n_kv_heads = 2;
+        let n_heads = n_kv_heads * group;
+        let q_pos0 = n_kv.saturating_sub(n_q);
+        let p = AttnParams { n_q, n_kv, n_heads, n_kv_heads, head_dim: hd, q_pos0, kv_pos0: 0, causal, window, scale: 1.0 / (hd as f32).sqrt() };
+        let q = rand_vec(&mut rng, n_q * n_heads * hd, 2.0);
+        let k = rand_vec(&mut rng, n_kv * n_kv_heads * hd, 2.0);
+        let v = rand_vec(&mut rng, n_kv * n_kv_heads * hd, 2.0);
+        let want = naive_attention(&q, &k, &v, &p);
+        for be in backends_all_isas() {
+            let mut out = vec![f32::NAN; n_q * n_heads * hd];
+            be.attention(&q, &k, &v, &p, &mut out).unwrap();
+            for i in 0..out.len() {
+                prop_assert!(close(out[i], want[i], 2.0, 2e-6), "{i}: {} vs {}", out[i], want[i]);
+            }
+            let w = n_heads * hd;
+            for i in (0..n_q).step_by(5) {
+                let p1 = AttnParams { n_q: 1, q_pos0: q_pos0 + i, ..p };
+                let mut one = vec![0.0f32; w];
+                be.attention(&q[i * w..(i + 1) * w].to_vec(), &k, &v, &p1, &mut one).unwrap();
+                prop_assert_eq!(bits(&one), bits(&out[i * w..(i + 1) * w]));
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_causal_decode_equals_verify_rows() {
     // The spec == greedy situation: a 16-row verify over a cache vs 16 one-row decodes with a

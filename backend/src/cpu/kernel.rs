@@ -114,6 +114,45 @@ pub(crate) fn dot_grid<const QN: usize, const KN: usize>(
     std::array::from_fn(|q| std::array::from_fn(|t| dot(isa, xs[q], ws[t])))
 }
 
+/// Scores of `QN` queries against the keys `j0 .. j1` of a strided K (`key j` =
+/// `k[koff + j * stride ..][.. hd]`, `hd = xs[q].len()`): `sc[rows[q] + j - j0] = dot(xs[q], key j)
+/// * scale`, with the bits of [`dot_grid`]. Returns how many keys from `j0` it handled (a
+/// multiple of `KN`, 0 when this ISA or shape has no strip kernel); the caller does the rest.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(crate) fn score_strip<const QN: usize, const KN: usize>(
+    isa: Isa,
+    xs: [&[f32]; QN],
+    k: &[f32],
+    koff: usize,
+    stride: usize,
+    j0: usize,
+    j1: usize,
+    scale: f32,
+    sc: &mut [f32],
+    rows: [usize; QN],
+) -> usize {
+    let hd = xs[0].len();
+    let n = (j1.saturating_sub(j0)) / KN * KN;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512
+        && QN * KN == 16
+        && n > 0
+        && hd > 0
+        && hd.is_multiple_of(16)
+        && xs.iter().all(|x| x.len() == hd)
+        && koff + (j0 + n - 1) * stride + hd <= k.len()
+        && rows.iter().all(|&r| r + n <= sc.len())
+    {
+        // SAFETY: AVX-512F was checked by `Isa::supported` for this backend; the bounds are
+        // checked above.
+        unsafe { avx512::score_strip::<QN, KN>(xs, k, koff, stride, j0, j0 + n, scale, sc, rows) };
+        return n;
+    }
+    let _ = (isa, k, koff, stride, scale, sc, rows);
+    0
+}
+
 /// Attention output accumulation for `QN` queries over the same keys:
 /// `os[q][d] = fma(ps[q][t], v[v0 + t·stride + d], os[q][d])` for `t = 0, 1, ...` in order,
 /// continuing from the current `os` (one sequential FMA chain per element: the result does
@@ -434,6 +473,29 @@ mod avx512 {
             }
             c += L;
         }
+        let f = reduce16(&acc);
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), f) };
+        let mut out = [[0.0f32; KN]; QN];
+        for (lane, &v) in lanes.iter().enumerate() {
+            // Lane 4q + u holds sum 4u + q.
+            let t = (lane % 4) * 4 + lane / 4;
+            let (qi, kj) = (t / KN, t % KN);
+            let mut o = v;
+            for i in n16..k {
+                o = xs[qi][i].mul_add(ws[kj][i], o);
+            }
+            out[qi][kj] = o;
+        }
+        out
+    }
+
+    /// The reduction tree of `hsum` applied to 16 accumulators at once: lane `4q + u` of the
+    /// result holds the sum of `acc[4u + q]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn reduce16(acc: &[__m512; 16]) -> __m512 {
         // Level 1: lanes l + (l+8); pairs of sums share a register (8 lanes each).
         let l1: [__m512; 8] = std::array::from_fn(|i| {
             let (a, b) = (acc[2 * i], acc[2 * i + 1]);
@@ -459,25 +521,73 @@ mod avx512 {
             )
         });
         // Level 4: lanes 0 + 1 of each pair.
-        let f = _mm512_add_ps(
+        _mm512_add_ps(
             _mm512_shuffle_ps::<0x88>(l3[0], l3[1]),
             _mm512_shuffle_ps::<0xDD>(l3[0], l3[1]),
-        );
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: `lanes` holds 16 f32.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), f) };
-        let mut out = [[0.0f32; KN]; QN];
-        for (lane, &v) in lanes.iter().enumerate() {
-            // Lane 4q + u holds sum 4u + q.
-            let t = (lane % 4) * 4 + lane / 4;
-            let (qi, kj) = (t / KN, t % KN);
-            let mut o = v;
-            for i in n16..k {
-                o = xs[qi][i].mul_add(ws[kj][i], o);
+        )
+    }
+
+    /// Attention scores of `QN` queries against keys `j0 .. j1` (`j1 - j0` a multiple of
+    /// `KN`): `sc[rows[q] + j - j0] = dot(xs[q], key j) * scale` with exactly the bits of
+    /// [`dot_grid`] (same accumulation, same reduction tree; head dims a multiple of 16, so no
+    /// tail), key `j` at `k[koff + j * stride ..][.. hd]`. One call per strip instead of one per
+    /// tile: the results are permuted into query-major order in a register and stored
+    /// directly.
+    ///
+    /// # Safety
+    /// AVX-512F available; every `xs[q]` holds `hd` values, `hd % 16 == 0`;
+    /// `koff + (j1 - 1) * stride + hd <= k.len()`; `rows[q] + j1 - j0 <= sc.len()`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn score_strip<const QN: usize, const KN: usize>(
+        xs: [&[f32]; QN],
+        k: &[f32],
+        koff: usize,
+        stride: usize,
+        j0: usize,
+        j1: usize,
+        scale: f32,
+        sc: &mut [f32],
+        rows: [usize; QN],
+    ) {
+        const { assert!(QN * KN == 16) };
+        let hd = xs[0].len();
+        let xp: [*const f32; QN] = std::array::from_fn(|t| xs[t].as_ptr());
+        let kp = k.as_ptr();
+        let sp = sc.as_mut_ptr();
+        // Lane t = q * KN + kj after the permutation (the transpose of reduce16's order).
+        let perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        let vscale = _mm512_set1_ps(scale);
+        let store_mask: __mmask16 = ((1u32 << KN) - 1) as __mmask16;
+        let mut j = j0;
+        while j < j1 {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            let mut c = 0;
+            while c < hd {
+                // SAFETY: koff + (j + kj) * stride + c + 16 <= k.len() (caller).
+                let wv: [__m512; KN] = std::array::from_fn(|t| unsafe {
+                    _mm512_loadu_ps(kp.add(koff + (j + t) * stride + c))
+                });
+                for qi in 0..QN {
+                    // SAFETY: c + 16 <= hd = xs[qi].len().
+                    let xv = unsafe { _mm512_loadu_ps(xp[qi].add(c)) };
+                    for kj in 0..KN {
+                        acc[qi * KN + kj] = _mm512_fmadd_ps(xv, wv[kj], acc[qi * KN + kj]);
+                    }
+                }
+                c += L;
             }
-            out[qi][kj] = o;
+            let f = _mm512_mul_ps(_mm512_permutexvar_ps(perm, reduce16(&acc)), vscale);
+            for (qi, &r) in rows.iter().enumerate() {
+                let part = _mm512_maskz_compress_ps(
+                    (store_mask as u32).wrapping_shl((qi * KN) as u32) as __mmask16,
+                    f,
+                );
+                // SAFETY: rows[qi] + j - j0 + KN <= rows[qi] + j1 - j0 <= sc.len() (caller).
+                unsafe { _mm512_mask_storeu_ps(sp.add(r + j - j0), store_mask, part) };
+            }
+            j += KN;
         }
-        out
     }
 
     /// Vector `exp_f32` (same operations, same bits).
@@ -750,6 +860,62 @@ mod tests {
                         "{} vs {naive}",
                         t[r][o]
                     );
+                }
+            }
+        }
+    }
+
+    /// The strip kernel writes, for every (query, key), the bits of `dot_grid` times the scale,
+    /// in query-major order at the requested rows, and nothing else.
+    #[test]
+    fn score_strip_has_the_bits_of_dot_grid() {
+        fn check<const QN: usize, const KN: usize>(isa: Isa, hd: usize, nk: usize) {
+            let stride = 3 * hd + 16;
+            let koff = hd + 16;
+            let k: Vec<f32> = (0..koff + (nk + 2) * stride + hd)
+                .map(|i| ((i * 37 + 11) % 101) as f32 * 0.0193 - 0.97)
+                .collect();
+            let xs: Vec<Vec<f32>> = (0..QN)
+                .map(|q| {
+                    (0..hd)
+                        .map(|i| ((q * 53 + i * 29) % 97) as f32 * 0.031 - 1.5)
+                        .collect()
+                })
+                .collect();
+            let xr: [&[f32]; QN] = std::array::from_fn(|q| &xs[q][..]);
+            let (j0, j1, width) = (2usize, 2 + nk, nk + 9);
+            let rows: [usize; QN] = std::array::from_fn(|q| q * width + 3);
+            let mut sc = vec![-7.0f32; QN * width + 3];
+            let scale = 0.123f32;
+            let n = score_strip::<QN, KN>(isa, xr, &k, koff, stride, j0, j1, scale, &mut sc, rows);
+            if isa != Isa::Avx512 {
+                assert_eq!(n, 0);
+                return;
+            }
+            assert_eq!(n, nk / KN * KN);
+            let key = |j: usize| &k[koff + j * stride..][..hd];
+            for q in 0..QN {
+                for j in j0..j1 {
+                    let got = sc[rows[q] + j - j0];
+                    if j < j0 + n {
+                        let want = dot(isa, xr[q], key(j)) * scale;
+                        assert_eq!(got.to_bits(), want.to_bits(), "q {q} key {j}");
+                    } else {
+                        assert_eq!(got, -7.0, "q {q} key {j} written past the strip");
+                    }
+                }
+            }
+            assert_eq!(sc[0..3], [-7.0; 3]);
+        }
+        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.supported())
+        {
+            for hd in [16, 64, 128] {
+                for nk in [4, 19, 48] {
+                    check::<4, 4>(isa, hd, nk);
+                    check::<2, 8>(isa, hd, nk);
+                    check::<1, 16>(isa, hd, nk);
                 }
             }
         }
