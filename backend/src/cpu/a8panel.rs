@@ -35,7 +35,7 @@ const QB: usize = QK * NP;
 /// Groups of 4 inputs per block.
 const NG: usize = QK / 4;
 /// Most rows of one tile.
-const MAX_R: usize = 16;
+const MAX_R: usize = 8;
 
 /// q8_0 weights repacked for the integer dot.
 #[derive(Debug)]
@@ -143,14 +143,16 @@ impl QRows {
                 msg: format!("{weight} (Q8_0A8): row {r} of x cannot be quantized to q8_0: {e}"),
             })?;
         }
-        for (i, blk) in self.blocks.iter().enumerate() {
-            self.dx[i] = blk.d.to_f32();
-            let mut s = 0i32;
-            for (c, &q) in self.codes[i * QK..(i + 1) * QK].iter_mut().zip(&blk.qs) {
-                *c = q;
-                s += q as i32;
-            }
-            self.ncorr[i] = -128 * s;
+        for (((blk, dx), nc), codes) in self
+            .blocks
+            .iter()
+            .zip(self.dx.iter_mut())
+            .zip(self.ncorr.iter_mut())
+            .zip(self.codes.chunks_exact_mut(QK))
+        {
+            *dx = blk.d.to_f32();
+            codes.copy_from_slice(&blk.qs);
+            *nc = -128 * blk.qs.iter().map(|&q| q as i32).sum::<i32>();
         }
         Ok(())
     }
@@ -339,3 +341,4 @@ pub(crate) fn matmul_panels(
         r += size;
     }
 }
+
