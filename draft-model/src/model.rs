@@ -23,6 +23,11 @@ pub enum Precision {
     Q4_0,
     /// bf16 attention and fc (the context-conditioning path), q8_0 MLP.
     Mixed,
+    /// fc, q/k/v/o and gate/up/down in [`WeightFormat::Q8_0A8`]: q8_0 weights times
+    /// activations quantized to q8_0 (integer dots, ggml's CPU q8_0 arithmetic). The fastest
+    /// on CPUs with an integer dot instruction; the drafts may differ from f32's, never the
+    /// committed tokens (the target verifies them).
+    Q8_0A8,
 }
 
 /// The role of a linear weight, for the precision policy.
@@ -44,6 +49,7 @@ impl Precision {
             (Precision::Bf16, _) => WeightFormat::Bf16,
             (Precision::Q8_0, _) => WeightFormat::Q8_0,
             (Precision::Q4_0, _) => WeightFormat::Q4_0,
+            (Precision::Q8_0A8, _) => WeightFormat::Q8_0A8,
             (Precision::Mixed, WeightRole::Mlp) => WeightFormat::Q8_0,
             (Precision::Mixed, _) => WeightFormat::Bf16,
         }
@@ -59,6 +65,7 @@ impl std::str::FromStr for Precision {
             "q8_0" | "q8" => Precision::Q8_0,
             "q4_0" | "q4" => Precision::Q4_0,
             "mixed" => Precision::Mixed,
+            "q8_0a8" | "q8a8" => Precision::Q8_0A8,
             other => {
                 return Err(DraftError::Unsupported {
                     what: "precision".into(),
