@@ -10,9 +10,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use dflash_backend::cpu::Cpu;
 use dflash_backend::Backend;
-use dflash_spec_round::{DflashDrafter, DraftOptions, Drafter, SpecConfig, Target};
+use dflash_spec_round::{DraftOptions, Drafter, SpecConfig, Target};
 use serde_json::json;
 
+use crate::drafter::CliDrafter;
 use crate::load::{load_pair, PairSpec};
 use crate::machine::Machine;
 use crate::run::{first_diff, plain_run, spec_run};
@@ -137,7 +138,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         },
     )?;
     let cfg = c.spec_config();
-    let mut drafter = DflashDrafter::new(&pair.draft)?;
+    let head = crate::common::draft_head(&be, pair.target.as_ref(), c.draft_head)?;
+    let mut drafter = CliDrafter::new(&pair.draft, head)?;
     let target = pair.target.as_mut();
 
     // warm-up (page faults, pools, allocator), not timed
@@ -189,9 +191,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             if idx == 0 {
                 println!("machine: {}", machine.describe());
                 println!(
-                    "pair: {} + {}, max_new {}, verify cap {}, adaptive {} (multiple {}), reps {reps}",
+                    "pair: {} + {} (drafter {:?}, drafter head {:?}), max_new {}, verify cap {}, adaptive {} (multiple {}), reps {reps}",
                     c.target_dir().display(),
                     c.draft_dir().display(),
+                    c.draft_precision(),
+                    c.draft_head,
                     a.max_new,
                     c.verify_cap.map_or("block".to_string(), |v| v.to_string()),
                     !c.no_adaptive,
@@ -312,6 +316,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "verify_cap": c.verify_cap,
             "adaptive": !c.no_adaptive,
             "verify_multiple": c.verify_multiple,
+            "draft_precision": format!("{:?}", c.draft_precision()),
+            "draft_head": format!("{:?}", c.draft_head),
             "markov": !c.no_markov,
             "load_ms": pair.load_ms,
             "prompts": rows.len(),
@@ -414,7 +420,7 @@ impl Profile {
 fn profile(
     be: &Cpu,
     target: &mut dyn Target<Cpu>,
-    drafter: &mut DflashDrafter<'_, Cpu>,
+    drafter: &mut CliDrafter<'_, Cpu>,
     prompt: &[u32],
     cfg: SpecConfig,
 ) -> Result<Profile> {

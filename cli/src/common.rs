@@ -4,11 +4,17 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use dflash_backend::WeightFormat;
+use dflash_backend::cpu::Cpu;
+use dflash_backend::{Weight, WeightFormat};
 use dflash_draft_model::Precision;
-use dflash_spec_round::{RollbackArm, SpecConfig};
+use dflash_spec_round::{RollbackArm, SpecConfig, Target};
 
-use crate::{ArmArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
+use crate::{ArmArg, DraftHeadArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
+
+/// Drafter precision of `generate` and `bench` unless `--draft-precision` says otherwise.
+pub const DEFAULT_DRAFT_PRECISION: PrecisionArg = PrecisionArg::F32;
+/// Drafter lm_head unless `--draft-head` says otherwise.
+pub const DEFAULT_DRAFT_HEAD: DraftHeadArg = DraftHeadArg::Target;
 
 #[derive(Args)]
 pub struct CommonArgs {
@@ -42,8 +48,11 @@ pub struct CommonArgs {
     #[arg(long)]
     pub no_eos: bool,
     /// Drafter weight precision.
-    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    #[arg(long, value_enum, default_value_t = DEFAULT_DRAFT_PRECISION)]
     pub draft_precision: PrecisionArg,
+    /// The lm_head the drafter's logits use (the target always uses its own).
+    #[arg(long, value_enum, default_value_t = DEFAULT_DRAFT_HEAD)]
+    pub draft_head: DraftHeadArg,
     /// Re-encode the target's matrices (default: keep the file's format).
     #[arg(long, value_enum)]
     pub target_precision: Option<PrecisionArg>,
@@ -120,6 +129,7 @@ pub fn target_format(p: PrecisionArg) -> WeightFormat {
         PrecisionArg::Bf16 => WeightFormat::Bf16,
         PrecisionArg::Q8_0 | PrecisionArg::Mixed => WeightFormat::Q8_0,
         PrecisionArg::Q4_0 => WeightFormat::Q4_0,
+        PrecisionArg::Q8_0a8 => WeightFormat::Q8_0A8,
     }
 }
 
@@ -130,5 +140,22 @@ pub fn draft_precision(p: PrecisionArg) -> Precision {
         PrecisionArg::Q8_0 => Precision::Q8_0,
         PrecisionArg::Q4_0 => Precision::Q4_0,
         PrecisionArg::Mixed => Precision::Mixed,
+        PrecisionArg::Q8_0a8 => Precision::Q8_0A8,
+    }
+}
+
+/// The drafter's own lm_head for `--draft-head` (`None`: it borrows the target's).
+pub fn draft_head(
+    be: &Cpu,
+    target: &dyn Target<Cpu>,
+    arg: DraftHeadArg,
+) -> Result<Option<Weight<Cpu>>> {
+    match arg {
+        DraftHeadArg::Target => Ok(None),
+        DraftHeadArg::Q8_0a8 => Ok(Some(crate::drafter::reencode_head(
+            be,
+            target.lm_head(),
+            WeightFormat::Q8_0A8,
+        )?)),
     }
 }

@@ -6,11 +6,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dflash_backend::cpu::Cpu;
-use dflash_spec_round::{DflashDrafter, RollbackArm, SpecConfig};
+use dflash_spec_round::{RollbackArm, SpecConfig};
 use serde_json::json;
 
 mod bench;
 mod common;
+mod drafter;
 mod load;
 mod machine;
 mod run;
@@ -47,6 +48,19 @@ enum PrecisionArg {
     Q8_0,
     Q4_0,
     Mixed,
+    /// q8_0 weights with activations quantized to q8_0 (integer dots: AVX-512 VNNI on the CPU).
+    #[value(name = "q8_0a8", alias = "q8a8")]
+    Q8_0a8,
+}
+
+/// The lm_head the drafter computes its logits with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DraftHeadArg {
+    /// The target's own lm_head (its file format).
+    Target,
+    /// A Q8_0A8 copy of the target's lm_head (integer dots; the target keeps its own).
+    #[value(name = "q8_0a8", alias = "q8a8")]
+    Q8_0a8,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -109,8 +123,11 @@ struct GenerateArgs {
     #[arg(long)]
     no_eos: bool,
     /// Drafter weight precision.
-    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_PRECISION)]
     draft_precision: PrecisionArg,
+    /// The lm_head the drafter's logits use (the target always uses its own).
+    #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_HEAD)]
+    draft_head: DraftHeadArg,
     /// Re-encode the target's matrices (default: keep the file's format).
     #[arg(long, value_enum)]
     target_precision: Option<PrecisionArg>,
@@ -238,7 +255,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     )?;
     let load_ms = pair.load_ms;
     let mut target = pair.target;
-    let mut drafter = DflashDrafter::new(&pair.draft)?;
+    let head = common::draft_head(&be, target.as_ref(), a.draft_head)?;
+    let mut drafter = drafter::CliDrafter::new(&pair.draft, head)?;
     let cfg = SpecConfig {
         verify_cap: a.verify_cap,
         adaptive: !a.no_adaptive,
