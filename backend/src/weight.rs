@@ -19,6 +19,22 @@ pub enum WeightFormat {
     /// CPU, int8 tensor cores / dp4a on the GPU); the price is the 8-bit rounding of `x`, the
     /// same as llama.cpp's q8_0 on the CPU. Meant for the drafter, whose numerics only change
     /// what it proposes, never what is committed. `gather_rows` dequantizes exactly as q8_0.
+    ///
+    /// The f32 part exactly (every backend gives these bits), with `nb = cols / 32`:
+    /// ```text
+    /// acc = 0.0f32
+    /// for b in 0..nb:
+    ///     isum = Σ_{i<32} q_w[o, 32b+i] · q_x[r, 32b+i]          (exact int32)
+    ///     s    = f32(d_w[o, b]) * f32(d_x[r, b])                 (f16 scales widened; f32 product)
+    ///     acc  = fma(f32(isum), s, acc)                          (one rounding)
+    /// out[r, o] = acc
+    /// ```
+    /// `f32(isum)` is exact (`|isum| <= 32·128·127 < 2^24`) and so is `s` (two f16 values:
+    /// at most 22 significant bits, no overflow or underflow in f32), so the only roundings
+    /// are the `nb` fused multiply-adds (on the GPU: `fmaf`, not `a * b + c` contracted or
+    /// not at the compiler's whim). A row of `x` holding a NaN or an infinity cannot be
+    /// quantized: `matmul` returns an error naming the weight and the row.
+    /// A row's result depends only on that row (per-row determinism, as every matmul).
     Q8_0A8,
 }
 

@@ -341,4 +341,3 @@ pub(crate) fn matmul_panels(
         r += size;
     }
 }
-
