@@ -12,9 +12,12 @@ use dflash_spec_round::{RollbackArm, SpecConfig, Target};
 use crate::{ArmArg, DraftHeadArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
 
 /// Drafter precision of `generate` and `bench` unless `--draft-precision` says otherwise.
-pub const DEFAULT_DRAFT_PRECISION: PrecisionArg = PrecisionArg::F32;
+/// Q8_0A8 with its Q8_0A8 head: on the 2-core AVX-512 VNNI Xeon, `dflash bench --threads 1
+/// --reps 2` (40 prompts x 256) gives draft 0.95 ms per round vs 1.68 ms with f32 and the
+/// target's bf16 head, speedup 1.29x vs 1.02x, tau 4.62 vs 4.65, 40/40 identical either way.
+pub const DEFAULT_DRAFT_PRECISION: PrecisionArg = PrecisionArg::Q8_0a8;
 /// Drafter lm_head unless `--draft-head` says otherwise.
-pub const DEFAULT_DRAFT_HEAD: DraftHeadArg = DraftHeadArg::Target;
+pub const DEFAULT_DRAFT_HEAD: DraftHeadArg = DraftHeadArg::Q8_0a8;
 
 #[derive(Args)]
 pub struct CommonArgs {

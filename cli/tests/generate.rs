@@ -174,3 +174,77 @@ fn shipped_pair_text_prompt() {
         assert!(v["text"].as_str().is_some());
     }
 }
+
+/// Every drafter precision and head keep the committed stream: the target decides. On the
+/// fixtures (random drafters) the tokens equal transformers' greedy continuation; on the
+/// shipped pair the Q8_0A8 drafter with its Q8_0A8 head still gets accepts.
+#[test]
+fn drafter_precision_and_head_never_change_the_stream() {
+    let prompt = fixture_ids("prompt_ids");
+    let greedy = fixture_ids("greedy_ids");
+    let ids = prompt
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let target = root().join("targets/tests/fixtures/qwen3_dense/model");
+    let draft = root().join("draft-model/tests/fixtures/dspark_markov/draft");
+    let max_new = greedy.len().to_string();
+    for (prec, head) in [
+        ("f32", "target"),
+        ("q8_0a8", "target"),
+        ("q8a8", "q8_0a8"),
+        ("f32", "q8a8"),
+    ] {
+        let (ok, stdout, stderr) = run(&[
+            "generate",
+            "--target",
+            target.to_str().unwrap(),
+            "--draft",
+            draft.to_str().unwrap(),
+            "--prompt-ids",
+            &ids,
+            "--max-new",
+            &max_new,
+            "--draft-precision",
+            prec,
+            "--draft-head",
+            head,
+            "--compare-plain",
+            "--json",
+        ]);
+        assert!(ok, "{prec} / {head}: {stderr}");
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        let toks: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(toks, greedy, "{prec} / {head}");
+        assert_eq!(v["identical"], serde_json::Value::Bool(true));
+    }
+    let (ok, stdout, stderr) = run(&[
+        "generate",
+        "def quicksort(arr):",
+        "--max-new",
+        "64",
+        "--draft-precision",
+        "q8_0a8",
+        "--draft-head",
+        "q8_0a8",
+        "--compare-plain",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["identical"], serde_json::Value::Bool(true));
+    assert!(
+        v["tau"].as_f64().unwrap() > 1.0,
+        "the Q8_0A8 drafter accepted nothing: {stdout}"
+    );
+    // Unknown values are refused by the argument parser.
+    let (ok, _, stderr) = run(&["generate", "x", "--draft-head", "q4"]);
+    assert!(!ok);
+    assert!(stderr.contains("draft-head"), "{stderr}");
+}

@@ -555,3 +555,23 @@ impl<B: Backend> Drafter<B> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_0a8_precision_maps_every_matrix_and_parses() {
+        for role in [WeightRole::Fc, WeightRole::Attention, WeightRole::Mlp] {
+            assert_eq!(
+                Precision::Q8_0A8.format_for(role),
+                WeightFormat::Q8_0A8,
+                "{role:?}"
+            );
+        }
+        for s in ["q8_0a8", "Q8A8", "q8a8"] {
+            assert_eq!(s.parse::<Precision>().unwrap(), Precision::Q8_0A8, "{s}");
+        }
+        assert!("q8_0_a8".parse::<Precision>().is_err());
+    }
+}
