@@ -309,48 +309,25 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
 // x86), q = roundf(x * id), stored d = f16(d).
 extern "C" __global__ void a8_quant_x(const float *__restrict__ x, int T, int K, int NT, int KBp, u32 *__restrict__ xq,
                                       float *__restrict__ xd) {
+    // One warp per (block, token); lane = position in the block.
     const int ntok = NT * 8;
-    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= KBp * ntok) return;
-    const int b = idx / ntok, tok = idx % ntok;
-    const int KB = K / 32;
-    float v[32];
-    float d = 0.0f, id = 0.0f;
-    if (tok < T && b < KB) {
-        const float4 *p = (const float4 *)(x + (long long)tok * K + b * 32);
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float4 q = p[i];
-            v[4 * i] = q.x; v[4 * i + 1] = q.y; v[4 * i + 2] = q.z; v[4 * i + 3] = q.w;
-        }
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const float a = fabsf(v[i]);
-            amax = amax > a ? amax : a;
-        }
-        d = amax / 127.0f;
-        id = d != 0.0f ? 1.0f / d : 0.0f;
-        if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) v[i] = 0.0f;
+    const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (wid >= KBp * ntok) return;
+    const int b = wid / ntok, tok = wid % ntok;
+    const bool live = tok < T && b < K / 32;
+    const float v = live ? x[(long long)tok * K + b * 32 + lane] : 0.0f;
+    const float amax = warp_max(fabsf(v));  // finite x: the max is order-independent
+    const float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
+    const u32 q = (u32)((int)roundf(__fmul_rn(v, id))) & 0xffu;
+    const u32 w = q | (__shfl_down_sync(0xffffffffu, q, 1) << 8) | (__shfl_down_sync(0xffffffffu, q, 2) << 16) |
+                  (__shfl_down_sync(0xffffffffu, q, 3) << 24);
+    if ((lane & 3) == 0) {
+        const int t = (lane & 15) >> 2, h = lane >> 4;
+        xq[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = w;
     }
-    const long long base = ((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4) * 2;
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            u32 w = 0u;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int q = (int)roundf(__fmul_rn(v[16 * h + 4 * t + i], id));
-                w |= ((u32)(q & 0xff)) << (8 * i);
-            }
-            xq[base + 2 * t + h] = w;
-        }
-    }
-    xd[(long long)b * ntok + tok] = f16_to_f32(f32_to_f16_bits(d));
+    if (lane == 0) xd[(long long)b * ntok + tok] = f16_to_f32(f32_to_f16_bits(d));
 }
 
 __device__ __forceinline__ u32 smem_addr(const void *p) {
@@ -358,47 +335,89 @@ __device__ __forceinline__ u32 smem_addr(const void *p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ void cp_async16(void *s, const void *g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g) : "memory");
+__device__ __forceinline__ void cp_async16(u32 s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// Not volatile: a pure function of its inputs, so the compiler may overlap blocks.
 __device__ __forceinline__ void mma_s8_16832(int c[4], const uint4 &a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 // Exact int -> f32 for |i| < 2^22 (block sums are at most 32 * 128 * 127 in magnitude).
 __device__ __forceinline__ float i2f_small(int i) { return __int_as_float(i + 0x4B400000) - 12582912.0f; }
 
-// One warp = one tile of 16 output features over all of K; W warps per block share the
-// x stages; S-stage cp.async pipeline of A8_KC blocks per stage (weights, scales, x codes
-// and x scales all land in shared memory, each thread reads only whole fragments).
+// One block (32 k values) of one warp's tile and token group j: one mma, then the f32
+// block-ordered update of the warp's 16 x 8 outputs.
+template <int NT>
+__device__ __forceinline__ void a8_block(const uint4 *sw, const u32 *ss, const uint2 *sx, const float *sd, int bb, int j, int lane,
+                                         int g, int t, float (&acc)[4]) {
+    const uint4 a = sw[bb * 32 + lane];
+    const u32 sc = ss[bb * 8 + g];
+    const float dw0 = f16_to_f32((u16)(sc & 0xffffu)), dw1 = f16_to_f32((u16)(sc >> 16));
+    const uint2 bx = sx[(bb * NT + j) * 32 + lane];
+    const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
+    int c[4] = {0, 0, 0, 0};
+    mma_s8_16832(c, a, bx.x, bx.y);
+    acc[0] = fmaf(i2f_small(c[0]), __fmul_rn(dw0, dx.x), acc[0]);
+    acc[1] = fmaf(i2f_small(c[1]), __fmul_rn(dw0, dx.y), acc[1]);
+    acc[2] = fmaf(i2f_small(c[2]), __fmul_rn(dw1, dx.x), acc[2]);
+    acc[3] = fmaf(i2f_small(c[3]), __fmul_rn(dw1, dx.y), acc[3]);
+}
+
+// Up to 3 matrices with the same K (and the same quantized x) in one launch: blocks
+// [0, c1) take matrix 0, [c1, c2) matrix 1, [c2, grid) matrix 2.
+struct A8Mat {
+    const u8 *wq;
+    const u16 *wsc;
+    float *out;
+    int N;
+};
+
+// A block = W tiles of 16 output features x NT token groups of 8: one warp per (tile, token
+// group), over all of K; the NT warps of a tile share its weight stages, all warps share
+// the x stages. S-stage cp.async pipeline of A8_KC blocks per stage (weights, scales, x codes
+// and x scales all land in shared memory; each thread reads only whole fragments).
 template <int NT, int W, int S>
-__device__ __forceinline__ void a8_mma(const u8 *__restrict__ wq, const u16 *__restrict__ wsc, const u32 *__restrict__ xq,
-                                       const float *__restrict__ xd, float *__restrict__ out, int N, int K, int T) {
+__device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
+                                       int T) {
     extern __shared__ __align__(16) u8 a8_smem[];
-    const int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
-    const int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
+    constexpr int NTH = 32 * W * NT;
+    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
+    constexpr int XQ_PER_T = XQ_B / 16 / NTH;
+    static_assert(XQ_PER_T * NTH * 16 == XQ_B, "x stage split");
+    static_assert(XD_B / 16 <= NTH, "x scale stage split");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tl = warp / NT, j = warp % NT;
     const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nst = KBp / A8_KC;
-    const int tile = blockIdx.x * W + warp;
+    const int N = m.N;
+    const int tile = cta * W + tl;
     const bool tile_ok = tile * 16 < N;
+    const u32 s0 = smem_addr(a8_smem);
+    const u32 s_wq = s0 + XQ_B + XD_B + tl * (WQ_B + WS_B);
+    // Per-thread global sources at stage 0 (advanced by a constant stride per stage).
+    const u8 *gx = (const u8 *)xq + tid * 16;
+    const u8 *gd = (const u8 *)xd + tid * 16;
+    const long long pb0 = (long long)(tile_ok ? tile : 0) * KBp;
+    const u8 *gw = m.wq + pb0 * 512 + (j * 32 + lane) * 16;
+    const u8 *gs = (const u8 *)m.wsc + pb0 * 32 + lane * 16;
 
     auto issue = [&](int st, int slot) {
-        u8 *base = a8_smem + slot * STAGE_B;
-        const u8 *gx = (const u8 *)xq + (long long)st * XQ_B;
-        for (int i = tid; i < XQ_B / 16; i += W * 32) cp_async16(base + i * 16, gx + i * 16);
-        const u8 *gd = (const u8 *)xd + (long long)st * XD_B;
-        for (int i = tid; i < XD_B / 16; i += W * 32) cp_async16(base + XQ_B + i * 16, gd + i * 16);
-        if (tile_ok) {
-            u8 *wb = base + XQ_B + XD_B + warp * (WQ_B + WS_B);
-            const long long pb = (long long)tile * KBp + (long long)st * A8_KC;
-            const u8 *gw = wq + pb * 512;
+        const u32 base = s0 + slot * STAGE_B;
+        const long long xo = (long long)st * XQ_B, dofs = (long long)st * XD_B;
 #pragma unroll
-            for (int i = 0; i < WQ_B / 512; ++i) cp_async16(wb + (i * 32 + lane) * 16, gw + (i * 32 + lane) * 16);
-            if (lane < WS_B / 16) cp_async16(wb + WQ_B + lane * 16, (const u8 *)wsc + pb * 32 + lane * 16);
+        for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (tid + u * NTH) * 16, gx + xo + u * NTH * 16);
+        if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gd + dofs);
+        if (tile_ok) {
+            const u32 wb = s_wq + slot * STAGE_B + (j * 32 + lane) * 16;
+            const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
+#pragma unroll
+            for (int i = 0; i < A8_KC / NT; ++i) cp_async16(wb + i * NT * 512, gw + wo + i * NT * 512);
+            if (j == 0 && lane < WS_B / 16) cp_async16(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so);
         }
     };
 
@@ -407,11 +426,7 @@ __device__ __forceinline__ void a8_mma(const u8 *__restrict__ wq, const u16 *__r
         if (s < nst) issue(s, s);
         cp_async_commit();
     }
-    float acc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
     for (int st = 0; st < nst; ++st) {
         cp_async_wait<S - 2>();
@@ -423,51 +438,47 @@ __device__ __forceinline__ void a8_mma(const u8 *__restrict__ wq, const u16 *__r
             const u8 *base = a8_smem + (st % S) * STAGE_B;
             const uint2 *sx = (const uint2 *)base;
             const float *sd = (const float *)(base + XQ_B);
-            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + warp * (WQ_B + WS_B));
+            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
             const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
-            const int nb = min(A8_KC, KB - st * A8_KC);
+            const int nb = KB - st * A8_KC;
+            if (nb >= A8_KC) {
 #pragma unroll
-            for (int bb = 0; bb < A8_KC; ++bb) {
-                if (bb < nb) {
-                    const uint4 a = sw[bb * 32 + lane];
-                    const u32 sc = ss[bb * 8 + g];
-                    const float dw0 = f16_to_f32((u16)(sc & 0xffffu)), dw1 = f16_to_f32((u16)(sc >> 16));
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        const uint2 bx = sx[(bb * NT + j) * 32 + lane];
-                        const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
-                        int c[4] = {0, 0, 0, 0};
-                        mma_s8_16832(c, a, bx.x, bx.y);
-                        acc[j][0] = fmaf(i2f_small(c[0]), __fmul_rn(dw0, dx.x), acc[j][0]);
-                        acc[j][1] = fmaf(i2f_small(c[1]), __fmul_rn(dw0, dx.y), acc[j][1]);
-                        acc[j][2] = fmaf(i2f_small(c[2]), __fmul_rn(dw1, dx.x), acc[j][2]);
-                        acc[j][3] = fmaf(i2f_small(c[3]), __fmul_rn(dw1, dx.y), acc[j][3]);
-                    }
-                }
+                for (int bb = 0; bb < A8_KC; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+            } else {
+                for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
             }
         }
     }
     cp_async_wait<0>();
     if (!tile_ok) return;
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
-            const int tok = 8 * j + 2 * t + (c & 1);
-            if (o < N && tok < T) out[(long long)tok * N + o] = acc[j][c];
-        }
+    for (int c = 0; c < 4; ++c) {
+        const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+        const int tok = 8 * j + 2 * t + (c & 1);
+        if (o < N && tok < T) m.out[(long long)tok * N + o] = acc[c];
+    }
 }
 
-#define A8_STAGES 6
-#define A8(NAME, NT, W)                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * W) NAME(const u8 *wq, const u16 *wsc, const u32 *xq, const float *xd, \
-                                                              float *out, int N, int K, int T) {                            \
-        a8_mma<NT, W, A8_STAGES>(wq, wsc, xq, xd, out, N, K, T);                                                            \
+// W tiles per block, pipeline depth S (host side: a8_stages in backend.rs).
+#define A8(NAME, NT, W, S)                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                     \
+        NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T) { \
+        const int bx = blockIdx.x;                                                                                                \
+        if (bx < c1) {                                                                                                            \
+            const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
+            a8_mma<NT, W, S>(m, bx, xq, xd, K, T);                                                                                \
+        } else if (bx < c2) {                                                                                                     \
+            const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
+            a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T);                                                                           \
+        } else {                                                                                                                  \
+            const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
+            a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T);                                                                           \
+        }                                                                                                                         \
     }
-A8(a8_n1_w1, 1, 1)
-A8(a8_n1_w2, 1, 2)
-A8(a8_n1_w4, 1, 4)
-A8(a8_n2_w1, 2, 1)
-A8(a8_n2_w2, 2, 2)
-A8(a8_n2_w4, 2, 4)
+A8(a8_n1_w1, 1, 1, 12)
+A8(a8_n1_w2, 1, 2, 8)
+A8(a8_n1_w4, 1, 4, 4)
+A8(a8_n2_w1, 2, 1, 12)
+A8(a8_n2_w2, 2, 2, 8)
+A8(a8_n2_w4, 2, 4, 4)

@@ -30,8 +30,15 @@ const ATT_QT: usize = 16;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
 /// repacked weight are padded to a whole number of stages.
 const A8_KC: usize = 8;
-/// Q8_0A8: cp.async pipeline depth (`A8_STAGES` in matmul.cu).
-const A8_STAGES: usize = 6;
+/// Q8_0A8: cp.async pipeline depth for `w` warps per block (the `A8(...)` instances in
+/// matmul.cu).
+fn a8_stages(w: usize) -> usize {
+    match w {
+        1 => 12,
+        2 => 8,
+        _ => 4,
+    }
+}
 
 /// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
 fn a8_kbp(cols: usize) -> usize {
@@ -40,7 +47,7 @@ fn a8_kbp(cols: usize) -> usize {
 
 /// Shared memory of one Q8_0A8 matmul block: `nt` token groups of 8, `w` warps.
 fn a8_smem_bytes(nt: usize, w: usize) -> usize {
-    A8_STAGES * (A8_KC * nt * 288 + w * A8_KC * 544)
+    a8_stages(w) * (A8_KC * nt * 288 + w * A8_KC * 544)
 }
 
 /// An f32 activation buffer on the device.
@@ -625,7 +632,13 @@ impl Cuda {
             SKINNY_TILE_ROWS
         };
         if let CudaWeightBuf::Q8A8 { qs, d } = &w.buf {
-            return self.matmul_a8(x, rows, n, k, qs, d, out);
+            let mut mats = [A8Launch {
+                qs,
+                d,
+                n,
+                out: out.slice_mut(0..rows * n),
+            }];
+            return self.matmul_a8(x, rows, k, &mut mats);
         }
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
@@ -697,19 +710,16 @@ impl Cuda {
         Ok(())
     }
 
-    /// Q8_0A8: quantize x (q8_0, ggml's bytes) into the mma B-fragment layout, then the int8
-    /// tensor-core kernel. Warps per block from (N, SM count) only; the result does not
-    /// depend on it anyway (each output is one thread's block-ordered sum).
-    #[allow(clippy::too_many_arguments)]
+    /// Q8_0A8: quantize x (q8_0, ggml's bytes) once into the mma B-fragment layout, then one
+    /// int8 tensor-core launch over up to 3 matrices of the same K (`mats`: codes, scales,
+    /// output rows N, output view). Warps per block from (N, SM count) only; the result does
+    /// not depend on it anyway (each output is one thread's block-ordered sum).
     fn matmul_a8(
         &self,
         x: &cudarc::driver::CudaView<'_, f32>,
         rows: usize,
-        n: usize,
         k: usize,
-        qs: &CudaSlice<u8>,
-        d: &CudaSlice<u16>,
-        out: &mut cudarc::driver::CudaViewMut<'_, f32>,
+        mats: &mut [A8Launch<'_, '_>],
     ) -> Result<()> {
         if !k.is_multiple_of(32) {
             return Err(BackendError::Invalid {
@@ -717,12 +727,17 @@ impl Cuda {
                 msg: format!("Q8_0A8 needs cols % 32 == 0, found {k}"),
             });
         }
+        if mats.is_empty() || mats.len() > 3 || rows == 0 || rows > SKINNY_ROWS {
+            return Err(internal());
+        }
         let nt = if rows > 8 { 2 } else { 1 };
         let kbp = a8_kbp(k);
-        let tiles = n.div_ceil(16);
         let sms = self.num_sms.max(1);
-        // Largest warps-per-block whose busiest SM holds no more tiles than with 1 warp.
-        let load = |w: usize| tiles.div_ceil(w).div_ceil(sms) * w;
+        let tiles: Vec<usize> = mats.iter().map(|m| m.n.div_ceil(16)).collect();
+        let ctas = |w: usize| tiles.iter().map(|t| t.div_ceil(w)).sum::<usize>();
+        // Largest warps-per-block whose busiest SM holds no more tiles than with 1 tile per
+        // block.
+        let load = |w: usize| ctas(w).div_ceil(sms) * w;
         let w = [4usize, 2, 1]
             .into_iter()
             .find(|&w| load(w) <= load(1))
@@ -746,11 +761,7 @@ impl Cuda {
             a8_q.as_mut().ok_or_else(internal)?,
             a8_d.as_mut().ok_or_else(internal)?,
         );
-        let (n_i, k_i, t_i) = (
-            i32_of("matmul", "w.rows", n)?,
-            i32_of("matmul", "w.cols", k)?,
-            rows as i32,
-        );
+        let (k_i, t_i) = (i32_of("matmul", "w.cols", k)?, rows as i32);
         let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
         let mut b = self.stream.launch_builder(&fq);
         b.arg(x)
@@ -760,18 +771,93 @@ impl Cuda {
             .arg(&kbp_i)
             .arg(&mut *xq)
             .arg(&mut *xd);
-        unsafe { b.launch(grid_1d(kbp * nt * 8, 128)) }.map_err(dev)?;
+        unsafe { b.launch(grid_1d(kbp * nt * 8 * 32, 256)) }.map_err(dev)?;
+        let mut ns = [0i32; 3];
+        for (slot, m) in ns.iter_mut().zip(mats.iter()) {
+            *slot = i32_of("matmul", "w.rows", m.n)?;
+        }
+        let c1 = tiles[0].div_ceil(w);
+        let c2 = c1 + tiles.get(1).map_or(0, |t| t.div_ceil(w));
+        let grid = ctas(w);
+        let (c1_i, c2_i) = (
+            i32_of("matmul", "blocks", c1)?,
+            i32_of("matmul", "blocks", c2)?,
+        );
         let mut b = self.stream.launch_builder(&f);
-        b.arg(qs)
-            .arg(d)
+        let (first, rest) = mats.split_first_mut().ok_or_else(internal)?;
+        b.arg(first.qs).arg(first.d).arg(&mut first.out).arg(&ns[0]);
+        let mut pushed = 1;
+        for m in rest.iter_mut() {
+            b.arg(m.qs).arg(m.d).arg(&mut m.out).arg(&ns[pushed]);
+            pushed += 1;
+        }
+        // Unused slots: never reached (c1 / c2 equal the grid size); any valid pointers.
+        for slot in pushed..3 {
+            b.arg(first.qs).arg(first.d).arg(&*xd).arg(&ns[slot]);
+        }
+        b.arg(&c1_i)
+            .arg(&c2_i)
             .arg(&*xq)
             .arg(&*xd)
-            .arg(out)
-            .arg(&n_i)
             .arg(&k_i)
             .arg(&t_i);
-        let grid = tiles.div_ceil(w) as u32;
-        unsafe { b.launch(cfg((grid, 1, 1), 32 * w as u32, smem as u32)) }.map_err(dev)?;
+        unsafe { b.launch(cfg((grid as u32, 1, 1), (32 * w * nt) as u32, smem as u32)) }
+            .map_err(dev)?;
+        Ok(())
+    }
+
+    /// Several matmuls of the same `x` (`outs[i] = x W_i^T`), e.g. the q/k/v or gate/up
+    /// projections of a layer. Q8_0A8 weights of one K (up to 3) share one quantization of x
+    /// and one launch; other formats run one `matmul` each. Results are identical to the
+    /// separate calls, bit for bit.
+    pub fn matmul_many(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+    ) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(BackendError::Invalid {
+                op: "matmul_many",
+                msg: format!("{} weights but {} outputs", ws.len(), outs.len()),
+            });
+        }
+        let k = ws.first().map_or(0, |w| w.cols);
+        let fused = (1..=3).contains(&ws.len())
+            && k > 0
+            && ws
+                .iter()
+                .all(|w| w.cols == k && w.rows > 0 && matches!(w.buf, CudaWeightBuf::Q8A8 { .. }));
+        if !fused {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(x, rows, w, o)?;
+            }
+            return Ok(());
+        }
+        check("matmul", "x", rows * k, x.len)?;
+        for (w, o) in ws.iter().zip(outs.iter()) {
+            check("matmul", "out", rows * w.rows, o.len)?;
+        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = (rows - r0).min(SKINNY_ROWS);
+            let xv = x.data.slice(r0 * k..(r0 + t) * k);
+            let mut mats = Vec::with_capacity(3);
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+                    return Err(internal());
+                };
+                mats.push(A8Launch {
+                    qs,
+                    d,
+                    n: w.rows,
+                    out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
+                });
+            }
+            self.matmul_a8(&xv, t, k, &mut mats)?;
+            r0 += t;
+        }
         Ok(())
     }
 
@@ -805,7 +891,7 @@ impl Cuda {
             .arg(&kbp_i)
             .arg(&mut xq)
             .arg(&mut xd);
-        unsafe { b.launch(grid_1d(kbp * nt * 8, 128)) }.map_err(dev)?;
+        unsafe { b.launch(grid_1d(kbp * nt * 8 * 32, 256)) }.map_err(dev)?;
         let q = self.stream.clone_dtoh(&xq).map_err(dev)?;
         let d = self.stream.clone_dtoh(&xd).map_err(dev)?;
         let kb = k / 32;
@@ -930,6 +1016,14 @@ impl Cuda {
             _ => Ok(false),
         }
     }
+}
+
+/// One matrix of a Q8_0A8 launch.
+struct A8Launch<'a, 'b> {
+    qs: &'a CudaSlice<u8>,
+    d: &'a CudaSlice<u16>,
+    n: usize,
+    out: cudarc::driver::CudaViewMut<'b, f32>,
 }
 
 fn internal() -> BackendError {

@@ -121,7 +121,10 @@ fn a8_activation_quantizer_is_byte_exact() {
                 "rows={rows} k={k}: codes of block {i}"
             );
         }
-        eprintln!("EXACT a8 quantize rows={rows} k={k}: {} blocks byte-identical", want.len());
+        eprintln!(
+            "EXACT a8 quantize rows={rows} k={k}: {} blocks byte-identical",
+            want.len()
+        );
     }
 }
 
@@ -182,7 +185,12 @@ fn a8_matmul_matches_the_cpu_backend_bit_for_bit() {
             let mut og = poisoned(g, rows * n);
             g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
             let got = g.download(&og).expect("download");
-            assert_bits(&format!("Q8_0A8 vs cpu n={n} k={k} rows={rows}"), &got, &oc, n);
+            assert_bits(
+                &format!("Q8_0A8 vs cpu n={n} k={k} rows={rows}"),
+                &got,
+                &oc,
+                n,
+            );
         }
         eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: bit-identical to the CPU backend");
     }
@@ -216,7 +224,9 @@ fn a8_matmul_is_per_row_deterministic() {
                 n,
             );
         }
-        eprintln!("DETERMINISM matmul Q8_0A8 n={n} k={k}: rows 1/5/9 bit-identical to a 16-row call");
+        eprintln!(
+            "DETERMINISM matmul Q8_0A8 n={n} k={k}: rows 1/5/9 bit-identical to a 16-row call"
+        );
     }
 }
 
@@ -241,4 +251,56 @@ fn a8_gather_rows_is_q8_0_dequantization() {
         .collect();
     assert_bits("gather_rows Q8_0A8", &got, &want, k);
     eprintln!("EXACT gather_rows Q8_0A8: 17 rows identical to q8_0 dequantization");
+}
+
+#[test]
+fn a8_matmul_many_equals_separate_matmuls_bit_for_bit() {
+    let Some(g) = gpu("a8_matmul_many_equals_separate_matmuls_bit_for_bit") else {
+        return;
+    };
+    let mut r = rng("a8_matmul_many_equals_separate_matmuls_bit_for_bit");
+    let k = 4096usize;
+    let ns = [4096usize, 1024, 1000];
+    let hws: Vec<HostWeight> = ns
+        .iter()
+        .map(|&n| {
+            let wv = rand_vec(&mut r, n * k, 1.0);
+            HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode")
+        })
+        .collect();
+    let wgs: Vec<_> = hws.iter().map(|h| g.upload_weight(h).expect("w")).collect();
+    for rows in [1usize, 9, 16, 20] {
+        let x = spread_x(&mut r, rows, k);
+        let xg = g.upload(&x).expect("x");
+        for m in 1..=3 {
+            let ws: Vec<_> = wgs[..m].iter().collect();
+            let mut outs: Vec<_> = ns[..m].iter().map(|&n| poisoned(g, rows * n)).collect();
+            let mut refs: Vec<_> = outs.iter_mut().collect();
+            g.matmul_many(&xg, rows, &ws, &mut refs).expect("many");
+            for (i, o) in outs.iter().enumerate() {
+                let got = g.download(o).expect("dl");
+                let mut sep = poisoned(g, rows * ns[i]);
+                g.matmul(&xg, rows, &wgs[i], &mut sep).expect("one");
+                let want = g.download(&sep).expect("dl");
+                assert_bits(
+                    &format!("matmul_many({m}) matrix {i} rows={rows}"),
+                    &got,
+                    &want,
+                    ns[i],
+                );
+                if rows <= 9 {
+                    let c = contract(&x, rows, k, weight_blocks(&hws[i]), ns[i]);
+                    assert_bits(
+                        &format!("matmul_many({m}) matrix {i} vs contract"),
+                        &got,
+                        &c,
+                        ns[i],
+                    );
+                }
+            }
+        }
+    }
+    eprintln!(
+        "EXACT matmul_many Q8_0A8 (1-3 matrices, rows 1/9/16/20) == separate matmuls == contract"
+    );
 }

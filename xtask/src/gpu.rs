@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
     #[arg(long)]
     markov: bool,
+    /// Skip the per-op breakdown (profiling runs).
+    #[arg(long)]
+    no_ops: bool,
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
@@ -280,9 +283,14 @@ impl Model {
         g.gather_rows_dev(&self.embed, &b.ids, rows, &mut b.h)?;
         for l in &mut self.layers {
             g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
-            g.matmul(&b.x, rows, &l.wq, &mut b.q0)?;
-            g.matmul(&b.x, rows, &l.wk, &mut b.k0)?;
-            g.matmul(&b.x, rows, &l.wv, &mut b.v)?;
+            // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
+            // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
+            g.matmul_many(
+                &b.x,
+                rows,
+                &[&l.wq, &l.wk, &l.wv],
+                &mut [&mut b.q0, &mut b.k0, &mut b.v],
+            )?;
             g.rms_norm(&b.q0, &l.qn, hd, eps, &mut b.q)?;
             g.rms_norm(&b.k0, &l.kn, hd, eps, &mut b.k)?;
             g.rope(&mut b.q, rows, s.heads, hd, ctx, &self.rope)?;
@@ -306,8 +314,7 @@ impl Model {
             g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
             g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
             g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
-            g.matmul(&b.x, rows, &l.wg, &mut b.gate)?;
-            g.matmul(&b.x, rows, &l.wu, &mut b.up)?;
+            g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
             g.silu_mul(&b.gate, &b.up, &mut b.act)?;
             g.matmul(&b.act, rows, &l.wd, &mut b.o)?;
             g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
@@ -600,7 +607,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .unwrap_or_default();
     md += &format!("Measured {date} on {dev_name} ({} SMs, {}), copy bandwidth {:.0} GB/s (read + write, 4 GiB device-to-device, median of 20).\n\n", g.num_sms(), g.arch(), bw / 1e9);
 
-    let ops_md = op_breakdown(&g, bw, a.iters)?;
+    let ops_md = if a.no_ops {
+        String::new()
+    } else {
+        op_breakdown(&g, bw, a.iters)?
+    };
     println!("{ops_md}");
 
     // Our drafters.
