@@ -19,6 +19,7 @@
 //! reuse); the ops check that every operand is long enough and name it when it is not.
 
 mod a8panel;
+mod argmax;
 mod kernel;
 mod panel;
 mod qpanel;
@@ -1109,18 +1110,8 @@ impl Backend for Cpu {
             return Ok(Vec::new());
         }
         let rows_slice = &x[row0 * cols..end * cols];
-        let argmax = |row: &[f32]| {
-            let mut best = 0usize;
-            let mut bv = f32::NAN;
-            for (i, &v) in row.iter().enumerate() {
-                // NaN never wins; the first of equal maxima wins.
-                if !v.is_nan() && (bv.is_nan() || v > bv) {
-                    best = i;
-                    bv = v;
-                }
-            }
-            best as u32
-        };
+        let isa = self.isa;
+        let argmax = |row: &[f32]| argmax::argmax(isa, row) as u32;
         if rows == 1 || self.threads() <= 1 || rows * cols < self.par_min_work {
             return Ok(rows_slice.chunks(cols).map(argmax).collect());
         }
