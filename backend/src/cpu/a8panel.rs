@@ -34,7 +34,7 @@ use crate::{BackendError, Result};
 const QB: usize = QK * NP;
 /// Groups of 4 inputs per block.
 const NG: usize = QK / 4;
-/// Most rows of one tile.
+/// Most rows of one tile (16-row tiles spill registers).
 const MAX_R: usize = 8;
 
 /// q8_0 weights repacked for the integer dot.
@@ -190,29 +190,66 @@ pub fn vnni_supported() -> bool {
 
 type Tile<const R: usize> = [[f32; NP]; R];
 
-/// Outputs of panel `p` for `R` rows.
-fn tile<const R: usize>(isa: Isa, w: &A8Panels, p: usize, rows: [Row<'_>; R], k: usize) -> Tile<R> {
+/// Where a row tile writes: `out[(r0 + r) * width + o - 16 p0]` for output `o` of tile row
+/// `r`, outputs `16 p0 .. min(16 p1, n_out)`.
+struct Dest<'a> {
+    out: &'a mut [f32],
+    width: usize,
+    r0: usize,
+    p0: usize,
+    p1: usize,
+    n_out: usize,
+}
+
+/// Rows `rows` (tile rows `r0 ..`) over panels `p0 .. p1`, written into `dst`.
+fn row_tile<const R: usize>(isa: Isa, w: &A8Panels, rows: [Row<'_>; R], k: usize, dst: Dest<'_>) {
     let nb = k / QK;
-    let ds = w.d.get(p * nb * NP..(p + 1) * nb * NP).unwrap_or(&[]);
-    let qs = w.qs.get(p * nb * QB..(p + 1) * nb * QB).unwrap_or(&[]);
-    let ok = ds.len() == nb * NP
-        && qs.len() == nb * QB
+    let Dest {
+        out,
+        width,
+        r0,
+        p0,
+        p1,
+        n_out,
+    } = dst;
+    let ok = p0 < p1
+        && w.d.len() >= p1 * nb * NP
+        && w.qs.len() >= p1 * nb * QB
+        && n_out > (p1 - 1) * NP
+        && width == (p1 * NP).min(n_out) - p0 * NP
+        && out.len() >= (r0 + R) * width
         && rows
             .iter()
             .all(|r| r.codes.len() == k && r.dx.len() == nb && r.ncorr.len() == nb);
     if !ok {
         // Internal invariant (the caller passes whole panels and rows); NaN makes a breach
         // visible.
-        return [[f32::NAN; NP]; R];
+        if let Some(o) = out.get_mut(r0 * width..) {
+            o.iter_mut().take(R * width).for_each(|v| *v = f32::NAN);
+        }
+        return;
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && vnni_supported() {
         // SAFETY: AVX-512F and AVX-512 VNNI were detected; the operands hold what the kernel
-        // reads (checked above).
-        return unsafe { vnni::tile::<R>(ds, qs, rows, nb) };
+        // reads and writes (checked above).
+        unsafe { vnni::row_tile::<R>(&w.d, &w.qs, rows, nb, out, width, r0, p0, p1, n_out) };
+        return;
     }
     let _ = isa;
-    tile_portable::<R>(ds, qs, rows, nb)
+    for p in p0..p1 {
+        let t = tile_portable::<R>(
+            &w.d[p * nb * NP..(p + 1) * nb * NP],
+            &w.qs[p * nb * QB..(p + 1) * nb * QB],
+            rows,
+            nb,
+        );
+        let o = p * NP;
+        let n = NP.min(n_out - o);
+        for (r, v) in t.iter().enumerate() {
+            out[(r0 + r) * width + o - p0 * NP..][..n].copy_from_slice(&v[..n]);
+        }
+    }
 }
 
 fn tile_portable<const R: usize>(ds: &[f32], qs: &[u8], rows: [Row<'_>; R], nb: usize) -> Tile<R> {
@@ -239,71 +276,69 @@ fn tile_portable<const R: usize>(ds: &[f32], qs: &[u8], rows: [Row<'_>; R], nb: 
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{Row, Tile, NG, NP, QB, QK};
+    use super::{Row, NG, NP, QB, QK};
 
+    /// Tile rows `r` (`< R`) over panels `p0 .. p1`: output `o` of row `r` goes to
+    /// `out[(r0 + r) width + o - 16 p0]` for `o < n_out`.
+    ///
     /// # Safety
-    /// AVX-512F and AVX-512 VNNI available; `ds` holds `16 nb` scales, `qs` `512 nb` bytes,
-    /// every row `32 nb` codes and `nb` scales and corrections.
+    /// AVX-512F and AVX-512 VNNI available; `ds` holds `16 nb p1` scales, `qs` `512 nb p1`
+    /// bytes, every row `32 nb` codes and `nb` scales and corrections;
+    /// `16 (p1 - 1) < n_out`, `width = min(16 p1, n_out) - 16 p0`,
+    /// `out.len() >= (r0 + R) width`.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512vnni")]
-    pub(super) unsafe fn tile<const R: usize>(
+    pub(super) unsafe fn row_tile<const R: usize>(
         ds: &[f32],
         qs: &[u8],
         rows: [Row<'_>; R],
         nb: usize,
-    ) -> Tile<R> {
-        let mut acc = [_mm512_setzero_ps(); R];
+        out: &mut [f32],
+        width: usize,
+        r0: usize,
+        p0: usize,
+        p1: usize,
+        n_out: usize,
+    ) {
         let xp: [*const i8; R] = std::array::from_fn(|r| rows[r].codes.as_ptr());
         let dxp: [*const f32; R] = std::array::from_fn(|r| rows[r].dx.as_ptr());
         let ncp: [*const i32; R] = std::array::from_fn(|r| rows[r].ncorr.as_ptr());
-        let wp = qs.as_ptr();
-        let dp = ds.as_ptr();
-        for b in 0..nb {
-            // SAFETY (all loads below): b < nb and the lengths in the function contract.
-            let w: [__m512i; NG] = std::array::from_fn(|g| unsafe {
-                _mm512_loadu_si512(wp.add(b * QB + g * 64) as *const __m512i)
-            });
-            let dw = unsafe { _mm512_loadu_ps(dp.add(b * NP)) };
-            for r in 0..R {
-                let mut ia = _mm512_set1_epi32(unsafe { *ncp[r].add(b) });
-                for (g, wg) in w.iter().enumerate() {
-                    let x4 = unsafe { (xp[r].add(b * QK + 4 * g) as *const i32).read_unaligned() };
-                    ia = _mm512_dpbusd_epi32(ia, *wg, _mm512_set1_epi32(x4));
+        let op = out.as_mut_ptr();
+        for p in p0..p1 {
+            // SAFETY (all pointer arithmetic below): within the lengths of the contract.
+            let wp = unsafe { qs.as_ptr().add(p * nb * QB) };
+            let dp = unsafe { ds.as_ptr().add(p * nb * NP) };
+            let mut acc = [_mm512_setzero_ps(); R];
+            for b in 0..nb {
+                let w: [__m512i; NG] = std::array::from_fn(|g| unsafe {
+                    _mm512_loadu_si512(wp.add(b * QB + g * 64) as *const __m512i)
+                });
+                let dw = unsafe { _mm512_loadu_ps(dp.add(b * NP)) };
+                for r in 0..R {
+                    let mut ia = _mm512_set1_epi32(unsafe { *ncp[r].add(b) });
+                    for (g, wg) in w.iter().enumerate() {
+                        let x4 =
+                            unsafe { (xp[r].add(b * QK + 4 * g) as *const i32).read_unaligned() };
+                        ia = _mm512_dpbusd_epi32(ia, *wg, _mm512_set1_epi32(x4));
+                    }
+                    let s = _mm512_mul_ps(dw, _mm512_set1_ps(unsafe { *dxp[r].add(b) }));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
                 }
-                let s = _mm512_mul_ps(dw, _mm512_set1_ps(unsafe { *dxp[r].add(b) }));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
             }
-        }
-        let mut out = [[0.0f32; NP]; R];
-        for r in 0..R {
-            // SAFETY: out[r] holds 16 f32.
-            unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
-        }
-        out
-    }
-}
-
-/// Rows `r0 .. r0 + R` over panels `p0 .. p1`, each tile handed to `put(row, panel, values)`.
-fn rows_over_panels<const R: usize>(
-    isa: Isa,
-    w: &A8Panels,
-    qx: &QRows,
-    r0: usize,
-    p0: usize,
-    p1: usize,
-    put: &mut impl FnMut(usize, usize, &[f32; NP]),
-) {
-    let rows: [Row<'_>; R] = std::array::from_fn(|d| qx.row(r0 + d));
-    for p in p0..p1 {
-        let t = tile::<R>(isa, w, p, rows, qx.k);
-        for (d, v) in t.iter().enumerate() {
-            put(r0 + d, p, v);
+            let o = p * NP;
+            let n = NP.min(n_out - o);
+            let mask = ((1u32 << n) - 1) as __mmask16;
+            for (r, a) in acc.iter().enumerate() {
+                // SAFETY: (r0 + r) width + o - 16 p0 + n <= (r0 + R) width <= out.len().
+                unsafe { _mm512_mask_storeu_ps(op.add((r0 + r) * width + o - p0 * NP), mask, *a) };
+            }
         }
     }
 }
 
 /// Computes outputs `16 p0 .. min(16 p1, n_out)` for all quantized rows into `out`, laid out
 /// `[rows, width]` with `width = min(16 p1, n_out) - 16 p0` (one thread's chunk). Rows go in
-/// balanced tiles of at most 16 rows x 1 panel.
+/// balanced tiles of at most 8 rows, each over all the panels.
 pub(crate) fn matmul_panels(
     isa: Isa,
     qx: &QRows,
@@ -317,27 +352,35 @@ pub(crate) fn matmul_panels(
     if rows == 0 || p0 >= p1 {
         return;
     }
-    let o0 = p0 * NP;
-    let width = (p1 * NP).min(n_out) - o0;
-    let mut put = |r: usize, p: usize, vals: &[f32; NP]| {
-        let o = p * NP;
-        let n = NP.min(n_out - o);
-        out[r * width + o - o0..][..n].copy_from_slice(&vals[..n]);
-    };
+    let width = (p1 * NP).min(n_out) - p0 * NP;
     let n_tiles = rows.div_ceil(MAX_R);
     let (base, extra) = (rows / n_tiles, rows % n_tiles);
     let mut r = 0;
     for t in 0..n_tiles {
         let size = base + usize::from(t < extra);
+        let dst = Dest {
+            out: &mut *out,
+            width,
+            r0: r,
+            p0,
+            p1,
+            n_out,
+        };
         macro_rules! go {
             ($($n:literal)*) => {
                 match size {
-                    $($n => rows_over_panels::<$n>(isa, w, qx, r, p0, p1, &mut put),)*
+                    $($n => row_tile::<$n>(
+                        isa,
+                        w,
+                        std::array::from_fn(|d| qx.row(r + d)),
+                        qx.k,
+                        dst,
+                    ),)*
                     _ => {}
                 }
             };
         }
-        go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+        go!(1 2 3 4 5 6 7 8);
         r += size;
     }
 }
