@@ -17,6 +17,8 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 __device__ __forceinline__ bool att_visible(long long j, int n_kv, long long kpos, long long qpos, int causal, long long window) {
     return j < n_kv && (!causal || kpos <= qpos) && (window < 0 || qpos < kpos + window);
@@ -98,25 +100,28 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
     }
     __syncthreads();
     const int nsub = s_nsub;
-    for (int sub = 0; sub < nsub; ++sub) {
-        const long long j0 = (long long)split * ATT_SPLIT + sub * ATT_CK;
-        if (j0 >= n_kv) break;
-        __syncthreads();
-        constexpr int C4 = D / 4;
+    // K and V of a sub-chunk are loaded as separate cp.async groups, one step ahead: V(sub)
+    // flies during the scores of sub, K(sub+1) during its softmax and PV.
+    const long long jbase = (long long)split * ATT_SPLIT;
+    const int nsub_eff = jbase >= n_kv ? 0 : min(nsub, (int)((n_kv - jbase + ATT_CK - 1) / ATT_CK));
+    constexpr int C4 = D / 4;
+    auto load_rows = [&](const float *__restrict__ src, float *dst, int pitch, long long j0) {
         for (int c = tid; c < ATT_CK * C4; c += 128) {
             const int kk = c / C4, d4 = (c % C4) * 4;
             const long long j = j0 + kk;
-            float *kd = Ks + kk * KP + d4;
-            float *vd = Vs + kk * D + d4;
-            if (j < n_kv) {
-                cp_async16(kd, k + (j * Hkv + hk) * D + d4);
-                cp_async16(vd, v + (j * Hkv + hk) * D + d4);
-            } else {
-                *(float4 *)kd = make_float4(0.f, 0.f, 0.f, 0.f);
-                *(float4 *)vd = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+            float *dd = dst + kk * pitch + d4;
+            if (j < n_kv) cp_async16(dd, src + (j * Hkv + hk) * D + d4);
+            else *(float4 *)dd = make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        cp_async_wait_all();
+    };
+    if (nsub_eff > 0) load_rows(k, Ks, KP, jbase);
+    cp_async_commit();
+    for (int sub = 0; sub < nsub_eff; ++sub) {
+        const long long j0 = jbase + sub * ATT_CK;
+        __syncthreads();  // the previous PV is done with Vs
+        load_rows(v, Vs, D, j0);
+        cp_async_commit();
+        cp_async_wait1();  // K(sub) has landed
         __syncthreads();
         // Phase 1: scores. Thread: key kk = tid % 64, rows rh*8 .. rh*8+7.
         {
@@ -147,7 +152,9 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
                 Ps[kk * ATT_QT + rr] = vis ? s[r] * scale : NEG_INF;
             }
         }
-        __syncthreads();
+        __syncthreads();  // the scores are done with Ks
+        if (sub + 1 < nsub_eff) load_rows(k, Ks, KP, j0 + ATT_CK);
+        cp_async_commit();
         // Phase 2: online softmax bookkeeping, warp w owns rows 4w .. 4w+3.
 #pragma unroll
         for (int r4 = 0; r4 < 4; ++r4) {
@@ -172,6 +179,7 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
                 alpha_s[r] = alpha;
             }
         }
+        cp_async_wait1();  // V(sub) has landed (K(sub+1) may still be in flight)
         __syncthreads();
         // Phase 3: O[r][d] = alpha * O + sum_k P[r][k] V[k][d]; rows 4w..; d = lane*DL + e when
         // DL is a multiple of 4 (float4 reads), else d = lane + 32e
