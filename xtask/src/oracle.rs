@@ -675,6 +675,10 @@ pub fn parity_spec(a: SpecArgs) -> Result<()> {
     .arg("--prompts")
     .arg(&jsonl)
     .args(["--max-new", &a.max_new.to_string(), "--json"])
+    // The oracle's drafter computes in f32 with the target's own head: compare like with
+    // like (the CLI's default Q8_0A8 drafter proposes slightly different blocks, which moves
+    // tau but never the committed stream).
+    .args(["--draft-precision", "f32", "--draft-head", "target"])
     .current_dir(&root);
     if a.no_adaptive {
         rs.arg("--no-adaptive");
@@ -689,7 +693,9 @@ pub fn parity_spec(a: SpecArgs) -> Result<()> {
     if let Some(c) = a.vt_cap {
         rs.args(["--verify-cap", &c.to_string()]);
     }
-    println!("== rust: cargo run --release -p dflash-cli -- bench --json (same prompts)");
+    println!(
+        "== rust: cargo run --release -p dflash-cli -- bench --json --draft-precision f32 --draft-head target (same prompts)"
+    );
     let r = json_of(rs, "dflash bench")?;
 
     let op = o["per_prompt"]
