@@ -1,6 +1,6 @@
 // Attention of a few queries over a long cached context, split over the context.
 //
-// Grid (n_split, n_kv_heads, ceil(n_q * G / 16)), 128 threads. A block takes 16 query rows
+// Grid (n_split, n_kv_heads, ceil(n_q * G / 16)), ATT_NTH (256) threads. A block takes 16 query rows
 // (query i, head h of the kv head's group) and one split of ATT_SPLIT keys, processed as
 // sub-chunks of 64 keys with an online softmax; it writes the unnormalised partial output
 // and (max, sum) per row. attn_combine merges the splits in split order.
@@ -11,6 +11,10 @@
 #define ATT_SPLIT 256
 #define ATT_CK 64
 #define ATT_QT 16
+// Threads per block of the split kernel (8 warps: phase 1 = 4 query rows x 1 key per thread,
+// phases 2-3 = 2 query rows per warp).
+#define ATT_NTH 256
+#define ATT_RPW (ATT_QT / (ATT_NTH / 32))
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const u32 sa = (u32)__cvta_generic_to_shared(smem);
@@ -49,11 +53,11 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
     {
-        constexpr int QPER = ATT_QT * D / 128;
+        constexpr int QPER = ATT_QT * D / ATT_NTH;
         float qv[QPER];
 #pragma unroll
         for (int u = 0; u < QPER; ++u) {
-            const int idx = tid + 128 * u;
+            const int idx = tid + ATT_NTH * u;
             const int r = idx / D, d = idx % D;
             const int qr = qr0 + r;
             qv[u] = 0.0f;
@@ -64,7 +68,7 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
         }
 #pragma unroll
         for (int u = 0; u < QPER; ++u) {
-            const int idx = tid + 128 * u;
+            const int idx = tid + ATT_NTH * u;
             Qs[(idx % D) * ATT_QT + idx / D] = qv[u];
         }
     }
@@ -75,9 +79,11 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
         m_run[tid] = NEG_INF;
         l_run[tid] = 0.0f;
     }
-    float o[4][DL];
+    static_assert(ATT_RPW == 2, "phase 3 reads 2 probabilities per key (float2)");
+    static_assert(ATT_NTH == 256, "phase 1 maps 256 threads to 64 keys x 4 row groups of 4");
+    float o[ATT_RPW][DL];
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < ATT_RPW; ++r)
 #pragma unroll
         for (int e = 0; e < DL; ++e) o[r][e] = 0.0f;
 
@@ -106,7 +112,7 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
     const int nsub_eff = jbase >= n_kv ? 0 : min(nsub, (int)((n_kv - jbase + ATT_CK - 1) / ATT_CK));
     constexpr int C4 = D / 4;
     auto load_rows = [&](const float *__restrict__ src, float *dst, int pitch, long long j0) {
-        for (int c = tid; c < ATT_CK * C4; c += 128) {
+        for (int c = tid; c < ATT_CK * C4; c += ATT_NTH) {
             const int kk = c / C4, d4 = (c % C4) * 4;
             const long long j = j0 + kk;
             float *dd = dst + kk * pitch + d4;
@@ -123,31 +129,28 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
         cp_async_commit();
         cp_async_wait1();  // K(sub) has landed
         __syncthreads();
-        // Phase 1: scores. Thread: key kk = tid % 64, rows rh*8 .. rh*8+7.
+        // Phase 1: scores. Thread: key kk = tid % 64, rows rh*4 .. rh*4+3.
         {
             const int kk = tid & 63, rh = tid >> 6;
-            float s[8];
+            float s[4];
 #pragma unroll
-            for (int r = 0; r < 8; ++r) s[r] = 0.0f;
+            for (int r = 0; r < 4; ++r) s[r] = 0.0f;
             for (int d0 = 0; d0 < D; d0 += 4) {
                 const float4 k4 = *(const float4 *)(Ks + kk * KP + d0);
                 const float kvs[4] = {k4.x, k4.y, k4.z, k4.w};
 #pragma unroll
                 for (int dd = 0; dd < 4; ++dd) {
                     const float kv = kvs[dd];
-                    const float4 qa = *(const float4 *)(Qs + (d0 + dd) * ATT_QT + rh * 8);
-                    const float4 qb = *(const float4 *)(Qs + (d0 + dd) * ATT_QT + rh * 8 + 4);
+                    const float4 qa = *(const float4 *)(Qs + (d0 + dd) * ATT_QT + rh * 4);
                     s[0] = fmaf(qa.x, kv, s[0]); s[1] = fmaf(qa.y, kv, s[1]);
                     s[2] = fmaf(qa.z, kv, s[2]); s[3] = fmaf(qa.w, kv, s[3]);
-                    s[4] = fmaf(qb.x, kv, s[4]); s[5] = fmaf(qb.y, kv, s[5]);
-                    s[6] = fmaf(qb.z, kv, s[6]); s[7] = fmaf(qb.w, kv, s[7]);
                 }
             }
             const long long j = j0 + kk;
             const long long kpos = kv_pos0 + j;
 #pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                const int rr = rh * 8 + r;
+            for (int r = 0; r < 4; ++r) {
+                const int rr = rh * 4 + r;
                 const bool vis = rvalid[rr] && att_visible(j, n_kv, kpos, qpos[rr], causal, window);
                 Ps[kk * ATT_QT + rr] = vis ? s[r] * scale : NEG_INF;
             }
@@ -155,10 +158,10 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
         __syncthreads();  // the scores are done with Ks
         if (sub + 1 < nsub_eff) load_rows(k, Ks, KP, j0 + ATT_CK);
         cp_async_commit();
-        // Phase 2: online softmax bookkeeping, warp w owns rows 4w .. 4w+3.
+        // Phase 2: online softmax bookkeeping, warp w owns rows ATT_RPW w ...
 #pragma unroll
-        for (int r4 = 0; r4 < 4; ++r4) {
-            const int r = warp * 4 + r4;
+        for (int r4 = 0; r4 < ATT_RPW; ++r4) {
+            const int r = warp * ATT_RPW + r4;
             const float a = Ps[lane * ATT_QT + r], b = Ps[(lane + 32) * ATT_QT + r];
             const float mx = warp_max(fmaxf(a, b));
             const float m_old = m_run[r];
@@ -184,13 +187,13 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
         // Phase 3: O[r][d] = alpha * O + sum_k P[r][k] V[k][d]; rows 4w..; d = lane*DL + e when
         // DL is a multiple of 4 (float4 reads), else d = lane + 32e
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const float al = alpha_s[warp * 4 + r];
+        for (int r = 0; r < ATT_RPW; ++r) {
+            const float al = alpha_s[warp * ATT_RPW + r];
 #pragma unroll
             for (int e = 0; e < DL; ++e) o[r][e] *= al;
         }
         for (int kk = 0; kk < ATT_CK; ++kk) {
-            const float4 p = *(const float4 *)(Ps + kk * ATT_QT + warp * 4);
+            const float2 p = *(const float2 *)(Ps + kk * ATT_QT + warp * ATT_RPW);
             float vv[DL];
             if (DL % 4 == 0) {
                 // lane owns d = lane*DL .. lane*DL + DL-1: 16-byte reads
@@ -207,16 +210,14 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
             for (int e = 0; e < DL; ++e) {
                 o[0][e] = fmaf(p.x, vv[e], o[0][e]);
                 o[1][e] = fmaf(p.y, vv[e], o[1][e]);
-                o[2][e] = fmaf(p.z, vv[e], o[2][e]);
-                o[3][e] = fmaf(p.w, vv[e], o[3][e]);
             }
         }
     }
     __syncthreads();
     const long long rows_total = (long long)n_q * H;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int rr = warp * 4 + r;
+    for (int r = 0; r < ATT_RPW; ++r) {
+        const int rr = warp * ATT_RPW + r;
         const int qr = qr0 + rr;
         if (qr < QR) {
             const int i = qr / G, h = hk * G + qr % G;
@@ -232,7 +233,7 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
 }
 
 #define ATTN(D)                                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128) attn_split_d##D(                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_NTH) attn_split_d##D(                                                           \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,             \
         long long q_pos0, long long kv_pos0, int causal, long long window, float scale) {                                         \
         attn_split_impl<D>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale);                     \

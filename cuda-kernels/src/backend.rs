@@ -1513,7 +1513,7 @@ impl Backend for Cuda {
                     p.n_kv_heads as u32,
                     qr.div_ceil(ATT_QT) as u32,
                 );
-                unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(dev)?;
+                unsafe { b.launch(cfg(grid, 256, smem as u32)) }.map_err(dev)?;
                 let fc = self.func(Kernel::AttnCombine)?;
                 let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
                 let mut b = self.stream.launch_builder(&fc);
