@@ -792,8 +792,8 @@ impl Cuda {
             pushed += 1;
         }
         // Unused slots: never reached (c1 / c2 equal the grid size); any valid pointers.
-        for slot in pushed..3 {
-            b.arg(first.qs).arg(first.d).arg(&*xd).arg(&ns[slot]);
+        for n_unused in &ns[pushed..] {
+            b.arg(first.qs).arg(first.d).arg(&*xd).arg(n_unused);
         }
         b.arg(&c1_i)
             .arg(&c2_i)
@@ -1838,7 +1838,7 @@ impl Backend for Cuda {
 mod tests {
     //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
-    use super::repack_q4_0;
+    use super::{a8_kbp, repack_q4_0, repack_q8_a8};
 
     fn bf16(bits: u16) -> f32 {
         f32::from_bits((bits as u32) << 16)
@@ -1900,5 +1900,41 @@ mod tests {
                 assert_eq!(got, nib, "pair layout, block {b} element {e}");
             }
         }
+    }
+
+    #[test]
+    fn q8_a8_repack_is_the_mma_fragment_layout() {
+        // 37 rows (a partial 16-row tile) x 9 blocks (a partial pipeline stage).
+        let (rows, cols) = (37usize, 288usize);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        let blocks = dflash_quant::quantize_q8_0(&x).expect("quantize");
+        let (qs, d) = repack_q8_a8(&blocks, rows, cols);
+        let kbp = a8_kbp(cols);
+        assert_eq!(kbp, 16);
+        assert_eq!(qs.len(), 3 * kbp * 512);
+        assert_eq!(d.len(), 3 * kbp * 16);
+        let kb = cols / 32;
+        for o in 0..rows {
+            for b in 0..kb {
+                let blk = &blocks[o * kb + b];
+                let (tile, r) = (o / 16, o % 16);
+                let (g, hi) = (r % 8, r / 8);
+                let pb = tile * kbp + b;
+                assert_eq!(d[(pb * 8 + g) * 2 + hi], blk.d.to_bits(), "scale {o} {b}");
+                for kk in 0..32 {
+                    // m16n8k32 s8 A fragment: lane (g, t) holds rows g / g+8, k 4t.. and
+                    // 16+4t.. in registers (a0: g lo-k, a1: g+8 lo-k, a2: g hi-k, a3: g+8 hi-k).
+                    let (t, hk) = ((kk % 16) / 4, kk / 16);
+                    let lane = g * 4 + t;
+                    let reg = hk * 2 + hi;
+                    let byte = qs[(pb * 32 + lane) * 16 + reg * 4 + kk % 4] as i8;
+                    assert_eq!(byte, blk.qs[kk], "code {o} {b} {kk}");
+                }
+            }
+        }
+        // Padding (rows 37..48, blocks 9..16) is scale 0 (every real block has a scale > 0).
+        assert_eq!(d.iter().filter(|&&v| v != 0).count(), rows * kb);
     }
 }
