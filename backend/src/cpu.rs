@@ -639,7 +639,7 @@ impl Backend for Cpu {
         let qx = match data {
             Packed::A8(_) => {
                 let mut q = a8panel::QRows::take();
-                match q.quantize(isa, &w.name, x, rows, k) {
+                match q.quantize(&w.name, x, rows, k) {
                     Ok(()) => Some(q),
                     Err(e) => {
                         q.recycle();

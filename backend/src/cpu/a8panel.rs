@@ -121,44 +121,17 @@ impl QRows {
 
     /// Quantize rows `0 .. rows` of `x` (`[rows, k]`, `k` a multiple of 32). A non-finite
     /// value is an error (q8_0 cannot encode it).
-    pub fn quantize(
-        &mut self,
-        isa: Isa,
-        weight: &str,
-        x: &[f32],
-        rows: usize,
-        k: usize,
-    ) -> Result<()> {
+    pub fn quantize(&mut self, weight: &str, x: &[f32], rows: usize, k: usize) -> Result<()> {
         let nb = k / QK;
         self.k = k;
         self.rows = rows;
+        self.blocks.resize(rows * nb, bytemuck::Zeroable::zeroed());
         self.codes.resize(rows * k, 0);
         self.dx.resize(rows * nb, 0.0);
         self.ncorr.resize(rows * nb, 0);
         if k == 0 {
             return Ok(());
         }
-        #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && vnni_supported() && x.len() >= rows * k {
-            let mut ok = true;
-            for (((xr, c), d), n) in x
-                .chunks_exact(k)
-                .take(rows)
-                .zip(self.codes.chunks_exact_mut(k))
-                .zip(self.dx.chunks_exact_mut(nb))
-                .zip(self.ncorr.chunks_exact_mut(nb))
-            {
-                // SAFETY: `Isa::Avx512` was detected (AVX-512F, F16C); the slices have matching
-                // lengths.
-                ok &= unsafe { vnni::quantize_row(xr, c, d, n) };
-            }
-            if ok {
-                return Ok(());
-            }
-            // A non-finite value: the reference path below names it.
-        }
-        let _ = isa;
-        self.blocks.resize(rows * nb, bytemuck::Zeroable::zeroed());
         for (r, (xr, br)) in x
             .chunks_exact(k)
             .take(rows)
@@ -305,80 +278,6 @@ mod vnni {
 
     use super::{Row, NG, NP, QB, QK};
 
-    /// One row of `x` quantized to q8_0 exactly as `dflash_quant::quantize_row_q8_0` (ggml's
-    /// reference: `d = amax / 127`, `id = 1 / d` or 0, codes `roundf(x * id)` with C's int8
-    /// store, i.e. 0 when `id` is infinite; `d` stored as f16, round to nearest even), written
-    /// as codes, `f32(f16(d))` and `-128 Σ codes` per block. Returns false (outputs then
-    /// unspecified) when `x` holds a NaN or an infinity.
-    ///
-    /// `roundf` is `trunc(t)` plus `copysign(1, t)` where `|t - trunc(t)| >= 0.5` (the
-    /// subtraction is exact).
-    ///
-    /// # Safety
-    /// AVX-512F and F16C available; `codes.len() == x.len()`, `dx.len() == ncorr.len() == x.len() / 32`.
-    #[target_feature(enable = "avx512f,f16c")]
-    pub(super) unsafe fn quantize_row(
-        x: &[f32],
-        codes: &mut [i8],
-        dx: &mut [f32],
-        ncorr: &mut [i32],
-    ) -> bool {
-        let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
-        let sign_mask = _mm512_set1_epi32(i32::MIN);
-        let one = _mm512_castps_si512(_mm512_set1_ps(1.0));
-        let half = _mm512_set1_ps(0.5);
-        for (((xb, cb), d_out), n_out) in x
-            .chunks_exact(QK)
-            .zip(codes.chunks_exact_mut(QK))
-            .zip(dx.iter_mut())
-            .zip(ncorr.iter_mut())
-        {
-            // SAFETY: xb holds 32 floats.
-            let (x0, x1) = unsafe {
-                (
-                    _mm512_loadu_ps(xb.as_ptr()),
-                    _mm512_loadu_ps(xb.as_ptr().add(16)),
-                )
-            };
-            let a = _mm512_max_epu32(
-                _mm512_and_si512(_mm512_castps_si512(x0), abs_mask),
-                _mm512_and_si512(_mm512_castps_si512(x1), abs_mask),
-            );
-            let amax_bits = _mm512_reduce_max_epu32(a);
-            if amax_bits > 0x7f7f_ffff {
-                return false;
-            }
-            let d = f32::from_bits(amax_bits) / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let id = if id.is_infinite() { 0.0 } else { id };
-            let idv = _mm512_set1_ps(id);
-            let code = |xv: __m512| {
-                let t = _mm512_mul_ps(xv, idv);
-                let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
-                let frac = _mm512_abs_ps(_mm512_sub_ps(t, r));
-                let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
-                let step = _mm512_castsi512_ps(_mm512_or_si512(
-                    _mm512_and_si512(_mm512_castps_si512(t), sign_mask),
-                    one,
-                ));
-                _mm512_cvttps_epi32(_mm512_mask_add_ps(r, away, r, step))
-            };
-            let (q0, q1) = (code(x0), code(x1));
-            // SAFETY: cb holds 32 bytes.
-            unsafe {
-                _mm_storeu_si128(cb.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(q0));
-                _mm_storeu_si128(
-                    cb.as_mut_ptr().add(16) as *mut __m128i,
-                    _mm512_cvtepi32_epi8(q1),
-                );
-            }
-            *n_out = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            // f16 round to nearest even (imm 0) and back: `half::f16::from_f32(d).to_f32()`.
-            *d_out = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<0>(_mm_set_ss(d))));
-        }
-        true
-    }
-
     /// Tile rows `r` (`< R`) over panels `p0 .. p1`: output `o` of row `r` goes to
     /// `out[(r0 + r) width + o - 16 p0]` for `o < n_out`.
     ///
@@ -483,75 +382,5 @@ pub(crate) fn matmul_panels(
         }
         go!(1 2 3 4 5 6 7 8);
         r += size;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The AVX-512 activation quantizer against `dflash_quant::quantize_row_q8_0` (the
-    /// portable path), byte for byte, on rows built to hit its corners.
-    #[test]
-    fn fused_quantizer_matches_dflash_quant() {
-        if !(Isa::Avx512.supported() && vnni_supported()) {
-            eprintln!("no AVX-512 VNNI: nothing to compare");
-            return;
-        }
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        let k = 256;
-        for case in 0..4000 {
-            let x: Vec<f32> = (0..k)
-                .map(|i| {
-                    let r = rnd();
-                    let u = (r >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-                    match (case + i / QK) % 9 {
-                        // halves after scaling: amax 127 gives d = 1, id = 1
-                        0 => {
-                            if i % QK == 0 {
-                                127.0
-                            } else {
-                                ((r % 255) as f32 - 127.0) + 0.5 * (r % 2) as f32
-                            }
-                        }
-                        1 => 0.0,
-                        2 => (u * 1e-40) as f32,
-                        3 => (u * 3e38) as f32,
-                        4 => (u * 1e-20) as f32,
-                        5 => {
-                            f32::from_bits(rnd() as u32 & 0x7f7f_ffff)
-                                * if r % 2 == 0 { 1.0 } else { -1.0 }
-                        }
-                        6 => -0.0,
-                        7 => ((r % 2001) as f32 - 1000.0) / 8.0,
-                        _ => u as f32,
-                    }
-                })
-                .collect();
-            let mut a = QRows::default();
-            let mut b = QRows::default();
-            a.quantize(Isa::Avx512, "w", &x, 1, k).unwrap();
-            b.quantize(Isa::Portable, "w", &x, 1, k).unwrap();
-            assert_eq!(a.codes, b.codes, "case {case}");
-            assert_eq!(a.ncorr, b.ncorr, "case {case}");
-            let (da, db): (Vec<u32>, Vec<u32>) = (
-                a.dx.iter().map(|v| v.to_bits()).collect(),
-                b.dx.iter().map(|v| v.to_bits()).collect(),
-            );
-            assert_eq!(da, db, "case {case}");
-        }
-        // Non-finite values: an error on both paths, naming the row.
-        let mut x = vec![1.0f32; 2 * k];
-        x[k + 7] = f32::INFINITY;
-        for isa in [Isa::Avx512, Isa::Portable] {
-            let err = QRows::default().quantize(isa, "w", &x, 2, k).unwrap_err();
-            assert!(err.to_string().contains("row 1"), "{err}");
-        }
     }
 }
