@@ -285,6 +285,12 @@ def stage_draft(a, dev, target, tcfg, seqs, plens, mask_id):
     lids = a.target_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers, a.d_layers)
     dcfg = draft_config(tcfg, a.d_layers, a.block, mask_id, lids, a.d_ffn)
     draft = DFlashDraft(dcfg).to(dev)
+    if a.d_init:
+        # continue training a drafter (e.g. the shipped one): same tensor names as we save
+        init = {k: v.float() for k, v in load_file(a.d_init).items()}
+        draft.load_state_dict(init, strict=True)
+        log(f"draft: initialised from {a.d_init}")
+        METRICS.update(draft_init=a.d_init)
     n_params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {n_params/1e6:.3f}M params, layers {a.d_layers}, target_layer_ids {lids}")
     METRICS.update(draft_params=n_params, draft_config=dcfg)
@@ -330,6 +336,12 @@ def stage_draft(a, dev, target, tcfg, seqs, plens, mask_id):
     t_start = time.time()
     step = 0
     hist = []
+    if a.d_init:
+        hl, acc, et = evaluate()
+        hist.append({"step": 0, "train_loss": None, "heldout_loss": hl, "heldout_exp_tau": et, "t": 0.0})
+        log(f"draft step 0 (init) held-out {hl:.4f} acc rows1-4 {[round(v, 3) for v in acc[1:5]]} "
+            f"row15 {acc[15]:.3f} exp-tau {et:.2f}")
+        t_start = time.time()
     while step < total:
         if step == 20:
             sync(dev)
@@ -481,6 +493,7 @@ def main():
     ap.add_argument("--d-max-epochs", type=float, default=50)
     ap.add_argument("--d-eval-every", type=int, default=250)
     ap.add_argument("--d-eval-seqs", type=int, default=256)
+    ap.add_argument("--d-init", default="", help="continue from this drafter (safetensors, our tensor names)")
     # eval
     ap.add_argument("--e-prompts", type=int, default=20)
     ap.add_argument("--e-max-new", type=int, default=256)
