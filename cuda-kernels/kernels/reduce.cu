@@ -41,6 +41,13 @@ extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_ch
 
 // One Markov step: logits[o] += dot(W2[o, :], W1[*prev, :]) for o in the block's range, and
 // the block's argmax candidate. Dynamic shared memory: rank floats.
+template <int F>
+__device__ __forceinline__ float markov_dot(const void *w2q, const u16 *w2d, int o, int rank, const float *emb, int lane) {
+    float acc = 0.0f;
+    for (int i = lane; i < rank; i += 32) acc = fmaf(load_w(F, w2q, w2d, o, i, rank), emb[i], acc);
+    return acc;
+}
+
 extern "C" __global__ void markov_step(int fmt1, const void *w1q, const u16 *w1d, int fmt2, const void *w2q, const u16 *w2d,
                                        int rank, int vocab, const u32 *prev, float *logits, int chunk, float *pv, u32 *pi) {
     extern __shared__ float emb[];
@@ -54,8 +61,16 @@ extern "C" __global__ void markov_step(int fmt1, const void *w1q, const u16 *w1d
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
     for (int o = o0 + warp; o < o1; o += nw) {
-        float acc = 0.0f;
-        for (int i = lane; i < rank; i += 32) acc = fmaf(load_w(fmt2, w2q, w2d, o, i, rank), emb[i], acc);
+        // The format switch outside the inner loop (load_w folds to one format's decode).
+        float acc;
+        switch (fmt2) {
+        case FMT_F32: acc = markov_dot<FMT_F32>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_BF16: acc = markov_dot<FMT_BF16>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_F16: acc = markov_dot<FMT_F16>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_Q8_0: acc = markov_dot<FMT_Q8_0>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_Q4_0: acc = markov_dot<FMT_Q4_0>(w2q, w2d, o, rank, emb, lane); break;
+        default: acc = markov_dot<FMT_Q8A8>(w2q, w2d, o, rank, emb, lane); break;
+        }
         acc = warp_sum(acc);
         float v = logits[o] + acc;
         if (lane == 0) logits[o] = v;
