@@ -975,17 +975,9 @@ impl Backend for Cpu {
                     continue;
                 }
                 let scores = &mut sc[u * width + lo - lo_all..u * width + hi - lo_all];
-                let max = kernel::max_non_nan(scores);
-                for s in scores.iter_mut() {
-                    *s -= max;
-                }
-                kernel::exp_in_place(isa, scores);
-                // Sum with the dot kernel's fixed order (x * 1 + acc is exact addition).
-                let sum = kernel::dot(isa, scores, &ones[..scores.len()]);
-                let inv = 1.0 / sum;
-                for s in scores.iter_mut() {
-                    *s *= inv;
-                }
+                // max, subtract, exp, sum with the dot kernel's fixed order (x * 1 + acc is
+                // exact addition), normalise
+                kernel::softmax_in_place(isa, scores, &ones);
             }
             // Weights times values, queries in the same blocks as the scores.
             let pv = PvCtx {

@@ -319,6 +319,33 @@ pub(crate) fn exp_in_place(isa: Isa, x: &mut [f32]) {
     }
 }
 
+/// Softmax of one score row in place: `max = max_non_nan(x)`, `x -= max`, `exp`, `sum =
+/// dot(x, ones)` (the dot kernel's order), `x *= 1 / sum`. `ones` holds at least `x.len()`
+/// ones. The AVX-512 path fuses the passes with the same bits.
+pub(crate) fn softmax_in_place(isa: Isa, x: &mut [f32], ones: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX-512F checked by `Isa::supported` for this backend.
+        unsafe { avx512::softmax_in_place(x) };
+        return;
+    }
+    softmax_passes(isa, x, ones);
+}
+
+/// The unfused passes of [`softmax_in_place`] (every ISA; the reference of the fused one).
+pub(crate) fn softmax_passes(isa: Isa, x: &mut [f32], ones: &[f32]) {
+    let max = max_non_nan(x);
+    for s in x.iter_mut() {
+        *s -= max;
+    }
+    exp_in_place(isa, x);
+    let sum = dot(isa, x, &ones[..x.len()]);
+    let inv = 1.0 / sum;
+    for s in x.iter_mut() {
+        *s *= inv;
+    }
+}
+
 #[inline]
 fn reduce_lanes(a: &[f32; LANES]) -> f32 {
     let s0 = a[0] + a[4];
@@ -601,6 +628,21 @@ mod avx512 {
         for c in &mut chunks {
             // SAFETY: c holds 16 f32.
             let v = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+            let res = exp16(v);
+            // SAFETY: c holds 16 f32.
+            unsafe { _mm512_storeu_ps(c.as_mut_ptr(), res) };
+        }
+        for v in chunks.into_remainder() {
+            *v = super::exp_f32(*v);
+        }
+    }
+
+    /// `exp_f32` on 16 lanes (same operations, same bits).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn exp16(v: __m512) -> __m512 {
+        use super::{EXP_HI, EXP_LO, EXP_P, LN2_HI, LN2_LO, LOG2E};
+        {
             let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
                 _mm512_fmadd_ps(v, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5)),
             );
@@ -632,11 +674,71 @@ mod avx512 {
             res = _mm512_mask_mov_ps(res, hi, _mm512_set1_ps(f32::INFINITY));
             res = _mm512_mask_mov_ps(res, lo, _mm512_setzero_ps());
             res = _mm512_mask_mov_ps(res, nan, v);
-            // SAFETY: c holds 16 f32.
-            unsafe { _mm512_storeu_ps(c.as_mut_ptr(), res) };
+            res
         }
-        for v in chunks.into_remainder() {
-            *v = super::exp_f32(*v);
+    }
+
+    /// Softmax of one row in place, fused: the bits of `max_non_nan`, `x -= max`,
+    /// `exp_in_place`, `sum = dot(x, ones)` (one 16-lane accumulator, `hsum`, then the tail in
+    /// order; `acc + e` is `fma(e, 1, acc)`), `x *= 1 / sum`. The maximum's value is that of
+    /// `max_non_nan` (only the sign of a zero maximum may differ, which no later step sees:
+    /// `±0 - ±0` is a zero and `exp` of either zero is 1).
+    ///
+    /// # Safety
+    /// AVX-512F available.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn softmax_in_place(x: &mut [f32]) {
+        let n = x.len();
+        let n16 = n / L * L;
+        let p = x.as_mut_ptr();
+        let mut mv = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut c = 0;
+        while c < n16 {
+            // SAFETY: c + 16 <= n.
+            let v = unsafe { _mm512_loadu_ps(p.add(c)) };
+            let gt = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, mv);
+            mv = _mm512_mask_mov_ps(mv, gt, v);
+            c += L;
+        }
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: lanes holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), mv) };
+        let mut max = lanes
+            .iter()
+            .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+        for &v in &x[n16..] {
+            if v > max {
+                max = v;
+            }
+        }
+        let vmax = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        let mut c = 0;
+        while c < n16 {
+            // SAFETY: c + 16 <= n.
+            let e = exp16(_mm512_sub_ps(unsafe { _mm512_loadu_ps(p.add(c)) }, vmax));
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(p.add(c), e) };
+            acc = _mm512_add_ps(e, acc);
+            c += L;
+        }
+        for v in &mut x[n16..] {
+            *v = super::exp_f32(*v - max);
+        }
+        let mut sum = hsum(acc);
+        for &v in &x[n16..] {
+            sum = v.mul_add(1.0, sum);
+        }
+        let inv = 1.0 / sum;
+        let vinv = _mm512_set1_ps(inv);
+        let mut c = 0;
+        while c < n16 {
+            // SAFETY: c + 16 <= n.
+            unsafe { _mm512_storeu_ps(p.add(c), _mm512_mul_ps(_mm512_loadu_ps(p.add(c)), vinv)) };
+            c += L;
+        }
+        for v in &mut x[n16..] {
+            *v *= inv;
         }
     }
 
@@ -917,6 +1019,49 @@ mod tests {
                     check::<2, 8>(isa, hd, nk);
                     check::<1, 16>(isa, hd, nk);
                 }
+            }
+        }
+    }
+
+    /// The fused AVX-512 softmax gives the bits of the unfused passes, NaN / infinities
+    /// included.
+    #[test]
+    fn fused_softmax_has_the_bits_of_the_passes() {
+        let isa = Isa::Avx512;
+        if !isa.supported() {
+            return;
+        }
+        let ones = vec![1.0f32; 200];
+        let mut seed = 12345u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as u32 as f32 / u32::MAX as f32) * 40.0 - 20.0
+        };
+        for n in 0..200 {
+            for special in 0..5 {
+                let mut x: Vec<f32> = (0..n).map(|_| next()).collect();
+                if n > 0 {
+                    match special {
+                        1 => x[n / 2] = f32::NAN,
+                        2 => x[n - 1] = f32::INFINITY,
+                        3 => x.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                        4 => x
+                            .iter_mut()
+                            .for_each(|v| *v = if *v > 0.0 { 0.0 } else { -0.0 }),
+                        _ => {}
+                    }
+                }
+                let mut a = x.clone();
+                let mut b = x.clone();
+                softmax_in_place(isa, &mut a, &ones);
+                softmax_passes(isa, &mut b, &ones);
+                let (ab, bb): (Vec<u32>, Vec<u32>) = (
+                    a.iter().map(|v| v.to_bits()).collect(),
+                    b.iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(ab, bb, "n {n} special {special}");
             }
         }
     }
