@@ -623,7 +623,6 @@ mod avx512 {
     /// AVX-512F available.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) unsafe fn exp_in_place(x: &mut [f32]) {
-        use super::{EXP_HI, EXP_LO, EXP_P, LN2_HI, LN2_LO, LOG2E};
         let mut chunks = x.chunks_exact_mut(L);
         for c in &mut chunks {
             // SAFETY: c holds 16 f32.
