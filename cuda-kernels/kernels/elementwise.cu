@@ -7,22 +7,30 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) {
 // One block per row of width dim. out = w * x / sqrt(mean(x^2) + eps). The row is read once
 // into registers (dim <= 32 * blockDim), else twice. The block size is chosen from dim only.
 #define RMS_MAXV 32
+// The row (dim <= RMS_MAXV * blockDim) into registers v (loaded through ld) and its
+// 1 / sqrt(mean(x^2) + eps): the arithmetic of rms_norm, shared with the fused kernels
+// below so that they give the same bits.
+template <typename LD>
+__device__ __forceinline__ float rms_inv_regs(float (&v)[RMS_MAXV], LD ld, int dim, float eps, float *red) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        v[u] = i < dim ? ld(i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) ss = fmaf(v[u], v[u], ss);
+    ss = block_sum(ss, red);
+    return 1.0f / sqrtf(ss / (float)dim + eps);
+}
+
 extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, int dim, float eps) {
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const float *xr = x + row * dim;
     if (dim <= RMS_MAXV * (int)blockDim.x) {
         float v[RMS_MAXV];
-        float ss = 0.0f;
-#pragma unroll
-        for (int u = 0; u < RMS_MAXV; ++u) {
-            const int i = threadIdx.x + u * blockDim.x;
-            v[u] = i < dim ? xr[i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < RMS_MAXV; ++u) ss = fmaf(v[u], v[u], ss);
-        ss = block_sum(ss, red);
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const float inv = rms_inv_regs(v, [&](int i) { return xr[i]; }, dim, eps, red);
 #pragma unroll
         for (int u = 0; u < RMS_MAXV; ++u) {
             const int i = threadIdx.x + u * blockDim.x;
@@ -35,6 +43,77 @@ extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, 
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = w[i] * (xr[i] * inv);
+}
+
+// Fused residual add + RMSNorm (dim <= RMS_MAXV * blockDim): h += o, then out = rms_norm(h)
+// with rms_norm's arithmetic and block size: the bits of add_assign followed by rms_norm.
+extern "C" __global__ void add_rms_norm(float *h, const float *o, const float *w, float *out, int dim, float eps) {
+    __shared__ float red[32];
+    const long long row = blockIdx.x;
+    float *hr = h + row * dim;
+    const float *orow = o + row * dim;
+    float v[RMS_MAXV];
+    const float inv = rms_inv_regs(
+        v,
+        [&](int i) {
+            const float s = hr[i] + orow[i];
+            hr[i] = s;
+            return s;
+        },
+        dim, eps, red);
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < dim) out[row * dim + i] = w[i] * (v[u] * inv);
+    }
+}
+
+// NeoX rotation of one pair (the arithmetic of rope, shared with qk_norm_rope_kv).
+__device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f, float sc, float &o1, float &o2) {
+    const float ang = pos * f;
+    const float c = cosf(ang) * sc, s = sinf(ang) * sc;
+    o1 = x1 * c - x2 * s;
+    o2 = x2 * c + x1 * s;
+}
+
+// Fused per-head q/k RMSNorm + NeoX RoPE + K/V cache write, one block per (row, head) of
+// q (n_heads) then k (n_kv heads); block size = rms_norm's for head_dim, head_dim <=
+// min(1024, RMS_MAXV * blockDim). q -> q_out; k -> kc (already offset to the first cache
+// row); the k blocks also copy v's head row into vc. Same bits as rms_norm + rope + copy.
+extern "C" __global__ void qk_norm_rope_kv(const float *q0, const float *k0, const float *v, const float *qn, const float *kn,
+                                           float *q_out, float *kc, float *vc, int n_heads, int n_kv, int hd, int half_rot,
+                                           long long pos0, const float *inv_freq, float attn_scale, float eps) {
+    __shared__ float red[32];
+    __shared__ float ys[1024];
+    const int nh = n_heads + n_kv;
+    const long long r = blockIdx.x / nh;
+    const int hh = blockIdx.x % nh;
+    const bool isq = hh < n_heads;
+    const long long off = isq ? (r * n_heads + hh) * hd : (r * n_kv + (hh - n_heads)) * hd;
+    const float *src = (isq ? q0 : k0) + off;
+    const float *w = isq ? qn : kn;
+    float *dst = (isq ? q_out : kc) + off;
+    float vv[RMS_MAXV];
+    const float inv = rms_inv_regs(vv, [&](int i) { return src[i]; }, hd, eps, red);
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < hd) ys[i] = w[i] * (vv[u] * inv);
+    }
+    __syncthreads();
+    const float pos = (float)(pos0 + r);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        if (i < half_rot) {
+            float o1, o2;
+            rope_pair(ys[i], ys[i + half_rot], pos, inv_freq[i], attn_scale, o1, o2);
+            dst[i] = o1;
+            dst[i + half_rot] = o2;
+        } else if (i >= 2 * half_rot) {
+            dst[i] = ys[i];
+        }
+    }
+    if (!isq)
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
 }
 
 // out = (w * rmsnorm(x)) * silu(z)
@@ -61,12 +140,11 @@ extern "C" __global__ void rope(float *x, int rows, int n_heads, int head_dim, i
         const long long rh = idx / half_rot;
         const long long r = rh / n_heads;
         const float pos = (float)(pos0 + r);
-        const float ang = pos * inv_freq[i];
-        const float c = cosf(ang) * attn_scale, s = sinf(ang) * attn_scale;
         float *h = x + rh * head_dim;
-        const float x1 = h[i], x2 = h[i + half_rot];
-        h[i] = x1 * c - x2 * s;
-        h[i + half_rot] = x2 * c + x1 * s;
+        float o1, o2;
+        rope_pair(h[i], h[i + half_rot], pos, inv_freq[i], attn_scale, o1, o2);
+        h[i] = o1;
+        h[i + half_rot] = o2;
     }
 }
 

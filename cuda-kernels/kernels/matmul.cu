@@ -307,15 +307,17 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
 // Byte-exact with dflash_quant::quantize_q8_0 (ggml quantize_row_q8_0_ref) for finite x:
 // d = amax / 127, id = d != 0 ? 1 / d : 0 (an infinite id gives the codes of id = 0, as on
 // x86), q = roundf(x * id), stored d = f16(d).
-extern "C" __global__ void a8_quant_x(const float *__restrict__ x, int T, int K, int NT, int KBp, u32 *__restrict__ xq,
-                                      float *__restrict__ xd) {
+// With up != nullptr the quantized x is silu(x) * up (silu_mul's arithmetic, same bits).
+extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *__restrict__ up, int T, int K, int NT, int KBp,
+                                      u32 *__restrict__ xq, float *__restrict__ xd) {
     // One warp per (block, token); lane = position in the block.
     const int ntok = NT * 8;
     const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (wid >= KBp * ntok) return;
     const int b = wid / ntok, tok = wid % ntok;
     const bool live = tok < T && b < K / 32;
-    const float v = live ? x[(long long)tok * K + b * 32 + lane] : 0.0f;
+    const long long xi = (long long)tok * K + b * 32 + lane;
+    const float v = live ? (up != nullptr ? silu_f(x[xi]) * up[xi] : x[xi]) : 0.0f;
     const float amax = warp_max(fabsf(v));  // finite x: the max is order-independent
     const float d = amax / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -482,3 +484,153 @@ A8(a8_n1_w4, 1, 4, 4)
 A8(a8_n2_w1, 2, 1, 12)
 A8(a8_n2_w2, 2, 2, 8)
 A8(a8_n2_w4, 2, 4, 4)
+
+// ---------------------------------------------------------------------------------------
+// Q8_0A8, split-K variant for mid-size matrices (few 16-row tiles per SM). The int32 block
+// dots of one (tile, token group) are spread over KS warps (block bb of a stage goes to warp
+// bb % KS) and written to shared memory; the ordered f32 chain
+//     acc = fma((float)isum_b, d_w * d_x, acc)   over the blocks in order
+// stays on ONE thread per output (the KS warps share the 128 outputs of the tile x token
+// group, 4 / KS each), one stage behind the dots. The int32 sums are exact, so the outputs
+// are bit-identical to a8_mma's, the contract's and the CPU backend's.
+// Pipeline: S smem slots, S - 2 stages in flight (the chain of stage st - 1 still reads the
+// scales of slot (st - 1) % S while stage st + S - 2 is issued into slot (st - 2) % S);
+// int32 sums double-buffered by stage parity; one __syncthreads per stage.
+template <int NT, int W, int KS, int S>
+__device__ __forceinline__ void a8_ks(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
+                                      int T) {
+    extern __shared__ __align__(16) u8 a8_smem[];
+    static_assert(S >= 3, "split-K pipeline needs 3 slots");
+    static_assert(KS == 2 || KS == 4, "KS warps share the 4 outputs of a fragment lane");
+    constexpr int NTH = 32 * W * NT * KS, TTH = 32 * NT * KS;
+    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
+    constexpr int IS_B = A8_KC * 128 * 4;
+    constexpr int P = 4 / KS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tl = warp / (NT * KS), j = (warp / KS) % NT, ks = warp % KS;
+    const int ttid = tid - tl * TTH;
+    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nst = KBp / A8_KC;
+    const int N = m.N;
+    const int tile = cta * W + tl;
+    const bool tile_ok = tile * 16 < N;
+    const u32 s0 = smem_addr(a8_smem);
+    u8 *const isb = a8_smem + S * STAGE_B;
+    const long long pb0 = (long long)(tile_ok ? tile : 0) * KBp;
+    const u8 *gw = m.wq + pb0 * 512;
+    const u8 *gs = (const u8 *)m.wsc + pb0 * 32;
+
+    auto issue = [&](int st, int slot) {
+        const u32 base = s0 + slot * STAGE_B;
+        const u8 *gxs = (const u8 *)xq + (long long)st * XQ_B;
+        const u8 *gds = (const u8 *)xd + (long long)st * XD_B;
+#pragma unroll
+        for (int c = tid; c < XQ_B / 16; c += NTH) cp_async16(base + c * 16, gxs + c * 16);
+        if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gds + tid * 16);
+        if (tile_ok) {
+            const u32 wb = base + XQ_B + XD_B + tl * (WQ_B + WS_B);
+            const u8 *gws = gw + (long long)st * WQ_B;
+#pragma unroll
+            for (int c = ttid; c < WQ_B / 16; c += TTH) cp_async16(wb + c * 16, gws + c * 16);
+            if (ttid < WS_B / 16) cp_async16(wb + WQ_B + ttid * 16, gs + (long long)st * WS_B + ttid * 16);
+        }
+    };
+
+    // This thread's chain outputs: fragment elements e0 .. e0 + P - 1 (e = lane' * 4 + c),
+    // all on one row (g' or g' + 8), tokens 2t' + (c & 1).
+    const int e0 = (ks * 32 + lane) * P, fl = e0 >> 2, c0 = e0 & 3;
+    const int crow = (fl >> 2) + ((c0 >> 1) << 3), ctok = 8 * j + 2 * (fl & 3) + (c0 & 1);
+    const int chi = c0 >> 1, cg = fl >> 2;
+    float acc[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) acc[p] = 0.0f;
+
+    auto dots = [&](int st) {
+        const u8 *base = a8_smem + (st % S) * STAGE_B;
+        const uint2 *sx = (const uint2 *)base;
+        const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
+        int *is = (int *)(isb + (((st & 1) * W + tl) * NT + j) * IS_B);
+#pragma unroll
+        for (int bb = ks; bb < A8_KC; bb += KS) {
+            const uint4 a = sw[bb * 32 + lane];
+            const uint2 bx = sx[(bb * NT + j) * 32 + lane];
+            int c[4] = {0, 0, 0, 0};
+            mma_s8_16832(c, a, bx.x, bx.y);
+            *(int4 *)(is + bb * 128 + lane * 4) = make_int4(c[0], c[1], c[2], c[3]);
+        }
+    };
+    auto chain_block = [&](const int *is, const u16 *ssh, const float *sd, int bb) {
+        const float dw = f16_to_f32(ssh[(bb * 8 + cg) * 2 + chi]);
+        if (P == 1) {
+            const float dx = sd[bb * NT * 8 + ctok];
+            acc[0] = fmaf(i2f_small(is[bb * 128 + e0]), __fmul_rn(dw, dx), acc[0]);
+        } else {
+            const float2 dx = *(const float2 *)(sd + bb * NT * 8 + ctok);
+            const int2 s = *(const int2 *)(is + bb * 128 + e0);
+            acc[0] = fmaf(i2f_small(s.x), __fmul_rn(dw, dx.x), acc[0]);
+            acc[P - 1] = fmaf(i2f_small(s.y), __fmul_rn(dw, dx.y), acc[P - 1]);
+        }
+    };
+    auto chain = [&](int st) {
+        const u8 *base = a8_smem + (st % S) * STAGE_B;
+        const float *sd = (const float *)(base + XQ_B);
+        const u16 *ssh = (const u16 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B) + WQ_B);
+        const int *is = (const int *)(isb + (((st & 1) * W + tl) * NT + j) * IS_B);
+        const int nb = KB - st * A8_KC;
+        if (nb >= A8_KC) {
+#pragma unroll
+            for (int bb = 0; bb < A8_KC; ++bb) chain_block(is, ssh, sd, bb);
+        } else {
+            for (int bb = 0; bb < nb; ++bb) chain_block(is, ssh, sd, bb);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < S - 2; ++s) {
+        if (s < nst) issue(s, s);
+        cp_async_commit();
+    }
+    for (int st = 0; st < nst; ++st) {
+        cp_async_wait<S - 3>();
+        __syncthreads();
+        const int nx = st + S - 2;
+        if (nx < nst) issue(nx, nx % S);
+        cp_async_commit();
+        if (tile_ok) {
+            dots(st);
+            if (st > 0) chain(st - 1);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (!tile_ok || nst == 0) return;
+    chain(nst - 1);
+    const int o = tile * 16 + crow;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const int tok = ctok + p;
+        if (o < N && tok < T) m.out[(long long)tok * N + o] = acc[p];
+    }
+}
+
+#define A8KS(NAME, NT, W, KS, S)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                                \
+        NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T) { \
+        const int bx = blockIdx.x;                                                                                                \
+        if (bx < c1) {                                                                                                            \
+            const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
+            a8_ks<NT, W, KS, S>(m, bx, xq, xd, K, T);                                                                             \
+        } else if (bx < c2) {                                                                                                     \
+            const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
+            a8_ks<NT, W, KS, S>(m, bx - c1, xq, xd, K, T);                                                                        \
+        } else {                                                                                                                  \
+            const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
+            a8_ks<NT, W, KS, S>(m, bx - c2, xq, xd, K, T);                                                                        \
+        }                                                                                                                         \
+    }
+// (NT, W, KS, S): host side a8_ks_stages in backend.rs.
+A8KS(a8ks_n1_w1, 1, 1, 4, 10)
+A8KS(a8ks_n1_w2, 1, 2, 4, 8)
+A8KS(a8ks_n2_w1, 2, 1, 4, 8)
+A8KS(a8ks_n2_w2, 2, 2, 4, 6)

@@ -40,6 +40,35 @@ fn a8_stages(w: usize) -> usize {
     }
 }
 
+/// Q8_0A8 split-K kernels (`A8KS(...)` in matmul.cu): pipeline slots for `nt` token groups
+/// and `w` tiles per block (4 k-warps per tile and token group).
+fn a8_ks_stages(nt: usize, w: usize) -> usize {
+    match (nt, w) {
+        (1, 1) => 10,
+        (1, _) => 8,
+        (_, 1) => 8,
+        _ => 6,
+    }
+}
+
+/// Shared memory of one split-K Q8_0A8 block: the stage slots plus the double-buffered
+/// int32 block sums (8 blocks x 16 x 8 per tile and token group).
+fn a8_ks_smem_bytes(nt: usize, w: usize) -> usize {
+    a8_ks_stages(nt, w) * (A8_KC * nt * 288 + w * A8_KC * 544) + 2 * w * nt * A8_KC * 512
+}
+
+/// Which Q8_0A8 matmul kernel runs (the results are bit-identical either way; this only
+/// picks the launch shape, for benchmarks and tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum A8Kernel {
+    /// The default: whole-K (measured faster than split-K at every drafter shape).
+    Auto,
+    /// One warp per (tile, token group) over all of K.
+    WholeK,
+    /// Split-K with `w` (1 or 2) tiles per block.
+    SplitK(u8),
+}
+
 /// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
 fn a8_kbp(cols: usize) -> usize {
     (cols / 32).div_ceil(A8_KC) * A8_KC
@@ -171,6 +200,7 @@ pub struct Cuda {
     rope_cache: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
     blas: Mutex<Option<CudaBlas>>,
     smem_set: Mutex<HashMap<Kernel, usize>>,
+    a8_kernel: Mutex<A8Kernel>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -276,6 +306,7 @@ impl Cuda {
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
+            a8_kernel: Mutex::new(A8Kernel::Auto),
         })
     }
 
@@ -291,6 +322,12 @@ impl Cuda {
     }
     pub fn num_sms(&self) -> usize {
         self.num_sms
+    }
+    /// Pick the Q8_0A8 matmul kernel (default [`A8Kernel::Auto`]). Every choice gives the
+    /// same bits (each output is one thread's block-ordered f32 sum of exact int32 dots);
+    /// this is for benchmarks and tests.
+    pub fn set_a8_kernel(&self, k: A8Kernel) {
+        *lock(&self.a8_kernel) = k;
     }
 
     fn func(&self, k: Kernel) -> Result<CudaFunction> {
@@ -638,7 +675,7 @@ impl Cuda {
                 n,
                 out: out.slice_mut(0..rows * n),
             }];
-            return self.matmul_a8(x, rows, k, &mut mats);
+            return self.matmul_a8(x, None, rows, k, &mut mats);
         }
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
@@ -717,6 +754,7 @@ impl Cuda {
     fn matmul_a8(
         &self,
         x: &cudarc::driver::CudaView<'_, f32>,
+        up: Option<&cudarc::driver::CudaView<'_, f32>>,
         rows: usize,
         k: usize,
         mats: &mut [A8Launch<'_, '_>],
@@ -738,19 +776,40 @@ impl Cuda {
         // Largest warps-per-block whose busiest SM holds no more tiles than with 1 tile per
         // block.
         let load = |w: usize| ctas(w).div_ceil(sms) * w;
-        let w = [4usize, 2, 1]
-            .into_iter()
-            .find(|&w| load(w) <= load(1))
-            .unwrap_or(1);
-        let kern = match (nt, w) {
-            (1, 1) => Kernel::A8N1W1,
-            (1, 2) => Kernel::A8N1W2,
-            (1, _) => Kernel::A8N1W4,
-            (_, 1) => Kernel::A8N2W1,
-            (_, 2) => Kernel::A8N2W2,
-            _ => Kernel::A8N2W4,
+        // Auto = whole-K: on the H200 the split-K kernel measured slower at every drafter
+        // shape (4096x4096 16 rows 14.4 -> 18.8 us, 12288x4096 28.0 -> 39.7 us), the
+        // mid-size matmuls being bound by launch and pipeline ramp rather than warp count.
+        let mode = match *lock(&self.a8_kernel) {
+            A8Kernel::Auto => A8Kernel::WholeK,
+            m => m,
         };
-        let smem = a8_smem_bytes(nt, w);
+        let (kern, w, smem, warps) = match mode {
+            A8Kernel::SplitK(ws) => {
+                let w = if ws >= 2 { 2 } else { 1 };
+                let kern = match (nt, w) {
+                    (1, 1) => Kernel::A8KsN1W1,
+                    (1, _) => Kernel::A8KsN1W2,
+                    (_, 1) => Kernel::A8KsN2W1,
+                    _ => Kernel::A8KsN2W2,
+                };
+                (kern, w, a8_ks_smem_bytes(nt, w), w * nt * 4)
+            }
+            _ => {
+                let w = [4usize, 2, 1]
+                    .into_iter()
+                    .find(|&w| load(w) <= load(1))
+                    .unwrap_or(1);
+                let kern = match (nt, w) {
+                    (1, 1) => Kernel::A8N1W1,
+                    (1, 2) => Kernel::A8N1W2,
+                    (1, _) => Kernel::A8N1W4,
+                    (_, 1) => Kernel::A8N2W1,
+                    (_, 2) => Kernel::A8N2W2,
+                    _ => Kernel::A8N2W4,
+                };
+                (kern, w, a8_smem_bytes(nt, w), w * nt)
+            }
+        };
         let f = self.func_smem(kern, smem)?;
         let fq = self.func(Kernel::A8QuantX)?;
         let mut s = lock(&self.scratch);
@@ -763,9 +822,14 @@ impl Cuda {
         );
         let (k_i, t_i) = (i32_of("matmul", "w.cols", k)?, rows as i32);
         let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
+        let null = 0u64;
         let mut b = self.stream.launch_builder(&fq);
-        b.arg(x)
-            .arg(&t_i)
+        b.arg(x);
+        match up {
+            Some(u) => b.arg(u),
+            None => b.arg(&null),
+        };
+        b.arg(&t_i)
             .arg(&k_i)
             .arg(&nt_i)
             .arg(&kbp_i)
@@ -801,7 +865,7 @@ impl Cuda {
             .arg(&*xd)
             .arg(&k_i)
             .arg(&t_i);
-        unsafe { b.launch(cfg((grid as u32, 1, 1), (32 * w * nt) as u32, smem as u32)) }
+        unsafe { b.launch(cfg((grid as u32, 1, 1), (32 * warps) as u32, smem as u32)) }
             .map_err(dev)?;
         Ok(())
     }
@@ -855,9 +919,186 @@ impl Cuda {
                     out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
                 });
             }
-            self.matmul_a8(&xv, t, k, &mut mats)?;
+            self.matmul_a8(&xv, None, t, k, &mut mats)?;
             r0 += t;
         }
+        Ok(())
+    }
+
+    /// `out = (silu(gate) * up) W^T`, the bits of `silu_mul(gate, up, act)` followed by
+    /// `matmul(act, rows, w, out)`. For [`WeightFormat::Q8_0A8`] weights the SiLU product is
+    /// formed inside the activation quantizer (one launch fewer; `act` is not written);
+    /// other formats run exactly the two ops, through `act`.
+    pub fn matmul_silu_mul(
+        &self,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        act: &mut CudaBuf,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+            self.silu_mul(gate, up, act)?;
+            return self.matmul(act, rows, w, out);
+        };
+        let (k, n) = (w.cols, w.rows);
+        check("matmul_silu_mul", "gate", rows * k, gate.len)?;
+        check("matmul_silu_mul", "up", rows * k, up.len)?;
+        check("matmul_silu_mul", "out", rows * n, out.len)?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = (rows - r0).min(SKINNY_ROWS);
+            let gv = gate.data.slice(r0 * k..(r0 + t) * k);
+            let uv = up.data.slice(r0 * k..(r0 + t) * k);
+            let mut mats = [A8Launch {
+                qs,
+                d,
+                n,
+                out: out.data.slice_mut(r0 * n..(r0 + t) * n),
+            }];
+            self.matmul_a8(&gv, Some(&uv), t, k, &mut mats)?;
+            r0 += t;
+        }
+        Ok(())
+    }
+
+    /// Residual add fused with the following RMSNorm: `h += o` (the first `rows * dim`
+    /// values), then `out = rms_norm(h)`; the bits of `add_assign` + `rms_norm` (same
+    /// arithmetic and block size). Rows wider than the kernel's register tile (dim > 8192)
+    /// run the two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        h: &mut CudaBuf,
+        o: &CudaBuf,
+        w: &CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let n = rows * dim;
+        check("add_rms_norm", "h", n, h.len)?;
+        check("add_rms_norm", "o", n, o.len)?;
+        check("add_rms_norm", "w", dim, w.len)?;
+        check("add_rms_norm", "out", n, out.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let threads = norm_threads(dim);
+        if h.len != n || out.len != n || dim > 32 * threads as usize {
+            // rms_norm normalises all of its input buffer: keep the exact two-op path for
+            // buffers with spare capacity too.
+            self.add_assign(h, 0, o, n)?;
+            return self.rms_norm(h, w, dim, eps, out);
+        }
+        let f = self.func(Kernel::AddRmsNorm)?;
+        let d = i32_of("add_rms_norm", "dim", dim)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut h.data)
+            .arg(&o.data)
+            .arg(&w.data)
+            .arg(&mut out.data)
+            .arg(&d)
+            .arg(&eps);
+        unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// Per-head q/k RMSNorm + RoPE + K/V cache write in one launch: `q = rope(rms_norm(q0,
+    /// qn))`, `kc[row0..] = rope(rms_norm(k0, kn))`, `vc[row0..] = v`, positions `pos0 +
+    /// row`; the bits of `rms_norm` x 2 + `rope` x 2 + `copy` x 2 (same arithmetic, same
+    /// block size). Cache rows are `n_kv_heads * head_dim` wide; `cache_row0` is the first
+    /// row written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope_kv(
+        &self,
+        q0: &CudaBuf,
+        k0: &CudaBuf,
+        v: &CudaBuf,
+        qn: &CudaBuf,
+        kn: &CudaBuf,
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        eps: f32,
+        pos0: usize,
+        spec: &RopeSpec,
+        q: &mut CudaBuf,
+        kc: &mut CudaBuf,
+        vc: &mut CudaBuf,
+        cache_row0: usize,
+    ) -> Result<()> {
+        let (qw, kvw) = (n_heads * head_dim, n_kv_heads * head_dim);
+        check("qk_norm_rope_kv", "q0", rows * qw, q0.len)?;
+        check("qk_norm_rope_kv", "k0", rows * kvw, k0.len)?;
+        check("qk_norm_rope_kv", "v", rows * kvw, v.len)?;
+        check("qk_norm_rope_kv", "qn", head_dim, qn.len)?;
+        check("qk_norm_rope_kv", "kn", head_dim, kn.len)?;
+        check("qk_norm_rope_kv", "q", rows * qw, q.len)?;
+        check("qk_norm_rope_kv", "kc", (cache_row0 + rows) * kvw, kc.len)?;
+        check("qk_norm_rope_kv", "vc", (cache_row0 + rows) * kvw, vc.len)?;
+        let half = spec.inv_freq.len();
+        let threads = norm_threads(head_dim);
+        if head_dim == 0
+            || 2 * half > head_dim
+            || head_dim > 1024
+            || head_dim > 32 * threads as usize
+        {
+            return Err(BackendError::Invalid {
+                op: "qk_norm_rope_kv",
+                msg: format!(
+                    "head_dim {head_dim} with rot_dim {} not supported",
+                    2 * half
+                ),
+            });
+        }
+        if rows * (n_heads + n_kv_heads) == 0 {
+            return Ok(());
+        }
+        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let mut cache = lock(&self.rope_cache);
+        if !cache.contains_key(&key) {
+            let s = self.stream.clone_htod(&spec.inv_freq).map_err(dev)?;
+            cache.insert(key.clone(), s);
+        }
+        let freqs = cache.get(&key).ok_or_else(internal)?;
+        let f = self.func(Kernel::QkNormRopeKv)?;
+        let (h_i, hk_i, hd_i, hr_i, p0) = (
+            i32_of("qk_norm_rope_kv", "n_heads", n_heads)?,
+            i32_of("qk_norm_rope_kv", "n_kv_heads", n_kv_heads)?,
+            head_dim as i32,
+            half as i32,
+            pos0 as i64,
+        );
+        let sc = spec.attention_scaling;
+        let mut kcv = kc
+            .data
+            .slice_mut(cache_row0 * kvw..(cache_row0 + rows) * kvw);
+        let mut vcv = vc
+            .data
+            .slice_mut(cache_row0 * kvw..(cache_row0 + rows) * kvw);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&q0.data)
+            .arg(&k0.data)
+            .arg(&v.data)
+            .arg(&qn.data)
+            .arg(&kn.data)
+            .arg(&mut q.data)
+            .arg(&mut kcv)
+            .arg(&mut vcv)
+            .arg(&h_i)
+            .arg(&hk_i)
+            .arg(&hd_i)
+            .arg(&hr_i)
+            .arg(&p0)
+            .arg(freqs)
+            .arg(&sc)
+            .arg(&eps);
+        let blocks = rows * (n_heads + n_kv_heads);
+        unsafe { b.launch(cfg((blocks as u32, 1, 1), threads, 0)) }.map_err(dev)?;
         Ok(())
     }
 
@@ -883,8 +1124,10 @@ impl Cuda {
         let mut xd = self.stream.alloc_zeros::<f32>(kbp * nt * 8).map_err(dev)?;
         let fq = self.func(Kernel::A8QuantX)?;
         let (t_i, k_i, nt_i, kbp_i) = (rows as i32, k as i32, nt as i32, kbp as i32);
+        let null = 0u64;
         let mut b = self.stream.launch_builder(&fq);
         b.arg(&x.data)
+            .arg(&null)
             .arg(&t_i)
             .arg(&k_i)
             .arg(&nt_i)

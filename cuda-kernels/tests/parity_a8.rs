@@ -304,3 +304,87 @@ fn a8_matmul_many_equals_separate_matmuls_bit_for_bit() {
         "EXACT matmul_many Q8_0A8 (1-3 matrices, rows 1/9/16/20) == separate matmuls == contract"
     );
 }
+
+#[test]
+fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
+    // A private backend: the kernel choice is per backend, and the shared one is used by
+    // the other tests of this binary concurrently.
+    if gpu("a8_every_kernel_choice_matches_the_contract_bit_for_bit").is_none() {
+        return;
+    }
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let mut r = rng("a8_every_kernel_choice_matches_the_contract_bit_for_bit");
+    use dflash_cuda_kernels::A8Kernel;
+    let kernels = [
+        A8Kernel::WholeK,
+        A8Kernel::SplitK(1),
+        A8Kernel::SplitK(2),
+        A8Kernel::Auto,
+    ];
+    // Ragged tiles, a partial last stage (9 and 13 blocks), odd tile counts, the drafter's
+    // mid-size shapes.
+    for &(n, k) in &[
+        (17usize, 32usize),
+        (300, 288),
+        (1000, 416),
+        (4096, 4096),
+        (1024, 12288),
+    ] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+        let wg = g.upload_weight(&hw).expect("gpu weight");
+        for rows in [1usize, 8, 9, 16] {
+            let x = spread_x(&mut r, rows, k);
+            let want = contract(&x, rows, k, weight_blocks(&hw), n);
+            let xg = g.upload(&x).expect("upload");
+            for kern in kernels {
+                g.set_a8_kernel(kern);
+                let mut og = poisoned(&g, rows * n);
+                g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
+                let got = g.download(&og).expect("download");
+                assert_bits(
+                    &format!("Q8_0A8 {kern:?} n={n} k={k} rows={rows}"),
+                    &got,
+                    &want,
+                    n,
+                );
+            }
+        }
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, split-K w1/w2, auto == contract");
+    }
+    // Fused launches (3 matrices, different tile counts) under every choice.
+    let k = 4096usize;
+    let ns = [4096usize, 1024, 1000];
+    let hws: Vec<HostWeight> = ns
+        .iter()
+        .map(|&n| {
+            let wv = rand_vec(&mut r, n * k, 1.0);
+            HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode")
+        })
+        .collect();
+    let wgs: Vec<_> = hws.iter().map(|h| g.upload_weight(h).expect("w")).collect();
+    let ws: Vec<_> = wgs.iter().collect();
+    for rows in [3usize, 16] {
+        let x = spread_x(&mut r, rows, k);
+        let xg = g.upload(&x).expect("x");
+        let wants: Vec<Vec<f32>> = (0..3)
+            .map(|i| contract(&x, rows, k, weight_blocks(&hws[i]), ns[i]))
+            .collect();
+        for kern in kernels {
+            g.set_a8_kernel(kern);
+            let mut outs: Vec<_> = ns.iter().map(|&n| poisoned(&g, rows * n)).collect();
+            let mut refs: Vec<_> = outs.iter_mut().collect();
+            g.matmul_many(&xg, rows, &ws, &mut refs).expect("many");
+            for (i, o) in outs.iter().enumerate() {
+                let got = g.download(o).expect("dl");
+                assert_bits(
+                    &format!("matmul_many {kern:?} matrix {i} rows={rows}"),
+                    &got,
+                    &wants[i],
+                    ns[i],
+                );
+            }
+        }
+    }
+    eprintln!("EXACT matmul_many Q8_0A8 under every kernel choice == contract");
+}

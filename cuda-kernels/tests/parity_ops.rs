@@ -735,3 +735,158 @@ fn markov_chain_on_device() {
         );
     }
 }
+
+fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{what}: index {i}: fused {} vs separate {} ({} of {} differ)",
+            got[i],
+            want[i],
+            got.iter()
+                .zip(want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count(),
+            got.len()
+        );
+    }
+}
+
+/// The fused launches of the drafter step (`add_rms_norm`, `qk_norm_rope_kv`,
+/// `matmul_silu_mul`) against the separate backend ops they replace, bit for bit.
+#[test]
+fn fused_ops_equal_the_separate_ops_bit_for_bit() {
+    let Some(g) = gpu("fused_ops_equal_the_separate_ops_bit_for_bit") else {
+        return;
+    };
+    let mut r = rng("fused_ops_equal_the_separate_ops_bit_for_bit");
+    let eps = 1e-6f32;
+    // Residual add + RMSNorm (9000: wider than the register tile -> the two-op path).
+    for &(rows, dim) in &[
+        (1usize, 4096usize),
+        (16, 4096),
+        (16, 5120),
+        (7, 100),
+        (3, 128),
+        (2, 9000),
+    ] {
+        let h = rand_vec(&mut r, rows * dim, 2.0);
+        let o = rand_vec(&mut r, rows * dim, 2.0);
+        let w = rand_vec(&mut r, dim, 1.5);
+        let (og, wg) = (g.upload(&o).expect("o"), g.upload(&w).expect("w"));
+        let mut h1 = g.upload(&h).expect("h");
+        let mut out1 = poisoned(g, rows * dim);
+        g.add_rms_norm(&mut h1, &og, &wg, rows, dim, eps, &mut out1)
+            .expect("fused");
+        let mut h2 = g.upload(&h).expect("h");
+        let mut out2 = poisoned(g, rows * dim);
+        g.add_assign(&mut h2, 0, &og, rows * dim).expect("add");
+        g.rms_norm(&h2, &wg, dim, eps, &mut out2).expect("norm");
+        let what = format!("add_rms_norm rows={rows} dim={dim}");
+        assert_same_bits(
+            &format!("{what} h"),
+            &g.download(&h1).expect("dl"),
+            &g.download(&h2).expect("dl"),
+        );
+        assert_same_bits(
+            &format!("{what} out"),
+            &g.download(&out1).expect("dl"),
+            &g.download(&out2).expect("dl"),
+        );
+    }
+    eprintln!("EXACT add_rms_norm == add_assign + rms_norm");
+    // q/k RMSNorm + RoPE + K/V cache write.
+    for &(rows, nh, nkv, hd, rot, pos0, row0, att) in &[
+        (
+            16usize, 32usize, 8usize, 128usize, 128usize, 512usize, 512usize, 1.0f32,
+        ),
+        (1, 32, 8, 128, 128, 8192, 8192, 1.0),
+        (5, 4, 2, 64, 32, 100000, 3, 1.25),
+        (3, 6, 2, 256, 256, 7, 0, 0.9),
+        (2, 3, 1, 48, 16, 40, 9, 1.0),
+    ] {
+        let spec = RopeSpec {
+            inv_freq: (0..rot / 2)
+                .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / rot as f32) * (1.0 + 0.1 * i as f32))
+                .collect(),
+            attention_scaling: att,
+        };
+        let (qw, kvw) = (nh * hd, nkv * hd);
+        let cap = row0 + rows + 2;
+        let q0 = g.upload(&rand_vec(&mut r, rows * qw, 3.0)).expect("q0");
+        let k0 = g.upload(&rand_vec(&mut r, rows * kvw, 3.0)).expect("k0");
+        let v = g.upload(&rand_vec(&mut r, rows * kvw, 3.0)).expect("v");
+        let qn = g.upload(&rand_vec(&mut r, hd, 1.5)).expect("qn");
+        let kn = g.upload(&rand_vec(&mut r, hd, 1.5)).expect("kn");
+        let kc0 = rand_vec(&mut r, cap * kvw, 1.0);
+        let vc0 = rand_vec(&mut r, cap * kvw, 1.0);
+        let mut qf = poisoned(g, rows * qw);
+        let mut kcf = g.upload(&kc0).expect("kc");
+        let mut vcf = g.upload(&vc0).expect("vc");
+        g.qk_norm_rope_kv(
+            &q0, &k0, &v, &qn, &kn, rows, nh, nkv, hd, eps, pos0, &spec, &mut qf, &mut kcf,
+            &mut vcf, row0,
+        )
+        .expect("fused");
+        let mut qs = poisoned(g, rows * qw);
+        let mut ks = poisoned(g, rows * kvw);
+        let mut kcs = g.upload(&kc0).expect("kc");
+        let mut vcs = g.upload(&vc0).expect("vc");
+        g.rms_norm(&q0, &qn, hd, eps, &mut qs).expect("qn");
+        g.rms_norm(&k0, &kn, hd, eps, &mut ks).expect("kn");
+        g.rope(&mut qs, rows, nh, hd, pos0, &spec).expect("rope q");
+        g.rope(&mut ks, rows, nkv, hd, pos0, &spec).expect("rope k");
+        g.copy(&ks, 0, &mut kcs, row0 * kvw, rows * kvw)
+            .expect("k copy");
+        g.copy(&v, 0, &mut vcs, row0 * kvw, rows * kvw)
+            .expect("v copy");
+        let what = format!("qk_norm_rope_kv rows={rows} heads={nh}/{nkv} hd={hd} rot={rot}");
+        assert_same_bits(
+            &format!("{what} q"),
+            &g.download(&qf).expect("dl"),
+            &g.download(&qs).expect("dl"),
+        );
+        assert_same_bits(
+            &format!("{what} k cache"),
+            &g.download(&kcf).expect("dl"),
+            &g.download(&kcs).expect("dl"),
+        );
+        assert_same_bits(
+            &format!("{what} v cache"),
+            &g.download(&vcf).expect("dl"),
+            &g.download(&vcs).expect("dl"),
+        );
+    }
+    eprintln!("EXACT qk_norm_rope_kv == rms_norm x2 + rope x2 + copy x2");
+    // SiLU * up into the down projection.
+    for f in [WeightFormat::Q8_0A8, WeightFormat::Q8_0, WeightFormat::Bf16] {
+        for &(n, k) in &[(4096usize, 12288usize), (300, 416)] {
+            let wv = rand_vec(&mut r, n * k, 1.0);
+            let w = g
+                .upload_weight(&HostWeight::from_f32("wd", n, k, &wv, f).expect("encode"))
+                .expect("w");
+            for rows in [1usize, 9, 16, 20] {
+                let gate = g.upload(&rand_vec(&mut r, rows * k, 4.0)).expect("gate");
+                let up = g.upload(&rand_vec(&mut r, rows * k, 2.0)).expect("up");
+                let mut actf = poisoned(g, rows * k);
+                let mut outf = poisoned(g, rows * n);
+                g.matmul_silu_mul(&gate, &up, &mut actf, rows, &w, &mut outf)
+                    .expect("fused");
+                let mut acts = poisoned(g, rows * k);
+                let mut outs = poisoned(g, rows * n);
+                g.silu_mul(&gate, &up, &mut acts).expect("silu");
+                g.matmul(&acts, rows, &w, &mut outs).expect("matmul");
+                assert_same_bits(
+                    &format!("matmul_silu_mul {f:?} n={n} k={k} rows={rows}"),
+                    &g.download(&outf).expect("dl"),
+                    &g.download(&outs).expect("dl"),
+                );
+            }
+        }
+    }
+    eprintln!("EXACT matmul_silu_mul == silu_mul + matmul (q8_0a8, q8_0, bf16)");
+}

@@ -18,7 +18,7 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
-use dflash_cuda_kernels::{Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Kernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -46,6 +46,9 @@ pub struct BenchArgs {
     /// Skip the per-op breakdown (profiling runs).
     #[arg(long)]
     no_ops: bool,
+    /// The step with the separate ops instead of the fused launches (same bits).
+    #[arg(long)]
+    unfused: bool,
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
@@ -135,6 +138,9 @@ struct Model {
     norm: CudaBuf,
     layers: Vec<Layer>,
     markov: Option<(Weight<Cuda>, Weight<Cuda>)>,
+    /// Fused launches (q/k norm + RoPE + KV write, residual add + RMSNorm, SiLU into the
+    /// down projection's quantizer); false = the separate ops (same bits).
+    fused: bool,
     rope: RopeSpec,
 }
 
@@ -216,6 +222,7 @@ impl Model {
             norm: ones(g, h)?,
             layers,
             markov,
+            fused: true,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -281,8 +288,18 @@ impl Model {
         let s = self.s.clone();
         let (hd, eps) = (s.head_dim, 1e-6f32);
         g.gather_rows_dev(&self.embed, &b.ids, rows, &mut b.h)?;
-        for l in &mut self.layers {
-            g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
+        let fused = self.fused;
+        let nl = self.layers.len();
+        if fused && nl > 0 {
+            g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
+        }
+        for li in 0..nl {
+            let (cur, rest) = self.layers.split_at_mut(li + 1);
+            let l = &mut cur[li];
+            let next_norm = rest.first().map_or(&self.norm, |n| &n.ln1);
+            if !fused {
+                g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
+            }
             // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
             // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
             g.matmul_many(
@@ -291,13 +308,21 @@ impl Model {
                 &[&l.wq, &l.wk, &l.wv],
                 &mut [&mut b.q0, &mut b.k0, &mut b.v],
             )?;
-            g.rms_norm(&b.q0, &l.qn, hd, eps, &mut b.q)?;
-            g.rms_norm(&b.k0, &l.kn, hd, eps, &mut b.k)?;
-            g.rope(&mut b.q, rows, s.heads, hd, ctx, &self.rope)?;
-            g.rope(&mut b.k, rows, s.kv_heads, hd, ctx, &self.rope)?;
             let kvw = s.kv_heads * hd;
-            g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
-            g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
+            if fused {
+                // q/k RMSNorm + RoPE + K/V cache write: one launch, the bits of the 6 below.
+                g.qk_norm_rope_kv(
+                    &b.q0, &b.k0, &b.v, &l.qn, &l.kn, rows, s.heads, s.kv_heads, hd, eps, ctx,
+                    &self.rope, &mut b.q, &mut l.kc, &mut l.vc, ctx,
+                )?;
+            } else {
+                g.rms_norm(&b.q0, &l.qn, hd, eps, &mut b.q)?;
+                g.rms_norm(&b.k0, &l.kn, hd, eps, &mut b.k)?;
+                g.rope(&mut b.q, rows, s.heads, hd, ctx, &self.rope)?;
+                g.rope(&mut b.k, rows, s.kv_heads, hd, ctx, &self.rope)?;
+                g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
+                g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
+            }
             let p = AttnParams {
                 n_q: rows,
                 n_kv: ctx + rows,
@@ -312,14 +337,25 @@ impl Model {
             };
             g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
-            g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
-            g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
-            g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
-            g.silu_mul(&b.gate, &b.up, &mut b.act)?;
-            g.matmul(&b.act, rows, &l.wd, &mut b.o)?;
-            g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
+            if fused {
+                // Residual add + the next RMSNorm in one launch (same bits as the two ops);
+                // SiLU * up inside the down projection's x quantizer (Q8_0A8).
+                g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
+                g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
+                g.matmul_silu_mul(&b.gate, &b.up, &mut b.act, rows, &l.wd, &mut b.o)?;
+                g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?;
+            } else {
+                g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
+                g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
+                g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
+                g.silu_mul(&b.gate, &b.up, &mut b.act)?;
+                g.matmul(&b.act, rows, &l.wd, &mut b.o)?;
+                g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
+            }
         }
-        g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
+        if !fused || nl == 0 {
+            g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
+        }
         let n = rows - lm_from;
         g.copy(&b.x, lm_from * s.hidden, &mut b.xl, 0, n * s.hidden)?;
         g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
@@ -505,20 +541,74 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         WeightFormat::Q8_0A8,
         WeightFormat::Q4_0,
     ] {
+        // Q8_0A8: every kernel choice (same bits; whole-K = the previous kernel).
+        let kernels: &[(A8Kernel, &str)] = if f == WeightFormat::Q8_0A8 {
+            &[
+                (A8Kernel::WholeK, " whole-K"),
+                (A8Kernel::SplitK(1), " split-K w1"),
+                (A8Kernel::SplitK(2), " split-K w2"),
+                (A8Kernel::Auto, " auto"),
+            ]
+        } else {
+            &[(A8Kernel::Auto, "")]
+        };
         for &(n, k, name) in &shapes {
             let w = g.random_weight("w", n, k, f, 9, 0.02)?;
+            for &(kern, kname) in kernels {
+                g.set_a8_kernel(kern);
+                if kern == A8Kernel::SplitK(1) && n > 20000 {
+                    continue;
+                }
+                for rows in [1usize, 16] {
+                    let x = g.random_buf(rows * k, 3, 1.0)?;
+                    let mut o = g.zeros(rows * n)?;
+                    let ms = time_graph(g, iters, || Ok(g.matmul(&x, rows, &w, &mut o)?))?;
+                    let gbs = w.buf.device_bytes() as f64 / ms / 1e6;
+                    md += &format!(
+                        "| matmul {}{kname} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                        fmt_name(f),
+                        100.0 * gbs * 1e9 / bw
+                    );
+                }
+            }
+            g.set_a8_kernel(A8Kernel::Auto);
+        }
+    }
+    // The step's fused launches (Q8_0A8 `matmul_many`: one x quantization + one launch).
+    for (ns, k, name) in [
+        (
+            vec![4096usize, 1024, 1024],
+            4096usize,
+            "q/k/v 4096+1024+1024 x4096",
+        ),
+        (vec![12288, 12288], 4096, "gate/up 2x12288 x4096"),
+    ] {
+        let ws: Vec<_> = ns
+            .iter()
+            .map(|&n| g.random_weight("w", n, k, WeightFormat::Q8_0A8, 9, 0.02))
+            .collect::<std::result::Result<_, _>>()?;
+        let wr: Vec<_> = ws.iter().collect();
+        let bytes: usize = ws.iter().map(|w| w.buf.device_bytes()).sum();
+        for (kern, kname) in [(A8Kernel::WholeK, "whole-K"), (A8Kernel::Auto, "auto")] {
+            g.set_a8_kernel(kern);
             for rows in [1usize, 16] {
                 let x = g.random_buf(rows * k, 3, 1.0)?;
-                let mut o = g.zeros(rows * n)?;
-                let ms = time_graph(g, iters, || Ok(g.matmul(&x, rows, &w, &mut o)?))?;
-                let gbs = w.buf.device_bytes() as f64 / ms / 1e6;
+                let mut outs: Vec<CudaBuf> = ns
+                    .iter()
+                    .map(|&n| g.zeros(rows * n))
+                    .collect::<std::result::Result<_, _>>()?;
+                let ms = time_graph(g, iters, || {
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    Ok(g.matmul_many(&x, rows, &wr, &mut refs)?)
+                })?;
+                let gbs = bytes as f64 / ms / 1e6;
                 md += &format!(
-                    "| matmul {} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
-                    fmt_name(f),
+                    "| matmul_many q8_0a8 {kname} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
                     100.0 * gbs * 1e9 / bw
                 );
             }
         }
+        g.set_a8_kernel(A8Kernel::Auto);
     }
     for ctx in [512usize, 8192] {
         for (nq, causal) in [(16usize, false), (1, true)] {
@@ -629,6 +719,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
+            m.fused = !a.unfused;
             let mut b = m.bufs(&g, s.block)?;
             for &ctx in &ctxs {
                 let t = time_forward(&g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
@@ -692,6 +783,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         };
         let cap = ctxs.iter().max().copied().unwrap_or(512) + 16;
         let mut m = Model::new(&g, &s, WeightFormat::Bf16, cap, false, 4242)?;
+        m.fused = !a.unfused;
         let mut b16 = m.bufs(&g, 16)?;
         let mut b1 = m.bufs(&g, 1)?;
         for &ctx in &ctxs {
