@@ -32,8 +32,8 @@ pub struct BenchArgs {
     /// Timed repetitions per prompt (each of spec and plain); the fastest is kept.
     #[arg(long, default_value_t = 1)]
     pub reps: usize,
-    /// Backend threads (0: one per logical CPU).
-    #[arg(long, default_value_t = 0)]
+    /// Backend threads (0: one per logical CPU). Default 1 (see `generate --help`).
+    #[arg(long, default_value_t = crate::common::DEFAULT_THREADS)]
     pub threads: usize,
     /// Matmuls (and other ops) below this many multiply-adds run on the calling thread
     /// (default: the backend's own threshold).
@@ -118,14 +118,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("no prompts in {}", a.prompts.display());
     }
     let eos = c.eos()?;
-    let mut be = if a.threads == 0 {
-        Cpu::new()
-    } else {
-        Cpu::with_threads(a.threads)?
-    };
-    if let Some(w) = a.par_min_work {
-        be = be.with_par_min_work(w);
-    }
+    let be = crate::common::cpu_backend(a.threads, a.par_min_work)?;
     let machine = Machine::probe(&be);
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let ctx_cap = c.ctx.unwrap_or(longest + a.max_new + 64);

@@ -162,3 +162,23 @@ pub fn draft_head(
         )?)),
     }
 }
+
+/// Default backend threads of `generate` and `bench`.
+pub const DEFAULT_THREADS: usize = 1;
+
+/// The CPU backend with `threads` threads (0: one per logical CPU) and an optional
+/// parallel-work threshold.
+pub fn cpu_backend(
+    threads: usize,
+    par_min_work: Option<usize>,
+) -> anyhow::Result<dflash_backend::cpu::Cpu> {
+    let mut be = if threads == 0 {
+        dflash_backend::cpu::Cpu::new()
+    } else {
+        dflash_backend::cpu::Cpu::with_threads(threads)?
+    };
+    if let Some(w) = par_min_work {
+        be = be.with_par_min_work(w);
+    }
+    Ok(be)
+}
