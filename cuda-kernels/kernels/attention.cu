@@ -8,7 +8,8 @@
 // and the keys of the split (masked keys contribute exact zeros and alpha = 1), so a query's
 // output is the same for any n_q (per-row determinism across verify widths and decode).
 
-#define ATT_SPLIT 256
+// ATT_SPLIT keys per split is a kernel argument (split_keys, a multiple of ATT_CK), fixed per
+// backend (default 256): constant across calls, so the determinism argument above holds.
 #define ATT_CK 64
 #define ATT_QT 16
 // Threads per block of the split kernel (8 warps: phase 1 = 4 query rows x 1 key per thread,
@@ -31,7 +32,8 @@ __device__ __forceinline__ bool att_visible(long long j, int n_kv, long long kpo
 template <int D>
 __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                                 float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
-                                                long long q_pos0, long long kv_pos0, int causal, long long window, float scale) {
+                                                long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
+                                                int split_keys) {
     constexpr int DL = D / 32;
     constexpr int KP = D + 4;  // K row pitch: 16-byte rows, conflict-free float4 reads
     extern __shared__ float sm[];
@@ -92,8 +94,8 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
     __shared__ int s_nsub;
     __syncthreads();
     if (tid == 0) {
-        const long long jlo = (long long)split * ATT_SPLIT;
-        const long long jhi = min((long long)n_kv, jlo + ATT_SPLIT) - 1;
+        const long long jlo = (long long)split * split_keys;
+        const long long jhi = min((long long)n_kv, jlo + split_keys) - 1;
         bool any = false;
         for (int r = 0; r < ATT_QT; ++r) {
             if (!rvalid[r]) continue;
@@ -102,13 +104,13 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
             if (causal) hi = min(hi, qpos[r]);
             if (lo <= hi) any = true;
         }
-        s_nsub = any ? ATT_SPLIT / ATT_CK : 0;
+        s_nsub = any ? split_keys / ATT_CK : 0;
     }
     __syncthreads();
     const int nsub = s_nsub;
     // K and V of a sub-chunk are loaded as separate cp.async groups, one step ahead: V(sub)
     // flies during the scores of sub, K(sub+1) during its softmax and PV.
-    const long long jbase = (long long)split * ATT_SPLIT;
+    const long long jbase = (long long)split * split_keys;
     const int nsub_eff = jbase >= n_kv ? 0 : min(nsub, (int)((n_kv - jbase + ATT_CK - 1) / ATT_CK));
     constexpr int C4 = D / 4;
     auto load_rows = [&](const float *__restrict__ src, float *dst, int pitch, long long j0) {
@@ -235,8 +237,8 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
 #define ATTN(D)                                                                                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_NTH) attn_split_d##D(                                                           \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,             \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale) {                                         \
-        attn_split_impl<D>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale);                     \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys) {                         \
+        attn_split_impl<D>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys);         \
     }
 ATTN(32)
 ATTN(64)

@@ -630,7 +630,7 @@ __device__ __forceinline__ void a8_ks(const A8Mat &m, int cta, const u32 *__rest
         }                                                                                                                         \
     }
 // (NT, W, KS, S): host side a8_ks_stages in backend.rs.
-A8KS(a8ks_n1_w1, 1, 1, 4, 10)
-A8KS(a8ks_n1_w2, 1, 2, 4, 8)
-A8KS(a8ks_n2_w1, 2, 1, 4, 8)
-A8KS(a8ks_n2_w2, 2, 2, 4, 6)
+A8KS(a8ks_n1_w1, 1, 1, 4, 14)
+A8KS(a8ks_n1_w2, 1, 2, 4, 12)
+A8KS(a8ks_n2_w1, 2, 1, 4, 10)
+A8KS(a8ks_n2_w2, 2, 2, 4, 12)

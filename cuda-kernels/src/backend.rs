@@ -44,10 +44,10 @@ fn a8_stages(w: usize) -> usize {
 /// and `w` tiles per block (4 k-warps per tile and token group).
 fn a8_ks_stages(nt: usize, w: usize) -> usize {
     match (nt, w) {
-        (1, 1) => 10,
-        (1, _) => 8,
-        (_, 1) => 8,
-        _ => 6,
+        (1, 1) => 14,
+        (1, _) => 12,
+        (_, 1) => 10,
+        _ => 12,
     }
 }
 
@@ -201,6 +201,7 @@ pub struct Cuda {
     blas: Mutex<Option<CudaBlas>>,
     smem_set: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
+    attn_split: Mutex<usize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -307,6 +308,7 @@ impl Cuda {
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
+            attn_split: Mutex::new(ATT_SPLIT),
         })
     }
 
@@ -328,6 +330,20 @@ impl Cuda {
     /// this is for benchmarks and tests.
     pub fn set_a8_kernel(&self, k: A8Kernel) {
         *lock(&self.a8_kernel) = k;
+    }
+    /// Keys per split of the context-split attention kernel (default 256; a multiple of 64
+    /// in 64..=4096). The split boundaries sit at fixed key positions, so any fixed value
+    /// keeps attention per-row deterministic; changing it between calls changes the
+    /// summation order (a benchmark knob: set it once, before any attention).
+    pub fn set_attn_split(&self, keys: usize) -> Result<()> {
+        if !(64..=4096).contains(&keys) || !keys.is_multiple_of(64) {
+            return Err(BackendError::Invalid {
+                op: "set_attn_split",
+                msg: format!("split of {keys} keys: expected a multiple of 64 in 64..=4096"),
+            });
+        }
+        *lock(&self.attn_split) = keys;
+        Ok(())
     }
 
     fn func(&self, k: Kernel) -> Result<CudaFunction> {
@@ -1726,7 +1742,9 @@ impl Backend for Cuda {
             Some(kern) if p.n_kv > 0 => {
                 let smem = att_smem_bytes(d);
                 let f = self.func_smem(kern, smem)?;
-                let n_split = p.n_kv.div_ceil(ATT_SPLIT);
+                let split_keys = *lock(&self.attn_split);
+                let split_i = split_keys as i32;
+                let n_split = p.n_kv.div_ceil(split_keys);
                 let qr = p.n_q * (p.n_heads / p.n_kv_heads);
                 let mut s = lock(&self.scratch);
                 ensure(&self.stream, &mut s.att_o, n_split * rows_total * d).map_err(dev)?;
@@ -1750,7 +1768,8 @@ impl Backend for Cuda {
                     .arg(&kp0)
                     .arg(&causal)
                     .arg(&window)
-                    .arg(&scale);
+                    .arg(&scale)
+                    .arg(&split_i);
                 let grid = (
                     n_split as u32,
                     p.n_kv_heads as u32,

@@ -890,3 +890,78 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
     }
     eprintln!("EXACT matmul_silu_mul == silu_mul + matmul (q8_0a8, q8_0, bf16)");
 }
+
+/// The attention split size is a per-backend knob: with 64 and 128 keys per split the
+/// kernel still matches the CPU and decode == verify bit for bit.
+#[test]
+fn attention_other_split_sizes() {
+    if gpu("attention_other_split_sizes").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_other_split_sizes");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    assert!(g.set_attn_split(100).is_err(), "split 100 accepted");
+    for split in [64usize, 128] {
+        g.set_attn_split(split).expect("split");
+        for &(nq, nkv, h, hkv, d, causal, win) in &[
+            (16usize, 528usize, 32usize, 8usize, 128usize, false, None),
+            (16, 700, 8, 2, 64, true, Some(256usize)),
+            (1, 8193, 32, 8, 128, true, None),
+            (5, 130, 4, 4, 256, true, None),
+        ] {
+            let p = AttnParams {
+                n_q: nq,
+                n_kv: nkv,
+                n_heads: h,
+                n_kv_heads: hkv,
+                head_dim: d,
+                q_pos0: nkv - nq,
+                kv_pos0: 0,
+                causal,
+                window: win,
+                scale: (d as f32).powf(-0.5),
+            };
+            attn_case(&g, &cpu, &mut r, p, nkv + 3);
+        }
+        // Decode of queries 0 / 7 / 15 == the 16-query verify.
+        let (ctx, hd, h, hkv, nq) = (1000usize, 128usize, 32usize, 8usize, 16usize);
+        let cap = ctx + nq;
+        let q = rand_vec(&mut r, nq * h * hd, 1.5);
+        let k = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.5)).unwrap();
+        let v = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.0)).unwrap();
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal: true,
+            window: None,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let qg = g.upload(&q).unwrap();
+        let mut all = poisoned(&g, nq * h * hd);
+        g.attention(&qg, &k, &v, &p, &mut all).unwrap();
+        let all = g.download(&all).unwrap();
+        for i in [0usize, 7, 15] {
+            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
+            let pi = AttnParams {
+                n_q: 1,
+                n_kv: ctx + i + 1,
+                q_pos0: ctx + i,
+                ..p
+            };
+            let mut o = poisoned(&g, h * hd);
+            g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
+            assert_same_bits(
+                &format!("split {split}: decode of query {i} vs the 16-query verify"),
+                &g.download(&o).unwrap(),
+                &all[i * h * hd..(i + 1) * h * hd],
+            );
+        }
+        eprintln!("attention split {split}: matches the CPU; decode == verify bit for bit");
+    }
+}

@@ -46,6 +46,13 @@ pub struct BenchArgs {
     /// Skip the per-op breakdown (profiling runs).
     #[arg(long)]
     no_ops: bool,
+    /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, split1, split2
+    /// (same bits; a benchmark knob).
+    #[arg(long, default_value = "auto")]
+    a8_kernel: String,
+    /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
+    #[arg(long)]
+    attn_split: Option<usize>,
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
@@ -544,10 +551,8 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         // Q8_0A8: every kernel choice (same bits; whole-K = the previous kernel).
         let kernels: &[(A8Kernel, &str)] = if f == WeightFormat::Q8_0A8 {
             &[
-                (A8Kernel::WholeK, " whole-K"),
-                (A8Kernel::SplitK(1), " split-K w1"),
+                (A8Kernel::WholeK, " whole-K (default)"),
                 (A8Kernel::SplitK(2), " split-K w2"),
-                (A8Kernel::Auto, " auto"),
             ]
         } else {
             &[(A8Kernel::Auto, "")]
@@ -556,7 +561,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             let w = g.random_weight("w", n, k, f, 9, 0.02)?;
             for &(kern, kname) in kernels {
                 g.set_a8_kernel(kern);
-                if kern == A8Kernel::SplitK(1) && n > 20000 {
+                if matches!(kern, A8Kernel::SplitK(_)) && n > 20000 {
                     continue;
                 }
                 for rows in [1usize, 16] {
@@ -589,7 +594,10 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             .collect::<std::result::Result<_, _>>()?;
         let wr: Vec<_> = ws.iter().collect();
         let bytes: usize = ws.iter().map(|w| w.buf.device_bytes()).sum();
-        for (kern, kname) in [(A8Kernel::WholeK, "whole-K"), (A8Kernel::Auto, "auto")] {
+        for (kern, kname) in [
+            (A8Kernel::WholeK, "whole-K (default)"),
+            (A8Kernel::SplitK(2), "split-K w2"),
+        ] {
             g.set_a8_kernel(kern);
             for rows in [1usize, 16] {
                 let x = g.random_buf(rows * k, 3, 1.0)?;
@@ -629,13 +637,17 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
                 window: None,
                 scale: 0.088,
             };
-            let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
-            let bytes = 2 * (ctx + nq) * hkv * hd * 4;
-            let gbs = bytes as f64 / ms / 1e6;
-            md += &format!(
-                "| attention ctx {ctx} 32/8 heads d128 | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
-                100.0 * gbs * 1e9 / bw
-            );
+            for split in [256usize, 128, 64] {
+                g.set_attn_split(split)?;
+                let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
+                let bytes = 2 * (ctx + nq) * hkv * hd * 4;
+                let gbs = bytes as f64 / ms / 1e6;
+                md += &format!(
+                    "| attention ctx {ctx} 32/8 heads d128, split {split} | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                    100.0 * gbs * 1e9 / bw
+                );
+            }
+            g.set_attn_split(256)?;
         }
     }
     for (rows, dim) in [(16usize, 4096usize), (512, 128)] {
@@ -666,6 +678,14 @@ fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Resu
 pub fn bench(a: BenchArgs) -> Result<()> {
     let g = Cuda::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
     g.warm_up()?;
+    let a8k = match a.a8_kernel.as_str() {
+        "auto" => A8Kernel::Auto,
+        "whole" => A8Kernel::WholeK,
+        "split1" => A8Kernel::SplitK(1),
+        "split2" => A8Kernel::SplitK(2),
+        o => bail!("--a8-kernel {o}: expected auto, whole, split1 or split2"),
+    };
+
     if a.ops_only {
         let bw = copy_bandwidth(&g)?;
         println!("{}", op_breakdown(&g, bw, a.iters)?);
@@ -717,6 +737,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let mut rows = Vec::new();
     for s in &shapes {
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+        g.set_a8_kernel(a8k);
+        g.set_attn_split(a.attn_split.unwrap_or(256))?;
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fused = !a.unfused;
