@@ -299,6 +299,8 @@ pub struct CpuWeight {
 enum Packed {
     F32(Vec<f32>),
     Bf16(Vec<panel::Bf16Bits>),
+    /// bf16 in the step-pair layout of `panel::pack_bf16_pairs` (AVX-512 backends).
+    Bf16Pairs(Vec<panel::Bf16Bits>),
     F16(Vec<panel::F16Bits>),
     /// q8_0 or q4_0.
     Quant(qpanel::QPanels),
@@ -311,7 +313,7 @@ impl CpuWeight {
     pub fn bytes(&self) -> usize {
         match &self.data {
             Packed::F32(v) => 4 * v.len(),
-            Packed::Bf16(v) => 2 * v.len(),
+            Packed::Bf16(v) | Packed::Bf16Pairs(v) => 2 * v.len(),
             Packed::F16(v) => 2 * v.len(),
             Packed::Quant(q) => q.bytes(),
             Packed::A8(q) => q.bytes(),
@@ -321,7 +323,7 @@ impl CpuWeight {
     fn format(&self) -> WeightFormat {
         match &self.data {
             Packed::F32(_) => WeightFormat::F32,
-            Packed::Bf16(_) => WeightFormat::Bf16,
+            Packed::Bf16(_) | Packed::Bf16Pairs(_) => WeightFormat::Bf16,
             Packed::F16(_) => WeightFormat::F16,
             Packed::Quant(q) if q.q4 => WeightFormat::Q4_0,
             Packed::Quant(_) => WeightFormat::Q8_0,
@@ -340,7 +342,7 @@ impl CpuWeight {
     fn stored_len(&self) -> usize {
         match &self.data {
             Packed::F32(v) => v.len(),
-            Packed::Bf16(v) => v.len(),
+            Packed::Bf16(v) | Packed::Bf16Pairs(v) => v.len(),
             Packed::F16(v) => v.len(),
             Packed::Quant(q) => q.n_values(),
             Packed::A8(q) => q.n_values(),
@@ -353,6 +355,7 @@ fn decode_row(data: &Packed, cols: usize, o: usize, out: &mut [f32]) {
     match data {
         Packed::F32(v) => panel::unpack_row(v, cols, o, out),
         Packed::Bf16(v) => panel::unpack_row(v, cols, o, out),
+        Packed::Bf16Pairs(v) => panel::unpack_row_bf16_pairs(v, cols, o, out),
         Packed::F16(v) => panel::unpack_row(v, cols, o, out),
         Packed::Quant(q) => q.unpack_row(cols, o, out),
         Packed::A8(q) => q.unpack_row(cols, o, out),
@@ -560,7 +563,11 @@ impl Backend for Cpu {
             HostData::F32(v) => Packed::F32(panel::pack(v, rows, cols)),
             HostData::Bf16(v) => {
                 let bits: Vec<panel::Bf16Bits> = v.iter().map(|&b| panel::Bf16Bits(b)).collect();
-                Packed::Bf16(panel::pack(&bits, rows, cols))
+                if self.isa == Isa::Avx512 {
+                    Packed::Bf16Pairs(panel::pack_bf16_pairs(&bits, rows, cols))
+                } else {
+                    Packed::Bf16(panel::pack(&bits, rows, cols))
+                }
             }
             HostData::F16(v) => {
                 let bits: Vec<panel::F16Bits> = v.iter().map(|&b| panel::F16Bits(b)).collect();
@@ -676,6 +683,9 @@ impl Backend for Cpu {
                 }
                 Packed::Bf16(v) => {
                     panel::matmul_panels(isa, x, rows, k, &panel::Dense(v), n_out, p0, p1, ot)
+                }
+                Packed::Bf16Pairs(v) => {
+                    panel::matmul_panels(isa, x, rows, k, &panel::Bf16Pairs(v), n_out, p0, p1, ot)
                 }
                 Packed::F16(v) => {
                     panel::matmul_panels(isa, x, rows, k, &panel::Dense(v), n_out, p0, p1, ot)

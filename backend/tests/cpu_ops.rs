@@ -1107,3 +1107,39 @@ fn rope_cached_and_uncached_positions_agree() {
         assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()) * 4.0);
     }
 }
+
+/// A bf16 weight keeps its packed layout when another backend uses it (AVX-512 backends pack
+/// bf16 in step pairs): every backend computes the same bits with it, and its rows decode
+/// exactly, for even and odd inner sizes.
+#[test]
+fn bf16_weight_packed_by_one_isa_runs_on_every_other() {
+    let mut rng = StdRng::seed_from_u64(99);
+    for k in [1usize, 2, 3, 17, 32, 63, 256, 257] {
+        let (rows, n) = (9usize, 37usize);
+        let wv = rand_vec(&mut rng, n * k, 1.0);
+        let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Bf16).unwrap();
+        let wdec = hw.to_f32();
+        let x = rand_vec(&mut rng, rows * k, 2.0);
+        let all = backends_all_isas();
+        let mut reference: Option<Vec<f32>> = None;
+        for packer in &all {
+            let w = packer.upload_weight(&hw).unwrap();
+            let mut emb = vec![0.0f32; 3 * k];
+            packer.gather_rows(&w, &[0, 36, 17], &mut emb).unwrap();
+            for (t, &id) in [0usize, 36, 17].iter().enumerate() {
+                assert_eq!(
+                    bits(&emb[t * k..(t + 1) * k]),
+                    bits(&wdec[id * k..(id + 1) * k])
+                );
+            }
+            for user in &all {
+                let mut out = vec![0.0f32; rows * n];
+                user.matmul(&x, rows, &w, &mut out).unwrap();
+                match &reference {
+                    None => reference = Some(out),
+                    Some(r) => assert_eq!(bits(&out), bits(r), "k {k}"),
+                }
+            }
+        }
+    }
+}

@@ -90,6 +90,92 @@ pub(crate) fn unpack_row<T: Elem>(packed: &[T], k: usize, o: usize, out: &mut [f
     }
 }
 
+/// bf16 panels in step pairs (the AVX-512 backends' bf16 layout): within a panel, steps
+/// `2m, 2m + 1` of output `j` sit side by side at `32 m + 2 j` and `32 m + 2 j + 1` (one 32-bit
+/// word per output and pair: the low half is step `2m`, the high half step `2m + 1`), so one
+/// shift and one mask turn 32 of them into two vectors of f32; an odd last step is stored as
+/// in [`pack`] (`16 (k - 1) + j`). Same element count as [`pack`].
+pub(crate) fn pack_bf16_pairs(src: &[Bf16Bits], rows: usize, k: usize) -> Vec<Bf16Bits> {
+    let n_panels = rows.div_ceil(NP);
+    let mut out = vec![Bf16Bits::default(); n_panels * k * NP];
+    for (o, row) in src.chunks_exact(k.max(1)).take(rows).enumerate() {
+        if k == 0 {
+            break;
+        }
+        let (p, j) = (o / NP, o % NP);
+        let panel = &mut out[p * k * NP..(p + 1) * k * NP];
+        for (i, &v) in row.iter().enumerate() {
+            panel[pair_index(i, j, k)] = v;
+        }
+    }
+    out
+}
+
+/// Position of step `i`, output `j` in a [`pack_bf16_pairs`] panel of `k` steps.
+#[inline]
+fn pair_index(i: usize, j: usize, k: usize) -> usize {
+    if i < k / 2 * 2 {
+        (i / 2) * 2 * NP + 2 * j + (i % 2)
+    } else {
+        i * NP + j
+    }
+}
+
+/// Row `o` of a [`pack_bf16_pairs`] matrix, decoded.
+pub(crate) fn unpack_row_bf16_pairs(packed: &[Bf16Bits], k: usize, o: usize, out: &mut [f32]) {
+    let (p, j) = (o / NP, o % NP);
+    let panel = &packed[p * k * NP..(p + 1) * k * NP];
+    for (i, y) in out.iter_mut().take(k).enumerate() {
+        *y = panel[pair_index(i, j, k)].to_f32();
+    }
+}
+
+/// bf16 panels in the pair layout of [`pack_bf16_pairs`].
+pub(crate) struct Bf16Pairs<'a>(pub &'a [Bf16Bits]);
+
+impl PanelSrc for Bf16Pairs<'_> {
+    #[inline]
+    fn tile<const R: usize, const P: usize>(
+        &self,
+        isa: Isa,
+        xs: [&[f32]; R],
+        ps: [usize; P],
+        k: usize,
+    ) -> TileOut<R, P> {
+        let ws: [&[Bf16Bits]; P] = std::array::from_fn(|d| {
+            self.0
+                .get(ps[d] * k * NP..(ps[d] + 1) * k * NP)
+                .unwrap_or(&[])
+        });
+        let ok = xs.iter().all(|x| x.len() >= k) && ws.iter().all(|w| w.len() >= k * NP);
+        if !ok {
+            // Internal invariant (the callers slice operands to size).
+            return [[[f32::NAN; NP]; P]; R];
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            // SAFETY: the backend only holds an `Isa` that `Isa::supported` accepted on this
+            // CPU; every operand holds what the kernel reads (checked above).
+            return unsafe { avx512_pairs::tile_bf16_pairs::<R, P>(xs, ws, k) };
+        }
+        let _ = isa;
+        // Any other instruction set (a weight packed by an AVX-512 backend used by another):
+        // the same FMA chains, element by element.
+        let mut acc = [[[0.0f32; NP]; P]; R];
+        for i in 0..k {
+            for (p, w) in ws.iter().enumerate() {
+                for (r, x) in xs.iter().enumerate() {
+                    let xv = x[i];
+                    for (j, a) in acc[r][p].iter_mut().enumerate() {
+                        *a = xv.mul_add(w[pair_index(i, j, k)].to_f32(), *a);
+                    }
+                }
+            }
+        }
+        acc
+    }
+}
+
 /// Tile result: `[R][P][16]`.
 pub(crate) type TileOut<const R: usize, const P: usize> = [[[f32; NP]; P]; R];
 
@@ -178,6 +264,86 @@ mod avx512 {
             for p in 0..P {
                 // SAFETY: i * 16 + 16 <= 16 k <= ws[p].len().
                 wv[p] = unsafe { load16(wp[p].add(i * NP)) };
+            }
+            for r in 0..R {
+                // SAFETY: i < k <= xs[r].len().
+                let xb = _mm512_set1_ps(unsafe { *xp[r].add(i) });
+                for p in 0..P {
+                    acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+                }
+            }
+        }
+        let mut out = [[[0.0f32; NP]; P]; R];
+        for r in 0..R {
+            for p in 0..P {
+                // SAFETY: out[r][p] holds 16 f32.
+                unsafe { _mm512_storeu_ps(out[r][p].as_mut_ptr(), acc[r][p]) };
+            }
+        }
+        out
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512_pairs {
+    use std::arch::x86_64::*;
+
+    use super::{Bf16Bits, TileOut, NP};
+
+    /// Tile over [`super::pack_bf16_pairs`] panels: per 64-byte load, `vpslld 16` gives the f32
+    /// of step `2m` and a mask of the high halves the f32 of step `2m + 1` (two single-uop
+    /// operations for 32 values, where widening takes two per 16). The FMA chain of every
+    /// element is the same as in the other kernels (steps in order).
+    ///
+    /// # Safety
+    /// AVX-512F available; `xs[r]` holds `k` values, `ws[p]` holds `16 k` elements.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_bf16_pairs<const R: usize, const P: usize>(
+        xs: [&[f32]; R],
+        ws: [&[Bf16Bits]; P],
+        k: usize,
+    ) -> TileOut<R, P> {
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let xp: [*const f32; R] = std::array::from_fn(|r| xs[r].as_ptr());
+        let wp: [*const u16; P] = std::array::from_fn(|p| ws[p].as_ptr() as *const u16);
+        let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        let k2 = k / 2 * 2;
+        let mut i = 0;
+        while i < k2 {
+            let mut wv = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                // SAFETY: (i + 2) * 16 <= 16 k <= ws[p].len() (pairs region, 32 u16 from 16 i).
+                let v = unsafe { _mm512_loadu_si512(wp[p].add(i * NP) as *const _) };
+                wv[p] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+            }
+            for r in 0..R {
+                // SAFETY: i < k <= xs[r].len().
+                let xb = _mm512_set1_ps(unsafe { *xp[r].add(i) });
+                for p in 0..P {
+                    acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+                }
+            }
+            for p in 0..P {
+                // SAFETY: as above.
+                let v = unsafe { _mm512_loadu_si512(wp[p].add(i * NP) as *const _) };
+                wv[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+            }
+            for r in 0..R {
+                // SAFETY: i + 1 < k <= xs[r].len().
+                let xb = _mm512_set1_ps(unsafe { *xp[r].add(i + 1) });
+                for p in 0..P {
+                    acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+                }
+            }
+            i += 2;
+        }
+        if i < k {
+            // odd last step, stored plainly at 16 i
+            let mut wv = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                // SAFETY: 16 i + 16 = 16 k <= ws[p].len().
+                let h = unsafe { _mm256_loadu_si256(wp[p].add(i * NP) as *const __m256i) };
+                wv[p] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
             }
             for r in 0..R {
                 // SAFETY: i < k <= xs[r].len().
