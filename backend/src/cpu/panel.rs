@@ -309,6 +309,30 @@ mod avx512_pairs {
         let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
         let k2 = k / 2 * 2;
         let mut i = 0;
+        if R <= P {
+            // Few rows, many panels (1-3 rows x 8 panels): keep the R broadcasts in registers
+            // and widen one panel at a time (R x P accumulators + R + 2 registers).
+            while i < k2 {
+                for half in 0..2 {
+                    // SAFETY: i + half < k <= xs[r].len().
+                    let xb: [__m512; R] =
+                        std::array::from_fn(|r| _mm512_set1_ps(unsafe { *xp[r].add(i + half) }));
+                    for p in 0..P {
+                        // SAFETY: (i + 2) * 16 <= 16 k <= ws[p].len().
+                        let v = unsafe { _mm512_loadu_si512(wp[p].add(i * NP) as *const _) };
+                        let w = if half == 0 {
+                            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))
+                        } else {
+                            _mm512_castsi512_ps(_mm512_and_si512(v, high))
+                        };
+                        for r in 0..R {
+                            acc[r][p] = _mm512_fmadd_ps(xb[r], w, acc[r][p]);
+                        }
+                    }
+                }
+                i += 2;
+            }
+        }
         while i < k2 {
             let mut wv = [_mm512_setzero_ps(); P];
             for p in 0..P {
