@@ -13,10 +13,10 @@ use dflash_backend::Backend;
 use dflash_spec_round::{DraftOptions, Drafter, SpecConfig, Target};
 use serde_json::json;
 
-use crate::drafter::CliDrafter;
 use crate::load::{load_pair, PairSpec};
 use crate::machine::Machine;
 use crate::run::{first_diff, plain_run, spec_run};
+use dflash_spec_round::DflashDrafter;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -135,7 +135,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     )?;
     let cfg = c.spec_config();
     let head = crate::common::draft_head(&be, pair.target.as_ref(), c.draft_head)?;
-    let mut drafter = CliDrafter::new(&pair.draft, head)?;
+    let mut drafter = crate::common::spec_drafter(&pair.draft, head)?;
     let target = pair.target.as_mut();
 
     // warm-up (page faults, pools, allocator), not timed
@@ -438,7 +438,7 @@ impl Profile {
 fn profile(
     be: &Cpu,
     target: &mut dyn Target<Cpu>,
-    drafter: &mut CliDrafter<'_, Cpu>,
+    drafter: &mut DflashDrafter<'_, Cpu>,
     prompt: &[u32],
     cfg: SpecConfig,
 ) -> Result<Profile> {

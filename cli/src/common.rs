@@ -182,3 +182,16 @@ pub fn cpu_backend(
     }
     Ok(be)
 }
+
+/// The round engine's DFlash drafter over `model`, with `head` in place of the target's
+/// lm_head when given (`--draft-head`).
+pub fn spec_drafter<'d>(
+    model: &'d dflash_draft_model::Drafter<dflash_backend::cpu::Cpu>,
+    head: Option<Weight<dflash_backend::cpu::Cpu>>,
+) -> anyhow::Result<dflash_spec_round::DflashDrafter<'d, dflash_backend::cpu::Cpu>> {
+    let d = dflash_spec_round::DflashDrafter::new(model)?;
+    Ok(match head {
+        Some(h) => d.with_head(h),
+        None => d,
+    })
+}

@@ -260,7 +260,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let load_ms = pair.load_ms;
     let mut target = pair.target;
     let head = common::draft_head(&be, target.as_ref(), a.draft_head)?;
-    let mut drafter = drafter::CliDrafter::new(&pair.draft, head)?;
+    let mut drafter = common::spec_drafter(&pair.draft, head)?;
     let cfg = SpecConfig {
         verify_cap: a.verify_cap,
         adaptive: !a.no_adaptive,

@@ -30,6 +30,32 @@ impl<B: Backend> TargetLend<B> for TargetAsLend<'_, B> {
     }
 }
 
+/// A [`Target`] lending its embedding rows, with another lm_head in place of its own.
+struct TargetWithHead<'a, B: Backend> {
+    target: &'a dyn Target<B>,
+    head: &'a Weight<B>,
+}
+
+impl<B: Backend> TargetLend<B> for TargetWithHead<'_, B> {
+    fn hidden_size(&self) -> usize {
+        self.target.info().hidden
+    }
+    fn vocab_size(&self) -> usize {
+        self.target.info().vocab
+    }
+    fn embed(
+        &self,
+        be: &B,
+        ids: &[u32],
+        out: &mut B::Buf,
+    ) -> std::result::Result<(), BackendError> {
+        self.target.embed_rows(be, ids, out)
+    }
+    fn lm_head(&self) -> &Weight<B> {
+        self.head
+    }
+}
+
 fn draft_err(e: dflash_draft_model::DraftError) -> SpecError {
     SpecError::Drafter(Box::new(e))
 }
@@ -39,6 +65,8 @@ pub struct DflashDrafter<'d, B: Backend> {
     model: &'d DraftModel<B>,
     kv: Option<DraftKv<B>>,
     taps: Vec<i32>,
+    /// The drafter's own lm_head, used instead of the target's (see [`DflashDrafter::with_head`]).
+    head: Option<Weight<B>>,
 }
 
 impl<'d, B: Backend> DflashDrafter<'d, B> {
@@ -60,7 +88,17 @@ impl<'d, B: Backend> DflashDrafter<'d, B> {
             model,
             kv: None,
             taps,
+            head: None,
         })
+    }
+
+    /// Draft with `head` (`[vocab, hidden]`, e.g. a cheaper re-encoding of the target's) instead
+    /// of the target's lm_head; the embedding rows still come from the target. The drafter's
+    /// logits only decide what it proposes, so this changes speed and acceptance, never the
+    /// committed stream. Its shape is checked against the target at each draft step.
+    pub fn with_head(mut self, head: Weight<B>) -> Self {
+        self.head = Some(head);
+        self
     }
 
     /// The wrapped drafter.
@@ -125,9 +163,15 @@ impl<B: Backend> Drafter<B> for DflashDrafter<'_, B> {
             max_drafts: Some(n),
             return_logits: false,
         };
-        let out = model
-            .draft(be, self.kv()?, &TargetAsLend(target), anchor, pos, &o)
-            .map_err(draft_err)?;
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| SpecError::Protocol("drafter used before reset".into()))?;
+        let out = match &self.head {
+            Some(head) => model.draft(be, kv, &TargetWithHead { target, head }, anchor, pos, &o),
+            None => model.draft(be, kv, &TargetAsLend(target), anchor, pos, &o),
+        }
+        .map_err(draft_err)?;
         Ok(out.tokens)
     }
 }
