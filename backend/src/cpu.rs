@@ -422,7 +422,7 @@ fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
 fn score_tiles<'a, const QN: usize, const KN: usize>(
     isa: Isa,
     qrow: &impl Fn(usize) -> &'a [f32],
-    key: &impl Fn(usize) -> &'a [f32],
+    // K, its row stride, the kv head's offset in a row: key `j` = `k[koff + j * stride ..][.. hd]`
     kv: (&'a [f32], usize, usize),
     u0: usize,
     bl: usize,
@@ -435,6 +435,8 @@ fn score_tiles<'a, const QN: usize, const KN: usize>(
     let qs: [&[f32]; QN] = std::array::from_fn(|d| qrow(u0 + d));
     // Whole strips of KN keys in one kernel call where the ISA has one (same bits).
     let (k, stride, koff) = kv;
+    let hd = qs[0].len();
+    let key = |j: usize| &k[koff + j * stride..][..hd];
     let rows: [usize; QN] = std::array::from_fn(|d| (u0 + d) * width + bl - lo_all);
     let done = kernel::score_strip::<QN, KN>(isa, qs, k, koff, stride, bl, bh, scale, sc, rows);
     let mut j = bl + done;
@@ -939,7 +941,6 @@ impl Backend for Cpu {
             let ones = vec![1.0f32; width];
             let qrow =
                 |u: usize| &q[((u / group) * p.n_heads + g * group + u % group) * hd..][..hd];
-            let key = |j: usize| &k[j * stride + g * hd..][..hd];
             let kvs = (&k[..], stride, g * hd);
             // Keys are visited in blocks of about 24 KiB of K (or V) so that a block stays in
             // L1 while every query of the head reads it. This is only a loop order: each score
@@ -966,13 +967,13 @@ impl Backend for Cpu {
                     if bl < bh {
                         match qn {
                             4 => score_tiles::<4, 4>(
-                                isa, &qrow, &key, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
                             ),
                             2 => score_tiles::<2, 8>(
-                                isa, &qrow, &key, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
                             ),
                             _ => score_tiles::<1, 16>(
-                                isa, &qrow, &key, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
                             ),
                         }
                     }
