@@ -8,7 +8,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_backend::cpu::Cpu;
 use dflash_backend::Backend;
 use dflash_spec_round::{DraftOptions, Drafter, SpecConfig, Target};
 use serde_json::json;
@@ -46,6 +45,12 @@ pub struct BenchArgs {
     /// One JSON object (one line) instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Run the target and the drafter on the CPU or on a CUDA GPU.
+    #[arg(long, value_enum, default_value_t = crate::DeviceArg::Cpu)]
+    pub device: crate::DeviceArg,
+    /// CUDA device ordinal (with `--device cuda`).
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
     #[command(flatten)]
     pub common: crate::common::CommonArgs,
 }
@@ -108,6 +113,19 @@ fn ms_per(d: std::time::Duration, n: usize) -> f64 {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    match a.device {
+        crate::DeviceArg::Cpu => {
+            let be = crate::common::cpu_backend(a.threads, a.par_min_work)?;
+            bench_on(&be, Machine::cpu(&be), a)
+        }
+        crate::DeviceArg::Cuda => {
+            let be = crate::common::cuda_backend(a.gpu)?;
+            bench_on(&be, Machine::cuda(&be), a)
+        }
+    }
+}
+
+fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
     let c = &a.common;
     let tk = c.tokenizer()?;
     let mut prompts = read_prompts(&a.prompts, tk.as_ref())?;
@@ -118,12 +136,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("no prompts in {}", a.prompts.display());
     }
     let eos = c.eos()?;
-    let be = crate::common::cpu_backend(a.threads, a.par_min_work)?;
-    let machine = Machine::probe(&be);
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let ctx_cap = c.ctx.unwrap_or(longest + a.max_new + 64);
     let mut pair = load_pair(
-        &be,
+        be,
         &PairSpec {
             target_dir: c.target_dir(),
             draft_dir: c.draft_dir(),
@@ -134,7 +150,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         },
     )?;
     let cfg = c.spec_config();
-    let head = crate::common::draft_head(&be, pair.target.as_ref(), c.draft_head)?;
+    let head = crate::common::draft_head(be, pair.target.as_ref(), c.draft_head)?;
     let mut drafter = crate::common::spec_drafter(&pair.draft, head)?;
     let target = pair.target.as_mut();
 
@@ -142,8 +158,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     {
         let p = &prompts[0];
         let n = a.max_new.min(16);
-        spec_run(&be, target, &mut drafter, cfg, p, &eos, n, |_| Ok(()))?;
-        plain_run(&be, target, p, &eos, n)?;
+        spec_run(be, target, &mut drafter, cfg, p, &eos, n, |_| Ok(()))?;
+        plain_run(be, target, p, &eos, n)?;
     }
 
     let reps = a.reps.max(1);
@@ -155,14 +171,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // alternate the order so neither side always runs on a warmer cache
             for side in if (idx + r) % 2 == 0 { [0, 1] } else { [1, 0] } {
                 if side == 0 {
-                    let s = spec_run(&be, target, &mut drafter, cfg, p, &eos, a.max_new, |_| {
-                        Ok(())
-                    })?;
+                    let s = spec_run(
+                        be,
+                        target,
+                        &mut drafter,
+                        cfg,
+                        p,
+                        &eos,
+                        a.max_new,
+                        |_| Ok(()),
+                    )?;
                     if best_spec.as_ref().is_none_or(|b| s.wall_s < b.wall_s) {
                         best_spec = Some(s);
                     }
                 } else {
-                    let pl = plain_run(&be, target, p, &eos, a.max_new)?;
+                    let pl = plain_run(be, target, p, &eos, a.max_new)?;
                     if best_plain.as_ref().is_none_or(|b| pl.1 < b.1) {
                         best_plain = Some(pl);
                     }
@@ -175,7 +198,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let mut prefill_s = f64::INFINITY;
         for _ in 0..reps {
             let t0 = std::time::Instant::now();
-            target.prime(&be, p, &[])?;
+            target.prime(be, p, &[])?;
             prefill_s = prefill_s.min(t0.elapsed().as_secs_f64());
         }
         let row = PromptRow {
@@ -274,7 +297,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let round_ms = ms_per(draft_d + verify_d + ingest_d + rollback_d, rounds);
 
     let profile = if a.profile {
-        Some(profile(&be, target, &mut drafter, &prompts[0], cfg)?)
+        Some(profile(be, target, &mut drafter, &prompts[0], cfg)?)
     } else {
         None
     };
@@ -435,10 +458,10 @@ impl Profile {
     }
 }
 
-fn profile(
-    be: &Cpu,
-    target: &mut dyn Target<Cpu>,
-    drafter: &mut DflashDrafter<'_, Cpu>,
+fn profile<B: Backend>(
+    be: &B,
+    target: &mut dyn Target<B>,
+    drafter: &mut DflashDrafter<'_, B>,
     prompt: &[u32],
     cfg: SpecConfig,
 ) -> Result<Profile> {

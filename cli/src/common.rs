@@ -4,8 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use dflash_backend::cpu::Cpu;
-use dflash_backend::{Weight, WeightFormat};
+use dflash_backend::{Backend, Weight, WeightFormat};
 use dflash_draft_model::Precision;
 use dflash_spec_round::{RollbackArm, SpecConfig, Target};
 
@@ -148,11 +147,11 @@ pub fn draft_precision(p: PrecisionArg) -> Precision {
 }
 
 /// The drafter's own lm_head for `--draft-head` (`None`: it borrows the target's).
-pub fn draft_head(
-    be: &Cpu,
-    target: &dyn Target<Cpu>,
+pub fn draft_head<B: Backend>(
+    be: &B,
+    target: &dyn Target<B>,
     arg: DraftHeadArg,
-) -> Result<Option<Weight<Cpu>>> {
+) -> Result<Option<Weight<B>>> {
     match arg {
         DraftHeadArg::Target => Ok(None),
         DraftHeadArg::Q8_0a8 => Ok(Some(crate::drafter::reencode_head(
@@ -185,13 +184,20 @@ pub fn cpu_backend(
 
 /// The round engine's DFlash drafter over `model`, with `head` in place of the target's
 /// lm_head when given (`--draft-head`).
-pub fn spec_drafter<'d>(
-    model: &'d dflash_draft_model::Drafter<dflash_backend::cpu::Cpu>,
-    head: Option<Weight<dflash_backend::cpu::Cpu>>,
-) -> anyhow::Result<dflash_spec_round::DflashDrafter<'d, dflash_backend::cpu::Cpu>> {
+pub fn spec_drafter<'d, B: Backend>(
+    model: &'d dflash_draft_model::Drafter<B>,
+    head: Option<Weight<B>>,
+) -> anyhow::Result<dflash_spec_round::DflashDrafter<'d, B>> {
     let d = dflash_spec_round::DflashDrafter::new(model)?;
     Ok(match head {
         Some(h) => d.with_head(h),
         None => d,
     })
+}
+
+/// The CUDA backend on device `ordinal` (the driver and NVRTC are loaded at run time: a
+/// machine without them gets an error naming what is missing).
+pub fn cuda_backend(ordinal: usize) -> anyhow::Result<dflash_cuda_kernels::Cuda> {
+    dflash_cuda_kernels::Cuda::new(ordinal)
+        .map_err(|e| anyhow::anyhow!("opening CUDA device {ordinal}: {e}"))
 }

@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use dflash_backend::cpu::Cpu;
-use dflash_backend::WeightFormat;
+use dflash_backend::{Backend, WeightFormat};
 use dflash_draft_model::{Drafter as DraftModel, LoadOptions as DraftLoad, Precision};
 use dflash_spec_round::Target;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -25,9 +24,9 @@ pub struct PairSpec {
 }
 
 /// The loaded pair.
-pub struct Pair {
-    pub target: Box<dyn Target<Cpu>>,
-    pub draft: DraftModel<Cpu>,
+pub struct Pair<B: Backend> {
+    pub target: Box<dyn Target<B>>,
+    pub draft: DraftModel<B>,
     pub load_ms: f64,
 }
 
@@ -63,8 +62,8 @@ fn bar(total: u64, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// Load the target and the drafter on the CPU backend.
-pub fn load_pair(be: &Cpu, spec: &PairSpec) -> Result<Pair> {
+/// Load the target and the drafter on the backend `be`.
+pub fn load_pair<B: Backend>(be: &B, spec: &PairSpec) -> Result<Pair<B>> {
     let t0 = Instant::now();
     let tb = checkpoint_bytes(&spec.target_dir);
     let db = checkpoint_bytes(&spec.draft_dir);
@@ -85,7 +84,7 @@ pub fn load_pair(be: &Cpu, spec: &PairSpec) -> Result<Pair> {
         precision: spec.draft_precision,
         ..DraftLoad::default()
     };
-    let draft = DraftModel::<Cpu>::load(be, &spec.draft_dir, &opts)
+    let draft = DraftModel::<B>::load(be, &spec.draft_dir, &opts)
         .with_context(|| format!("loading the drafter from {}", spec.draft_dir.display()))?;
     pb.inc(db);
     pb.finish_and_clear();

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use dflash_backend::Backend;
 use dflash_spec_round::{RollbackArm, SpecConfig};
 use serde_json::json;
 
@@ -60,6 +61,15 @@ enum DraftHeadArg {
     /// A Q8_0A8 copy of the target's lm_head (integer dots; the target keeps its own).
     #[value(name = "q8_0a8", alias = "q8a8")]
     Q8_0a8,
+}
+
+/// Where the target and the drafter run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    /// The CPU backend (the reference; AVX-512 / AVX2 kernels where the CPU has them).
+    Cpu,
+    /// The CUDA backend (NVRTC kernels, loaded at run time: needs the CUDA driver and NVRTC).
+    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -141,6 +151,12 @@ struct GenerateArgs {
     /// 2-CPU reference machine: spec and plain are both fastest on one thread).
     #[arg(long, default_value_t = common::DEFAULT_THREADS)]
     threads: usize,
+    /// Run the target and the drafter on the CPU or on a CUDA GPU.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// CUDA device ordinal (with `--device cuda`).
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
 }
 
 fn main() -> Result<()> {
@@ -199,6 +215,19 @@ fn eos_from_config(dir: &Path) -> Result<Vec<u32>> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    match a.device {
+        DeviceArg::Cpu => {
+            let be = common::cpu_backend(a.threads, None)?;
+            generate_on(&be, a)
+        }
+        DeviceArg::Cuda => {
+            let be = common::cuda_backend(a.gpu)?;
+            generate_on(&be, a)
+        }
+    }
+}
+
+fn generate_on<B: Backend>(be: &B, a: GenerateArgs) -> Result<()> {
     let target_dir = a
         .target
         .clone()
@@ -244,10 +273,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     eos.extend(&a.eos);
 
-    let be = common::cpu_backend(a.threads, None)?;
     let ctx_cap = a.ctx.unwrap_or(prompt.len() + a.max_new + 64);
     let pair = load::load_pair(
-        &be,
+        be,
         &load::PairSpec {
             target_dir: target_dir.clone(),
             draft_dir: draft_dir.clone(),
@@ -259,7 +287,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     )?;
     let load_ms = pair.load_ms;
     let mut target = pair.target;
-    let head = common::draft_head(&be, target.as_ref(), a.draft_head)?;
+    let head = common::draft_head(be, target.as_ref(), a.draft_head)?;
     let mut drafter = common::spec_drafter(&pair.draft, head)?;
     let cfg = SpecConfig {
         verify_cap: a.verify_cap,
@@ -281,7 +309,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     {
         let n = a.max_new.min(8);
         run::spec_run(
-            &be,
+            be,
             target.as_mut(),
             &mut drafter,
             cfg,
@@ -291,7 +319,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             |_| Ok(()),
         )?;
         if compare {
-            run::plain_run(&be, target.as_mut(), &prompt, &eos, n)?;
+            run::plain_run(be, target.as_mut(), &prompt, &eos, n)?;
         }
     }
 
@@ -308,7 +336,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         _ => None,
     };
     let run = run::spec_run(
-        &be,
+        be,
         target.as_mut(),
         &mut drafter,
         cfg,
@@ -332,7 +360,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     // ---- plain greedy reference (same target, same kernels): by default when printing text
     let plain = if compare {
         Some(run::plain_run(
-            &be,
+            be,
             target.as_mut(),
             &prompt,
             &eos,

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use dflash_backend::cpu::Cpu;
+use dflash_backend::Backend;
 use dflash_spec_round::{plain_greedy, Drafter, Session, SpecConfig, Stats, StopReason, Target};
 
 /// A finished speculative run.
@@ -20,10 +20,10 @@ pub struct SpecRun {
 /// Run a session to the end, round by round (`burst(1)`), handing every burst of tokens to
 /// `on_tokens` as soon as it is committed.
 #[allow(clippy::too_many_arguments)]
-pub fn spec_run(
-    be: &Cpu,
-    target: &mut dyn Target<Cpu>,
-    drafter: &mut dyn Drafter<Cpu>,
+pub fn spec_run<B: Backend>(
+    be: &B,
+    target: &mut dyn Target<B>,
+    drafter: &mut dyn Drafter<B>,
     cfg: SpecConfig,
     prompt: &[u32],
     eos: &[u32],
@@ -67,9 +67,9 @@ pub fn spec_run(
 }
 
 /// Plain greedy decode of the same target, timed (prefill included).
-pub fn plain_run(
-    be: &Cpu,
-    target: &mut dyn Target<Cpu>,
+pub fn plain_run<B: Backend>(
+    be: &B,
+    target: &mut dyn Target<B>,
     prompt: &[u32],
     eos: &[u32],
     max_new: usize,

@@ -248,3 +248,61 @@ fn drafter_precision_and_head_never_change_the_stream() {
     assert!(!ok);
     assert!(stderr.contains("draft-head"), "{stderr}");
 }
+
+/// `--device cuda`: where a CUDA driver and a GPU exist, the speculative stream on the GPU
+/// equals plain greedy on the GPU and transformers' greedy continuation (the f32 oracle
+/// fixture); elsewhere the command fails with an error that names what is missing, never a
+/// panic.
+#[test]
+fn device_cuda_runs_or_says_why() {
+    let prompt = fixture_ids("prompt_ids");
+    let greedy = fixture_ids("greedy_ids");
+    let ids = prompt
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let target = root().join("targets/tests/fixtures/qwen3_dense/model");
+    let draft = root().join("draft-model/tests/fixtures/dspark_markov/draft");
+    let max_new = greedy.len().to_string();
+    let (ok, stdout, stderr) = run(&[
+        "generate",
+        "--device",
+        "cuda",
+        "--target",
+        target.to_str().unwrap(),
+        "--draft",
+        draft.to_str().unwrap(),
+        "--prompt-ids",
+        &ids,
+        "--max-new",
+        &max_new,
+        "--compare-plain",
+        "--json",
+    ]);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !ok {
+        assert!(
+            stderr.contains("opening CUDA device 0: "),
+            "a machine without CUDA must get a clear error: {stderr}"
+        );
+        eprintln!("no CUDA here: {}", stderr.lines().next().unwrap_or(""));
+        return;
+    }
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let toks = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    assert_eq!(v["identical"], serde_json::Value::Bool(true));
+    assert_eq!(toks("tokens"), greedy);
+    assert_eq!(toks("plain_tokens"), greedy);
+    eprintln!(
+        "CUDA: {} tokens, tau {:.2}, identical to plain greedy and to transformers",
+        greedy.len(),
+        v["tau"].as_f64().unwrap()
+    );
+}
