@@ -25,7 +25,7 @@ mod error;
 mod weight;
 
 pub use error::BackendError;
-pub use weight::{HostData, HostWeight, Weight, WeightFormat};
+pub use weight::{HostData, HostWeight, Weight, WeightFormat, A8_CHUNK_BLOCKS};
 
 /// Result alias for backend operations.
 pub type Result<T> = std::result::Result<T, BackendError>;

@@ -2,6 +2,10 @@ use dflash_quant::{BlockQ4_0, BlockQ8_0, QK};
 
 use crate::{Backend, BackendError, Result};
 
+/// [`WeightFormat::Q8_0A8`]: 32-value blocks per chunk of the f32 accumulation (each chunk
+/// is its own fused multiply-add chain from 0; the chunk results are added in order).
+pub const A8_CHUNK_BLOCKS: usize = 32;
+
 /// Storage format of a weight matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -20,21 +24,28 @@ pub enum WeightFormat {
     /// same as llama.cpp's q8_0 on the CPU. Meant for the drafter, whose numerics only change
     /// what it proposes, never what is committed. `gather_rows` dequantizes exactly as q8_0.
     ///
-    /// The f32 part exactly (every backend gives these bits), with `nb = cols / 32`:
+    /// The f32 part exactly (every backend gives these bits), with `nb = cols / 32` and the
+    /// blocks taken in chunks of [`A8_CHUNK_BLOCKS`] (= 32 blocks, 1024 values; the last chunk
+    /// may be shorter):
     /// ```text
-    /// acc = 0.0f32
-    /// for b in 0..nb:
-    ///     isum = Σ_{i<32} q_w[o, 32b+i] · q_x[r, 32b+i]          (exact int32)
-    ///     s    = f32(d_w[o, b]) * f32(d_x[r, b])                 (f16 scales widened; f32 product)
-    ///     acc  = fma(f32(isum), s, acc)                          (one rounding)
-    /// out[r, o] = acc
+    /// for c in 0 .. ceil(nb / 32):
+    ///     acc_c = 0.0f32
+    ///     for b in 32c .. min(32c + 32, nb):
+    ///         isum  = Σ_{i<32} q_w[o, 32b+i] · q_x[r, 32b+i]      (exact int32)
+    ///         s     = f32(d_w[o, b]) * f32(d_x[r, b])             (f16 scales widened; f32 product)
+    ///         acc_c = fma(f32(isum), s, acc_c)                    (one rounding)
+    /// out[r, o] = acc_0
+    /// for c in 1 .. ceil(nb / 32):  out[r, o] = out[r, o] + acc_c    (plain f32 adds, chunk order)
     /// ```
+    /// (`cols = 0` gives 0.) For `cols <= 1024` this is one chain over the blocks in order.
+    /// The chunks let a GPU split K over thread blocks (one chunk each) and still give these
+    /// bits: the per-chunk chains and the ordered sum do not depend on the launch shape.
     /// `f32(isum)` is exact (`|isum| <= 32·128·127 < 2^24`) and so is `s` (two f16 values:
     /// at most 22 significant bits, no overflow or underflow in f32), so the only roundings
-    /// are the `nb` fused multiply-adds (on the GPU: `fmaf`, not `a * b + c` contracted or
-    /// not at the compiler's whim). A row of `x` holding a NaN or an infinity cannot be
-    /// quantized: `matmul` returns an error naming the weight and the row.
-    /// A row's result depends only on that row (per-row determinism, as every matmul).
+    /// are the fused multiply-adds (on the GPU: `fmaf`, not `a * b + c` contracted or not at
+    /// the compiler's whim) and the `ceil(nb / 32) - 1` chunk adds. A row of `x` holding a NaN
+    /// or an infinity cannot be quantized: `matmul` returns an error naming the weight and the
+    /// row. A row's result depends only on that row (per-row determinism, as every matmul).
     Q8_0A8,
 }
 

@@ -1,35 +1,46 @@
 //! `WeightFormat::Q8_0A8` on the CPU backend against a plain scalar transcription of its
 //! contract (weight.rs): every row of `x` quantized with `dflash_quant::quantize_q8_0`, exact
-//! integer block dots, then `acc = fma(isum as f32, d_w * d_x, acc)` over the blocks in order
-//! from 0. Bit-exact on every instruction set and thread count; per-row deterministic; within
+//! integer block dots, then per chunk of 32 blocks `acc_c = fma(isum as f32, d_w * d_x, acc_c)`
+//! over the chunk's blocks in order from 0, and the chunk results added in chunk order.
+//! Bit-exact on every instruction set and thread count; per-row deterministic; within
 //! the derived 8-bit rounding bound of the f64 product of the dequantized weight and the
 //! unquantized `x`.
 
 use dflash_backend::cpu::{vnni_supported, Cpu, Isa};
-use dflash_backend::{Backend, BackendError, HostData, HostWeight, WeightFormat};
+use dflash_backend::{Backend, BackendError, HostData, HostWeight, WeightFormat, A8_CHUNK_BLOCKS};
 use dflash_quant::{BlockQ8_0, QK};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 /// The contract, written out with nothing shared with the backend but the quantizer.
 fn oracle(w: &[BlockQ8_0], n: usize, k: usize, x: &[f32], rows: usize) -> Vec<f32> {
+    assert_eq!(
+        A8_CHUNK_BLOCKS, 32,
+        "the contract's chunk is 32 blocks (1024 values)"
+    );
     let nb = k / QK;
     let mut out = vec![0.0f32; rows * n];
     for r in 0..rows {
         let qx = dflash_quant::quantize_q8_0(&x[r * k..(r + 1) * k]).unwrap();
         for o in 0..n {
-            let mut acc = 0.0f32;
-            for b in 0..nb {
-                let wb = &w[o * nb + b];
-                let xb = &qx[b];
-                let mut isum = 0i32;
-                for i in 0..QK {
-                    isum += wb.qs[i] as i32 * xb.qs[i] as i32;
+            let mut total = 0.0f32;
+            let mut c = 0;
+            while c * 32 < nb {
+                let mut acc = 0.0f32;
+                for b in 32 * c..(32 * c + 32).min(nb) {
+                    let wb = &w[o * nb + b];
+                    let xb = &qx[b];
+                    let mut isum = 0i32;
+                    for i in 0..QK {
+                        isum += wb.qs[i] as i32 * xb.qs[i] as i32;
+                    }
+                    let s = wb.d.to_f32() * xb.d.to_f32();
+                    acc = (isum as f32).mul_add(s, acc);
                 }
-                let s = wb.d.to_f32() * xb.d.to_f32();
-                acc = (isum as f32).mul_add(s, acc);
+                total = if c == 0 { acc } else { total + acc };
+                c += 1;
             }
-            out[r * n + o] = acc;
+            out[r * n + o] = total;
         }
     }
     out
@@ -126,6 +137,17 @@ fn bit_exact_vs_contract_on_every_isa_and_thread_count() {
         cases.push((rows, n, k));
     }
     cases.extend([(33, 40, 64), (16, 256, 256), (7, 33, 1024), (1, 17, 32)]);
+    // Several chunks of 32 blocks, with a short last chunk (1056, 3200, 5120 + 32), whole
+    // chunks (2048, 4096), the drafter's K (4096, 12288).
+    cases.extend([
+        (1, 20, 1056),
+        (3, 17, 2048),
+        (9, 33, 3200),
+        (16, 40, 4096),
+        (8, 18, 5152),
+        (5, 16, 12288),
+        (17, 9, 1088),
+    ]);
     for (rows, n, k) in cases {
         let w = make_w(&mut rng, n, k);
         let x = make_x(&mut rng, rows, k);
@@ -170,7 +192,7 @@ fn vnni_path_is_the_one_tested_on_this_cpu() {
 #[test]
 fn each_row_alone_gives_the_same_bits() {
     let mut rng = StdRng::seed_from_u64(7);
-    let (n, k) = (70, 256);
+    let (n, k) = (70, 1312);
     let w = make_w(&mut rng, n, k);
     let hw = HostWeight::from_f32("w", n, k, &w, WeightFormat::Q8_0A8).unwrap();
     for (name, be) in backends() {
@@ -206,8 +228,9 @@ fn each_row_alone_gives_the_same_bits() {
 ///   below `2^-14`);
 /// * so `e_i = |x_i - d16 q_i| <= d |x_i / d - q_i| + 127 |d - d16|`.
 ///
-/// The f32 part is exact but for the `nb` fused multiply-adds of the block terms `t_b`
-/// (`|t_b| <= Σ_{i ∈ b} |w_i| |d16 q_i|`): rounding error `<= γ_nb Σ_b |t_b|`,
+/// The f32 part is exact but for the fused multiply-adds of the block terms `t_b`
+/// (`|t_b| <= Σ_{i ∈ b} |w_i| |d16 q_i|`) and the chunk adds: each term goes through at most
+/// `min(nb, 32) + ceil(nb / 32) - 1 <= nb` roundings, so the error is `<= γ_nb Σ_b |t_b|`,
 /// `γ_n = n u / (1 - n u)`. Total: `Σ_i |w_i| e_i + γ_nb Σ_i |w_i| (|x_i| + e_i)`.
 #[test]
 fn error_within_the_8_bit_rounding_bound() {
@@ -217,7 +240,8 @@ fn error_within_the_8_bit_rounding_bound() {
     let mut worst = 0.0f64;
     for _ in 0..40 {
         let rows = rng.random_range(1..=17usize);
-        let k = QK * rng.random_range(1..=32usize);
+        // Up to 3 chunks of 32 blocks.
+        let k = QK * rng.random_range(1..=96usize);
         let n = rng.random_range(1..=48usize);
         let nb = k / QK;
         let w = make_w(&mut rng, n, k);

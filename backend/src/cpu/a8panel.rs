@@ -15,10 +15,12 @@
 //! int32 accumulator at `ncorr` gives the exact block sum `isum` (`|isum| <= 32·128·127`, and
 //! every intermediate fits in int32: `vpdpbusd` wraps, it never saturates).
 //!
-//! f32 part (the contract of the format, identical on every path):
-//! `acc = 0.0; for b in 0..nb { acc = fma(isum_b as f32, d_w[b] * d_x[b], acc) }`. `isum as
-//! f32` is exact (`< 2^24`), and so is `d_w * d_x` (two f16 values: 22 significant bits, far
-//! from the f32 range limits), so the only roundings are the `nb` fused multiply-adds: the
+//! f32 part (the contract of the format, identical on every path): the blocks in chunks of
+//! [`A8_CHUNK_BLOCKS`] (32), per chunk `c` a fresh chain
+//! `acc_c = 0.0; for b in chunk c { acc_c = fma(isum_b as f32, d_w[b] * d_x[b], acc_c) }`, then
+//! `out = acc_0 + acc_1 + ...` (plain f32 adds, in chunk order). `isum as f32` is exact
+//! (`< 2^24`), and so is `d_w * d_x` (two f16 values: 22 significant bits, far from the f32
+//! range limits), so the only roundings are the fused multiply-adds and the chunk adds: the
 //! portable and VNNI kernels give identical bits, and a row's result depends on nothing but
 //! that row (the quantization is per row, the tiles only share loads).
 
@@ -28,7 +30,7 @@ use dflash_quant::{BlockQ8_0, QK};
 
 use super::kernel::Isa;
 use super::panel::NP;
-use crate::{BackendError, Result};
+use crate::{BackendError, Result, A8_CHUNK_BLOCKS};
 
 /// Bytes of codes per (panel, block).
 const QB: usize = QK * NP;
@@ -253,30 +255,42 @@ fn row_tile<const R: usize>(isa: Isa, w: &A8Panels, rows: [Row<'_>; R], k: usize
 }
 
 fn tile_portable<const R: usize>(ds: &[f32], qs: &[u8], rows: [Row<'_>; R], nb: usize) -> Tile<R> {
-    let mut acc = [[0.0f32; NP]; R];
-    for b in 0..nb {
-        let wq = &qs[b * QB..(b + 1) * QB];
-        for (r, row) in rows.iter().enumerate() {
-            let xq = &row.codes[b * QK..(b + 1) * QK];
-            let dx = row.dx[b];
-            for (j, a) in acc[r].iter_mut().enumerate() {
-                let mut isum = 0i32;
-                for (i, &xv) in xq.iter().enumerate() {
-                    let wv = (wq[(i / 4) * 64 + 4 * j + i % 4] ^ 0x80) as i8;
-                    isum += wv as i32 * xv as i32;
+    let mut tot = [[0.0f32; NP]; R];
+    for c0 in (0..nb).step_by(A8_CHUNK_BLOCKS) {
+        let mut acc = [[0.0f32; NP]; R];
+        for b in c0..(c0 + A8_CHUNK_BLOCKS).min(nb) {
+            let wq = &qs[b * QB..(b + 1) * QB];
+            for (r, row) in rows.iter().enumerate() {
+                let xq = &row.codes[b * QK..(b + 1) * QK];
+                let dx = row.dx[b];
+                for (j, a) in acc[r].iter_mut().enumerate() {
+                    let mut isum = 0i32;
+                    for (i, &xv) in xq.iter().enumerate() {
+                        let wv = (wq[(i / 4) * 64 + 4 * j + i % 4] ^ 0x80) as i8;
+                        isum += wv as i32 * xv as i32;
+                    }
+                    *a = (isum as f32).mul_add(ds[b * NP + j] * dx, *a);
                 }
-                *a = (isum as f32).mul_add(ds[b * NP + j] * dx, *a);
+            }
+        }
+        if c0 == 0 {
+            tot = acc;
+        } else {
+            for (t, a) in tot.iter_mut().zip(&acc) {
+                for (tv, av) in t.iter_mut().zip(a) {
+                    *tv += *av;
+                }
             }
         }
     }
-    acc
+    tot
 }
 
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{Row, NG, NP, QB, QK};
+    use super::{Row, A8_CHUNK_BLOCKS, NG, NP, QB, QK};
 
     /// Tile rows `r` (`< R`) over panels `p0 .. p1`: output `o` of row `r` goes to
     /// `out[(r0 + r) width + o - 16 p0]` for `o < n_out`.
@@ -308,23 +322,36 @@ mod vnni {
             // SAFETY (all pointer arithmetic below): within the lengths of the contract.
             let wp = unsafe { qs.as_ptr().add(p * nb * QB) };
             let dp = unsafe { ds.as_ptr().add(p * nb * NP) };
-            let mut acc = [_mm512_setzero_ps(); R];
-            for b in 0..nb {
-                let w: [__m512i; NG] = std::array::from_fn(|g| unsafe {
-                    _mm512_loadu_si512(wp.add(b * QB + g * 64) as *const __m512i)
-                });
-                let dw = unsafe { _mm512_loadu_ps(dp.add(b * NP)) };
-                for r in 0..R {
-                    let mut ia = _mm512_set1_epi32(unsafe { *ncp[r].add(b) });
-                    for (g, wg) in w.iter().enumerate() {
-                        let x4 =
-                            unsafe { (xp[r].add(b * QK + 4 * g) as *const i32).read_unaligned() };
-                        ia = _mm512_dpbusd_epi32(ia, *wg, _mm512_set1_epi32(x4));
+            let mut tot = [_mm512_setzero_ps(); R];
+            for c0 in (0..nb).step_by(A8_CHUNK_BLOCKS) {
+                // One chain per chunk, then the ordered chunk adds (the contract).
+                let mut acc = [_mm512_setzero_ps(); R];
+                for b in c0..(c0 + A8_CHUNK_BLOCKS).min(nb) {
+                    let w: [__m512i; NG] = std::array::from_fn(|g| unsafe {
+                        _mm512_loadu_si512(wp.add(b * QB + g * 64) as *const __m512i)
+                    });
+                    let dw = unsafe { _mm512_loadu_ps(dp.add(b * NP)) };
+                    for r in 0..R {
+                        let mut ia = _mm512_set1_epi32(unsafe { *ncp[r].add(b) });
+                        for (g, wg) in w.iter().enumerate() {
+                            let x4 = unsafe {
+                                (xp[r].add(b * QK + 4 * g) as *const i32).read_unaligned()
+                            };
+                            ia = _mm512_dpbusd_epi32(ia, *wg, _mm512_set1_epi32(x4));
+                        }
+                        let s = _mm512_mul_ps(dw, _mm512_set1_ps(unsafe { *dxp[r].add(b) }));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
                     }
-                    let s = _mm512_mul_ps(dw, _mm512_set1_ps(unsafe { *dxp[r].add(b) }));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), s, acc[r]);
+                }
+                if c0 == 0 {
+                    tot = acc;
+                } else {
+                    for r in 0..R {
+                        tot[r] = _mm512_add_ps(tot[r], acc[r]);
+                    }
                 }
             }
+            let acc = tot;
             let o = p * NP;
             let n = NP.min(n_out - o);
             let mask = ((1u32 << n) - 1) as __mmask16;
