@@ -304,3 +304,340 @@ extern "C" __global__ void attn_generic(const float *q, const float *k, const fl
         if (d < D) out[row * D + d] = L > 0.0f ? acc[e] / L : 0.0f;
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Tensor-core attention (3xTF32) for head dims 32 / 64 / 128.
+//
+// Grid (n_split, n_kv_heads, ceil(n_q * G / (16 RW))), 32 * KW * RW threads: RW row warps (16 query
+// rows each: row qr = query qr / G, head hk G + qr % G) times KW key warps. The block streams its
+// split of `split_keys` keys as chunks of CK = 16 KW keys through a cp.async double buffer shared
+// by all warps; key warp kw takes keys 16 kw .. 16 kw + 15 of every chunk. Each warp keeps its own
+// online softmax (running max, sum, unnormalised output) for its 16 rows over its keys; at the
+// end the KW states of a row group are merged in the fixed order kw = 0, 1, ..., and the split's
+// partial (unnormalised output, max, sum) goes to the workspace for attn_combine.
+//
+// Products: S = Q K^T and O += P V with mma.m16n8k8 tf32, each operand split as x = hi + lo
+// (hi = tf32(x), lo = x - hi) and hi*hi + hi*lo + lo*hi accumulated in f32 (the lo*lo term
+// is below f32 rounding): about f32 accuracy.
+//
+// Per-row determinism: the chunk boundaries sit at fixed key indices (multiples of CK from the
+// split start, split starts at multiples of split_keys), a row's scores depend only on its
+// query and the keys (each mma output element is a dot product of its own A row and B column),
+// masked keys give p = 0 and leave (max, sum, output) unchanged bit for bit, chunks no row of
+// the block can see are skipped (the same no-op), and the merge orders are fixed. So a row gives
+// the same bits for any n_q, n_kv >= its visible keys and any RW.
+//
+// Fragment layouts (m16n8k8 tf32; g = lane / 4, t = lane % 4): A a0 (g, t), a1 (g+8, t),
+// a2 (g, t+4), a3 (g+8, t+4); B b0 (k t, n g), b1 (k t+4, n g); C c0 (g, 2t), c1 (g, 2t+1),
+// c2 (g+8, 2t), c3 (g+8, 2t+1).
+// * S: over a pair of k-steps lane t reads d = 16 kp + 4t .. +3 with one float4 (Q and K):
+//   step 0 maps k t -> d 16kp+4t, k t+4 -> 16kp+4t+1, step 1 -> +2 / +3. Key n of n-tile nt is
+//   key 8 nt + n of the warp's 16.
+// * PV: the A operand (P) comes straight from the S accumulator: k t -> key 2t, k t+4 -> key
+//   2t+1, so a0 = c0, a1 = c2, a2 = c1, a3 = c3, and V's B rows are read with the same map.
+//   Output n-tile 4c + e, column n holds d = 32c + 4n + e, so lane g reads V[key][32c + 4g ..+3]
+//   as one float4 for e = 0..3, and the accumulator of rows g / g+8 holds d = 32c + 8t .. +7.
+// Shared pitches: Q and K rows D + 16 floats (float4 reads of 2 rows x 4 lanes conflict-free),
+// V rows D + 4 (float4 reads of rows 2t / 2t+1 at column 4g conflict-free).
+
+// hi = x rounded to tf32 (half-ulp up in magnitude, low 13 bits cleared), lo = x - hi (exact in
+// f32; the tensor cores read its top 19 bits, ignoring the low 13 as for any tf32 operand).
+__device__ __forceinline__ void tf32_split(float x, u32 &hi, u32 &lo) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// c += a b with a = ah + al, b = bh + bl (al bl dropped), small terms first.
+__device__ __forceinline__ void mma_3xtf32(float c[4], const u32 ah[4], const u32 al[4], u32 bh0, u32 bh1, u32 bl0, u32 bl1) {
+    mma_tf32(c, al[0], al[1], al[2], al[3], bh0, bh1);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+    mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+}
+
+template <int D, int KW>
+__device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                             float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
+                                             long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
+                                             int split_keys) {
+    constexpr int CK = 16 * KW;  // keys per chunk
+    constexpr int PQ = D + 16, PK = D + 16, PV = D + 4;
+    constexpr int NC = D / 32;  // 32-wide output column groups
+    constexpr int NO = D / 8;   // output n-tiles
+    constexpr int C4 = D / 4;
+    extern __shared__ __align__(16) float sm[];
+    const int nth = blockDim.x;
+    const int RW = nth / (32 * KW);
+    const int ROWS = 16 * RW;
+    float *Qs = sm;                   // [ROWS][PQ]
+    float *Ks = Qs + ROWS * PQ;       // [2][CK][PK]
+    float *Vs = Ks + 2 * CK * PK;     // [2][CK][PV]
+
+    const int G = H / Hkv;
+    const int QR = n_q * G;
+    const int hk = blockIdx.y;
+    const int split = blockIdx.x;
+    const int qr0 = blockIdx.z * ROWS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int rw = warp / KW, kw = warp % KW;
+    const int g = lane >> 2, t = lane & 3;
+
+    // Q rows of the block (zeros for padding rows).
+    for (int c = tid; c < ROWS * C4; c += nth) {
+        const int r = c / C4, d4 = (c % C4) * 4;
+        const int qr = qr0 + r;
+        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (qr < QR) {
+            const int i = qr / G, h = hk * G + qr % G;
+            val = *(const float4 *)(q + ((long long)i * H + h) * D + d4);
+        }
+        *(float4 *)(Qs + r * PQ + d4) = val;
+    }
+
+    // This lane's two rows.
+    const int ra = qr0 + rw * 16 + g, rb = ra + 8;
+    const bool va = ra < QR, vb = rb < QR;
+    const long long qpa = q_pos0 + (va ? ra / G : 0), qpb = q_pos0 + (vb ? rb / G : 0);
+
+    // Chunks of this split that some row of the block can see (the others are exact no-ops).
+    const long long jbase = (long long)split * split_keys;
+    int c_begin = 0, c_end = 0;
+    {
+        const int last = min(qr0 + ROWS, QR) - 1;
+        long long jlo = jbase, jhi = min((long long)n_kv, jbase + split_keys);  // [jlo, jhi)
+        if (last >= qr0) {
+            if (window >= 0) jlo = max(jlo, q_pos0 + qr0 / G - window + 1 - kv_pos0);
+            if (causal) jhi = min(jhi, q_pos0 + last / G - kv_pos0 + 1);
+        } else {
+            jhi = jlo;
+        }
+        if (jhi > jlo) {
+            c_begin = (int)((jlo - jbase) / CK);
+            c_end = (int)((jhi - jbase + CK - 1) / CK);
+        }
+    }
+    const int nch = c_end - c_begin;
+    // Query positions of the block's first and last real rows.
+    const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
+
+    auto load_chunk = [&](int c, int st) {
+        const long long j0 = jbase + (long long)c * CK;
+        float *kd = Ks + st * CK * PK, *vd = Vs + st * CK * PV;
+        for (int idx = tid; idx < CK * C4; idx += nth) {
+            const int kk = idx / C4, d4 = (idx % C4) * 4;
+            const long long j = j0 + kk;
+            if (j < n_kv) {
+                const long long off = (j * Hkv + hk) * D + d4;
+                cp_async16(kd + kk * PK + d4, k + off);
+                cp_async16(vd + kk * PV + d4, v + off);
+            } else {
+                *(float4 *)(kd + kk * PK + d4) = make_float4(0.f, 0.f, 0.f, 0.f);
+                *(float4 *)(vd + kk * PV + d4) = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    };
+
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;  // l: this lane's columns only
+
+    if (nch > 0) load_chunk(c_begin, 0);
+    cp_async_commit();
+    for (int ci = 0; ci < nch; ++ci) {
+        const int st = ci & 1;
+        if (ci + 1 < nch) load_chunk(c_begin + ci + 1, st ^ 1);
+        cp_async_commit();
+        cp_async_wait1();
+        __syncthreads();
+        const float *Kc = Ks + st * CK * PK + kw * 16 * PK;
+        const float *Vc = Vs + st * CK * PV + kw * 16 * PV;
+        const float *Qw = Qs + rw * 16 * PQ;
+        // S = Q K^T for the warp's 16 keys (2 n-tiles).
+        float s[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kp = 0; kp < D / 16; ++kp) {
+            const float4 qa = *(const float4 *)(Qw + g * PQ + 16 * kp + 4 * t);
+            const float4 qb = *(const float4 *)(Qw + (g + 8) * PQ + 16 * kp + 4 * t);
+            u32 ah0[4], al0[4], ah1[4], al1[4];
+            tf32_split(qa.x, ah0[0], al0[0]);
+            tf32_split(qb.x, ah0[1], al0[1]);
+            tf32_split(qa.y, ah0[2], al0[2]);
+            tf32_split(qb.y, ah0[3], al0[3]);
+            tf32_split(qa.z, ah1[0], al1[0]);
+            tf32_split(qb.z, ah1[1], al1[1]);
+            tf32_split(qa.w, ah1[2], al1[2]);
+            tf32_split(qb.w, ah1[3], al1[3]);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const float4 kb = *(const float4 *)(Kc + (nt * 8 + g) * PK + 16 * kp + 4 * t);
+                u32 h0, l0, h1, l1;
+                tf32_split(kb.x, h0, l0);
+                tf32_split(kb.y, h1, l1);
+                mma_3xtf32(s[nt], ah0, al0, h0, h1, l0, l1);
+                tf32_split(kb.z, h0, l0);
+                tf32_split(kb.w, h1, l1);
+                mma_3xtf32(s[nt], ah1, al1, h0, h1, l0, l1);
+            }
+        }
+        // Scale and mask; online softmax per row (quad shuffles: lanes 4g .. 4g+3 hold row g).
+        const long long j0 = jbase + (long long)(c_begin + ci) * CK;
+        // Every key of the chunk visible to every real row of the block (padding rows are
+        // never written, so they may keep their scores of a zero query).
+        const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
+                          (window < 0 || qpos_hi < kv_pos0 + j0 + window);
+        if (full) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
+        } else {
+            const long long jw = j0 + kw * 16;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const long long j = jw + nt * 8 + 2 * t + e;
+                    const long long kpos = kv_pos0 + j;
+                    s[nt][e] = va && att_visible(j, n_kv, kpos, qpa, causal, window) ? s[nt][e] * scale : NEG_INF;
+                    s[nt][2 + e] = vb && att_visible(j, n_kv, kpos, qpb, causal, window) ? s[nt][2 + e] * scale : NEG_INF;
+                }
+        }
+        float mxa = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        float mxb = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
+        const float ala = m_a == NEG_INF ? 1.0f : expf(m_a - mna);
+        const float alb = m_b == NEG_INF ? 1.0f : expf(m_b - mnb);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - mna);
+                s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : expf(s[nt][2 + e] - mnb);
+            }
+        l_a = __fmaf_rn(l_a, ala, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
+        l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
+        m_a = mna;
+        m_b = mnb;
+        if (__any_sync(0xffffffffu, ala != 1.0f || alb != 1.0f)) {  // x * 1 == x: skipping is exact
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                o[n][0] *= ala;
+                o[n][1] *= ala;
+                o[n][2] *= alb;
+                o[n][3] *= alb;
+            }
+        }
+        // O += P V.
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt) {
+            u32 ph[4], pl[4];
+            tf32_split(s[kt][0], ph[0], pl[0]);
+            tf32_split(s[kt][2], ph[1], pl[1]);
+            tf32_split(s[kt][1], ph[2], pl[2]);
+            tf32_split(s[kt][3], ph[3], pl[3]);
+            const float *v0 = Vc + (kt * 8 + 2 * t) * PV + 4 * g;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const float4 x0 = *(const float4 *)(v0 + 32 * c);
+                const float4 x1 = *(const float4 *)(v0 + PV + 32 * c);
+                const float f0[4] = {x0.x, x0.y, x0.z, x0.w};
+                const float f1[4] = {x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    u32 h0, l0, h1, l1;
+                    tf32_split(f0[e], h0, l0);
+                    tf32_split(f1[e], h1, l1);
+                    mma_3xtf32(o[4 * c + e], ph, pl, h0, h1, l0, l1);
+                }
+            }
+        }
+        __syncthreads();  // the chunk's buffers are reused two chunks later
+    }
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+
+    // Merge the key warps' states in order kw = 0, 1, ... (through shared memory).
+    if (KW > 1) {
+        constexpr int SW = NO * 4 + 4;  // floats per lane of one saved state
+        __syncthreads();
+        if (kw > 0) {
+            float *dst = sm + (size_t)((rw * (KW - 1) + kw - 1) * SW) * 32 + lane;
+#pragma unroll
+            for (int n = 0; n < NO; ++n)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) dst[(n * 4 + r) * 32] = o[n][r];
+            dst[(NO * 4) * 32] = m_a;
+            dst[(NO * 4 + 1) * 32] = m_b;
+            dst[(NO * 4 + 2) * 32] = l_a;
+            dst[(NO * 4 + 3) * 32] = l_b;
+        }
+        __syncthreads();
+        if (kw > 0) return;
+        for (int w = 1; w < KW; ++w) {
+            const float *src = sm + (size_t)((rw * (KW - 1) + w - 1) * SW) * 32 + lane;
+            const float msa = src[(NO * 4) * 32], msb = src[(NO * 4 + 1) * 32];
+            const float lsa = src[(NO * 4 + 2) * 32], lsb = src[(NO * 4 + 3) * 32];
+            const float Ma = fmaxf(m_a, msa), Mb = fmaxf(m_b, msb);
+            const float fa = m_a == NEG_INF ? 0.0f : expf(m_a - Ma), fsa = msa == NEG_INF ? 0.0f : expf(msa - Ma);
+            const float fb = m_b == NEG_INF ? 0.0f : expf(m_b - Mb), fsb = msb == NEG_INF ? 0.0f : expf(msb - Mb);
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                o[n][0] = __fmaf_rn(o[n][0], fa, __fmul_rn(src[(n * 4) * 32], fsa));
+                o[n][1] = __fmaf_rn(o[n][1], fa, __fmul_rn(src[(n * 4 + 1) * 32], fsa));
+                o[n][2] = __fmaf_rn(o[n][2], fb, __fmul_rn(src[(n * 4 + 2) * 32], fsb));
+                o[n][3] = __fmaf_rn(o[n][3], fb, __fmul_rn(src[(n * 4 + 3) * 32], fsb));
+            }
+            l_a = __fmaf_rn(l_a, fa, __fmul_rn(lsa, fsa));
+            l_b = __fmaf_rn(l_b, fb, __fmul_rn(lsb, fsb));
+            m_a = Ma;
+            m_b = Mb;
+        }
+    }
+
+    // The split's partial: rows g / g+8 hold d = 32c + 8t .. +7.
+    const long long rows_total = (long long)n_q * H;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int qr = half ? rb : ra;
+        if (!(half ? vb : va)) continue;
+        const int i = qr / G, h = hk * G + qr % G;
+        const long long row = (long long)split * rows_total + (long long)i * H + h;
+        float *dst = ws_o + row * D + 8 * t;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int r0 = half * 2;
+            *(float4 *)(dst + 32 * c) = make_float4(o[4 * c][r0], o[4 * c + 1][r0], o[4 * c + 2][r0], o[4 * c + 3][r0]);
+            *(float4 *)(dst + 32 * c + 4) =
+                make_float4(o[4 * c][r0 + 1], o[4 * c + 1][r0 + 1], o[4 * c + 2][r0 + 1], o[4 * c + 3][r0 + 1]);
+        }
+        if (t == 0) {
+            ws_ml[row * 2] = half ? m_b : m_a;
+            ws_ml[row * 2 + 1] = half ? l_b : l_a;
+        }
+    }
+}
+
+#define ATTN_TC(D, KW)                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW(                                                 \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,             \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys) {                         \
+        attn_tc_impl<D, KW>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys);        \
+    }
+ATTN_TC(32, 2)
+ATTN_TC(64, 2)
+ATTN_TC(128, 2)
+ATTN_TC(32, 4)
+ATTN_TC(64, 4)
+ATTN_TC(128, 4)

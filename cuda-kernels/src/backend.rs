@@ -16,6 +16,10 @@ use dflash_backend::{
 use crate::error::{dev, CudaError};
 use crate::registry::{arch_for, Kernel, Registry};
 
+mod attention;
+pub use attention::AttnKernel;
+use attention::ATT_SPLIT;
+
 type Result<T> = std::result::Result<T, BackendError>;
 
 /// Largest row count served by the per-row-deterministic skinny matmul in one launch.
@@ -25,8 +29,6 @@ pub const SKINNY_ROWS: usize = 16;
 const SKINNY_TILE_ROWS: usize = 32;
 const ARGMAX_CHUNK: usize = 4096;
 const MARKOV_CHUNK: usize = 1024;
-const ATT_SPLIT: usize = 256;
-const ATT_QT: usize = 16;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
 /// repacked weight are padded to a whole number of stages.
 const A8_KC: usize = 8;
@@ -202,6 +204,7 @@ pub struct Cuda {
     smem_set: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
     attn_split: Mutex<usize>,
+    attn_kernel: Mutex<AttnKernel>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -237,10 +240,6 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
     }
-}
-
-fn att_smem_bytes(d: usize) -> usize {
-    (16 * d + 64 * (d + 4) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
 }
 
 /// Threads per row of the row-wise norms, from the row width only (per-row determinism).
@@ -309,6 +308,7 @@ impl Cuda {
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
             attn_split: Mutex::new(ATT_SPLIT),
+            attn_kernel: Mutex::new(AttnKernel::Auto),
         })
     }
 
@@ -331,21 +331,6 @@ impl Cuda {
     pub fn set_a8_kernel(&self, k: A8Kernel) {
         *lock(&self.a8_kernel) = k;
     }
-    /// Keys per split of the context-split attention kernel (default 256; a multiple of 64
-    /// in 64..=4096). The split boundaries sit at fixed key positions, so any fixed value
-    /// keeps attention per-row deterministic; changing it between calls changes the
-    /// summation order (a benchmark knob: set it once, before any attention).
-    pub fn set_attn_split(&self, keys: usize) -> Result<()> {
-        if !(64..=4096).contains(&keys) || !keys.is_multiple_of(64) {
-            return Err(BackendError::Invalid {
-                op: "set_attn_split",
-                msg: format!("split of {keys} keys: expected a multiple of 64 in 64..=4096"),
-            });
-        }
-        *lock(&self.attn_split) = keys;
-        Ok(())
-    }
-
     fn func(&self, k: Kernel) -> Result<CudaFunction> {
         self.reg.get(k).map_err(BackendError::from)
     }
@@ -372,15 +357,7 @@ impl Cuda {
         for &k in Kernel::ALL {
             self.func(k)?;
         }
-        for (k, d) in [
-            (Kernel::AttnSplitD32, 32),
-            (Kernel::AttnSplitD64, 64),
-            (Kernel::AttnSplitD128, 128),
-            (Kernel::AttnSplitD256, 256),
-        ] {
-            self.func_smem(k, att_smem_bytes(d))?;
-        }
-        Ok(())
+        self.attention_warm_up()
     }
 
     /// A weight of random values generated on the device (benchmarks): uniform(-amp, amp)
@@ -1692,128 +1669,7 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        let op = "attention";
-        if p.n_heads == 0
-            || p.n_kv_heads == 0
-            || !p.n_heads.is_multiple_of(p.n_kv_heads)
-            || p.head_dim == 0
-        {
-            return Err(BackendError::Invalid {
-                op,
-                msg: format!(
-                    "n_heads {} must be a positive multiple of n_kv_heads {} (head_dim {})",
-                    p.n_heads, p.n_kv_heads, p.head_dim
-                ),
-            });
-        }
-        check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
-        check(op, "k", p.n_kv * p.n_kv_heads * p.head_dim, k.len)?;
-        check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
-        check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
-        if p.n_q == 0 {
-            return Ok(());
-        }
-        let (nq, nkv, h, hkv) = (
-            i32_of(op, "n_q", p.n_q)?,
-            i32_of(op, "n_kv", p.n_kv)?,
-            p.n_heads as i32,
-            p.n_kv_heads as i32,
-        );
-        let (qp0, kp0) = (p.q_pos0 as i64, p.kv_pos0 as i64);
-        let causal = p.causal as i32;
-        if p.window == Some(0) {
-            return Err(BackendError::Invalid {
-                op,
-                msg: "window of 0".into(),
-            });
-        }
-        let window = p.window.map(|w| w as i64).unwrap_or(-1);
-        let scale = p.scale;
-        let d = p.head_dim;
-        let tiled = match d {
-            32 => Some(Kernel::AttnSplitD32),
-            64 => Some(Kernel::AttnSplitD64),
-            128 => Some(Kernel::AttnSplitD128),
-            256 => Some(Kernel::AttnSplitD256),
-            _ => None,
-        };
-        let rows_total = p.n_q * p.n_heads;
-        match tiled {
-            Some(kern) if p.n_kv > 0 => {
-                let smem = att_smem_bytes(d);
-                let f = self.func_smem(kern, smem)?;
-                let split_keys = *lock(&self.attn_split);
-                let split_i = split_keys as i32;
-                let n_split = p.n_kv.div_ceil(split_keys);
-                let qr = p.n_q * (p.n_heads / p.n_kv_heads);
-                let mut s = lock(&self.scratch);
-                ensure(&self.stream, &mut s.att_o, n_split * rows_total * d).map_err(dev)?;
-                ensure(&self.stream, &mut s.att_ml, n_split * rows_total * 2).map_err(dev)?;
-                let Scratch { att_o, att_ml, .. } = &mut *s;
-                let (wo, wml) = (
-                    att_o.as_mut().ok_or_else(internal)?,
-                    att_ml.as_mut().ok_or_else(internal)?,
-                );
-                let mut b = self.stream.launch_builder(&f);
-                b.arg(&q.data)
-                    .arg(&k.data)
-                    .arg(&v.data)
-                    .arg(&mut *wo)
-                    .arg(&mut *wml);
-                b.arg(&nq)
-                    .arg(&nkv)
-                    .arg(&h)
-                    .arg(&hkv)
-                    .arg(&qp0)
-                    .arg(&kp0)
-                    .arg(&causal)
-                    .arg(&window)
-                    .arg(&scale)
-                    .arg(&split_i);
-                let grid = (
-                    n_split as u32,
-                    p.n_kv_heads as u32,
-                    qr.div_ceil(ATT_QT) as u32,
-                );
-                unsafe { b.launch(cfg(grid, 256, smem as u32)) }.map_err(dev)?;
-                let fc = self.func(Kernel::AttnCombine)?;
-                let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
-                let mut b = self.stream.launch_builder(&fc);
-                b.arg(&*wo)
-                    .arg(&*wml)
-                    .arg(&ns)
-                    .arg(&rt)
-                    .arg(&di)
-                    .arg(&mut out.data);
-                unsafe { b.launch(cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0)) }
-                    .map_err(dev)?;
-            }
-            _ => {
-                if d > 512 {
-                    return Err(BackendError::Invalid {
-                        op,
-                        msg: format!("head_dim {d} > 512 is not supported on CUDA"),
-                    });
-                }
-                let f = self.func(Kernel::AttnGeneric)?;
-                let di = d as i32;
-                let mut b = self.stream.launch_builder(&f);
-                b.arg(&q.data).arg(&k.data).arg(&v.data).arg(&mut out.data);
-                b.arg(&nq)
-                    .arg(&nkv)
-                    .arg(&h)
-                    .arg(&hkv)
-                    .arg(&di)
-                    .arg(&qp0)
-                    .arg(&kp0)
-                    .arg(&causal)
-                    .arg(&window)
-                    .arg(&scale);
-                unsafe { b.launch(cfg((rows_total.div_ceil(4) as u32, 1, 1), 128, 0)) }
-                    .map_err(dev)?;
-            }
-        }
-        Ok(())
+        self.attention_op(q, k, v, p, out)
     }
 
     fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {

@@ -123,6 +123,12 @@ kernels! {
     AttnSplitD64 => (Attention, "attn_split_d64"),
     AttnSplitD128 => (Attention, "attn_split_d128"),
     AttnSplitD256 => (Attention, "attn_split_d256"),
+    AttnTcD32Kw2 => (Attention, "attn_tc_d32_kw2"),
+    AttnTcD64Kw2 => (Attention, "attn_tc_d64_kw2"),
+    AttnTcD128Kw2 => (Attention, "attn_tc_d128_kw2"),
+    AttnTcD32Kw4 => (Attention, "attn_tc_d32_kw4"),
+    AttnTcD64Kw4 => (Attention, "attn_tc_d64_kw4"),
+    AttnTcD128Kw4 => (Attention, "attn_tc_d128_kw4"),
     AttnCombine => (Attention, "attn_combine"),
     AttnGeneric => (Attention, "attn_generic"),
 }

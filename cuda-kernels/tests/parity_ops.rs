@@ -965,3 +965,218 @@ fn attention_other_split_sizes() {
         eprintln!("attention split {split}: matches the CPU; decode == verify bit for bit");
     }
 }
+
+/// Every attention kernel choice (the f32 SIMT split kernel, the 3xTF32 tensor-core kernel
+/// with 2 or 4 key warps and 1 / 2 / 4 / auto row warps) matches the CPU on the mask cases,
+/// decode == verify bit for bit under each, and the row warps per block never change a bit.
+#[test]
+fn attention_kernel_choices() {
+    use dflash_cuda_kernels::AttnKernel;
+    if gpu("attention_kernel_choices").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_kernel_choices");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    assert!(g
+        .set_attn_kernel(AttnKernel::Tc {
+            key_warps: 3,
+            row_warps: 0
+        })
+        .is_err());
+    assert!(g
+        .set_attn_kernel(AttnKernel::Tc {
+            key_warps: 4,
+            row_warps: 3
+        })
+        .is_err());
+    let tc = |key_warps, row_warps| AttnKernel::Tc {
+        key_warps,
+        row_warps,
+    };
+    let choices = [
+        AttnKernel::Auto,
+        AttnKernel::Simt,
+        tc(2, 0),
+        tc(2, 1),
+        tc(2, 4),
+        tc(4, 1),
+        tc(4, 2),
+        tc(4, 4),
+    ];
+    let base = AttnParams {
+        n_q: 16,
+        n_kv: 528,
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        q_pos0: 512,
+        kv_pos0: 0,
+        causal: false,
+        window: None,
+        scale: 128f32.powf(-0.5),
+    };
+    let cases = [
+        base,
+        AttnParams {
+            n_kv: 8208,
+            q_pos0: 8192,
+            window: Some(2048),
+            ..base
+        },
+        AttnParams {
+            n_kv: 3000,
+            q_pos0: 2990,
+            causal: true,
+            window: Some(700),
+            ..base
+        },
+        AttnParams {
+            n_q: 1,
+            n_kv: 77,
+            q_pos0: 76,
+            causal: true,
+            ..base
+        },
+        AttnParams {
+            n_q: 40,
+            n_kv: 300,
+            q_pos0: 260,
+            causal: true,
+            n_heads: 16,
+            n_kv_heads: 2,
+            head_dim: 64,
+            ..base
+        },
+        AttnParams {
+            n_q: 9,
+            n_kv: 70,
+            q_pos0: 61,
+            causal: true,
+            n_heads: 6,
+            n_kv_heads: 3,
+            head_dim: 32,
+            ..base
+        },
+        AttnParams {
+            n_q: 3,
+            n_kv: 40,
+            q_pos0: 0,
+            kv_pos0: 10,
+            causal: true,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64,
+            ..base
+        },
+        AttnParams {
+            n_q: 16,
+            n_kv: 1000,
+            q_pos0: 5000,
+            kv_pos0: 4016,
+            causal: true,
+            window: Some(512),
+            ..base
+        },
+        AttnParams {
+            n_q: 33,
+            n_kv: 4100,
+            q_pos0: 4067,
+            causal: false,
+            window: Some(1000),
+            n_heads: 12,
+            n_kv_heads: 4,
+            ..base
+        },
+    ];
+    for p in cases {
+        let q = rand_vec(&mut r, p.n_q * p.n_heads * p.head_dim, 1.5);
+        let k = rand_vec(&mut r, p.n_kv * p.n_kv_heads * p.head_dim, 1.5);
+        let v = rand_vec(&mut r, p.n_kv * p.n_kv_heads * p.head_dim, 1.0);
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let mut by_kw: Vec<(usize, Vec<f32>)> = Vec::new();
+        for c in choices {
+            g.set_attn_kernel(c).unwrap();
+            let mut og = poisoned(&g, oc.len());
+            g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
+            let o = g.download(&og).unwrap();
+            report(
+                &format!(
+                    "attention {c:?} nq={} nkv={} h={}/{} d={} causal={} win={:?} kv0={}",
+                    p.n_q,
+                    p.n_kv,
+                    p.n_heads,
+                    p.n_kv_heads,
+                    p.head_dim,
+                    p.causal,
+                    p.window,
+                    p.kv_pos0
+                ),
+                &o,
+                &oc,
+                2e-5,
+            );
+            // Row warps per block never change the bits (same key warps).
+            let kw = match c {
+                AttnKernel::Auto => 4,
+                AttnKernel::Tc { key_warps, .. } => key_warps,
+                AttnKernel::Simt => continue,
+            };
+            if let Some((_, first)) = by_kw.iter().find(|(w, _)| *w == kw) {
+                assert_same_bits(&format!("attention {c:?} vs other row warps"), &o, first);
+            } else {
+                by_kw.push((kw, o));
+            }
+        }
+    }
+    // Decode of queries 0 / 7 / 15 == the 16-query verify, under every choice.
+    let (ctx, hd, h, hkv, nq) = (1500usize, 128usize, 32usize, 8usize, 16usize);
+    let cap = ctx + nq;
+    let q = rand_vec(&mut r, nq * h * hd, 1.5);
+    let k = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.5)).unwrap();
+    let v = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.0)).unwrap();
+    for win in [None, Some(300usize)] {
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal: true,
+            window: win,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let qg = g.upload(&q).unwrap();
+        for c in choices {
+            g.set_attn_kernel(c).unwrap();
+            let mut all = poisoned(&g, nq * h * hd);
+            g.attention(&qg, &k, &v, &p, &mut all).unwrap();
+            let all = g.download(&all).unwrap();
+            for i in [0usize, 7, 15] {
+                let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
+                let pi = AttnParams {
+                    n_q: 1,
+                    n_kv: ctx + i + 1,
+                    q_pos0: ctx + i,
+                    ..p
+                };
+                let mut o = poisoned(&g, h * hd);
+                g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
+                assert_same_bits(
+                    &format!("{c:?} win {win:?}: decode of query {i} vs the 16-query verify"),
+                    &g.download(&o).unwrap(),
+                    &all[i * h * hd..(i + 1) * h * hd],
+                );
+            }
+        }
+    }
+    eprintln!("attention kernel choices: all match the CPU; decode == verify bit for bit; row warps never change a bit");
+}

@@ -18,7 +18,7 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
-use dflash_cuda_kernels::{A8Kernel, Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Kernel, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
     #[arg(long)]
     attn_split: Option<usize>,
+    /// Attention kernel for the step: auto (the library default), simt (f32 CUDA cores),
+    /// tc2, tc4 (3xTF32 tensor cores, 2 / 4 key warps per chunk) (a benchmark knob).
+    #[arg(long, default_value = "auto")]
+    attn_kernel: String,
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
@@ -618,37 +622,63 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         }
         g.set_a8_kernel(A8Kernel::Auto);
     }
-    for ctx in [512usize, 8192] {
-        for (nq, causal) in [(16usize, false), (1, true)] {
-            let (h, hkv, hd) = (32usize, 8usize, 128usize);
-            let q = g.random_buf(nq * h * hd, 4, 1.0)?;
-            let kc = g.random_buf((ctx + 16) * hkv * hd, 5, 1.0)?;
-            let vc = g.random_buf((ctx + 16) * hkv * hd, 6, 1.0)?;
-            let mut o = g.zeros(nq * h * hd)?;
-            let p = AttnParams {
-                n_q: nq,
-                n_kv: ctx + nq,
-                n_heads: h,
-                n_kv_heads: hkv,
-                head_dim: hd,
-                q_pos0: ctx,
-                kv_pos0: 0,
-                causal,
-                window: None,
-                scale: 0.088,
-            };
-            for split in [256usize, 128, 64] {
-                g.set_attn_split(split)?;
-                let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
-                let bytes = 2 * (ctx + nq) * hkv * hd * 4;
-                let gbs = bytes as f64 / ms / 1e6;
-                md += &format!(
-                    "| attention ctx {ctx} 32/8 heads d128, split {split} | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
-                    100.0 * gbs * 1e9 / bw
-                );
-            }
-            g.set_attn_split(256)?;
+    // Attention: the f32 SIMT kernel (split 256, the previous default) and the 3xTF32
+    // tensor-core kernel with 2 / 4 key warps per chunk over split sizes, row warps chosen
+    // from the grid (auto) or forced; "win" = sliding window (only the visible keys counted).
+    let tc = |key_warps, row_warps| AttnKernel::Tc {
+        key_warps,
+        row_warps,
+    };
+    let mut attn_variants: Vec<(AttnKernel, usize, String)> =
+        vec![(AttnKernel::Simt, 256, "simt split 256".into())];
+    for kw in [2usize, 4] {
+        for split in [64usize, 128, 256, 512] {
+            attn_variants.push((tc(kw, 0), split, format!("tc kw{kw} split {split}")));
         }
+    }
+    for rw in [1usize, 2, 4] {
+        attn_variants.push((tc(4, rw), 256, format!("tc kw4 rw{rw} split 256")));
+    }
+    for (ctx, nq, causal, window) in [
+        (512usize, 16usize, false, None),
+        (512, 1, true, None),
+        (2048, 16, false, None),
+        (8192, 16, false, None),
+        (8192, 1, true, None),
+        (8192, 16, false, Some(2048usize)),
+    ] {
+        let (h, hkv, hd) = (32usize, 8usize, 128usize);
+        let q = g.random_buf(nq * h * hd, 4, 1.0)?;
+        let kc = g.random_buf((ctx + 16) * hkv * hd, 5, 1.0)?;
+        let vc = g.random_buf((ctx + 16) * hkv * hd, 6, 1.0)?;
+        let mut o = g.zeros(nq * h * hd)?;
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: ctx + nq,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal,
+            window,
+            scale: 0.088,
+        };
+        let wname = window.map(|w| format!(" win {w}")).unwrap_or_default();
+        for (kern, split, name) in &attn_variants {
+            g.set_attn_kernel(*kern)?;
+            g.set_attn_split(*split)?;
+            let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
+            let keys = window.map_or(ctx + nq, |w| (w + nq).min(ctx + nq));
+            let bytes = 2 * keys * hkv * hd * 4;
+            let gbs = bytes as f64 / ms / 1e6;
+            md += &format!(
+                "| attention ctx {ctx}{wname} 32/8 heads d128, {name} | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                100.0 * gbs * 1e9 / bw
+            );
+        }
+        g.set_attn_kernel(AttnKernel::Auto)?;
+        g.set_attn_split(256)?;
     }
     for (rows, dim) in [(16usize, 4096usize), (512, 128)] {
         let x = g.random_buf(rows * dim, 4, 1.0)?;
@@ -739,6 +769,19 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
         g.set_a8_kernel(a8k);
         g.set_attn_split(a.attn_split.unwrap_or(256))?;
+        g.set_attn_kernel(match a.attn_kernel.as_str() {
+            "auto" => AttnKernel::Auto,
+            "simt" => AttnKernel::Simt,
+            "tc2" => AttnKernel::Tc {
+                key_warps: 2,
+                row_warps: 0,
+            },
+            "tc4" => AttnKernel::Tc {
+                key_warps: 4,
+                row_warps: 0,
+            },
+            o => bail!("--attn-kernel {o}: expected auto, simt, tc2 or tc4"),
+        })?;
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fused = !a.unfused;

@@ -1,0 +1,303 @@
+//! The attention op of the CUDA backend: the tensor-core (3xTF32) split kernel for head dims
+//! 32 / 64 / 128, the f32 SIMT split kernel for 256 (and on request), the generic one-warp-per-row
+//! kernel for other head dims, and the ordered combine of the splits (kernels/attention.cu).
+
+use super::{
+    cfg, check, ensure, i32_of, internal, lock, AttnParams, BackendError, Cuda, CudaBuf, Kernel,
+    PushKernelArg, Result, Scratch,
+};
+use crate::error::dev;
+
+/// Keys per split by default (a multiple of 64).
+pub(super) const ATT_SPLIT: usize = 256;
+/// Query rows per block of the SIMT split kernel.
+const ATT_QT: usize = 16;
+
+/// Which attention kernel runs for the head dims the tensor-core kernel takes (32, 64, 128).
+/// Each choice, like the split size, fixes the summation order: any fixed choice keeps
+/// attention per-row deterministic, changing it between calls changes the bits (within
+/// tolerance). A benchmark and test knob; set it once, before any attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// The default: the tensor-core kernel with 4 key warps (head dims 32 / 64 / 128).
+    Auto,
+    /// The f32 CUDA-core split kernel (16 query rows per block), as before the tensor-core one.
+    Simt,
+    /// The 3xTF32 tensor-core kernel with `key_warps` (2 or 4) warps over the keys of each
+    /// chunk and `row_warps` (1, 2 or 4; 0 = chosen from the grid size) warps of 16 query
+    /// rows per block. `row_warps` does not change any bits.
+    Tc { key_warps: usize, row_warps: usize },
+}
+
+/// Shared memory of the SIMT split kernel.
+fn simt_smem_bytes(d: usize) -> usize {
+    (16 * d + 64 * (d + 4) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
+}
+
+/// Shared memory of the tensor-core kernel: Q rows, the double-buffered K / V chunks, or
+/// (after the loop, in the same space) the saved states of the key warps being merged.
+fn tc_smem_bytes(d: usize, kw: usize, rw: usize) -> usize {
+    let ck = 16 * kw;
+    let main = rw * 16 * (d + 16) + 2 * ck * (d + 16) + 2 * ck * (d + 4);
+    let merge = rw * (kw - 1) * (d / 2 + 4) * 32;
+    main.max(merge) * 4
+}
+
+fn tc_kernel(d: usize, kw: usize) -> Option<Kernel> {
+    Some(match (d, kw) {
+        (32, 2) => Kernel::AttnTcD32Kw2,
+        (64, 2) => Kernel::AttnTcD64Kw2,
+        (128, 2) => Kernel::AttnTcD128Kw2,
+        (32, 4) => Kernel::AttnTcD32Kw4,
+        (64, 4) => Kernel::AttnTcD64Kw4,
+        (128, 4) => Kernel::AttnTcD128Kw4,
+        _ => return None,
+    })
+}
+
+fn simt_kernel(d: usize) -> Option<Kernel> {
+    Some(match d {
+        32 => Kernel::AttnSplitD32,
+        64 => Kernel::AttnSplitD64,
+        128 => Kernel::AttnSplitD128,
+        256 => Kernel::AttnSplitD256,
+        _ => return None,
+    })
+}
+
+impl Cuda {
+    /// Keys per split of the context-split attention kernels (default 256; a multiple of 64
+    /// in 64..=4096). The split boundaries sit at fixed key positions, so any fixed value
+    /// keeps attention per-row deterministic; changing it between calls changes the
+    /// summation order (a benchmark knob: set it once, before any attention).
+    pub fn set_attn_split(&self, keys: usize) -> Result<()> {
+        if !(64..=4096).contains(&keys) || !keys.is_multiple_of(64) {
+            return Err(BackendError::Invalid {
+                op: "set_attn_split",
+                msg: format!("split of {keys} keys: expected a multiple of 64 in 64..=4096"),
+            });
+        }
+        *lock(&self.attn_split) = keys;
+        Ok(())
+    }
+
+    /// Pick the attention kernel (default [`AttnKernel::Auto`]); see [`AttnKernel`].
+    pub fn set_attn_kernel(&self, k: AttnKernel) -> Result<()> {
+        if let AttnKernel::Tc {
+            key_warps,
+            row_warps,
+        } = k
+        {
+            if !matches!(key_warps, 2 | 4) || !matches!(row_warps, 0 | 1 | 2 | 4) {
+                return Err(BackendError::Invalid {
+                    op: "set_attn_kernel",
+                    msg: format!(
+                        "key_warps {key_warps} (expected 2 or 4), row_warps {row_warps} (expected 0, 1, 2 or 4)"
+                    ),
+                });
+            }
+        }
+        *lock(&self.attn_kernel) = k;
+        Ok(())
+    }
+
+    /// Raise the shared-memory limits of the attention kernels to their largest launch.
+    pub(super) fn attention_warm_up(&self) -> Result<()> {
+        for d in [32, 64, 128, 256] {
+            if let Some(k) = simt_kernel(d) {
+                self.func_smem(k, simt_smem_bytes(d))?;
+            }
+            for kw in [2, 4] {
+                if let Some(k) = tc_kernel(d, kw) {
+                    self.func_smem(k, tc_smem_bytes(d, kw, 4))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn attention_op(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let op = "attention";
+        if p.n_heads == 0
+            || p.n_kv_heads == 0
+            || !p.n_heads.is_multiple_of(p.n_kv_heads)
+            || p.head_dim == 0
+        {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "n_heads {} must be a positive multiple of n_kv_heads {} (head_dim {})",
+                    p.n_heads, p.n_kv_heads, p.head_dim
+                ),
+            });
+        }
+        check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
+        check(op, "k", p.n_kv * p.n_kv_heads * p.head_dim, k.len)?;
+        check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
+        check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
+        if p.n_q == 0 {
+            return Ok(());
+        }
+        if p.window == Some(0) {
+            return Err(BackendError::Invalid {
+                op,
+                msg: "window of 0".into(),
+            });
+        }
+        let (nq, nkv, h, hkv) = (
+            i32_of(op, "n_q", p.n_q)?,
+            i32_of(op, "n_kv", p.n_kv)?,
+            i32_of(op, "n_heads", p.n_heads)?,
+            i32_of(op, "n_kv_heads", p.n_kv_heads)?,
+        );
+        let (qp0, kp0) = (p.q_pos0 as i64, p.kv_pos0 as i64);
+        let causal = p.causal as i32;
+        let window = p.window.map(|w| w as i64).unwrap_or(-1);
+        let scale = p.scale;
+        let d = p.head_dim;
+        let rows_total = p.n_q * p.n_heads;
+        let g = p.n_heads / p.n_kv_heads;
+        let qr = p.n_q * g;
+        i32_of(op, "n_q * n_heads", rows_total)?;
+
+        // (kernel, threads, shared bytes, rows per block) of the split kernel, if any.
+        let choice = *lock(&self.attn_kernel);
+        let split_keys = *lock(&self.attn_split);
+        let n_split = p.n_kv.div_ceil(split_keys);
+        let tc = match choice {
+            AttnKernel::Simt => None,
+            AttnKernel::Auto => Some((4, 0)),
+            AttnKernel::Tc {
+                key_warps,
+                row_warps,
+            } => Some((key_warps, row_warps)),
+        };
+        let split: Option<(Kernel, u32, usize, usize)> = match tc {
+            Some((kw, rw)) if tc_kernel(d, kw).is_some() => {
+                let kern = tc_kernel(d, kw).ok_or_else(internal)?;
+                let rw = if rw > 0 {
+                    rw
+                } else {
+                    // As many rows per block as the rows allow while the grid still fills the
+                    // GPU (more rows per block = fewer reads of each K/V chunk).
+                    let mut rw = 4;
+                    while rw > 1
+                        && (qr <= 16 * (rw / 2)
+                            || n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms)
+                    {
+                        rw /= 2;
+                    }
+                    rw
+                };
+                Some((
+                    kern,
+                    (32 * kw * rw) as u32,
+                    tc_smem_bytes(d, kw, rw),
+                    16 * rw,
+                ))
+            }
+            _ => simt_kernel(d).map(|k| (k, 256, simt_smem_bytes(d), ATT_QT)),
+        };
+
+        match split {
+            Some((kern, threads, smem, rows_per_block)) if p.n_kv > 0 => {
+                let f = self.func_smem(kern, smem)?;
+                let split_i = split_keys as i32;
+                let mut s = lock(&self.scratch);
+                ensure(&self.stream, &mut s.att_o, n_split * rows_total * d).map_err(dev)?;
+                ensure(&self.stream, &mut s.att_ml, n_split * rows_total * 2).map_err(dev)?;
+                let Scratch { att_o, att_ml, .. } = &mut *s;
+                let (wo, wml) = (
+                    att_o.as_mut().ok_or_else(internal)?,
+                    att_ml.as_mut().ok_or_else(internal)?,
+                );
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&q.data)
+                    .arg(&k.data)
+                    .arg(&v.data)
+                    .arg(&mut *wo)
+                    .arg(&mut *wml);
+                b.arg(&nq)
+                    .arg(&nkv)
+                    .arg(&h)
+                    .arg(&hkv)
+                    .arg(&qp0)
+                    .arg(&kp0)
+                    .arg(&causal)
+                    .arg(&window)
+                    .arg(&scale)
+                    .arg(&split_i);
+                let grid = (
+                    n_split as u32,
+                    p.n_kv_heads as u32,
+                    qr.div_ceil(rows_per_block) as u32,
+                );
+                unsafe { b.launch(cfg(grid, threads, smem as u32)) }.map_err(dev)?;
+                let fc = self.func(Kernel::AttnCombine)?;
+                let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
+                let mut b = self.stream.launch_builder(&fc);
+                b.arg(&*wo)
+                    .arg(&*wml)
+                    .arg(&ns)
+                    .arg(&rt)
+                    .arg(&di)
+                    .arg(&mut out.data);
+                unsafe { b.launch(cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0)) }
+                    .map_err(dev)?;
+            }
+            _ => {
+                if d > 512 {
+                    return Err(BackendError::Invalid {
+                        op,
+                        msg: format!("head_dim {d} > 512 is not supported on CUDA"),
+                    });
+                }
+                let f = self.func(Kernel::AttnGeneric)?;
+                let di = d as i32;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&q.data).arg(&k.data).arg(&v.data).arg(&mut out.data);
+                b.arg(&nq)
+                    .arg(&nkv)
+                    .arg(&h)
+                    .arg(&hkv)
+                    .arg(&di)
+                    .arg(&qp0)
+                    .arg(&kp0)
+                    .arg(&causal)
+                    .arg(&window)
+                    .arg(&scale);
+                unsafe { b.launch(cfg((rows_total.div_ceil(4) as u32, 1, 1), 128, 0)) }
+                    .map_err(dev)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB).
+    #[test]
+    fn tc_smem_fits() {
+        for d in [32, 64, 128] {
+            for kw in [2, 4] {
+                for rw in [1, 2, 4] {
+                    assert!(
+                        tc_smem_bytes(d, kw, rw) <= 227 * 1024,
+                        "d {d} kw {kw} rw {rw}"
+                    );
+                }
+            }
+        }
+        assert_eq!(tc_smem_bytes(128, 4, 4), 44544 * 4);
+    }
+}
