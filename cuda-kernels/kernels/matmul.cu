@@ -287,11 +287,14 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
 // ---------------------------------------------------------------------------------------
 // Q8_0A8: q8_0 weights x activations quantized to q8_0 (ggml's CPU q8_0 dot), on the int8
 // tensor cores (mma m16n8k32 s8.s8.s32). Contract (backend WeightFormat::Q8_0A8, the CPU
-// backend's a8panel): per output (row r, feature o)
-//     acc = 0; for b in 0..K/32 (in order): acc = fma((float)isum_b, d_w[o,b] * d_x[r,b], acc)
-// with isum_b the exact int32 block dot. Each output's blocks are accumulated by ONE thread,
-// in block order, so results are bit-identical to the CPU transcription and independent of
-// the row count and of the launch shape.
+// backend's a8panel): per output (row r, feature o), the blocks in chunks of A8_CB = 32
+// (dflash_backend::A8_CHUNK_BLOCKS; the last chunk may be shorter):
+//     acc_c = 0; for b in chunk c (in order): acc_c = fma((float)isum_b, d_w[o,b] * d_x[r,b], acc_c)
+//     out = acc_0 + acc_1 + ... (plain f32 adds, chunk order)
+// with isum_b the exact int32 block dot. Each chunk's blocks are accumulated by ONE thread, in
+// block order, and the chunk sums are added in chunk order, so results are bit-identical to
+// the CPU transcription and independent of the row count and of the launch shape.
+#define A8_CB 32
 
 // f32 -> f16 bits, round to nearest even (ggml's GGML_FP32_TO_FP16 on F16C machines).
 __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
@@ -379,10 +382,12 @@ struct A8Mat {
     int N;
 };
 
-// A block = W tiles of 16 output features x NT token groups of 8: one warp per (tile, token
-// group), over all of K; the NT warps of a tile share its weight stages, all warps share
-// the x stages. S-stage cp.async pipeline of A8_KC blocks per stage (weights, scales, x codes
-// and x scales all land in shared memory; each thread reads only whole fragments).
+// Whole-K: a block = W tiles of 16 output features x NT token groups of 8: one warp per
+// (tile, token group), over all of K (chunk after chunk: the chain restarts every A8_CB
+// blocks = 4 stages and the chunk sums are added in order); the NT warps of a tile share its
+// weight stages, all warps share the x stages. S-stage cp.async pipeline of A8_KC blocks per
+// stage (weights, scales, x codes and x scales all land in shared memory; each thread reads
+// only whole fragments).
 template <int NT, int W, int S>
 __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
                                        int T) {
@@ -391,8 +396,10 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
     constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
     constexpr int XQ_PER_T = XQ_B / 16 / NTH;
+    constexpr int ST_PER_CHUNK = A8_CB / A8_KC;
     static_assert(XQ_PER_T * NTH * 16 == XQ_B, "x stage split");
     static_assert(XD_B / 16 <= NTH, "x scale stage split");
+    static_assert(ST_PER_CHUNK * A8_KC == A8_CB, "whole stages per chunk");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int tl = warp / NT, j = warp % NT;
     const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nst = KBp / A8_KC;
@@ -429,6 +436,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
         cp_async_commit();
     }
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
     for (int st = 0; st < nst; ++st) {
         cp_async_wait<S - 2>();
@@ -449,6 +457,14 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
             } else {
                 for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
             }
+            // End of a chunk: out = acc_0, then out += acc_c in chunk order.
+            if (st % ST_PER_CHUNK == ST_PER_CHUNK - 1 || st == nst - 1) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    tot[c] = st < ST_PER_CHUNK ? acc[c] : __fadd_rn(tot[c], acc[c]);
+                    acc[c] = 0.0f;
+                }
+            }
         }
     }
     cp_async_wait<0>();
@@ -457,7 +473,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     for (int c = 0; c < 4; ++c) {
         const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
         const int tok = 8 * j + 2 * t + (c & 1);
-        if (o < N && tok < T) m.out[(long long)tok * N + o] = acc[c];
+        if (o < N && tok < T) m.out[(long long)tok * N + o] = tot[c];
     }
 }
 
@@ -486,151 +502,188 @@ A8(a8_n2_w2, 2, 2, 8)
 A8(a8_n2_w4, 2, 4, 4)
 
 // ---------------------------------------------------------------------------------------
-// Q8_0A8, split-K variant for mid-size matrices (few 16-row tiles per SM). The int32 block
-// dots of one (tile, token group) are spread over KS warps (block bb of a stage goes to warp
-// bb % KS) and written to shared memory; the ordered f32 chain
-//     acc = fma((float)isum_b, d_w * d_x, acc)   over the blocks in order
-// stays on ONE thread per output (the KS warps share the 128 outputs of the tile x token
-// group, 4 / KS each), one stage behind the dots. The int32 sums are exact, so the outputs
-// are bit-identical to a8_mma's, the contract's and the CPU backend's.
-// Pipeline: S smem slots, S - 2 stages in flight (the chain of stage st - 1 still reads the
-// scales of slot (st - 1) % S while stage st + S - 2 is issued into slot (st - 2) % S);
-// int32 sums double-buffered by stage parity; one __syncthreads per stage.
-template <int NT, int W, int KS, int S>
-__device__ __forceinline__ void a8_ks(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
-                                      int T) {
+// Q8_0A8, K split over blocks by chunk (selectable, A8Kernel::Chunked / ChunkedSum): a block
+// = W tiles of 16 features x all NT token groups x ONE chunk of A8_CB = 32 blocks; one warp
+// per (tile, token group) runs that chunk's chain (acc_c). The whole chunk (4 stages of
+// A8_KC blocks: weights, scales, x codes, x scales) is requested through cp.async at once,
+// one commit group per stage, and consumed stage by stage; many blocks per SM hide the ramp.
+// With one chunk (K <= 1024) the chain is the output. Otherwise each block stores its
+// partials (fragment order, [chunk][tile][token group][lane][4] f32) to ws; then either
+// (sum_mode 0) the last-arriving block of the tile group (atomic counter, reset to 0 by that
+// block, so graph replays start from 0) adds the partials in chunk order and writes out, or
+// (sum_mode 1) the a8_sum kernel does. The order of the adds is fixed, so the bits do not
+// depend on which block arrives last.
+struct A8CMat {
+    const u8 *wq;
+    const u16 *wsc;
+    float *out;
+    int N;
+    float *ws;
+    u32 *cnt;
+};
+
+template <int NT, int W>
+__device__ __forceinline__ void a8_chunk(const A8CMat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
+                                         int T, int sum_mode) {
     extern __shared__ __align__(16) u8 a8_smem[];
-    static_assert(S >= 3, "split-K pipeline needs 3 slots");
-    static_assert(KS == 2 || KS == 4, "KS warps share the 4 outputs of a fragment lane");
-    constexpr int NTH = 32 * W * NT * KS, TTH = 32 * NT * KS;
+    constexpr int NTH = 32 * W * NT;
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
     constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
-    constexpr int IS_B = A8_KC * 128 * 4;
-    constexpr int P = 4 / KS;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int tl = warp / (NT * KS), j = (warp / KS) % NT, ks = warp % KS;
-    const int ttid = tid - tl * TTH;
-    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nst = KBp / A8_KC;
-    const int N = m.N;
-    const int tile = cta * W + tl;
-    const bool tile_ok = tile * 16 < N;
+    constexpr int NS = A8_CB / A8_KC;
+    static_assert(NS == 4, "4 stages per chunk (the wait counts below)");
+    static_assert(XD_B / 16 <= NTH, "x scale stage split");
+    __shared__ int s_last;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tl = warp / NT, j = warp % NT;
+    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC;
+    const int nch = (KB + A8_CB - 1) / A8_CB;
+    const int tg = cta / nch, ch = cta % nch;
+    const int b0 = ch * A8_CB, nbc = min(A8_CB, KB - b0), nstc = (nbc + A8_KC - 1) / A8_KC;
+    const int N = m.N, ntiles = (N + 15) >> 4;
+    const int tile = tg * W + tl;
+    const bool tile_ok = tile < ntiles;
     const u32 s0 = smem_addr(a8_smem);
-    u8 *const isb = a8_smem + S * STAGE_B;
-    const long long pb0 = (long long)(tile_ok ? tile : 0) * KBp;
-    const u8 *gw = m.wq + pb0 * 512;
-    const u8 *gs = (const u8 *)m.wsc + pb0 * 32;
-
-    auto issue = [&](int st, int slot) {
-        const u32 base = s0 + slot * STAGE_B;
-        const u8 *gxs = (const u8 *)xq + (long long)st * XQ_B;
-        const u8 *gds = (const u8 *)xd + (long long)st * XD_B;
-#pragma unroll
-        for (int c = tid; c < XQ_B / 16; c += NTH) cp_async16(base + c * 16, gxs + c * 16);
-        if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gds + tid * 16);
-        if (tile_ok) {
-            const u32 wb = base + XQ_B + XD_B + tl * (WQ_B + WS_B);
-            const u8 *gws = gw + (long long)st * WQ_B;
-#pragma unroll
-            for (int c = ttid; c < WQ_B / 16; c += TTH) cp_async16(wb + c * 16, gws + c * 16);
-            if (ttid < WS_B / 16) cp_async16(wb + WQ_B + ttid * 16, gs + (long long)st * WS_B + ttid * 16);
-        }
-    };
-
-    // This thread's chain outputs: fragment elements e0 .. e0 + P - 1 (e = lane' * 4 + c),
-    // all on one row (g' or g' + 8), tokens 2t' + (c & 1).
-    const int e0 = (ks * 32 + lane) * P, fl = e0 >> 2, c0 = e0 & 3;
-    const int crow = (fl >> 2) + ((c0 >> 1) << 3), ctok = 8 * j + 2 * (fl & 3) + (c0 & 1);
-    const int chi = c0 >> 1, cg = fl >> 2;
-    float acc[P];
-#pragma unroll
-    for (int p = 0; p < P; ++p) acc[p] = 0.0f;
-
-    auto dots = [&](int st) {
-        const u8 *base = a8_smem + (st % S) * STAGE_B;
-        const uint2 *sx = (const uint2 *)base;
-        const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
-        int *is = (int *)(isb + (((st & 1) * W + tl) * NT + j) * IS_B);
-#pragma unroll
-        for (int bb = ks; bb < A8_KC; bb += KS) {
-            const uint4 a = sw[bb * 32 + lane];
-            const uint2 bx = sx[(bb * NT + j) * 32 + lane];
-            int c[4] = {0, 0, 0, 0};
-            mma_s8_16832(c, a, bx.x, bx.y);
-            *(int4 *)(is + bb * 128 + lane * 4) = make_int4(c[0], c[1], c[2], c[3]);
-        }
-    };
-    auto chain_block = [&](const int *is, const u16 *ssh, const float *sd, int bb) {
-        const float dw = f16_to_f32(ssh[(bb * 8 + cg) * 2 + chi]);
-        if (P == 1) {
-            const float dx = sd[bb * NT * 8 + ctok];
-            acc[0] = fmaf(i2f_small(is[bb * 128 + e0]), __fmul_rn(dw, dx), acc[0]);
-        } else {
-            const float2 dx = *(const float2 *)(sd + bb * NT * 8 + ctok);
-            const int2 s = *(const int2 *)(is + bb * 128 + e0);
-            acc[0] = fmaf(i2f_small(s.x), __fmul_rn(dw, dx.x), acc[0]);
-            acc[P - 1] = fmaf(i2f_small(s.y), __fmul_rn(dw, dx.y), acc[P - 1]);
-        }
-    };
-    auto chain = [&](int st) {
-        const u8 *base = a8_smem + (st % S) * STAGE_B;
-        const float *sd = (const float *)(base + XQ_B);
-        const u16 *ssh = (const u16 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B) + WQ_B);
-        const int *is = (const int *)(isb + (((st & 1) * W + tl) * NT + j) * IS_B);
-        const int nb = KB - st * A8_KC;
-        if (nb >= A8_KC) {
-#pragma unroll
-            for (int bb = 0; bb < A8_KC; ++bb) chain_block(is, ssh, sd, bb);
-        } else {
-            for (int bb = 0; bb < nb; ++bb) chain_block(is, ssh, sd, bb);
-        }
-    };
+    const u32 s_wq = s0 + XQ_B + XD_B + tl * (WQ_B + WS_B);
+    const u8 *gx = (const u8 *)xq + (long long)b0 * (NT * 256);
+    const u8 *gd = (const u8 *)xd + (long long)b0 * (NT * 32);
+    const long long pb0 = (long long)(tile_ok ? tile : 0) * KBp + b0;
+    const u8 *gw = m.wq + pb0 * 512 + (j * 32 + lane) * 16;
+    const u8 *gs = (const u8 *)m.wsc + pb0 * 32 + lane * 16;
 
 #pragma unroll
-    for (int s = 0; s < S - 2; ++s) {
-        if (s < nst) issue(s, s);
+    for (int st = 0; st < NS; ++st) {
+        if (st < nstc) {
+            const u32 base = s0 + st * STAGE_B;
+            const long long xo = (long long)st * XQ_B, dofs = (long long)st * XD_B;
+#pragma unroll
+            for (int c = tid; c < XQ_B / 16; c += NTH) cp_async16(base + c * 16, gx + xo + c * 16);
+            if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gd + dofs + tid * 16);
+            if (tile_ok) {
+                const u32 wb = s_wq + st * STAGE_B + (j * 32 + lane) * 16;
+                const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
+#pragma unroll
+                for (int i = 0; i < A8_KC / NT; ++i) cp_async16(wb + i * NT * 512, gw + wo + i * NT * 512);
+                if (j == 0 && lane < WS_B / 16) cp_async16(s_wq + st * STAGE_B + WQ_B + lane * 16, gs + so);
+            }
+        }
         cp_async_commit();
     }
-    for (int st = 0; st < nst; ++st) {
-        cp_async_wait<S - 3>();
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int st = 0; st < NS; ++st) {
+        if (st == 0) cp_async_wait<NS - 1>();
+        else if (st == 1) cp_async_wait<NS - 2>();
+        else if (st == 2) cp_async_wait<NS - 3>();
+        else cp_async_wait<0>();
         __syncthreads();
-        const int nx = st + S - 2;
-        if (nx < nst) issue(nx, nx % S);
-        cp_async_commit();
-        if (tile_ok) {
-            dots(st);
-            if (st > 0) chain(st - 1);
+        if (tile_ok && st < nstc) {
+            const u8 *base = a8_smem + st * STAGE_B;
+            const uint2 *sx = (const uint2 *)base;
+            const float *sd = (const float *)(base + XQ_B);
+            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
+            const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
+            const int nb = nbc - st * A8_KC;
+            if (nb >= A8_KC) {
+#pragma unroll
+                for (int bb = 0; bb < A8_KC; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+            } else {
+                for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+            }
         }
     }
-    cp_async_wait<0>();
-    __syncthreads();
-    if (!tile_ok || nst == 0) return;
-    chain(nst - 1);
-    const int o = tile * 16 + crow;
+    if (nch == 1) {
+        if (!tile_ok) return;
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
-        const int tok = ctok + p;
-        if (o < N && tok < T) m.out[(long long)tok * N + o] = acc[p];
+        for (int c = 0; c < 4; ++c) {
+            const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+            const int tok = 8 * j + 2 * t + (c & 1);
+            if (o < N && tok < T) m.out[(long long)tok * N + o] = acc[c];
+        }
+        return;
+    }
+    // Partials in fragment order: one float4 per lane, 512 contiguous bytes per warp.
+    const long long chunk_stride = (long long)ntiles * NT * 128;
+    const long long fo = ((long long)(tile_ok ? tile : 0) * NT + j) * 128 + lane * 4;
+    if (tile_ok) __stcg((float4 *)(m.ws + ch * chunk_stride + fo), make_float4(acc[0], acc[1], acc[2], acc[3]));
+    if (sum_mode != 0) return;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const u32 prev = atomicAdd(&m.cnt[tg], 1u);
+        s_last = prev == (u32)(nch - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (tid == 0) m.cnt[tg] = 0u;
+    if (!tile_ok) return;
+    float tot[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) tot[c] = 0.0f;
+    for (int q = 0; q < nch; ++q) {
+        float4 v;
+        if (q == ch) v = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        else v = __ldcg((const float4 *)(m.ws + q * chunk_stride + fo));
+        if (q == 0) {
+            tot[0] = v.x, tot[1] = v.y, tot[2] = v.z, tot[3] = v.w;
+        } else {
+            tot[0] = __fadd_rn(tot[0], v.x);
+            tot[1] = __fadd_rn(tot[1], v.y);
+            tot[2] = __fadd_rn(tot[2], v.z);
+            tot[3] = __fadd_rn(tot[3], v.w);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+        const int tok = 8 * j + 2 * t + (c & 1);
+        if (o < N && tok < T) m.out[(long long)tok * N + o] = tot[c];
     }
 }
 
-#define A8KS(NAME, NT, W, KS, S)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                                \
+// (NT, W): host side a8c_smem_bytes in backend.rs. ws1/ws2, cnt1/cnt2: offsets of matrices
+// 1 and 2 in the workspace (floats) and the counters.
+#define A8C(NAME, NT, W)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                     \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
-             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T) { \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,   \
+             float *ws, u32 *cnt, long long wso1, long long wso2, int cno1, int cno2, int sum_mode) {                             \
         const int bx = blockIdx.x;                                                                                                \
         if (bx < c1) {                                                                                                            \
-            const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
-            a8_ks<NT, W, KS, S>(m, bx, xq, xd, K, T);                                                                             \
+            const A8CMat m = {wq0, ws0, out0, n0, ws, cnt};                                                                       \
+            a8_chunk<NT, W>(m, bx, xq, xd, K, T, sum_mode);                                                                       \
         } else if (bx < c2) {                                                                                                     \
-            const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
-            a8_ks<NT, W, KS, S>(m, bx - c1, xq, xd, K, T);                                                                        \
+            const A8CMat m = {wq1, ws1, out1, n1, ws + wso1, cnt + cno1};                                                         \
+            a8_chunk<NT, W>(m, bx - c1, xq, xd, K, T, sum_mode);                                                                  \
         } else {                                                                                                                  \
-            const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
-            a8_ks<NT, W, KS, S>(m, bx - c2, xq, xd, K, T);                                                                        \
+            const A8CMat m = {wq2, ws2, out2, n2, ws + wso2, cnt + cno2};                                                         \
+            a8_chunk<NT, W>(m, bx - c2, xq, xd, K, T, sum_mode);                                                                  \
         }                                                                                                                         \
     }
-// (NT, W, KS, S): host side a8_ks_stages in backend.rs.
-A8KS(a8ks_n1_w1, 1, 1, 4, 14)
-A8KS(a8ks_n1_w2, 1, 2, 4, 12)
-A8KS(a8ks_n2_w1, 2, 1, 4, 10)
-A8KS(a8ks_n2_w2, 2, 2, 4, 12)
+A8C(a8c_n1_w2, 1, 2)
+A8C(a8c_n1_w4, 1, 4)
+A8C(a8c_n1_w8, 1, 8)
+A8C(a8c_n2_w2, 2, 2)
+A8C(a8c_n2_w4, 2, 4)
+A8C(a8c_n2_w8, 2, 8)
+
+// sum_mode 1: out = partial_0 + partial_1 + ... (chunk order) for up to 3 matrices; one
+// thread per output, outputs of matrix i at [e_i, e_{i+1}) of the flattened index (T x N_i).
+__device__ __forceinline__ void a8_sum_one(const float *ws, float *out, int N, int NT, int T, int nch, int e) {
+    const int tok = e / N, o = e % N;
+    const int ntiles = (N + 15) >> 4, tile = o >> 4, r = o & 15, gg = r & 7, hi = r >> 3;
+    const int j = tok >> 3, tt = (tok & 7) >> 1, c = hi * 2 + (tok & 1);
+    const long long chunk_stride = (long long)ntiles * NT * 128;
+    const float *p = ws + ((long long)tile * NT + j) * 128 + (gg * 4 + tt) * 4 + c;
+    float s = __ldcg(p);
+    for (int q = 1; q < nch; ++q) s = __fadd_rn(s, __ldcg(p + q * chunk_stride));
+    out[(long long)tok * N + o] = s;
+}
+extern "C" __global__ void a8_sum(float *out0, int n0, float *out1, int n1, float *out2, int n2, const float *ws, long long wso1,
+                                  long long wso2, int NT, int T, int nch) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    const int e1 = T * n0, e2 = e1 + T * n1, e3 = e2 + T * n2;
+    if (e < e1) a8_sum_one(ws, out0, n0, NT, T, nch, e);
+    else if (e < e2) a8_sum_one(ws + wso1, out1, n1, NT, T, nch, e - e1);
+    else if (e < e3) a8_sum_one(ws + wso2, out2, n2, NT, T, nch, e - e2);
+}

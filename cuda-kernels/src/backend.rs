@@ -42,33 +42,30 @@ fn a8_stages(w: usize) -> usize {
     }
 }
 
-/// Q8_0A8 split-K kernels (`A8KS(...)` in matmul.cu): pipeline slots for `nt` token groups
-/// and `w` tiles per block (4 k-warps per tile and token group).
-fn a8_ks_stages(nt: usize, w: usize) -> usize {
-    match (nt, w) {
-        (1, 1) => 14,
-        (1, _) => 12,
-        (_, 1) => 10,
-        _ => 12,
-    }
-}
+/// Q8_0A8 chunked kernels (`A8C(...)` in matmul.cu): blocks of the contract's f32 chunk
+/// ([`dflash_backend::A8_CHUNK_BLOCKS`], `A8_CB` in matmul.cu) per thread block.
+const A8_CB: usize = dflash_backend::A8_CHUNK_BLOCKS;
 
-/// Shared memory of one split-K Q8_0A8 block: the stage slots plus the double-buffered
-/// int32 block sums (8 blocks x 16 x 8 per tile and token group).
-fn a8_ks_smem_bytes(nt: usize, w: usize) -> usize {
-    a8_ks_stages(nt, w) * (A8_KC * nt * 288 + w * A8_KC * 544) + 2 * w * nt * A8_KC * 512
+/// Shared memory of one chunked Q8_0A8 block: the whole chunk (4 stages) of `w` tiles and
+/// `nt` token groups.
+fn a8c_smem_bytes(nt: usize, w: usize) -> usize {
+    (A8_CB / A8_KC) * (A8_KC * nt * 288 + w * A8_KC * 544)
 }
 
 /// Which Q8_0A8 matmul kernel runs (the results are bit-identical either way; this only
 /// picks the launch shape, for benchmarks and tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum A8Kernel {
-    /// The default: whole-K (measured faster than split-K at every drafter shape).
+    /// The default (whole-K).
     Auto,
-    /// One warp per (tile, token group) over all of K.
+    /// One warp per (tile, token group) over all of K (chunk after chunk).
     WholeK,
-    /// Split-K with `w` (1 or 2) tiles per block.
-    SplitK(u8),
+    /// K split over thread blocks by chunk of 32 blocks, `w` (2, 4 or 8) tiles of 16
+    /// features per thread block; the chunk sums added in order by the last-arriving thread
+    /// block of each tile group.
+    Chunked(u8),
+    /// As `Chunked`, the chunk sums added in order by a second kernel (`a8_sum`).
+    ChunkedSum(u8),
 }
 
 /// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
@@ -177,6 +174,8 @@ struct Scratch {
     x_lo: Option<CudaSlice<u16>>,
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
+    a8_ws: Option<CudaSlice<f32>>,
+    a8_cnt: Option<CudaSlice<u32>>,
 }
 
 fn ensure<T: DeviceRepr + ValidAsZeroBits>(
@@ -302,6 +301,8 @@ impl Cuda {
                 x_lo: None,
                 a8_q: None,
                 a8_d: None,
+                a8_ws: None,
+                a8_cnt: None,
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
@@ -742,8 +743,9 @@ impl Cuda {
 
     /// Q8_0A8: quantize x (q8_0, ggml's bytes) once into the mma B-fragment layout, then one
     /// int8 tensor-core launch over up to 3 matrices of the same K (`mats`: codes, scales,
-    /// output rows N, output view). Warps per block from (N, SM count) only; the result does
-    /// not depend on it anyway (each output is one thread's block-ordered sum).
+    /// output rows N, output view). The kernel and its launch shape come from (N, K, SM count)
+    /// only, and every choice gives the contract's bits (per-chunk chains, chunk sums added in
+    /// order).
     fn matmul_a8(
         &self,
         x: &cudarc::driver::CudaView<'_, f32>,
@@ -763,31 +765,39 @@ impl Cuda {
         }
         let nt = if rows > 8 { 2 } else { 1 };
         let kbp = a8_kbp(k);
+        let nch = (k / 32).div_ceil(A8_CB).max(1);
         let sms = self.num_sms.max(1);
         let tiles: Vec<usize> = mats.iter().map(|m| m.n.div_ceil(16)).collect();
-        let ctas = |w: usize| tiles.iter().map(|t| t.div_ceil(w)).sum::<usize>();
-        // Largest warps-per-block whose busiest SM holds no more tiles than with 1 tile per
-        // block.
-        let load = |w: usize| ctas(w).div_ceil(sms) * w;
-        // Auto = whole-K: on the H200 the split-K kernel measured slower at every drafter
-        // shape (4096x4096 16 rows 14.4 -> 18.8 us, 12288x4096 28.0 -> 39.7 us), the
-        // mid-size matmuls being bound by launch and pipeline ramp rather than warp count.
         let mode = match *lock(&self.a8_kernel) {
+            // Whole-K: measured faster than the one-shot chunked kernel at the 8B drafter's
+            // shapes and for lm_head on the H200 (chunked wins at 1024x4096 and the 27B
+            // shapes, but loses more in the 8B step: 0.985 -> 1.118 ms).
             A8Kernel::Auto => A8Kernel::WholeK,
             m => m,
         };
-        let (kern, w, smem, warps) = match mode {
-            A8Kernel::SplitK(ws) => {
-                let w = if ws >= 2 { 2 } else { 1 };
-                let kern = match (nt, w) {
-                    (1, 1) => Kernel::A8KsN1W1,
-                    (1, _) => Kernel::A8KsN1W2,
-                    (_, 1) => Kernel::A8KsN2W1,
-                    _ => Kernel::A8KsN2W2,
+        let (kern, w, smem, warps, chunked, sum_kernel) = match mode {
+            A8Kernel::Chunked(ws) | A8Kernel::ChunkedSum(ws) => {
+                let w = match ws {
+                    0..=2 => 2,
+                    3..=4 => 4,
+                    _ => 8,
                 };
-                (kern, w, a8_ks_smem_bytes(nt, w), w * nt * 4)
+                let kern = match (nt, w) {
+                    (1, 2) => Kernel::A8CN1W2,
+                    (1, 4) => Kernel::A8CN1W4,
+                    (1, _) => Kernel::A8CN1W8,
+                    (_, 2) => Kernel::A8CN2W2,
+                    (_, 4) => Kernel::A8CN2W4,
+                    _ => Kernel::A8CN2W8,
+                };
+                let sum = matches!(mode, A8Kernel::ChunkedSum(_)) && nch > 1;
+                (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum)
             }
             _ => {
+                let ctas = |w: usize| tiles.iter().map(|t| t.div_ceil(w)).sum::<usize>();
+                // Largest warps-per-block whose busiest SM holds no more tiles than with 1
+                // tile per block.
+                let load = |w: usize| ctas(w).div_ceil(sms) * w;
                 let w = [4usize, 2, 1]
                     .into_iter()
                     .find(|&w| load(w) <= load(1))
@@ -800,15 +810,29 @@ impl Cuda {
                     (_, 2) => Kernel::A8N2W2,
                     _ => Kernel::A8N2W4,
                 };
-                (kern, w, a8_smem_bytes(nt, w), w * nt)
+                (kern, w, a8_smem_bytes(nt, w), w * nt, false, false)
             }
         };
         let f = self.func_smem(kern, smem)?;
         let fq = self.func(Kernel::A8QuantX)?;
+        // Chunked: per matrix, the partials [chunk][tile][token group][128] and one counter
+        // per tile group.
+        let groups: Vec<usize> = tiles.iter().map(|t| t.div_ceil(w)).collect();
+        let ws_len: Vec<usize> = tiles.iter().map(|t| nch * t * nt * 128).collect();
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-        let Scratch { a8_q, a8_d, .. } = &mut *s;
+        if chunked {
+            ensure(&self.stream, &mut s.a8_ws, ws_len.iter().sum()).map_err(dev)?;
+            ensure(&self.stream, &mut s.a8_cnt, groups.iter().sum()).map_err(dev)?;
+        }
+        let Scratch {
+            a8_q,
+            a8_d,
+            a8_ws,
+            a8_cnt,
+            ..
+        } = &mut *s;
         let (xq, xd) = (
             a8_q.as_mut().ok_or_else(internal)?,
             a8_d.as_mut().ok_or_else(internal)?,
@@ -833,33 +857,80 @@ impl Cuda {
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
             *slot = i32_of("matmul", "w.rows", m.n)?;
         }
-        let c1 = tiles[0].div_ceil(w);
-        let c2 = c1 + tiles.get(1).map_or(0, |t| t.div_ceil(w));
-        let grid = ctas(w);
+        let per_group = if chunked { nch } else { 1 };
+        let c1 = groups[0] * per_group;
+        let c2 = c1 + groups.get(1).map_or(0, |g| g * per_group);
+        let grid = groups.iter().sum::<usize>() * per_group;
         let (c1_i, c2_i) = (
             i32_of("matmul", "blocks", c1)?,
             i32_of("matmul", "blocks", c2)?,
         );
-        let mut b = self.stream.launch_builder(&f);
-        let (first, rest) = mats.split_first_mut().ok_or_else(internal)?;
-        b.arg(first.qs).arg(first.d).arg(&mut first.out).arg(&ns[0]);
-        let mut pushed = 1;
-        for m in rest.iter_mut() {
-            b.arg(m.qs).arg(m.d).arg(&mut m.out).arg(&ns[pushed]);
-            pushed += 1;
+        let wso1 = ws_len[0] as i64;
+        let wso2 = wso1 + ws_len.get(1).copied().unwrap_or(0) as i64;
+        let cno1 = i32_of("matmul", "blocks", groups[0])?;
+        let cno2 = i32_of(
+            "matmul",
+            "blocks",
+            groups[0] + groups.get(1).copied().unwrap_or(0),
+        )?;
+        let sum_mode = i32::from(sum_kernel);
+        let nch_i = i32_of("matmul", "w.cols", nch)?;
+        {
+            let mut b = self.stream.launch_builder(&f);
+            let (first, rest) = mats.split_first_mut().ok_or_else(internal)?;
+            b.arg(first.qs).arg(first.d).arg(&mut first.out).arg(&ns[0]);
+            let mut pushed = 1;
+            for m in rest.iter_mut() {
+                b.arg(m.qs).arg(m.d).arg(&mut m.out).arg(&ns[pushed]);
+                pushed += 1;
+            }
+            // Unused slots: never reached (c1 / c2 equal the grid size); any valid pointers.
+            for n_unused in &ns[pushed..] {
+                b.arg(first.qs).arg(first.d).arg(&*xd).arg(n_unused);
+            }
+            b.arg(&c1_i)
+                .arg(&c2_i)
+                .arg(&*xq)
+                .arg(&*xd)
+                .arg(&k_i)
+                .arg(&t_i);
+            if chunked {
+                let ws = a8_ws.as_mut().ok_or_else(internal)?;
+                let cnt = a8_cnt.as_mut().ok_or_else(internal)?;
+                b.arg(&mut *ws)
+                    .arg(&mut *cnt)
+                    .arg(&wso1)
+                    .arg(&wso2)
+                    .arg(&cno1)
+                    .arg(&cno2)
+                    .arg(&sum_mode);
+            }
+            unsafe { b.launch(cfg((grid as u32, 1, 1), (32 * warps) as u32, smem as u32)) }
+                .map_err(dev)?;
         }
-        // Unused slots: never reached (c1 / c2 equal the grid size); any valid pointers.
-        for n_unused in &ns[pushed..] {
-            b.arg(first.qs).arg(first.d).arg(&*xd).arg(n_unused);
+        if sum_kernel {
+            let fs = self.func(Kernel::A8Sum)?;
+            let ws = a8_ws.as_mut().ok_or_else(internal)?;
+            let total: usize = mats.iter().map(|m| rows * m.n).sum();
+            let mut b = self.stream.launch_builder(&fs);
+            let (first, rest) = mats.split_first_mut().ok_or_else(internal)?;
+            b.arg(&mut first.out).arg(&ns[0]);
+            let mut pushed = 1;
+            for m in rest.iter_mut() {
+                b.arg(&mut m.out).arg(&ns[pushed]);
+                pushed += 1;
+            }
+            for n_unused in &ns[pushed..] {
+                b.arg(&*xd).arg(n_unused);
+            }
+            b.arg(&*ws)
+                .arg(&wso1)
+                .arg(&wso2)
+                .arg(&nt_i)
+                .arg(&t_i)
+                .arg(&nch_i);
+            unsafe { b.launch(grid_1d(total, 256)) }.map_err(dev)?;
         }
-        b.arg(&c1_i)
-            .arg(&c2_i)
-            .arg(&*xq)
-            .arg(&*xd)
-            .arg(&k_i)
-            .arg(&t_i);
-        unsafe { b.launch(cfg((grid as u32, 1, 1), (32 * warps) as u32, smem as u32)) }
-            .map_err(dev)?;
         Ok(())
     }
 

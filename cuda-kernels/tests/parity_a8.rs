@@ -1,8 +1,10 @@
 //! `WeightFormat::Q8_0A8` on CUDA (q8_0 weights x activations quantized to q8_0 on the int8
 //! tensor cores), on fresh random inputs each run (seed printed), outputs poisoned (NaN):
 //! * the activation quantizer byte for byte against `dflash_quant::quantize_q8_0`;
-//! * the matmul BIT FOR BIT against a host transcription of the contract
-//!   (`acc = fma(isum_b as f32, d_w * d_x, acc)` over the blocks in order, per output);
+//! * the matmul BIT FOR BIT against a host transcription of the contract (per chunk of 32
+//!   blocks `acc_c = fma(isum_b as f32, d_w * d_x, acc_c)` over the chunk's blocks in order,
+//!   then `out = acc_0 + acc_1 + ...` in chunk order), under every kernel choice, in CUDA
+//!   graph replays too;
 //! * the matmul bit for bit against the CPU backend's Q8_0A8;
 //! * per-row determinism (rows of a 16-row call == the same rows alone), bit for bit;
 //! * `gather_rows` of a Q8_0A8 table == q8_0 dequantization, exactly.
@@ -11,7 +13,7 @@ mod common;
 
 use common::{gpu, poisoned, rand_vec, rng};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, HostData, HostWeight, WeightFormat};
+use dflash_backend::{Backend, HostData, HostWeight, WeightFormat, A8_CHUNK_BLOCKS};
 use dflash_quant::{quantize_q8_0, BlockQ8_0};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -50,6 +52,7 @@ fn weight_blocks(hw: &HostWeight) -> &[BlockQ8_0] {
 
 /// The contract, transcribed on the host.
 fn contract(x: &[f32], rows: usize, k: usize, w: &[BlockQ8_0], n: usize) -> Vec<f32> {
+    assert_eq!(A8_CHUNK_BLOCKS, 32, "the contract's chunk is 32 blocks");
     let kb = k / 32;
     let xq: Vec<BlockQ8_0> = (0..rows)
         .flat_map(|r| quantize_q8_0(&x[r * k..(r + 1) * k]).expect("finite x"))
@@ -57,18 +60,22 @@ fn contract(x: &[f32], rows: usize, k: usize, w: &[BlockQ8_0], n: usize) -> Vec<
     let mut out = vec![0.0f32; rows * n];
     for r in 0..rows {
         for o in 0..n {
-            let mut acc = 0.0f32;
-            for b in 0..kb {
-                let (wb, xb) = (&w[o * kb + b], &xq[r * kb + b]);
-                let isum: i32 = wb
-                    .qs
-                    .iter()
-                    .zip(&xb.qs)
-                    .map(|(&a, &c)| a as i32 * c as i32)
-                    .sum();
-                acc = (isum as f32).mul_add(wb.d.to_f32() * xb.d.to_f32(), acc);
+            let mut total = 0.0f32;
+            for (c, b0) in (0..kb).step_by(32).enumerate() {
+                let mut acc = 0.0f32;
+                for b in b0..(b0 + 32).min(kb) {
+                    let (wb, xb) = (&w[o * kb + b], &xq[r * kb + b]);
+                    let isum: i32 = wb
+                        .qs
+                        .iter()
+                        .zip(&xb.qs)
+                        .map(|(&a, &c)| a as i32 * c as i32)
+                        .sum();
+                    acc = (isum as f32).mul_add(wb.d.to_f32() * xb.d.to_f32(), acc);
+                }
+                total = if c == 0 { acc } else { total + acc };
             }
-            out[r * n + o] = acc;
+            out[r * n + o] = total;
         }
     }
     out
@@ -134,25 +141,36 @@ fn a8_matmul_matches_the_contract_bit_for_bit() {
         return;
     };
     let mut r = rng("a8_matmul_matches_the_contract_bit_for_bit");
-    // Ragged N (partial 16-row tiles), K with partial pipeline stages (288 = 9 blocks), the
-    // drafter's shapes, a tall head-like matrix (4 warps per block).
+    // Ragged N (partial 16-row tiles), K with partial pipeline stages (288 = 9 blocks), a
+    // partial last chunk (1056 = 33 blocks, 1312 = 41, 5120 + 32), the 8B and 27B drafters'
+    // K (4096, 12288, 5120, 17408), tall head-like matrices (whole-K kernel under auto, one
+    // and several chunks).
     let shapes = [
         (17usize, 32usize),
         (300, 288),
+        (1000, 1056),
+        (333, 1312),
         (1024, 4096),
         (4096, 4096),
         (512, 12288),
+        (1000, 5120),
+        (77, 5152),
+        (520, 17408),
         (40000, 96),
         (20000, 256),
+        (36000, 1312),
     ];
     for &(n, k) in &shapes {
         let wv = rand_vec(&mut r, n * k, 1.0);
         let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
         let wg = g.upload_weight(&hw).expect("gpu weight");
-        for rows in [1usize, 3, 8, 9, 15, 16, 17, 40] {
-            if rows > 16 && n * k > 4096 * 1024 {
-                continue;
-            }
+        let big = n * k > 4096 * 1024;
+        let rows_list: &[usize] = if big {
+            &[1, 7, 9, 16]
+        } else {
+            &[1, 3, 7, 8, 9, 15, 16, 17, 33, 40]
+        };
+        for &rows in rows_list {
             let x = spread_x(&mut r, rows, k);
             let want = contract(&x, rows, k, weight_blocks(&hw), n);
             let xg = g.upload(&x).expect("upload");
@@ -161,7 +179,9 @@ fn a8_matmul_matches_the_contract_bit_for_bit() {
             let got = g.download(&og).expect("download");
             assert_bits(&format!("Q8_0A8 n={n} k={k} rows={rows}"), &got, &want, n);
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: rows 1..40 bit-identical to the contract");
+        eprintln!(
+            "EXACT matmul Q8_0A8 n={n} k={k}: rows {rows_list:?} bit-identical to the contract"
+        );
     }
 }
 
@@ -172,12 +192,19 @@ fn a8_matmul_matches_the_cpu_backend_bit_for_bit() {
     };
     let cpu = Cpu::new();
     let mut r = rng("a8_matmul_matches_the_cpu_backend_bit_for_bit");
-    for &(n, k) in &[(4096usize, 4096usize), (333, 160), (1000, 12288)] {
+    for &(n, k) in &[
+        (4096usize, 4096usize),
+        (333, 160),
+        (1000, 12288),
+        (1000, 5120),
+        (300, 17408),
+        (500, 1312),
+    ] {
         let wv = rand_vec(&mut r, n * k, 1.0);
         let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
         let wc = cpu.upload_weight(&hw).expect("cpu weight");
         let wg = g.upload_weight(&hw).expect("gpu weight");
-        for rows in [1usize, 7, 16, 33] {
+        for rows in [1usize, 7, 8, 9, 16, 33] {
             let x = spread_x(&mut r, rows, k);
             let mut oc = vec![0.0f32; rows * n];
             cpu.matmul(&x, rows, &wc, &mut oc).expect("cpu matmul");
@@ -202,7 +229,13 @@ fn a8_matmul_is_per_row_deterministic() {
         return;
     };
     let mut r = rng("a8_matmul_is_per_row_deterministic");
-    for &(n, k) in &[(1024usize, 4096usize), (40000, 64), (333, 160)] {
+    for &(n, k) in &[
+        (1024usize, 4096usize),
+        (40000, 64),
+        (333, 160),
+        (600, 17408),
+        (36000, 1312),
+    ] {
         let wv = rand_vec(&mut r, n * k, 1.0);
         let wg = g
             .upload_weight(&HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("e"))
@@ -317,23 +350,32 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
     use dflash_cuda_kernels::A8Kernel;
     let kernels = [
         A8Kernel::WholeK,
-        A8Kernel::SplitK(1),
-        A8Kernel::SplitK(2),
+        A8Kernel::Chunked(2),
+        A8Kernel::Chunked(4),
+        A8Kernel::Chunked(8),
+        A8Kernel::ChunkedSum(2),
+        A8Kernel::ChunkedSum(4),
+        A8Kernel::ChunkedSum(8),
         A8Kernel::Auto,
     ];
-    // Ragged tiles, a partial last stage (9 and 13 blocks), odd tile counts, the drafter's
-    // mid-size shapes.
+    // Ragged tiles, a partial last stage (9 and 13 blocks), partial last chunks (33 and 41
+    // blocks, 5152), odd tile counts (and tile groups), the drafters' mid-size shapes.
     for &(n, k) in &[
         (17usize, 32usize),
         (300, 288),
         (1000, 416),
+        (1000, 1056),
+        (333, 1312),
         (4096, 4096),
         (1024, 12288),
+        (600, 5120),
+        (77, 5152),
+        (300, 17408),
     ] {
         let wv = rand_vec(&mut r, n * k, 1.0);
         let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
         let wg = g.upload_weight(&hw).expect("gpu weight");
-        for rows in [1usize, 8, 9, 16] {
+        for rows in [1usize, 7, 8, 9, 16] {
             let x = spread_x(&mut r, rows, k);
             let want = contract(&x, rows, k, weight_blocks(&hw), n);
             let xg = g.upload(&x).expect("upload");
@@ -350,7 +392,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
                 );
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, split-K w1/w2, auto == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), auto == contract");
     }
     // Fused launches (3 matrices, different tile counts) under every choice.
     let k = 4096usize;
@@ -386,5 +428,77 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
             }
         }
     }
-    eprintln!("EXACT matmul_many Q8_0A8 under every kernel choice == contract");
+    // matmul_silu_mul (SiLU product inside the x quantizer) == silu_mul + matmul, under every
+    // choice, K of one and of several chunks.
+    for &(n, k) in &[(1000usize, 416usize), (4096, 12288), (300, 5152)] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+        let wg = g.upload_weight(&hw).expect("w");
+        for rows in [1usize, 9, 16] {
+            let gate = g.upload(&spread_x(&mut r, rows, k)).expect("gate");
+            let up = g.upload(&spread_x(&mut r, rows, k)).expect("up");
+            for kern in kernels {
+                g.set_a8_kernel(kern);
+                let mut act = poisoned(&g, rows * k);
+                g.silu_mul(&gate, &up, &mut act).expect("silu_mul");
+                let mut sep = poisoned(&g, rows * n);
+                g.matmul(&act, rows, &wg, &mut sep).expect("matmul");
+                let mut act2 = poisoned(&g, rows * k);
+                let mut fused = poisoned(&g, rows * n);
+                g.matmul_silu_mul(&gate, &up, &mut act2, rows, &wg, &mut fused)
+                    .expect("fused");
+                assert_bits(
+                    &format!("matmul_silu_mul {kern:?} n={n} k={k} rows={rows}"),
+                    &g.download(&fused).expect("dl"),
+                    &g.download(&sep).expect("dl"),
+                    n,
+                );
+            }
+        }
+    }
+    g.set_a8_kernel(A8Kernel::Auto);
+    eprintln!(
+        "EXACT matmul_many and matmul_silu_mul Q8_0A8 under every kernel choice == contract / separate ops"
+    );
+}
+
+#[test]
+fn a8_graph_replays_match_the_contract() {
+    // The chunked kernel's tile-group counters must be back at zero after every launch, so
+    // that a captured graph replays correctly; replay with new x each time.
+    let Some(g) = gpu("a8_graph_replays_match_the_contract") else {
+        return;
+    };
+    let mut r = rng("a8_graph_replays_match_the_contract");
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let (n, k, rows) = (1000usize, 4096usize, 16usize);
+    let wv = rand_vec(&mut r, n * k, 1.0);
+    let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+    let wg = g.upload_weight(&hw).expect("w");
+    let mut xg = g.upload(&spread_x(&mut r, rows, k)).expect("x");
+    let mut og = poisoned(g, rows * n);
+    // Eager first (scratch sized outside the capture).
+    g.matmul(&xg, rows, &wg, &mut og).expect("eager");
+    g.synchronize().expect("sync");
+    let st = g.stream().clone();
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .expect("capture");
+    let res = g
+        .fill(&mut og, f32::NAN)
+        .and_then(|_| g.matmul(&xg, rows, &wg, &mut og));
+    let graph = st
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("end capture")
+        .expect("graph");
+    res.expect("captured ops");
+    for rep in 0..4 {
+        let x = spread_x(&mut r, rows, k);
+        st.memcpy_htod(&x, xg.slice_mut()).expect("x");
+        graph.launch().expect("replay");
+        g.synchronize().expect("sync");
+        let want = contract(&x, rows, k, weight_blocks(&hw), n);
+        let got = g.download(&og).expect("dl");
+        assert_bits(&format!("graph replay {rep}"), &got, &want, n);
+    }
+    eprintln!("EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract");
 }

@@ -46,8 +46,9 @@ pub struct BenchArgs {
     /// Skip the per-op breakdown (profiling runs).
     #[arg(long)]
     no_ops: bool,
-    /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, split1, split2
-    /// (same bits; a benchmark knob).
+    /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, chunk2, chunk4,
+    /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
+    /// chunksum4, chunksum8 (the same, a second kernel sums) (same bits; a benchmark knob).
     #[arg(long, default_value = "auto")]
     a8_kernel: String,
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
@@ -537,6 +538,39 @@ fn fmt_name(f: WeightFormat) -> &'static str {
 }
 
 /// Per-op times at the 8B drafter shape: achieved bandwidth of each matmul and attention.
+/// Q8_0A8 kernel choices timed in the per-op table (all give the same bits).
+const A8_VARIANTS: &[(A8Kernel, &str)] = &[
+    (A8Kernel::Auto, " auto (default)"),
+    (A8Kernel::WholeK, " whole-K"),
+    (A8Kernel::Chunked(2), " chunk w2"),
+    (A8Kernel::Chunked(4), " chunk w4"),
+    (A8Kernel::Chunked(8), " chunk w8"),
+    (A8Kernel::ChunkedSum(4), " chunk w4 + sum kernel"),
+];
+
+/// Extra Q8_0A8 shapes of the 27B drafter (hidden 5120, intermediate 17408).
+const SHAPES_27B: [(usize, usize, &str); 3] = [
+    (5120, 5120, "27B 5120x5120"),
+    (17408, 5120, "27B gate/up 17408x5120"),
+    (5120, 17408, "27B down 5120x17408"),
+];
+
+fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
+    Ok(match s {
+        "auto" => A8Kernel::Auto,
+        "whole" => A8Kernel::WholeK,
+        "chunk2" => A8Kernel::Chunked(2),
+        "chunk4" => A8Kernel::Chunked(4),
+        "chunk8" => A8Kernel::Chunked(8),
+        "chunksum2" => A8Kernel::ChunkedSum(2),
+        "chunksum4" => A8Kernel::ChunkedSum(4),
+        "chunksum8" => A8Kernel::ChunkedSum(8),
+        o => bail!(
+            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4 or chunksum8"
+        ),
+    })
+}
+
 fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
     let mut md = String::from("\n### Per-op times (8B drafter shapes, CUDA graph of 1 op replayed; GB/s = weight or K/V bytes / time)\n\n| op | rows | ms | GB/s | % of copy bw |\n|---|---:|---:|---:|---:|\n");
     let shapes = [
@@ -552,22 +586,20 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         WeightFormat::Q8_0A8,
         WeightFormat::Q4_0,
     ] {
-        // Q8_0A8: every kernel choice (same bits; whole-K = the previous kernel).
+        // Q8_0A8: every kernel choice (same bits).
         let kernels: &[(A8Kernel, &str)] = if f == WeightFormat::Q8_0A8 {
-            &[
-                (A8Kernel::WholeK, " whole-K (default)"),
-                (A8Kernel::SplitK(2), " split-K w2"),
-            ]
+            A8_VARIANTS
         } else {
             &[(A8Kernel::Auto, "")]
         };
-        for &(n, k, name) in &shapes {
+        let mut all_shapes = shapes.to_vec();
+        if f == WeightFormat::Q8_0A8 {
+            all_shapes.extend(SHAPES_27B);
+        }
+        for &(n, k, name) in &all_shapes {
             let w = g.random_weight("w", n, k, f, 9, 0.02)?;
             for &(kern, kname) in kernels {
                 g.set_a8_kernel(kern);
-                if matches!(kern, A8Kernel::SplitK(_)) && n > 20000 {
-                    continue;
-                }
                 for rows in [1usize, 16] {
                     let x = g.random_buf(rows * k, 3, 1.0)?;
                     let mut o = g.zeros(rows * n)?;
@@ -591,6 +623,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             "q/k/v 4096+1024+1024 x4096",
         ),
         (vec![12288, 12288], 4096, "gate/up 2x12288 x4096"),
+        (vec![17408, 17408], 5120, "27B gate/up 2x17408 x5120"),
     ] {
         let ws: Vec<_> = ns
             .iter()
@@ -598,10 +631,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             .collect::<std::result::Result<_, _>>()?;
         let wr: Vec<_> = ws.iter().collect();
         let bytes: usize = ws.iter().map(|w| w.buf.device_bytes()).sum();
-        for (kern, kname) in [
-            (A8Kernel::WholeK, "whole-K (default)"),
-            (A8Kernel::SplitK(2), "split-K w2"),
-        ] {
+        for &(kern, kname) in A8_VARIANTS {
             g.set_a8_kernel(kern);
             for rows in [1usize, 16] {
                 let x = g.random_buf(rows * k, 3, 1.0)?;
@@ -615,7 +645,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
                 })?;
                 let gbs = bytes as f64 / ms / 1e6;
                 md += &format!(
-                    "| matmul_many q8_0a8 {kname} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                    "| matmul_many q8_0a8{kname} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
                     100.0 * gbs * 1e9 / bw
                 );
             }
@@ -708,13 +738,7 @@ fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Resu
 pub fn bench(a: BenchArgs) -> Result<()> {
     let g = Cuda::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
     g.warm_up()?;
-    let a8k = match a.a8_kernel.as_str() {
-        "auto" => A8Kernel::Auto,
-        "whole" => A8Kernel::WholeK,
-        "split1" => A8Kernel::SplitK(1),
-        "split2" => A8Kernel::SplitK(2),
-        o => bail!("--a8-kernel {o}: expected auto, whole, split1 or split2"),
-    };
+    let a8k = parse_a8_kernel(&a.a8_kernel)?;
 
     if a.ops_only {
         let bw = copy_bandwidth(&g)?;
