@@ -245,24 +245,51 @@ ATTN(64)
 ATTN(128)
 ATTN(256)
 
-// Merge the splits in order. One block per (query, head), threads over d.
+// Merge the splits. One block per (query, head) row, one thread per d (blockDim = D, D <= 256).
+// Two passes: M = max of the split maxima (order-free), then out = sum_s o_s w_s / sum_s l_s w_s with
+// w_s = exp(m_s - M), summed in split order. Splits a row cannot see (l = 0) are skipped in
+// both passes, so the result does not depend on how many such splits follow (decode == verify).
+// All loads of a pass are independent (no chain through memory).
+#define ATT_CMB_TILE 256
 extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
+    __shared__ float red[32];
+    __shared__ float w_s[ATT_CMB_TILE];
+    __shared__ float l_s[ATT_CMB_TILE];
     const long long row = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float M = NEG_INF, L = 0.0f, acc = 0.0f;
-        for (int s = 0; s < n_split; ++s) {
-            const long long pr = (long long)s * rows_total + row;
-            const float m = ws_ml[pr * 2], l = ws_ml[pr * 2 + 1];
-            if (!(l > 0.0f)) continue;
-            const float Mn = fmaxf(M, m);
-            const float a = M == NEG_INF ? 0.0f : expf(M - Mn);
-            const float b = expf(m - Mn);
-            acc = acc * a + ws_o[pr * D + d] * b;
-            L = L * a + l * b;
-            M = Mn;
-        }
-        out[row * D + d] = L > 0.0f ? acc / L : 0.0f;
+    const int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    float mx = NEG_INF;
+    for (int s = tid; s < n_split; s += nth) {
+        const long long pr = (long long)s * rows_total + row;
+        if (ws_ml[pr * 2 + 1] > 0.0f) mx = fmaxf(mx, ws_ml[pr * 2]);
     }
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    float M = NEG_INF;
+    for (int w = 0; w < (nth + 31) / 32; ++w) M = fmaxf(M, red[w]);
+    float acc = 0.0f, L = 0.0f;
+    for (int s0 = 0; s0 < n_split; s0 += ATT_CMB_TILE) {
+        const int ns = min(ATT_CMB_TILE, n_split - s0);
+        __syncthreads();
+        for (int s = tid; s < ns; s += nth) {
+            const long long pr = (long long)(s0 + s) * rows_total + row;
+            const float m = ws_ml[pr * 2], l = ws_ml[pr * 2 + 1];
+            const bool live = l > 0.0f;
+            w_s[s] = live ? expf(m - M) : 0.0f;
+            l_s[s] = live ? l : 0.0f;
+        }
+        __syncthreads();
+        if (tid < D) {
+#pragma unroll 8
+            for (int s = 0; s < ns; ++s) {
+                if (!(l_s[s] > 0.0f)) continue;
+                const float w = w_s[s];
+                acc = fmaf(ws_o[((long long)(s0 + s) * rows_total + row) * D + tid], w, acc);
+                L = fmaf(l_s[s], w, L);
+            }
+        }
+    }
+    if (tid < D) out[row * D + tid] = L > 0.0f ? acc / L : 0.0f;
 }
 
 // Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),
@@ -358,23 +385,28 @@ __device__ __forceinline__ void mma_3xtf32(float c[4], const u32 ah[4], const u3
     mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
 }
 
-template <int D, int KW>
+// FPV: P V on the CUDA cores instead (exact f32 FMA chains; each lane owns d = lane + 32c of all 16
+// rows of its warp): the tensor cores then only run S = Q K^T, and the FMAs issue while they do.
+// P and the rescale factors go through a per-warp shared tile (P transposed, pitch ATT_PTP).
+#define ATT_PTP 20
+template <int D, int KW, bool FPV>
 __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                              long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
-                                             int split_keys) {
+                                             int split_keys, int nst) {
     constexpr int CK = 16 * KW;  // keys per chunk
     constexpr int PQ = D + 16, PK = D + 16, PV = D + 4;
     constexpr int NC = D / 32;  // 32-wide output column groups
     constexpr int NO = D / 8;   // output n-tiles
     constexpr int C4 = D / 4;
+    constexpr int NDL = D / 32;  // FPV: output columns per lane (d = lane + 32c), 16 rows each
     extern __shared__ __align__(16) float sm[];
     const int nth = blockDim.x;
     const int RW = nth / (32 * KW);
     const int ROWS = 16 * RW;
     float *Qs = sm;                   // [ROWS][PQ]
-    float *Ks = Qs + ROWS * PQ;       // [2][CK][PK]
-    float *Vs = Ks + 2 * CK * PK;     // [2][CK][PV]
+    float *Ks = Qs + ROWS * PQ;       // [nst][CK][PK]
+    float *Vs = Ks + nst * CK * PK;   // [nst][CK][PV]
 
     const int G = H / Hkv;
     const int QR = n_q * G;
@@ -384,18 +416,9 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rw = warp / KW, kw = warp % KW;
     const int g = lane >> 2, t = lane & 3;
-
-    // Q rows of the block (zeros for padding rows).
-    for (int c = tid; c < ROWS * C4; c += nth) {
-        const int r = c / C4, d4 = (c % C4) * 4;
-        const int qr = qr0 + r;
-        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (qr < QR) {
-            const int i = qr / G, h = hk * G + qr % G;
-            val = *(const float4 *)(q + ((long long)i * H + h) * D + d4);
-        }
-        *(float4 *)(Qs + r * PQ + d4) = val;
-    }
+    // FPV: this warp's P^T [16 keys][ATT_PTP] and rescale factors [16].
+    float *PT = Vs + nst * CK * PV + warp * (16 * ATT_PTP + 16);
+    float *AL = PT + 16 * ATT_PTP;
 
     // This lane's two rows.
     const int ra = qr0 + rw * 16 + g, rb = ra + 8;
@@ -425,7 +448,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
 
     auto load_chunk = [&](int c, int st) {
         const long long j0 = jbase + (long long)c * CK;
-        float *kd = Ks + st * CK * PK, *vd = Vs + st * CK * PV;
+        float *kd = Ks + st * CK * PK, *vd = Vs + st * CK * PV;  // stage st
         for (int idx = tid; idx < CK * C4; idx += nth) {
             const int kk = idx / C4, d4 = (idx % C4) * 4;
             const long long j = j0 + kk;
@@ -445,14 +468,29 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;  // l: this lane's columns only
 
-    if (nch > 0) load_chunk(c_begin, 0);
-    cp_async_commit();
-    for (int ci = 0; ci < nch; ++ci) {
-        const int st = ci & 1;
-        if (ci + 1 < nch) load_chunk(c_begin + ci + 1, st ^ 1);
+    // Pipeline of nst (2 or 3) stages: chunks 0 .. nst-2 (and Q, with chunk 0) in flight before the
+    // loop; iteration ci waits for chunk ci, then refills the stage iteration ci-1 read.
+    for (int c = tid; c < ROWS * C4; c += nth) {
+        const int r = c / C4, d4 = (c % C4) * 4;
+        const int qr = qr0 + r;
+        if (qr < QR) {
+            const int i = qr / G, h = hk * G + qr % G;
+            cp_async16(Qs + r * PQ + d4, q + ((long long)i * H + h) * D + d4);
+        } else {
+            *(float4 *)(Qs + r * PQ + d4) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    for (int p = 0; p < nst - 1; ++p) {
+        if (p < nch) load_chunk(c_begin + p, p);
         cp_async_commit();
-        cp_async_wait1();
+    }
+    for (int ci = 0; ci < nch; ++ci) {
+        const int st = ci % nst;
+        if (nst == 3) cp_async_wait1();
+        else cp_async_wait_all();
         __syncthreads();
+        if (ci + nst - 1 < nch) load_chunk(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
+        cp_async_commit();
         const float *Kc = Ks + st * CK * PK + kw * 16 * PK;
         const float *Vc = Vs + st * CK * PV + kw * 16 * PV;
         const float *Qw = Qs + rw * 16 * PQ;
@@ -528,6 +566,57 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
         m_a = mna;
         m_b = mnb;
+        if constexpr (FPV) {
+            __syncwarp();  // the previous chunk's reads of PT / AL are done
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    PT[(nt * 8 + 2 * t + e) * ATT_PTP + g] = s[nt][e];
+                    PT[(nt * 8 + 2 * t + e) * ATT_PTP + g + 8] = s[nt][2 + e];
+                }
+            if (t == 0) {
+                AL[g] = ala;
+                AL[g + 8] = alb;
+            }
+            __syncwarp();
+            float al[16];
+#pragma unroll
+            for (int r4 = 0; r4 < 4; ++r4) {
+                const float4 a4 = *(const float4 *)(AL + 4 * r4);
+                al[4 * r4] = a4.x; al[4 * r4 + 1] = a4.y; al[4 * r4 + 2] = a4.z; al[4 * r4 + 3] = a4.w;
+            }
+            bool any = false;
+#pragma unroll
+            for (int r = 0; r < 16; ++r) any |= al[r] != 1.0f;
+            if (any) {  // warp-uniform (every lane read the same 16 factors); x * 1 == x
+#pragma unroll
+                for (int r = 0; r < 16; ++r)
+#pragma unroll
+                    for (int c = 0; c < NDL; ++c) o[(r * NDL + c) >> 2][(r * NDL + c) & 3] *= al[r];
+            }
+            // O[r][lane + 32c] += sum over the warp's 16 keys in order of P[r][j] V[j][lane + 32c].
+#pragma unroll 2
+            for (int j = 0; j < 16; ++j) {
+                float vv[NDL];
+#pragma unroll
+                for (int c = 0; c < NDL; ++c) vv[c] = Vc[j * PV + lane + 32 * c];
+                float pp[16];
+#pragma unroll
+                for (int r4 = 0; r4 < 4; ++r4) {
+                    const float4 p4 = *(const float4 *)(PT + j * ATT_PTP + 4 * r4);
+                    pp[4 * r4] = p4.x; pp[4 * r4 + 1] = p4.y; pp[4 * r4 + 2] = p4.z; pp[4 * r4 + 3] = p4.w;
+                }
+#pragma unroll
+                for (int r = 0; r < 16; ++r)
+#pragma unroll
+                    for (int c = 0; c < NDL; ++c) {
+                        float &acc = o[(r * NDL + c) >> 2][(r * NDL + c) & 3];
+                        acc = __fmaf_rn(pp[r], vv[c], acc);
+                    }
+            }
+            continue;
+        }
         if (__any_sync(0xffffffffu, ala != 1.0f || alb != 1.0f)) {  // x * 1 == x: skipping is exact
 #pragma unroll
             for (int n = 0; n < NO; ++n) {
@@ -561,12 +650,72 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
                 }
             }
         }
-        __syncthreads();  // the chunk's buffers are reused two chunks later
     }
+    cp_async_wait_all();
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+
+    if constexpr (FPV) {
+        // States: o (D/2 floats per lane) of key warps 1.., and (m, l) of the 16 rows of every key warp.
+        constexpr int SO = NO * 4;
+        float *ml = sm + (size_t)RW * (KW - 1) * SO * 32 + (size_t)(rw * KW + kw) * 32;  // [m 16][l 16]
+        __syncthreads();
+        if (kw > 0) {
+            float *dst = sm + (size_t)((rw * (KW - 1) + kw - 1) * SO) * 32 + lane;
+#pragma unroll
+            for (int n = 0; n < NO; ++n)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) dst[(n * 4 + r) * 32] = o[n][r];
+        }
+        if (t == 0) {
+            ml[g] = m_a;
+            ml[g + 8] = m_b;
+            ml[16 + g] = l_a;
+            ml[16 + g + 8] = l_b;
+        }
+        __syncthreads();
+        if (kw > 0) return;
+        float Mr[16], Lr[16];
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+            Mr[r] = ml[r];
+            Lr[r] = ml[16 + r];
+        }
+        for (int w = 1; w < KW; ++w) {
+            const float *src = sm + (size_t)((rw * (KW - 1) + w - 1) * SO) * 32 + lane;
+            const float *mlw = ml + w * 32;
+#pragma unroll
+            for (int r = 0; r < 16; ++r) {
+                const float ms = mlw[r], ls = mlw[16 + r];
+                const float Mn = fmaxf(Mr[r], ms);
+                const float fa = Mr[r] == NEG_INF ? 0.0f : expf(Mr[r] - Mn), fs = ms == NEG_INF ? 0.0f : expf(ms - Mn);
+#pragma unroll
+                for (int c = 0; c < NDL; ++c) {
+                    const int f = r * NDL + c;
+                    o[f >> 2][f & 3] = __fmaf_rn(o[f >> 2][f & 3], fa, __fmul_rn(src[f * 32], fs));
+                }
+                Lr[r] = __fmaf_rn(Lr[r], fa, __fmul_rn(ls, fs));
+                Mr[r] = Mn;
+            }
+        }
+        const long long rows_total = (long long)n_q * H;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+            const int qr = qr0 + rw * 16 + r;
+            if (qr >= QR) continue;
+            const int i = qr / G, h = hk * G + qr % G;
+            const long long row = (long long)split * rows_total + (long long)i * H + h;
+#pragma unroll
+            for (int c = 0; c < NDL; ++c) ws_o[row * D + lane + 32 * c] = o[(r * NDL + c) >> 2][(r * NDL + c) & 3];
+            if (lane == 0) {
+                ws_ml[row * 2] = Mr[r];
+                ws_ml[row * 2 + 1] = Lr[r];
+            }
+        }
+        return;
+    }
 
     // Merge the key warps' states in order kw = 0, 1, ... (through shared memory).
     if (KW > 1) {
@@ -629,15 +778,21 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     }
 }
 
-#define ATTN_TC(D, KW)                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW(                                                 \
-        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,             \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys) {                         \
-        attn_tc_impl<D, KW>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys);        \
+#define ATTN_TC(D, KW, FPV, SUFFIX)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                  \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                   \
+        attn_tc_impl<D, KW, FPV>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst); \
     }
-ATTN_TC(32, 2)
-ATTN_TC(64, 2)
-ATTN_TC(128, 2)
-ATTN_TC(32, 4)
-ATTN_TC(64, 4)
-ATTN_TC(128, 4)
+ATTN_TC(32, 2, false, )
+ATTN_TC(64, 2, false, )
+ATTN_TC(128, 2, false, )
+ATTN_TC(32, 4, false, )
+ATTN_TC(64, 4, false, )
+ATTN_TC(128, 4, false, )
+ATTN_TC(32, 2, true, _fpv)
+ATTN_TC(64, 2, true, _fpv)
+ATTN_TC(128, 2, true, _fpv)
+ATTN_TC(32, 4, true, _fpv)
+ATTN_TC(64, 4, true, _fpv)
+ATTN_TC(128, 4, true, _fpv)

@@ -132,6 +132,12 @@ kernels! {
     AttnTcD32Kw4 => (Attention, "attn_tc_d32_kw4"),
     AttnTcD64Kw4 => (Attention, "attn_tc_d64_kw4"),
     AttnTcD128Kw4 => (Attention, "attn_tc_d128_kw4"),
+    AttnTcD32Kw2Fpv => (Attention, "attn_tc_d32_kw2_fpv"),
+    AttnTcD64Kw2Fpv => (Attention, "attn_tc_d64_kw2_fpv"),
+    AttnTcD128Kw2Fpv => (Attention, "attn_tc_d128_kw2_fpv"),
+    AttnTcD32Kw4Fpv => (Attention, "attn_tc_d32_kw4_fpv"),
+    AttnTcD64Kw4Fpv => (Attention, "attn_tc_d64_kw4_fpv"),
+    AttnTcD128Kw4Fpv => (Attention, "attn_tc_d128_kw4_fpv"),
     AttnCombine => (Attention, "attn_combine"),
     AttnGeneric => (Attention, "attn_generic"),
 }

@@ -967,8 +967,9 @@ fn attention_other_split_sizes() {
 }
 
 /// Every attention kernel choice (the f32 SIMT split kernel, the 3xTF32 tensor-core kernel
-/// with 2 or 4 key warps and 1 / 2 / 4 / auto row warps) matches the CPU on the mask cases,
-/// decode == verify bit for bit under each, and the row warps per block never change a bit.
+/// with 2 or 4 key warps, 1 / 2 / 4 / auto row warps, P V on the tensor or the CUDA cores)
+/// matches the CPU on the mask cases, decode == verify bit for bit under each, and the row
+/// warps per block never change a bit (Auto == its explicit kernel, too).
 #[test]
 fn attention_kernel_choices() {
     use dflash_cuda_kernels::AttnKernel;
@@ -981,28 +982,38 @@ fn attention_kernel_choices() {
     assert!(g
         .set_attn_kernel(AttnKernel::Tc {
             key_warps: 3,
-            row_warps: 0
+            row_warps: 0,
+            ffma_pv: false
         })
         .is_err());
     assert!(g
         .set_attn_kernel(AttnKernel::Tc {
             key_warps: 4,
-            row_warps: 3
+            row_warps: 3,
+            ffma_pv: true
         })
         .is_err());
-    let tc = |key_warps, row_warps| AttnKernel::Tc {
+    let tc = |key_warps, row_warps, ffma_pv| AttnKernel::Tc {
         key_warps,
         row_warps,
+        ffma_pv,
     };
     let choices = [
         AttnKernel::Auto,
         AttnKernel::Simt,
-        tc(2, 0),
-        tc(2, 1),
-        tc(2, 4),
-        tc(4, 1),
-        tc(4, 2),
-        tc(4, 4),
+        tc(2, 0, false),
+        tc(2, 1, false),
+        tc(2, 4, false),
+        tc(4, 1, false),
+        tc(4, 2, false),
+        tc(4, 4, false),
+        tc(2, 0, true),
+        tc(2, 1, true),
+        tc(2, 4, true),
+        tc(4, 0, true),
+        tc(4, 1, true),
+        tc(4, 2, true),
+        tc(4, 4, true),
     ];
     let base = AttnParams {
         n_q: 16,
@@ -1100,7 +1111,7 @@ fn attention_kernel_choices() {
             g.upload(&k).unwrap(),
             g.upload(&v).unwrap(),
         );
-        let mut by_kw: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut by_kw: Vec<((usize, bool), Vec<f32>)> = Vec::new();
         for c in choices {
             g.set_attn_kernel(c).unwrap();
             let mut og = poisoned(&g, oc.len());
@@ -1123,10 +1134,11 @@ fn attention_kernel_choices() {
                 2e-5,
             );
             // Row warps per block never change the bits (same key warps).
-            let kw = match c {
-                AttnKernel::Auto => 4,
-                AttnKernel::Tc { key_warps, .. } => key_warps,
-                AttnKernel::Simt => continue,
+            let kw = match c.resolve() {
+                AttnKernel::Tc {
+                    key_warps, ffma_pv, ..
+                } => (key_warps, ffma_pv),
+                _ => continue,
             };
             if let Some((_, first)) = by_kw.iter().find(|(w, _)| *w == kw) {
                 assert_same_bits(&format!("attention {c:?} vs other row warps"), &o, first);

@@ -55,9 +55,14 @@ pub struct BenchArgs {
     #[arg(long)]
     attn_split: Option<usize>,
     /// Attention kernel for the step: auto (the library default), simt (f32 CUDA cores),
-    /// tc2, tc4 (3xTF32 tensor cores, 2 / 4 key warps per chunk) (a benchmark knob).
+    /// tc2, tc4 (3xTF32 tensor cores, 2 / 4 key warps per chunk), tc2f, tc4f (the same with
+    /// P V on the CUDA cores) (a benchmark knob).
     #[arg(long, default_value = "auto")]
     attn_kernel: String,
+    /// Only run one attention call (8B shape, 16 queries, this context) three times, then
+    /// exit (for a profiler).
+    #[arg(long)]
+    attn_once: Option<usize>,
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
@@ -537,6 +542,19 @@ fn fmt_name(f: WeightFormat) -> &'static str {
     }
 }
 
+fn parse_attn_kernel(name: &str) -> Result<AttnKernel> {
+    Ok(match name {
+        "auto" => AttnKernel::Auto,
+        "simt" => AttnKernel::Simt,
+        "tc2" | "tc4" | "tc2f" | "tc4f" => AttnKernel::Tc {
+            key_warps: if name.starts_with("tc2") { 2 } else { 4 },
+            row_warps: 0,
+            ffma_pv: name.ends_with('f'),
+        },
+        o => bail!("--attn-kernel {o}: expected auto, simt, tc2, tc4, tc2f or tc4f"),
+    })
+}
+
 /// Per-op times at the 8B drafter shape: achieved bandwidth of each matmul and attention.
 /// Q8_0A8 kernel choices timed in the per-op table (all give the same bits).
 const A8_VARIANTS: &[(A8Kernel, &str)] = &[
@@ -655,60 +673,82 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
     // Attention: the f32 SIMT kernel (split 256, the previous default) and the 3xTF32
     // tensor-core kernel with 2 / 4 key warps per chunk over split sizes, row warps chosen
     // from the grid (auto) or forced; "win" = sliding window (only the visible keys counted).
-    let tc = |key_warps, row_warps| AttnKernel::Tc {
+    let tc = |key_warps, row_warps, ffma_pv| AttnKernel::Tc {
         key_warps,
         row_warps,
+        ffma_pv,
     };
-    let mut attn_variants: Vec<(AttnKernel, usize, String)> =
-        vec![(AttnKernel::Simt, 256, "simt split 256".into())];
-    for kw in [2usize, 4] {
-        for split in [64usize, 128, 256, 512] {
-            attn_variants.push((tc(kw, 0), split, format!("tc kw{kw} split {split}")));
-        }
-    }
-    for rw in [1usize, 2, 4] {
-        attn_variants.push((tc(4, rw), 256, format!("tc kw4 rw{rw} split 256")));
-    }
-    for (ctx, nq, causal, window) in [
-        (512usize, 16usize, false, None),
-        (512, 1, true, None),
-        (2048, 16, false, None),
-        (8192, 16, false, None),
-        (8192, 1, true, None),
-        (8192, 16, false, Some(2048usize)),
-    ] {
-        let (h, hkv, hd) = (32usize, 8usize, 128usize);
-        let q = g.random_buf(nq * h * hd, 4, 1.0)?;
-        let kc = g.random_buf((ctx + 16) * hkv * hd, 5, 1.0)?;
-        let vc = g.random_buf((ctx + 16) * hkv * hd, 6, 1.0)?;
-        let mut o = g.zeros(nq * h * hd)?;
-        let p = AttnParams {
-            n_q: nq,
-            n_kv: ctx + nq,
-            n_heads: h,
-            n_kv_heads: hkv,
-            head_dim: hd,
-            q_pos0: ctx,
-            kv_pos0: 0,
-            causal,
-            window,
-            scale: 0.088,
+    // Two groups (P V on the tensor cores, then on the CUDA cores), each over all shapes; every
+    // row is also printed as soon as it is measured.
+    let mut groups: Vec<Vec<(AttnKernel, usize, String)>> = Vec::new();
+    for fpv in [false, true] {
+        let pv = if fpv { " ffma-pv" } else { "" };
+        let mut v: Vec<(AttnKernel, usize, String)> = if fpv {
+            Vec::new()
+        } else {
+            vec![
+                (AttnKernel::Simt, 256, "simt split 256".into()),
+                (AttnKernel::Auto, 256, "auto (default) split 256".into()),
+            ]
         };
-        let wname = window.map(|w| format!(" win {w}")).unwrap_or_default();
-        for (kern, split, name) in &attn_variants {
-            g.set_attn_kernel(*kern)?;
-            g.set_attn_split(*split)?;
-            let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
-            let keys = window.map_or(ctx + nq, |w| (w + nq).min(ctx + nq));
-            let bytes = 2 * keys * hkv * hd * 4;
-            let gbs = bytes as f64 / ms / 1e6;
-            md += &format!(
-                "| attention ctx {ctx}{wname} 32/8 heads d128, {name} | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
-                100.0 * gbs * 1e9 / bw
-            );
+        for kw in [2usize, 4] {
+            for split in [128usize, 256, 512] {
+                v.push((
+                    tc(kw, 0, fpv),
+                    split,
+                    format!("tc kw{kw}{pv} split {split}"),
+                ));
+            }
         }
-        g.set_attn_kernel(AttnKernel::Auto)?;
-        g.set_attn_split(256)?;
+        for rw in [1usize, 2, 4] {
+            v.push((tc(4, rw, fpv), 256, format!("tc kw4{pv} rw{rw} split 256")));
+        }
+        groups.push(v);
+    }
+    for attn_variants in &groups {
+        for (ctx, nq, causal, window) in [
+            (512usize, 16usize, false, None),
+            (512, 1, true, None),
+            (2048, 16, false, None),
+            (8192, 16, false, None),
+            (8192, 1, true, None),
+            (8192, 16, false, Some(2048usize)),
+        ] {
+            let (h, hkv, hd) = (32usize, 8usize, 128usize);
+            let q = g.random_buf(nq * h * hd, 4, 1.0)?;
+            let kc = g.random_buf((ctx + 16) * hkv * hd, 5, 1.0)?;
+            let vc = g.random_buf((ctx + 16) * hkv * hd, 6, 1.0)?;
+            let mut o = g.zeros(nq * h * hd)?;
+            let p = AttnParams {
+                n_q: nq,
+                n_kv: ctx + nq,
+                n_heads: h,
+                n_kv_heads: hkv,
+                head_dim: hd,
+                q_pos0: ctx,
+                kv_pos0: 0,
+                causal,
+                window,
+                scale: 0.088,
+            };
+            let wname = window.map(|w| format!(" win {w}")).unwrap_or_default();
+            for (kern, split, name) in attn_variants {
+                g.set_attn_kernel(*kern)?;
+                g.set_attn_split(*split)?;
+                let ms = time_graph(g, iters, || Ok(g.attention(&q, &kc, &vc, &p, &mut o)?))?;
+                let keys = window.map_or(ctx + nq, |w| (w + nq).min(ctx + nq));
+                let bytes = 2 * keys * hkv * hd * 4;
+                let gbs = bytes as f64 / ms / 1e6;
+                let row = format!(
+                    "| attention ctx {ctx}{wname} 32/8 heads d128, {name} | {nq} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                    100.0 * gbs * 1e9 / bw
+                );
+                print!("{row}");
+                md += &row;
+            }
+            g.set_attn_kernel(AttnKernel::Auto)?;
+            g.set_attn_split(256)?;
+        }
     }
     for (rows, dim) in [(16usize, 4096usize), (512, 128)] {
         let x = g.random_buf(rows * dim, 4, 1.0)?;
@@ -740,6 +780,33 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     g.warm_up()?;
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
 
+    if let Some(ctx) = a.attn_once {
+        // One attention shape, a few calls, nothing else (for a profiler).
+        g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
+        g.set_attn_split(a.attn_split.unwrap_or(256))?;
+        let (nq, h, hkv, hd) = (16usize, 32usize, 8usize, 128usize);
+        let q = g.random_buf(nq * h * hd, 4, 1.0)?;
+        let kc = g.random_buf((ctx + nq) * hkv * hd, 5, 1.0)?;
+        let vc = g.random_buf((ctx + nq) * hkv * hd, 6, 1.0)?;
+        let mut o = g.zeros(nq * h * hd)?;
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: ctx + nq,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal: false,
+            window: None,
+            scale: 0.088,
+        };
+        for _ in 0..3 {
+            g.attention(&q, &kc, &vc, &p, &mut o)?;
+        }
+        g.synchronize()?;
+        return Ok(());
+    }
     if a.ops_only {
         let bw = copy_bandwidth(&g)?;
         println!("{}", op_breakdown(&g, bw, a.iters)?);
@@ -793,19 +860,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
         g.set_a8_kernel(a8k);
         g.set_attn_split(a.attn_split.unwrap_or(256))?;
-        g.set_attn_kernel(match a.attn_kernel.as_str() {
-            "auto" => AttnKernel::Auto,
-            "simt" => AttnKernel::Simt,
-            "tc2" => AttnKernel::Tc {
-                key_warps: 2,
-                row_warps: 0,
-            },
-            "tc4" => AttnKernel::Tc {
-                key_warps: 4,
-                row_warps: 0,
-            },
-            o => bail!("--attn-kernel {o}: expected auto, simt, tc2 or tc4"),
-        })?;
+        g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fused = !a.unfused;

@@ -25,8 +25,27 @@ pub enum AttnKernel {
     Simt,
     /// The 3xTF32 tensor-core kernel with `key_warps` (2 or 4) warps over the keys of each
     /// chunk and `row_warps` (1, 2 or 4; 0 = chosen from the grid size) warps of 16 query
-    /// rows per block. `row_warps` does not change any bits.
-    Tc { key_warps: usize, row_warps: usize },
+    /// rows per block; with `ffma_pv` the tensor cores run S = Q K^T only and P V runs on the
+    /// CUDA cores (f32 FMA) alongside. `row_warps` does not change any bits.
+    Tc {
+        key_warps: usize,
+        row_warps: usize,
+        ffma_pv: bool,
+    },
+}
+
+impl AttnKernel {
+    /// The choice [`AttnKernel::Auto`] stands for (the others are returned as they are).
+    pub fn resolve(self) -> AttnKernel {
+        match self {
+            AttnKernel::Auto => AttnKernel::Tc {
+                key_warps: 4,
+                row_warps: 0,
+                ffma_pv: false,
+            },
+            k => k,
+        }
+    }
 }
 
 /// Shared memory of the SIMT split kernel.
@@ -34,23 +53,54 @@ fn simt_smem_bytes(d: usize) -> usize {
     (16 * d + 64 * (d + 4) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
 }
 
-/// Shared memory of the tensor-core kernel: Q rows, the double-buffered K / V chunks, or
+/// Shared memory of the tensor-core kernel: Q rows, `nst` pipeline stages of K / V chunks, or
 /// (after the loop, in the same space) the saved states of the key warps being merged.
-fn tc_smem_bytes(d: usize, kw: usize, rw: usize) -> usize {
+fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize {
     let ck = 16 * kw;
-    let main = rw * 16 * (d + 16) + 2 * ck * (d + 16) + 2 * ck * (d + 4);
-    let merge = rw * (kw - 1) * (d / 2 + 4) * 32;
+    let mut main = rw * 16 * (d + 16) + nst * ck * (d + 16) + nst * ck * (d + 4);
+    let merge = if fpv {
+        // Per warp: P^T (16 x ATT_PTP = 20) and 16 rescale factors.
+        main += rw * kw * (16 * 20 + 16);
+        rw * (kw - 1) * (d / 2) * 32 + rw * kw * 32
+    } else {
+        rw * (kw - 1) * (d / 2 + 4) * 32
+    };
     main.max(merge) * 4
 }
 
-fn tc_kernel(d: usize, kw: usize) -> Option<Kernel> {
-    Some(match (d, kw) {
-        (32, 2) => Kernel::AttnTcD32Kw2,
-        (64, 2) => Kernel::AttnTcD64Kw2,
-        (128, 2) => Kernel::AttnTcD128Kw2,
-        (32, 4) => Kernel::AttnTcD32Kw4,
-        (64, 4) => Kernel::AttnTcD64Kw4,
-        (128, 4) => Kernel::AttnTcD128Kw4,
+/// Shared memory of one H100 / H200 multiprocessor and the most one block may take.
+const SM_SMEM: usize = 228 * 1024;
+const BLOCK_SMEM_MAX: usize = 227 * 1024;
+
+/// Pipeline stages of the tensor-core kernel: 3 where that fits without fewer resident
+/// blocks per multiprocessor (shared memory), else 2. Scheduling only: no bits change.
+fn tc_stages(d: usize, kw: usize, rw: usize, fpv: bool) -> usize {
+    let per_sm = |b: usize| SM_SMEM / (b + 1024);
+    let (s2, s3) = (
+        tc_smem_bytes(d, kw, rw, 2, fpv),
+        tc_smem_bytes(d, kw, rw, 3, fpv),
+    );
+    if s3 <= BLOCK_SMEM_MAX && per_sm(s3) >= per_sm(s2) {
+        3
+    } else {
+        2
+    }
+}
+
+fn tc_kernel(d: usize, kw: usize, fpv: bool) -> Option<Kernel> {
+    Some(match (d, kw, fpv) {
+        (32, 2, false) => Kernel::AttnTcD32Kw2,
+        (64, 2, false) => Kernel::AttnTcD64Kw2,
+        (128, 2, false) => Kernel::AttnTcD128Kw2,
+        (32, 4, false) => Kernel::AttnTcD32Kw4,
+        (64, 4, false) => Kernel::AttnTcD64Kw4,
+        (128, 4, false) => Kernel::AttnTcD128Kw4,
+        (32, 2, true) => Kernel::AttnTcD32Kw2Fpv,
+        (64, 2, true) => Kernel::AttnTcD64Kw2Fpv,
+        (128, 2, true) => Kernel::AttnTcD128Kw2Fpv,
+        (32, 4, true) => Kernel::AttnTcD32Kw4Fpv,
+        (64, 4, true) => Kernel::AttnTcD64Kw4Fpv,
+        (128, 4, true) => Kernel::AttnTcD128Kw4Fpv,
         _ => return None,
     })
 }
@@ -86,6 +136,7 @@ impl Cuda {
         if let AttnKernel::Tc {
             key_warps,
             row_warps,
+            ..
         } = k
         {
             if !matches!(key_warps, 2 | 4) || !matches!(row_warps, 0 | 1 | 2 | 4) {
@@ -108,8 +159,14 @@ impl Cuda {
                 self.func_smem(k, simt_smem_bytes(d))?;
             }
             for kw in [2, 4] {
-                if let Some(k) = tc_kernel(d, kw) {
-                    self.func_smem(k, tc_smem_bytes(d, kw, 4))?;
+                for fpv in [false, true] {
+                    if let Some(k) = tc_kernel(d, kw, fpv) {
+                        let most = (1..=4)
+                            .map(|rw| tc_smem_bytes(d, kw, rw, tc_stages(d, kw, rw, fpv), fpv))
+                            .max()
+                            .unwrap_or(0);
+                        self.func_smem(k, most)?;
+                    }
                 }
             }
         }
@@ -167,21 +224,21 @@ impl Cuda {
         let qr = p.n_q * g;
         i32_of(op, "n_q * n_heads", rows_total)?;
 
-        // (kernel, threads, shared bytes, rows per block) of the split kernel, if any.
+        // (kernel, threads, shared bytes, rows per block, pipeline stages) of the split kernel.
         let choice = *lock(&self.attn_kernel);
         let split_keys = *lock(&self.attn_split);
         let n_split = p.n_kv.div_ceil(split_keys);
-        let tc = match choice {
-            AttnKernel::Simt => None,
-            AttnKernel::Auto => Some((4, 0)),
+        let tc = match choice.resolve() {
+            AttnKernel::Simt | AttnKernel::Auto => None,
             AttnKernel::Tc {
                 key_warps,
                 row_warps,
-            } => Some((key_warps, row_warps)),
+                ffma_pv,
+            } => Some((key_warps, row_warps, ffma_pv)),
         };
-        let split: Option<(Kernel, u32, usize, usize)> = match tc {
-            Some((kw, rw)) if tc_kernel(d, kw).is_some() => {
-                let kern = tc_kernel(d, kw).ok_or_else(internal)?;
+        let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
+            Some((kw, rw, fpv)) if tc_kernel(d, kw, fpv).is_some() => {
+                let kern = tc_kernel(d, kw, fpv).ok_or_else(internal)?;
                 let rw = if rw > 0 {
                     rw
                 } else {
@@ -196,18 +253,20 @@ impl Cuda {
                     }
                     rw
                 };
+                let nst = tc_stages(d, kw, rw, fpv);
                 Some((
                     kern,
                     (32 * kw * rw) as u32,
-                    tc_smem_bytes(d, kw, rw),
+                    tc_smem_bytes(d, kw, rw, nst, fpv),
                     16 * rw,
+                    nst as i32,
                 ))
             }
-            _ => simt_kernel(d).map(|k| (k, 256, simt_smem_bytes(d), ATT_QT)),
+            _ => simt_kernel(d).map(|k| (k, 256, simt_smem_bytes(d), ATT_QT, 0)),
         };
 
         match split {
-            Some((kern, threads, smem, rows_per_block)) if p.n_kv > 0 => {
+            Some((kern, threads, smem, rows_per_block, nst)) if p.n_kv > 0 => {
                 let f = self.func_smem(kern, smem)?;
                 let split_i = split_keys as i32;
                 let mut s = lock(&self.scratch);
@@ -234,6 +293,9 @@ impl Cuda {
                     .arg(&window)
                     .arg(&scale)
                     .arg(&split_i);
+                if nst > 0 {
+                    b.arg(&nst);
+                }
                 let grid = (
                     n_split as u32,
                     p.n_kv_heads as u32,
@@ -291,13 +353,20 @@ mod tests {
         for d in [32, 64, 128] {
             for kw in [2, 4] {
                 for rw in [1, 2, 4] {
-                    assert!(
-                        tc_smem_bytes(d, kw, rw) <= 227 * 1024,
-                        "d {d} kw {kw} rw {rw}"
-                    );
+                    for fpv in [false, true] {
+                        let nst = tc_stages(d, kw, rw, fpv);
+                        assert!(
+                            tc_smem_bytes(d, kw, rw, nst, fpv) <= BLOCK_SMEM_MAX,
+                            "d {d} kw {kw} rw {rw} fpv {fpv}"
+                        );
+                    }
                 }
             }
         }
-        assert_eq!(tc_smem_bytes(128, 4, 4), 44544 * 4);
+        assert_eq!(tc_smem_bytes(128, 4, 4, 2, false), 44544 * 4);
+        // d 128: 3 stages for one row warp of 4 key warps (one block per SM either way), 2 for
+        // 4 row warps (3 would not fit).
+        assert_eq!(tc_stages(128, 4, 1, false), 3);
+        assert_eq!(tc_stages(128, 4, 4, false), 2);
     }
 }
