@@ -337,8 +337,9 @@ extern "C" __global__ void attn_generic(const float *q, const float *k, const fl
 //
 // Grid (n_split, n_kv_heads, ceil(n_q * G / (16 RW))), 32 * KW * RW threads: RW row warps (16 query
 // rows each: row qr = query qr / G, head hk G + qr % G) times KW key warps. The block streams its
-// split of `split_keys` keys as chunks of CK = 16 KW keys through a cp.async double buffer shared
-// by all warps; key warp kw takes keys 16 kw .. 16 kw + 15 of every chunk. Each warp keeps its own
+// split of `split_keys` keys as chunks of CK = 16 KW keys through a cp.async pipeline of nst (2 or
+// 3, a launch argument: scheduling only) stages shared by all warps; key warp kw takes keys
+// 16 kw .. 16 kw + 15 of every chunk. Each warp keeps its own
 // online softmax (running max, sum, unnormalised output) for its 16 rows over its keys; at the
 // end the KW states of a row group are merged in the fixed order kw = 0, 1, ..., and the split's
 // partial (unnormalised output, max, sum) goes to the workspace for attn_combine.
