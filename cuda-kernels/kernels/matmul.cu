@@ -303,6 +303,21 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
     return h;
 }
 
+// Programmatic dependent launch (sm_90): the Q8_0A8 kernels may be launched while the
+// previous kernel on the stream still runs; griddep_wait() blocks until that kernel has
+// finished and its writes are visible (a no-op for a normal launch), griddep_launch() lets
+// the next PDL-launched kernel start early.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // x [T, K] f32 -> q8_0 codes in mma B-fragment order + f32 scales (the f16 value), padded
 // to NT*8 tokens and KBp blocks with zeros:
 //   xq[((b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = codes k = 16h + 4t .. +3
@@ -313,7 +328,10 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
 // With up != nullptr the quantized x is silu(x) * up (silu_mul's arithmetic, same bits).
 extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *__restrict__ up, int T, int K, int NT, int KBp,
                                       u32 *__restrict__ xq, float *__restrict__ xd) {
-    // One warp per (block, token); lane = position in the block.
+    // One warp per (block, token); lane = position in the block. The matmul that reads xq may
+    // start now (it prefetches its weights, then waits for this grid).
+    griddep_launch();
+    griddep_wait();
     const int ntok = NT * 8;
     const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (wid >= KBp * ntok) return;
@@ -373,6 +391,32 @@ __device__ __forceinline__ void a8_block(const uint4 *sw, const u32 *ss, const u
     acc[3] = fmaf(i2f_small(c[3]), __fmul_rn(dw1, dx.y), acc[3]);
 }
 
+// A whole stage (A8_KC blocks) of one warp's tile and token group j: all the int8 mmas
+// first (independent, exact), then the f32 updates in block order (the same chain as
+// a8_block, block after block), so the chain waits on no load or mma latency but the first.
+template <int NT>
+__device__ __forceinline__ void a8_stage(const uint4 *sw, const u32 *ss, const uint2 *sx, const float *sd, int j, int lane, int g,
+                                         int t, float (&acc)[4]) {
+    int c[A8_KC][4];
+#pragma unroll
+    for (int bb = 0; bb < A8_KC; ++bb) {
+        const uint4 a = sw[bb * 32 + lane];
+        const uint2 bx = sx[(bb * NT + j) * 32 + lane];
+        c[bb][0] = 0, c[bb][1] = 0, c[bb][2] = 0, c[bb][3] = 0;
+        mma_s8_16832(c[bb], a, bx.x, bx.y);
+    }
+#pragma unroll
+    for (int bb = 0; bb < A8_KC; ++bb) {
+        const u32 sc = ss[bb * 8 + g];
+        const float dw0 = f16_to_f32((u16)(sc & 0xffffu)), dw1 = f16_to_f32((u16)(sc >> 16));
+        const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
+        acc[0] = fmaf(i2f_small(c[bb][0]), __fmul_rn(dw0, dx.x), acc[0]);
+        acc[1] = fmaf(i2f_small(c[bb][1]), __fmul_rn(dw0, dx.y), acc[1]);
+        acc[2] = fmaf(i2f_small(c[bb][2]), __fmul_rn(dw1, dx.x), acc[2]);
+        acc[3] = fmaf(i2f_small(c[bb][3]), __fmul_rn(dw1, dx.y), acc[3]);
+    }
+}
+
 // Up to 3 matrices with the same K (and the same quantized x) in one launch: blocks
 // [0, c1) take matrix 0, [c1, c2) matrix 1, [c2, grid) matrix 2.
 struct A8Mat {
@@ -415,12 +459,14 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     const u8 *gw = m.wq + pb0 * 512 + (j * 32 + lane) * 16;
     const u8 *gs = (const u8 *)m.wsc + pb0 * 32 + lane * 16;
 
-    auto issue = [&](int st, int slot) {
+    auto issue_x = [&](int st, int slot) {
         const u32 base = s0 + slot * STAGE_B;
         const long long xo = (long long)st * XQ_B, dofs = (long long)st * XD_B;
 #pragma unroll
         for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (tid + u * NTH) * 16, gx + xo + u * NTH * 16);
         if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gd + dofs);
+    };
+    auto issue_w = [&](int st, int slot) {
         if (tile_ok) {
             const u32 wb = s_wq + slot * STAGE_B + (j * 32 + lane) * 16;
             const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
@@ -429,10 +475,23 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
             if (j == 0 && lane < WS_B / 16) cp_async16(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so);
         }
     };
+    auto issue = [&](int st, int slot) {
+        issue_x(st, slot);
+        issue_w(st, slot);
+    };
 
+    // Weights of the first S - 1 stages before x exists (PDL: while the quantizer runs), then
+    // their x: groups W0 .. W(S-2), X0 .. X(S-2); stage st needs X(st), after which at most
+    // S - 2 groups are newer, as in the steady state.
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
-        if (s < nst) issue(s, s);
+        if (s < nst) issue_w(s, s);
+        cp_async_commit();
+    }
+    griddep_wait();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue_x(s, s);
         cp_async_commit();
     }
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -452,8 +511,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
             const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
             const int nb = KB - st * A8_KC;
             if (nb >= A8_KC) {
-#pragma unroll
-                for (int bb = 0; bb < A8_KC; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+                a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
             } else {
                 for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
             }
@@ -502,7 +560,8 @@ A8(a8_n2_w2, 2, 2, 8)
 A8(a8_n2_w4, 2, 4, 4)
 
 // ---------------------------------------------------------------------------------------
-// Q8_0A8, K split over blocks by chunk (selectable, A8Kernel::Chunked / ChunkedSum): a block
+// Q8_0A8, K split over blocks by chunk (A8Kernel::Chunked / ChunkedSum; auto picks it where
+// whole-K would run one tile per block): a block
 // = W tiles of 16 features x all NT token groups x ONE chunk of A8_CB = 32 blocks; one warp
 // per (tile, token group) runs that chunk's chain (acc_c). The whole chunk (4 stages of
 // A8_KC blocks: weights, scales, x codes, x scales) is requested through cp.async at once,
@@ -550,6 +609,20 @@ __device__ __forceinline__ void a8_chunk(const A8CMat &m, int cta, const u32 *__
     const u8 *gw = m.wq + pb0 * 512 + (j * 32 + lane) * 16;
     const u8 *gs = (const u8 *)m.wsc + pb0 * 32 + lane * 16;
 
+    // Weights first (PDL: while the quantizer runs), then x: groups W0 .. W3, X0 .. X3;
+    // stage st needs X(st), after which 3 - st groups are newer.
+#pragma unroll
+    for (int st = 0; st < NS; ++st) {
+        if (st < nstc && tile_ok) {
+            const u32 wb = s_wq + st * STAGE_B + (j * 32 + lane) * 16;
+            const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
+#pragma unroll
+            for (int i = 0; i < A8_KC / NT; ++i) cp_async16(wb + i * NT * 512, gw + wo + i * NT * 512);
+            if (j == 0 && lane < WS_B / 16) cp_async16(s_wq + st * STAGE_B + WQ_B + lane * 16, gs + so);
+        }
+        cp_async_commit();
+    }
+    griddep_wait();
 #pragma unroll
     for (int st = 0; st < NS; ++st) {
         if (st < nstc) {
@@ -558,13 +631,6 @@ __device__ __forceinline__ void a8_chunk(const A8CMat &m, int cta, const u32 *__
 #pragma unroll
             for (int c = tid; c < XQ_B / 16; c += NTH) cp_async16(base + c * 16, gx + xo + c * 16);
             if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gd + dofs + tid * 16);
-            if (tile_ok) {
-                const u32 wb = s_wq + st * STAGE_B + (j * 32 + lane) * 16;
-                const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
-#pragma unroll
-                for (int i = 0; i < A8_KC / NT; ++i) cp_async16(wb + i * NT * 512, gw + wo + i * NT * 512);
-                if (j == 0 && lane < WS_B / 16) cp_async16(s_wq + st * STAGE_B + WQ_B + lane * 16, gs + so);
-            }
         }
         cp_async_commit();
     }
@@ -584,8 +650,7 @@ __device__ __forceinline__ void a8_chunk(const A8CMat &m, int cta, const u32 *__
             const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
             const int nb = nbc - st * A8_KC;
             if (nb >= A8_KC) {
-#pragma unroll
-                for (int bb = 0; bb < A8_KC; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+                a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
             } else {
                 for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
             }
@@ -666,6 +731,192 @@ A8C(a8c_n1_w8, 1, 8)
 A8C(a8c_n2_w2, 2, 2)
 A8C(a8c_n2_w4, 2, 4)
 A8C(a8c_n2_w8, 2, 8)
+
+// ---------------------------------------------------------------------------------------
+// Q8_0A8 stream kernel (selectable, A8Kernel::Stream): work items = (tile group of W
+// tiles, chunk of A8_CB blocks), numbered item = group * nch + chunk with the groups of the
+// up to 3 matrices one after the other (same K, so the same nch). The grid is about one wave
+// of persistent blocks; block b takes the contiguous items [b I / P, (b + 1) I / P) and runs
+// their stages through ONE S-slot cp.async pipeline (no ramp between items, no wave
+// quantization). Each item is one chain per output (acc_c of the contract). A group whose
+// chunks all lie in the block's range is summed in registers (out = acc_0, then + acc_c in
+// chunk order) and written; the chunks of a group split between blocks go to ws (one slot
+// per item) and the last-arriving block of that group (atomic counter, reset to 0 by it)
+// adds all of them in chunk order. Either way the same f32 operations in the same order.
+template <int NT, int W, int S>
+__device__ __forceinline__ void a8_stream(const A8Mat &m0, const A8Mat &m1, const A8Mat &m2, int g1, int g2, const u32 *__restrict__ xq, const float *__restrict__ xd,
+                                          int K, int T, float *ws, u32 *cnt, int n_items) {
+    extern __shared__ __align__(16) u8 a8_smem[];
+    constexpr int NTH = 32 * W * NT;
+    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
+    static_assert(XD_B / 16 <= NTH, "x scale stage split");
+    __shared__ int s_last;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tl = warp / NT, j = warp % NT;
+    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC;
+    const int nch = (KB + A8_CB - 1) / A8_CB;
+    const int lo = (int)((long long)blockIdx.x * n_items / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * n_items / gridDim.x);
+    if (lo >= hi) return;
+    griddep_wait();
+    const u32 s0 = smem_addr(a8_smem);
+    // Stages of chunk ch.
+    auto nst_of = [&](int ch) { return (min(A8_CB, KB - ch * A8_CB) + A8_KC - 1) / A8_KC; };
+    // The matrix of global tile group gg (selects, no indexed local array) and its group lg.
+    auto mat_of = [&](int gg, int &lg) {
+        const int k = gg < g1 ? 0 : (gg < g2 ? 1 : 2);
+        lg = gg - (k == 0 ? 0 : (k == 1 ? g1 : g2));
+        A8Mat m;
+        m.wq = k == 0 ? m0.wq : (k == 1 ? m1.wq : m2.wq);
+        m.wsc = k == 0 ? m0.wsc : (k == 1 ? m1.wsc : m2.wsc);
+        m.out = k == 0 ? m0.out : (k == 1 ? m1.out : m2.out);
+        m.N = k == 0 ? m0.N : (k == 1 ? m1.N : m2.N);
+        return m;
+    };
+    auto issue = [&](int item, int st, int slot) {
+        const int gg = item / nch, ch = item % nch;
+        int lg;
+        const A8Mat m = mat_of(gg, lg);
+        const int b = ch * A8_CB + st * A8_KC;
+        const u32 base = s0 + slot * STAGE_B;
+        const u8 *gx = (const u8 *)xq + (long long)b * (NT * 256);
+#pragma unroll
+        for (int c = tid; c < XQ_B / 16; c += NTH) cp_async16(base + c * 16, gx + c * 16);
+        if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, (const u8 *)xd + (long long)b * (NT * 32) + tid * 16);
+        const int tile = lg * W + tl;
+        if (tile * 16 < m.N) {
+            const long long pb = (long long)tile * KBp + b;
+            const u32 wb = base + XQ_B + XD_B + tl * (WQ_B + WS_B);
+            const u8 *gw = m.wq + pb * 512 + (j * 32 + lane) * 16;
+#pragma unroll
+            for (int i = 0; i < A8_KC / NT; ++i) cp_async16(wb + (j * 32 + lane) * 16 + i * NT * 512, gw + i * NT * 512);
+            if (j == 0 && lane < WS_B / 16) cp_async16(wb + WQ_B + lane * 16, (const u8 *)m.wsc + pb * 32 + lane * 16);
+        }
+    };
+
+    int ii = lo, is = 0, n_issued = 0;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (ii < hi) {
+            issue(ii, is, s);
+            ++n_issued;
+            if (++is == nst_of(ii % nch)) is = 0, ++ii;
+        }
+        cp_async_commit();
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int ci = lo, cs = 0, n_done = 0;
+    while (ci < hi) {
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        if (ii < hi) {
+            issue(ii, is, n_issued % S);
+            ++n_issued;
+            if (++is == nst_of(ii % nch)) is = 0, ++ii;
+        }
+        cp_async_commit();
+        const int gg = ci / nch, ch = ci % nch;
+        int lg;
+        const A8Mat m = mat_of(gg, lg);
+        const int tile = lg * W + tl;
+        const bool tile_ok = tile * 16 < m.N;
+        const int nstc = nst_of(ch);
+        if (tile_ok) {
+            const u8 *base = a8_smem + (n_done % S) * STAGE_B;
+            const uint2 *sx = (const uint2 *)base;
+            const float *sd = (const float *)(base + XQ_B);
+            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
+            const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
+            const int nb = KB - ch * A8_CB - cs * A8_KC;
+            if (nb >= A8_KC) {
+                a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
+            } else {
+                for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+            }
+        }
+        ++n_done;
+        if (cs == nstc - 1) {
+            // End of item ci: acc is acc_ch of the tile group's outputs.
+            const int g0 = gg * nch;
+            if (g0 >= lo && g0 + nch <= hi) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) tot[c] = ch == 0 ? acc[c] : __fadd_rn(tot[c], acc[c]);
+                if (ch == nch - 1 && tile_ok) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+                        const int tok = 8 * j + 2 * t + (c & 1);
+                        if (o < m.N && tok < T) m.out[(long long)tok * m.N + o] = tot[c];
+                    }
+                }
+            } else {
+                const long long fo = ((long long)tl * NT + j) * 128 + lane * 4;
+                constexpr long long ITEM_F = (long long)W * NT * 128;
+                if (tile_ok) __stcg((float4 *)(ws + (long long)ci * ITEM_F + fo), make_float4(acc[0], acc[1], acc[2], acc[3]));
+                if (ch == nch - 1 || ci == hi - 1) {
+                    const int run = ci - max(g0, lo) + 1;
+                    __threadfence();
+                    __syncthreads();
+                    if (tid == 0) {
+                        const u32 prev = atomicAdd(&cnt[gg], (u32)run);
+                        s_last = prev + (u32)run == (u32)nch;
+                    }
+                    __syncthreads();
+                    if (s_last) {
+                        __threadfence();
+                        if (tid == 0) cnt[gg] = 0u;
+                        if (tile_ok) {
+                            float r[4];
+                            for (int q = 0; q < nch; ++q) {
+                                const float4 v = __ldcg((const float4 *)(ws + (long long)(g0 + q) * ITEM_F + fo));
+                                if (q == 0) {
+                                    r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+                                } else {
+                                    r[0] = __fadd_rn(r[0], v.x);
+                                    r[1] = __fadd_rn(r[1], v.y);
+                                    r[2] = __fadd_rn(r[2], v.z);
+                                    r[3] = __fadd_rn(r[3], v.w);
+                                }
+                            }
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) {
+                                const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+                                const int tok = 8 * j + 2 * t + (c & 1);
+                                if (o < m.N && tok < T) m.out[(long long)tok * m.N + o] = r[c];
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[c] = 0.0f;
+            cs = 0;
+            ++ci;
+        } else {
+            ++cs;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// (NT, W, S): host side a8s_stages / a8s_smem_bytes in backend.rs. g1, g2: first global tile
+// group of matrices 1 and 2.
+#define A8S(NAME, NT, W, S)                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                     \
+        NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int g1, int g2, const u32 *xq, const float *xd, int K, int T,   \
+             float *ws, u32 *cnt, int n_items) {                                                                                  \
+        const A8Mat m0 = {wq0, ws0, out0, n0}, m1 = {wq1, ws1, out1, n1}, m2 = {wq2, ws2, out2, n2};                            \
+        a8_stream<NT, W, S>(m0, m1, m2, g1, g2, xq, xd, K, T, ws, cnt, n_items);                                                  \
+    }
+A8S(a8s_n1_w2, 1, 2, 8)
+A8S(a8s_n1_w4, 1, 4, 4)
+A8S(a8s_n1_w8, 1, 8, 4)
+A8S(a8s_n2_w2, 2, 2, 8)
+A8S(a8s_n2_w4, 2, 4, 4)
+A8S(a8s_n2_w8, 2, 8, 4)
 
 // sum_mode 1: out = partial_0 + partial_1 + ... (chunk order) for up to 3 matrices; one
 // thread per output, outputs of matrix i at [e_i, e_{i+1}) of the flattened index (T x N_i).

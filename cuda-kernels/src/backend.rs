@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
-    sys as drv_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    sys as drv_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
     AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, RopeSpec, Weight,
@@ -56,7 +56,7 @@ fn a8c_smem_bytes(nt: usize, w: usize) -> usize {
 /// picks the launch shape, for benchmarks and tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum A8Kernel {
-    /// The default (whole-K).
+    /// The default: whole-K, or chunked where whole-K would run one tile per block.
     Auto,
     /// One warp per (tile, token group) over all of K (chunk after chunk).
     WholeK,
@@ -66,6 +66,18 @@ pub enum A8Kernel {
     Chunked(u8),
     /// As `Chunked`, the chunk sums added in order by a second kernel (`a8_sum`).
     ChunkedSum(u8),
+    /// Persistent blocks (about one wave) over the (`w`-tile group, chunk) items, one
+    /// cp.async pipeline through all the items of a block; `w` 2, 4 or 8.
+    Stream(u8),
+}
+
+/// Q8_0A8 stream kernels (`A8S(...)` in matmul.cu): pipeline slots for `w` tiles per block.
+fn a8s_stages(w: usize) -> usize {
+    if w <= 2 {
+        8
+    } else {
+        4
+    }
 }
 
 /// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
@@ -202,6 +214,7 @@ pub struct Cuda {
     blas: Mutex<Option<CudaBlas>>,
     smem_set: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
+    a8_pdl: Mutex<bool>,
     attn_split: Mutex<usize>,
     attn_kernel: Mutex<AttnKernel>,
 }
@@ -308,6 +321,7 @@ impl Cuda {
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
+            a8_pdl: Mutex::new(false),
             attn_split: Mutex::new(ATT_SPLIT),
             attn_kernel: Mutex::new(AttnKernel::Auto),
         })
@@ -331,6 +345,13 @@ impl Cuda {
     /// this is for benchmarks and tests.
     pub fn set_a8_kernel(&self, k: A8Kernel) {
         *lock(&self.a8_kernel) = k;
+    }
+    /// Launch the Q8_0A8 quantizer and matmul kernels with programmatic dependent launch
+    /// (default off): the matmul then prefetches its first weight stages while the quantizer
+    /// runs. The same bits either way (the kernels wait for their inputs); a benchmark knob
+    /// (on the H200 it measured -2% to +2% on the draft steps, so it stays off).
+    pub fn set_a8_pdl(&self, on: bool) {
+        *lock(&self.a8_pdl) = on;
     }
     fn func(&self, k: Kernel) -> Result<CudaFunction> {
         self.reg.get(k).map_err(BackendError::from)
@@ -768,20 +789,49 @@ impl Cuda {
         let nch = (k / 32).div_ceil(A8_CB).max(1);
         let sms = self.num_sms.max(1);
         let tiles: Vec<usize> = mats.iter().map(|m| m.n.div_ceil(16)).collect();
+        // Whole-K: the largest tiles-per-block whose busiest SM holds no more tiles than with 1
+        // tile per block.
+        let whole_ctas = |w: usize| tiles.iter().map(|t| t.div_ceil(w)).sum::<usize>();
+        let whole_load = |w: usize| whole_ctas(w).div_ceil(sms) * w;
+        let whole_w = [4usize, 2, 1]
+            .into_iter()
+            .find(|&w| whole_load(w) <= whole_load(1))
+            .unwrap_or(1);
         let mode = match *lock(&self.a8_kernel) {
-            // Whole-K: measured faster than the one-shot chunked kernel at the 8B drafter's
-            // shapes and for lm_head on the H200 (chunked wins at 1024x4096 and the 27B
-            // shapes, but loses more in the 8B step: 0.985 -> 1.118 ms).
-            A8Kernel::Auto => A8Kernel::WholeK,
+            // Whole-K unless its balance rule leaves one tile per block (few warps per SM, the
+            // per-warp chain over all of K then sets the time: k/v alone, the 27B shapes);
+            // there the chunked kernel, 4 tiles per block if that still fills the SMs. On the
+            // H200 (16 rows, graph of 1 op) that is whole-K for the 8B shapes and lm_head and
+            // chunked for 5120x5120 (25.6 -> 22.4 us), 17408x5120 (59.5 -> 50.8), 5120x17408
+            // (72.6 -> 56.0), 27B gate/up fused (99.9 -> 88.8), 1024x4096 (12.5 -> 10.8).
+            A8Kernel::Auto if whole_w > 1 => A8Kernel::WholeK,
+            A8Kernel::Auto => {
+                let ctas4 = tiles.iter().map(|t| t.div_ceil(4)).sum::<usize>() * nch;
+                A8Kernel::Chunked(if ctas4 >= sms { 4 } else { 2 })
+            }
             m => m,
         };
-        let (kern, w, smem, warps, chunked, sum_kernel) = match mode {
-            A8Kernel::Chunked(ws) | A8Kernel::ChunkedSum(ws) => {
-                let w = match ws {
-                    0..=2 => 2,
-                    3..=4 => 4,
-                    _ => 8,
+        let tile_w = |ws: u8| match ws {
+            0..=2 => 2usize,
+            3..=4 => 4,
+            _ => 8,
+        };
+        let (kern, w, smem, warps, chunked, sum_kernel, stream) = match mode {
+            A8Kernel::Stream(ws) => {
+                let w = tile_w(ws);
+                let kern = match (nt, w) {
+                    (1, 2) => Kernel::A8SN1W2,
+                    (1, 4) => Kernel::A8SN1W4,
+                    (1, _) => Kernel::A8SN1W8,
+                    (_, 2) => Kernel::A8SN2W2,
+                    (_, 4) => Kernel::A8SN2W4,
+                    _ => Kernel::A8SN2W8,
                 };
+                let smem = a8s_stages(w) * (A8_KC * nt * 288 + w * A8_KC * 544);
+                (kern, w, smem, w * nt, true, false, true)
+            }
+            A8Kernel::Chunked(ws) | A8Kernel::ChunkedSum(ws) => {
+                let w = tile_w(ws);
                 let kern = match (nt, w) {
                     (1, 2) => Kernel::A8CN1W2,
                     (1, 4) => Kernel::A8CN1W4,
@@ -791,17 +841,10 @@ impl Cuda {
                     _ => Kernel::A8CN2W8,
                 };
                 let sum = matches!(mode, A8Kernel::ChunkedSum(_)) && nch > 1;
-                (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum)
+                (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum, false)
             }
             _ => {
-                let ctas = |w: usize| tiles.iter().map(|t| t.div_ceil(w)).sum::<usize>();
-                // Largest warps-per-block whose busiest SM holds no more tiles than with 1
-                // tile per block.
-                let load = |w: usize| ctas(w).div_ceil(sms) * w;
-                let w = [4usize, 2, 1]
-                    .into_iter()
-                    .find(|&w| load(w) <= load(1))
-                    .unwrap_or(1);
+                let w = whole_w;
                 let kern = match (nt, w) {
                     (1, 1) => Kernel::A8N1W1,
                     (1, 2) => Kernel::A8N1W2,
@@ -810,7 +853,7 @@ impl Cuda {
                     (_, 2) => Kernel::A8N2W2,
                     _ => Kernel::A8N2W4,
                 };
-                (kern, w, a8_smem_bytes(nt, w), w * nt, false, false)
+                (kern, w, a8_smem_bytes(nt, w), w * nt, false, false, false)
             }
         };
         let f = self.func_smem(kern, smem)?;
@@ -818,7 +861,13 @@ impl Cuda {
         // Chunked: per matrix, the partials [chunk][tile][token group][128] and one counter
         // per tile group.
         let groups: Vec<usize> = tiles.iter().map(|t| t.div_ceil(w)).collect();
-        let ws_len: Vec<usize> = tiles.iter().map(|t| nch * t * nt * 128).collect();
+        let n_groups: usize = groups.iter().sum();
+        let ws_len: Vec<usize> = if stream {
+            // One slot of w x nt x 128 per item (group, chunk), all matrices together.
+            vec![n_groups * nch * w * nt * 128]
+        } else {
+            tiles.iter().map(|t| nch * t * nt * 128).collect()
+        };
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
@@ -839,20 +888,22 @@ impl Cuda {
         );
         let (k_i, t_i) = (i32_of("matmul", "w.cols", k)?, rows as i32);
         let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
-        let null = 0u64;
-        let mut b = self.stream.launch_builder(&fq);
-        b.arg(x);
+        let pdl = *lock(&self.a8_pdl);
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(x, st);
         match up {
-            Some(u) => b.arg(u),
-            None => b.arg(&null),
+            Some(u) => a.dptr(u, st),
+            None => a.u64(0),
         };
-        b.arg(&t_i)
-            .arg(&k_i)
-            .arg(&nt_i)
-            .arg(&kbp_i)
-            .arg(&mut *xq)
-            .arg(&mut *xd);
-        unsafe { b.launch(grid_1d(kbp * nt * 8 * 32, 256)) }.map_err(dev)?;
+        a.i32(t_i)
+            .i32(k_i)
+            .i32(nt_i)
+            .i32(kbp_i)
+            .dptr_mut(&mut *xq, st)
+            .dptr_mut(&mut *xd, st);
+        // SAFETY: the parameters are a8_quant_x's (x, up, T, K, NT, KBp, xq, xd).
+        unsafe { a.launch(st, &fq, grid_1d(kbp * nt * 8 * 32, 256), pdl) }?;
         let mut ns = [0i32; 3];
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
             *slot = i32_of("matmul", "w.rows", m.n)?;
@@ -860,7 +911,17 @@ impl Cuda {
         let per_group = if chunked { nch } else { 1 };
         let c1 = groups[0] * per_group;
         let c2 = c1 + groups.get(1).map_or(0, |g| g * per_group);
-        let grid = groups.iter().sum::<usize>() * per_group;
+        let n_items = n_groups * nch;
+        let grid = if stream {
+            // About one wave of resident blocks, no more than there are items.
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor((32 * warps) as u32, smem, None)
+                .map_err(dev)?
+                .max(1) as usize;
+            n_items.min(per_sm * sms)
+        } else {
+            n_groups * per_group
+        };
         let (c1_i, c2_i) = (
             i32_of("matmul", "blocks", c1)?,
             i32_of("matmul", "blocks", c2)?,
@@ -874,39 +935,67 @@ impl Cuda {
             groups[0] + groups.get(1).copied().unwrap_or(0),
         )?;
         let sum_mode = i32::from(sum_kernel);
+        let n_items_i = i32_of("matmul", "items", n_items)?;
+        // The stream kernel takes the first global tile group of matrices 1 and 2 where the
+        // others take their first block.
+        let (c1_i, c2_i) = if stream {
+            (
+                i32_of("matmul", "blocks", groups[0])?,
+                i32_of(
+                    "matmul",
+                    "blocks",
+                    groups[0] + groups.get(1).copied().unwrap_or(0),
+                )?,
+            )
+        } else {
+            (c1_i, c2_i)
+        };
         let nch_i = i32_of("matmul", "w.cols", nch)?;
         {
-            let mut b = self.stream.launch_builder(&f);
-            let (first, rest) = mats.split_first_mut().ok_or_else(internal)?;
-            b.arg(first.qs).arg(first.d).arg(&mut first.out).arg(&ns[0]);
-            let mut pushed = 1;
-            for m in rest.iter_mut() {
-                b.arg(m.qs).arg(m.d).arg(&mut m.out).arg(&ns[pushed]);
-                pushed += 1;
+            let mut a = RawArgs::default();
+            for (i, m) in mats.iter_mut().enumerate() {
+                a.dptr(m.qs, st)
+                    .dptr(m.d, st)
+                    .dptr_mut(&mut m.out, st)
+                    .i32(ns[i]);
             }
-            // Unused slots: never reached (c1 / c2 equal the grid size); any valid pointers.
-            for n_unused in &ns[pushed..] {
-                b.arg(first.qs).arg(first.d).arg(&*xd).arg(n_unused);
+            // Unused slots: never reached (c1 / c2 equal the grid size); null pointers.
+            for &n_unused in &ns[mats.len()..] {
+                a.u64(0).u64(0).u64(0).i32(n_unused);
             }
-            b.arg(&c1_i)
-                .arg(&c2_i)
-                .arg(&*xq)
-                .arg(&*xd)
-                .arg(&k_i)
-                .arg(&t_i);
-            if chunked {
+            a.i32(c1_i)
+                .i32(c2_i)
+                .dptr(&*xq, st)
+                .dptr(&*xd, st)
+                .i32(k_i)
+                .i32(t_i);
+            if stream {
                 let ws = a8_ws.as_mut().ok_or_else(internal)?;
                 let cnt = a8_cnt.as_mut().ok_or_else(internal)?;
-                b.arg(&mut *ws)
-                    .arg(&mut *cnt)
-                    .arg(&wso1)
-                    .arg(&wso2)
-                    .arg(&cno1)
-                    .arg(&cno2)
-                    .arg(&sum_mode);
+                a.dptr_mut(&mut *ws, st)
+                    .dptr_mut(&mut *cnt, st)
+                    .i32(n_items_i);
+            } else if chunked {
+                let ws = a8_ws.as_mut().ok_or_else(internal)?;
+                let cnt = a8_cnt.as_mut().ok_or_else(internal)?;
+                a.dptr_mut(&mut *ws, st)
+                    .dptr_mut(&mut *cnt, st)
+                    .i64(wso1)
+                    .i64(wso2)
+                    .i32(cno1)
+                    .i32(cno2)
+                    .i32(sum_mode);
             }
-            unsafe { b.launch(cfg((grid as u32, 1, 1), (32 * warps) as u32, smem as u32)) }
-                .map_err(dev)?;
+            // SAFETY: the parameters are those of the A8 / A8C / A8S kernel macros in
+            // matmul.cu, in order.
+            unsafe {
+                a.launch(
+                    st,
+                    &f,
+                    cfg((grid as u32, 1, 1), (32 * warps) as u32, smem as u32),
+                    pdl,
+                )
+            }?;
         }
         if sum_kernel {
             let fs = self.func(Kernel::A8Sum)?;
@@ -1322,6 +1411,88 @@ impl Cuda {
             }
             _ => Ok(false),
         }
+    }
+}
+
+/// Kernel parameters of a raw `cuLaunchKernelEx` launch, each stored in 8 bytes (the vector
+/// is not touched while the parameter pointers into it are live; a 4-byte
+/// parameter is read from the low half: x86-64 and aarch64 are little-endian). Device
+/// pointers are taken on the launch stream, the only stream these buffers are used on.
+#[derive(Default)]
+struct RawArgs(Vec<u64>);
+
+impl RawArgs {
+    fn dptr<T>(&mut self, s: &impl DevicePtr<T>, st: &CudaStream) -> &mut Self {
+        let (p, _sync) = s.device_ptr(st);
+        self.0.push(p);
+        self
+    }
+    fn dptr_mut<T>(&mut self, s: &mut impl DevicePtrMut<T>, st: &CudaStream) -> &mut Self {
+        let (p, _sync) = s.device_ptr_mut(st);
+        self.0.push(p);
+        self
+    }
+    fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    fn i32(&mut self, v: i32) -> &mut Self {
+        self.0.push(u64::from(v as u32));
+        self
+    }
+    fn i64(&mut self, v: i64) -> &mut Self {
+        self.0.push(v as u64);
+        self
+    }
+
+    /// Launch `f` on `st`; with `pdl` as a programmatic dependent launch (the kernel may
+    /// start before the previous kernel on the stream has finished: it must execute
+    /// `griddepcontrol.wait` before reading anything that kernel writes).
+    ///
+    /// # Safety
+    /// The parameters must match `f`'s signature in number, order and size.
+    unsafe fn launch(
+        &mut self,
+        st: &CudaStream,
+        f: &CudaFunction,
+        c: LaunchConfig,
+        pdl: bool,
+    ) -> Result<()> {
+        st.context().bind_to_thread().map_err(dev)?;
+        let mut params: Vec<*mut std::ffi::c_void> = self
+            .0
+            .iter_mut()
+            .map(|b| b as *mut u64 as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: a plain C struct; every field is set below or valid as zero.
+        let mut attr: drv_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id =
+            drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = drv_sys::CUlaunchConfig {
+            gridDimX: c.grid_dim.0,
+            gridDimY: c.grid_dim.1,
+            gridDimZ: c.grid_dim.2,
+            blockDimX: c.block_dim.0,
+            blockDimY: c.block_dim.1,
+            blockDimZ: c.block_dim.2,
+            sharedMemBytes: c.shared_mem_bytes,
+            hStream: st.cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: `params` points at live values matching the kernel's parameters (caller),
+        // `lc` and `attr` outlive the call.
+        unsafe {
+            drv_sys::cuLaunchKernelEx(
+                &lc,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(dev)
     }
 }
 

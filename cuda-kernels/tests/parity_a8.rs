@@ -356,6 +356,9 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
         A8Kernel::ChunkedSum(2),
         A8Kernel::ChunkedSum(4),
         A8Kernel::ChunkedSum(8),
+        A8Kernel::Stream(2),
+        A8Kernel::Stream(4),
+        A8Kernel::Stream(8),
         A8Kernel::Auto,
     ];
     // Ragged tiles, a partial last stage (9 and 13 blocks), partial last chunks (33 and 41
@@ -371,6 +374,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
         (600, 5120),
         (77, 5152),
         (300, 17408),
+        (36000, 1312),
     ] {
         let wv = rand_vec(&mut r, n * k, 1.0);
         let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
@@ -381,50 +385,59 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
             let xg = g.upload(&x).expect("upload");
             for kern in kernels {
                 g.set_a8_kernel(kern);
-                let mut og = poisoned(&g, rows * n);
-                g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
-                let got = g.download(&og).expect("download");
-                assert_bits(
-                    &format!("Q8_0A8 {kern:?} n={n} k={k} rows={rows}"),
-                    &got,
-                    &want,
-                    n,
-                );
+                // With and without programmatic dependent launch.
+                for pdl in [true, false] {
+                    g.set_a8_pdl(pdl);
+                    let mut og = poisoned(&g, rows * n);
+                    g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
+                    let got = g.download(&og).expect("download");
+                    assert_bits(
+                        &format!("Q8_0A8 {kern:?} pdl {pdl} n={n} k={k} rows={rows}"),
+                        &got,
+                        &want,
+                        n,
+                    );
+                }
+                g.set_a8_pdl(false);
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), auto == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, auto, with and without PDL == contract");
     }
-    // Fused launches (3 matrices, different tile counts) under every choice.
-    let k = 4096usize;
-    let ns = [4096usize, 1024, 1000];
-    let hws: Vec<HostWeight> = ns
-        .iter()
-        .map(|&n| {
-            let wv = rand_vec(&mut r, n * k, 1.0);
-            HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode")
-        })
-        .collect();
-    let wgs: Vec<_> = hws.iter().map(|h| g.upload_weight(h).expect("w")).collect();
-    let ws: Vec<_> = wgs.iter().collect();
-    for rows in [3usize, 16] {
-        let x = spread_x(&mut r, rows, k);
-        let xg = g.upload(&x).expect("x");
-        let wants: Vec<Vec<f32>> = (0..3)
-            .map(|i| contract(&x, rows, k, weight_blocks(&hws[i]), ns[i]))
+    // Fused launches (3 matrices, different tile counts; a tall one with a partial last
+    // chunk, so that blocks' item ranges cross matrix boundaries) under every choice.
+    for (k, ns) in [
+        (4096usize, [4096usize, 1024, 1000]),
+        (1312, [2000, 333, 36000]),
+    ] {
+        let hws: Vec<HostWeight> = ns
+            .iter()
+            .map(|&n| {
+                let wv = rand_vec(&mut r, n * k, 1.0);
+                HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode")
+            })
             .collect();
-        for kern in kernels {
-            g.set_a8_kernel(kern);
-            let mut outs: Vec<_> = ns.iter().map(|&n| poisoned(&g, rows * n)).collect();
-            let mut refs: Vec<_> = outs.iter_mut().collect();
-            g.matmul_many(&xg, rows, &ws, &mut refs).expect("many");
-            for (i, o) in outs.iter().enumerate() {
-                let got = g.download(o).expect("dl");
-                assert_bits(
-                    &format!("matmul_many {kern:?} matrix {i} rows={rows}"),
-                    &got,
-                    &wants[i],
-                    ns[i],
-                );
+        let wgs: Vec<_> = hws.iter().map(|h| g.upload_weight(h).expect("w")).collect();
+        let ws: Vec<_> = wgs.iter().collect();
+        for rows in [3usize, 16] {
+            let x = spread_x(&mut r, rows, k);
+            let xg = g.upload(&x).expect("x");
+            let wants: Vec<Vec<f32>> = (0..3)
+                .map(|i| contract(&x, rows, k, weight_blocks(&hws[i]), ns[i]))
+                .collect();
+            for kern in kernels {
+                g.set_a8_kernel(kern);
+                let mut outs: Vec<_> = ns.iter().map(|&n| poisoned(&g, rows * n)).collect();
+                let mut refs: Vec<_> = outs.iter_mut().collect();
+                g.matmul_many(&xg, rows, &ws, &mut refs).expect("many");
+                for (i, o) in outs.iter().enumerate() {
+                    let got = g.download(o).expect("dl");
+                    assert_bits(
+                        &format!("matmul_many {kern:?} k={k} matrix {i} rows={rows}"),
+                        &got,
+                        &wants[i],
+                        ns[i],
+                    );
+                }
             }
         }
     }
@@ -465,40 +478,47 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
 #[test]
 fn a8_graph_replays_match_the_contract() {
     // The chunked kernel's tile-group counters must be back at zero after every launch, so
-    // that a captured graph replays correctly; replay with new x each time.
-    let Some(g) = gpu("a8_graph_replays_match_the_contract") else {
+    // that a captured graph replays correctly; replay with new x each time, with and without
+    // programmatic dependent launch (a private backend: the PDL setting is per backend).
+    if gpu("a8_graph_replays_match_the_contract").is_none() {
         return;
-    };
+    }
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     let mut r = rng("a8_graph_replays_match_the_contract");
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let (n, k, rows) = (1000usize, 4096usize, 16usize);
     let wv = rand_vec(&mut r, n * k, 1.0);
     let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
     let wg = g.upload_weight(&hw).expect("w");
-    let mut xg = g.upload(&spread_x(&mut r, rows, k)).expect("x");
-    let mut og = poisoned(g, rows * n);
-    // Eager first (scratch sized outside the capture).
-    g.matmul(&xg, rows, &wg, &mut og).expect("eager");
-    g.synchronize().expect("sync");
-    let st = g.stream().clone();
-    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .expect("capture");
-    let res = g
-        .fill(&mut og, f32::NAN)
-        .and_then(|_| g.matmul(&xg, rows, &wg, &mut og));
-    let graph = st
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("end capture")
-        .expect("graph");
-    res.expect("captured ops");
-    for rep in 0..4 {
-        let x = spread_x(&mut r, rows, k);
-        st.memcpy_htod(&x, xg.slice_mut()).expect("x");
-        graph.launch().expect("replay");
+    for pdl in [false, true] {
+        g.set_a8_pdl(pdl);
+        let mut xg = g.upload(&spread_x(&mut r, rows, k)).expect("x");
+        let mut og = poisoned(&g, rows * n);
+        // Eager first (scratch sized outside the capture).
+        g.matmul(&xg, rows, &wg, &mut og).expect("eager");
         g.synchronize().expect("sync");
-        let want = contract(&x, rows, k, weight_blocks(&hw), n);
-        let got = g.download(&og).expect("dl");
-        assert_bits(&format!("graph replay {rep}"), &got, &want, n);
+        let st = g.stream().clone();
+        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .expect("capture");
+        let res = g
+            .fill(&mut og, f32::NAN)
+            .and_then(|_| g.matmul(&xg, rows, &wg, &mut og));
+        let graph = st
+            .end_capture(CUgraphInstantiate_flags(0))
+            .expect("end capture")
+            .expect("graph");
+        res.expect("captured ops");
+        for rep in 0..4 {
+            let x = spread_x(&mut r, rows, k);
+            st.memcpy_htod(&x, xg.slice_mut()).expect("x");
+            graph.launch().expect("replay");
+            g.synchronize().expect("sync");
+            let want = contract(&x, rows, k, weight_blocks(&hw), n);
+            let got = g.download(&og).expect("dl");
+            assert_bits(&format!("graph replay {rep} pdl {pdl}"), &got, &want, n);
+        }
     }
-    eprintln!("EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract");
+    eprintln!(
+        "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, PDL off and on"
+    );
 }

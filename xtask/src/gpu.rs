@@ -48,9 +48,14 @@ pub struct BenchArgs {
     no_ops: bool,
     /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, chunk2, chunk4,
     /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
-    /// chunksum4, chunksum8 (the same, a second kernel sums) (same bits; a benchmark knob).
+    /// chunksum4, chunksum8 (the same, a second kernel sums), stream2, stream4, stream8
+    /// (persistent blocks over the (tile group, chunk) items) (same bits; a benchmark knob).
     #[arg(long, default_value = "auto")]
     a8_kernel: String,
+    /// Q8_0A8 launches with programmatic dependent launch: off (the library default) or on
+    /// (same bits; a benchmark knob).
+    #[arg(long, default_value = "off")]
+    a8_pdl: String,
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
     #[arg(long)]
     attn_split: Option<usize>,
@@ -557,13 +562,17 @@ fn parse_attn_kernel(name: &str) -> Result<AttnKernel> {
 
 /// Per-op times at the 8B drafter shape: achieved bandwidth of each matmul and attention.
 /// Q8_0A8 kernel choices timed in the per-op table (all give the same bits).
-const A8_VARIANTS: &[(A8Kernel, &str)] = &[
-    (A8Kernel::Auto, " auto (default)"),
-    (A8Kernel::WholeK, " whole-K"),
-    (A8Kernel::Chunked(2), " chunk w2"),
-    (A8Kernel::Chunked(4), " chunk w4"),
-    (A8Kernel::Chunked(8), " chunk w8"),
-    (A8Kernel::ChunkedSum(4), " chunk w4 + sum kernel"),
+/// Q8_0A8 kernel choices timed in the per-op table (kernel, programmatic dependent launch;
+/// all give the same bits).
+const A8_VARIANTS: &[(A8Kernel, bool, &str)] = &[
+    (A8Kernel::Auto, false, " auto (default)"),
+    (A8Kernel::Auto, true, " auto + PDL"),
+    (A8Kernel::WholeK, false, " whole-K"),
+    (A8Kernel::Chunked(2), false, " chunk w2"),
+    (A8Kernel::Chunked(4), false, " chunk w4"),
+    (A8Kernel::Chunked(8), false, " chunk w8"),
+    (A8Kernel::Stream(4), false, " stream w4"),
+    (A8Kernel::Stream(8), false, " stream w8"),
 ];
 
 /// Extra Q8_0A8 shapes of the 27B drafter (hidden 5120, intermediate 17408).
@@ -583,8 +592,11 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
         "chunksum2" => A8Kernel::ChunkedSum(2),
         "chunksum4" => A8Kernel::ChunkedSum(4),
         "chunksum8" => A8Kernel::ChunkedSum(8),
+        "stream2" => A8Kernel::Stream(2),
+        "stream4" => A8Kernel::Stream(4),
+        "stream8" => A8Kernel::Stream(8),
         o => bail!(
-            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4 or chunksum8"
+            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4 or stream8"
         ),
     })
 }
@@ -605,10 +617,10 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         WeightFormat::Q4_0,
     ] {
         // Q8_0A8: every kernel choice (same bits).
-        let kernels: &[(A8Kernel, &str)] = if f == WeightFormat::Q8_0A8 {
+        let kernels: &[(A8Kernel, bool, &str)] = if f == WeightFormat::Q8_0A8 {
             A8_VARIANTS
         } else {
-            &[(A8Kernel::Auto, "")]
+            &[(A8Kernel::Auto, false, "")]
         };
         let mut all_shapes = shapes.to_vec();
         if f == WeightFormat::Q8_0A8 {
@@ -616,8 +628,9 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         }
         for &(n, k, name) in &all_shapes {
             let w = g.random_weight("w", n, k, f, 9, 0.02)?;
-            for &(kern, kname) in kernels {
+            for &(kern, pdl, kname) in kernels {
                 g.set_a8_kernel(kern);
+                g.set_a8_pdl(pdl);
                 for rows in [1usize, 16] {
                     let x = g.random_buf(rows * k, 3, 1.0)?;
                     let mut o = g.zeros(rows * n)?;
@@ -631,6 +644,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
                 }
             }
             g.set_a8_kernel(A8Kernel::Auto);
+            g.set_a8_pdl(false);
         }
     }
     // The step's fused launches (Q8_0A8 `matmul_many`: one x quantization + one launch).
@@ -649,8 +663,9 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             .collect::<std::result::Result<_, _>>()?;
         let wr: Vec<_> = ws.iter().collect();
         let bytes: usize = ws.iter().map(|w| w.buf.device_bytes()).sum();
-        for &(kern, kname) in A8_VARIANTS {
+        for &(kern, pdl, kname) in A8_VARIANTS {
             g.set_a8_kernel(kern);
+            g.set_a8_pdl(pdl);
             for rows in [1usize, 16] {
                 let x = g.random_buf(rows * k, 3, 1.0)?;
                 let mut outs: Vec<CudaBuf> = ns
@@ -669,6 +684,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             }
         }
         g.set_a8_kernel(A8Kernel::Auto);
+        g.set_a8_pdl(false);
     }
     // Attention: the f32 SIMT kernel (split 256, the previous default) and the 3xTF32
     // tensor-core kernel with 2 / 4 key warps per chunk over split sizes, row warps chosen
@@ -779,6 +795,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let g = Cuda::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
     g.warm_up()?;
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
+    g.set_a8_pdl(match a.a8_pdl.as_str() {
+        "on" => true,
+        "off" => false,
+        o => bail!("--a8-pdl {o}: expected on or off"),
+    });
 
     if let Some(ctx) = a.attn_once {
         // One attention shape, a few calls, nothing else (for a profiler).
