@@ -246,21 +246,36 @@ ATTN(128)
 ATTN(256)
 
 // Merge the splits. One block per (query, head) row, one thread per d (blockDim = D, D <= 256).
-// Two passes: M = max of the split maxima (order-free), then out = sum_s o_s w_s / sum_s l_s w_s with
-// w_s = exp(m_s - M), summed in split order. Splits a row cannot see (l = 0) are skipped in
-// both passes, so the result does not depend on how many such splits follow (decode == verify).
-// All loads of a pass are independent (no chain through memory).
+// M = max of the split maxima (order-free), then out = sum_s o_s w_s / sum_s l_s w_s with
+// w_s = exp(m_s - M), summed in split order. Splits a row cannot see (l = 0) leave both sums
+// unchanged (exactly as skipping them), so the result does not depend on how many such splits
+// follow (decode == verify). Latency: the first ATT_CMB_PRE partial outputs are loaded while
+// the (m, l) of all splits are (one round trip for both); the rest in unrolled batches.
 #define ATT_CMB_TILE 256
+#define ATT_CMB_PRE 16
 extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
     __shared__ float red[32];
     __shared__ float w_s[ATT_CMB_TILE];
     __shared__ float l_s[ATT_CMB_TILE];
     const long long row = blockIdx.x;
     const int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    const bool col = tid < D;
+    // Every partial slot is written (o = 0, l = 0 for a split the row cannot see), so these
+    // loads need no condition; a dead split's o is multiplied by nothing (selected away).
+    float pre[ATT_CMB_PRE];
+#pragma unroll
+    for (int s = 0; s < ATT_CMB_PRE; ++s)
+        pre[s] = col && s < n_split ? ws_o[((long long)s * rows_total + row) * D + tid] : 0.0f;
+    // (m, l) of the first tile into shared memory; the maximum over every split.
     float mx = NEG_INF;
     for (int s = tid; s < n_split; s += nth) {
         const long long pr = (long long)s * rows_total + row;
-        if (ws_ml[pr * 2 + 1] > 0.0f) mx = fmaxf(mx, ws_ml[pr * 2]);
+        const float m = ws_ml[pr * 2], l = ws_ml[pr * 2 + 1];
+        if (l > 0.0f) mx = fmaxf(mx, m);
+        if (s < ATT_CMB_TILE) {
+            w_s[s] = m;
+            l_s[s] = l;
+        }
     }
     mx = warp_max(mx);
     if (lane == 0) red[warp] = mx;
@@ -270,26 +285,47 @@ extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, i
     float acc = 0.0f, L = 0.0f;
     for (int s0 = 0; s0 < n_split; s0 += ATT_CMB_TILE) {
         const int ns = min(ATT_CMB_TILE, n_split - s0);
+        if (s0 > 0) {
+            __syncthreads();  // the previous tile's weights are used
+            for (int s = tid; s < ns; s += nth) {
+                const long long pr = (long long)(s0 + s) * rows_total + row;
+                w_s[s] = ws_ml[pr * 2];
+                l_s[s] = ws_ml[pr * 2 + 1];
+            }
+        }
         __syncthreads();
-        for (int s = tid; s < ns; s += nth) {
-            const long long pr = (long long)(s0 + s) * rows_total + row;
-            const float m = ws_ml[pr * 2], l = ws_ml[pr * 2 + 1];
+        for (int s = tid; s < ns; s += nth) {  // (m, l) -> (w, l), 0 for a dead split
+            const float m = w_s[s], l = l_s[s];
             const bool live = l > 0.0f;
             w_s[s] = live ? expf(m - M) : 0.0f;
             l_s[s] = live ? l : 0.0f;
         }
         __syncthreads();
-        if (tid < D) {
-#pragma unroll 8
-            for (int s = 0; s < ns; ++s) {
-                if (!(l_s[s] > 0.0f)) continue;
-                const float w = w_s[s];
-                acc = fmaf(ws_o[((long long)(s0 + s) * rows_total + row) * D + tid], w, acc);
-                L = fmaf(l_s[s], w, L);
+        if (col) {
+            int s = 0;
+            if (s0 == 0) {
+#pragma unroll
+                for (int u = 0; u < ATT_CMB_PRE; ++u) {
+                    if (u < ns) {
+                        const float l = l_s[u], w = w_s[u];
+                        const bool live = l > 0.0f;
+                        acc = live ? fmaf(pre[u], w, acc) : acc;
+                        L = live ? fmaf(l, w, L) : L;
+                    }
+                }
+                s = min(ns, ATT_CMB_PRE);
+            }
+#pragma unroll 16
+            for (; s < ns; ++s) {
+                const float o = ws_o[((long long)(s0 + s) * rows_total + row) * D + tid];
+                const float l = l_s[s], w = w_s[s];
+                const bool live = l > 0.0f;
+                acc = live ? fmaf(o, w, acc) : acc;
+                L = live ? fmaf(l, w, L) : L;
             }
         }
     }
-    if (tid < D) out[row * D + tid] = L > 0.0f ? acc / L : 0.0f;
+    if (col) out[row * D + tid] = L > 0.0f ? acc / L : 0.0f;
 }
 
 // Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),
@@ -335,10 +371,10 @@ extern "C" __global__ void attn_generic(const float *q, const float *k, const fl
 // ------------------------------------------------------------------------------------------------
 // Tensor-core attention (3xTF32) for head dims 32 / 64 / 128.
 //
-// Grid (n_split, n_kv_heads, ceil(n_q * G / (16 RW))), 32 * KW * RW threads: RW row warps (16 query
+// Grid (ceil(n_q * G / (16 RW)), n_split, n_kv_heads), 32 * KW * RW threads: RW row warps (16 query
 // rows each: row qr = query qr / G, head hk G + qr % G) times KW key warps. The block streams its
-// split of `split_keys` keys as chunks of CK = 16 KW keys through a cp.async pipeline of nst (2 or
-// 3, a launch argument: scheduling only) stages shared by all warps; key warp kw takes keys
+// split of `split_keys` keys as chunks of CK = 16 KW keys through a cp.async pipeline of nst (1, 2
+// or 3, a launch argument: scheduling only) stages shared by all warps; key warp kw takes keys
 // 16 kw .. 16 kw + 15 of every chunk. Each warp keeps its own
 // online softmax (running max, sum, unnormalised output) for its 16 rows over its keys; at the
 // end the KW states of a row group are merged in the fixed order kw = 0, 1, ..., and the split's
@@ -411,9 +447,11 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
 
     const int G = H / Hkv;
     const int QR = n_q * G;
-    const int hk = blockIdx.y;
-    const int split = blockIdx.x;
-    const int qr0 = blockIdx.z * ROWS;
+    // Grid (row groups, splits, kv heads): the row groups of one (split, kv head), which read
+    // the same K / V chunks, are neighbours in launch order (L2 hits).
+    const int hk = blockIdx.z;
+    const int split = blockIdx.y;
+    const int qr0 = blockIdx.x * ROWS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rw = warp / KW, kw = warp % KW;
     const int g = lane >> 2, t = lane & 3;
@@ -487,11 +525,20 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     }
     for (int ci = 0; ci < nch; ++ci) {
         const int st = ci % nst;
-        if (nst == 3) cp_async_wait1();
-        else cp_async_wait_all();
-        __syncthreads();
-        if (ci + nst - 1 < nch) load_chunk(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
-        cp_async_commit();
+        if (nst == 1) {
+            // One stage (smaller blocks, more of them per multiprocessor): load, wait, compute.
+            __syncthreads();  // every warp is done with the previous chunk
+            load_chunk(c_begin + ci, 0);
+            cp_async_commit();
+            cp_async_wait_all();
+            __syncthreads();
+        } else {
+            if (nst == 3) cp_async_wait1();
+            else cp_async_wait_all();
+            __syncthreads();
+            if (ci + nst - 1 < nch) load_chunk(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
+            cp_async_commit();
+        }
         const float *Kc = Ks + st * CK * PK + kw * 16 * PK;
         const float *Vc = Vs + st * CK * PV + kw * 16 * PV;
         const float *Qw = Qs + rw * 16 * PQ;

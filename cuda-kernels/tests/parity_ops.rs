@@ -892,7 +892,8 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
 }
 
 /// The attention split size is a per-backend knob: with 64 and 128 keys per split the
-/// kernel still matches the CPU and decode == verify bit for bit.
+/// kernel still matches the CPU (up to 313 splits: several combine tiles) and decode == verify
+/// bit for bit.
 #[test]
 fn attention_other_split_sizes() {
     if gpu("attention_other_split_sizes").is_none() {
@@ -909,6 +910,10 @@ fn attention_other_split_sizes() {
             (16, 700, 8, 2, 64, true, Some(256usize)),
             (1, 8193, 32, 8, 128, true, None),
             (5, 130, 4, 4, 256, true, None),
+            // More splits than the combine prefetches (16) and than one combine tile (256),
+            // with and without dead splits before the live ones.
+            (2, 20000, 8, 2, 128, false, None),
+            (3, 20000, 8, 2, 64, true, Some(5000)),
         ] {
             let p = AttnParams {
                 n_q: nq,
@@ -967,9 +972,10 @@ fn attention_other_split_sizes() {
 }
 
 /// Every attention kernel choice (the f32 SIMT split kernel, the 3xTF32 tensor-core kernel
-/// with 2 or 4 key warps, 1 / 2 / 4 / auto row warps, P V on the tensor or the CUDA cores)
-/// matches the CPU on the mask cases, decode == verify bit for bit under each, and the row
-/// warps per block never change a bit (Auto == its explicit kernel, too).
+/// with 2 or 4 key warps, 1 / 2 / 4 / auto row warps, 1 / 2 / 3 / auto pipeline stages, P V on
+/// the tensor or the CUDA cores) matches the CPU on the mask cases, decode == verify bit for
+/// bit under each, and neither the row warps per block nor the stages change a bit (Auto ==
+/// its explicit kernel, too).
 #[test]
 fn attention_kernel_choices() {
     use dflash_cuda_kernels::AttnKernel;
@@ -983,20 +989,37 @@ fn attention_kernel_choices() {
         .set_attn_kernel(AttnKernel::Tc {
             key_warps: 3,
             row_warps: 0,
-            ffma_pv: false
+            ffma_pv: false,
+            stages: 0
+        })
+        .is_err());
+    assert!(g
+        .set_attn_kernel(AttnKernel::Tc {
+            key_warps: 4,
+            row_warps: 0,
+            ffma_pv: false,
+            stages: 4
         })
         .is_err());
     assert!(g
         .set_attn_kernel(AttnKernel::Tc {
             key_warps: 4,
             row_warps: 3,
-            ffma_pv: true
+            ffma_pv: true,
+            stages: 0
         })
         .is_err());
     let tc = |key_warps, row_warps, ffma_pv| AttnKernel::Tc {
         key_warps,
         row_warps,
         ffma_pv,
+        stages: 0,
+    };
+    let tcs = |key_warps, row_warps, stages| AttnKernel::Tc {
+        key_warps,
+        row_warps,
+        ffma_pv: false,
+        stages,
     };
     let choices = [
         AttnKernel::Auto,
@@ -1007,6 +1030,15 @@ fn attention_kernel_choices() {
         tc(4, 1, false),
         tc(4, 2, false),
         tc(4, 4, false),
+        tcs(4, 1, 1),
+        tcs(4, 2, 1),
+        tcs(4, 4, 1),
+        tcs(4, 1, 2),
+        tcs(4, 1, 3),
+        tcs(4, 0, 1),
+        tcs(2, 1, 1),
+        tcs(2, 4, 1),
+        tcs(2, 2, 3),
         tc(2, 0, true),
         tc(2, 1, true),
         tc(2, 4, true),
@@ -1014,6 +1046,12 @@ fn attention_kernel_choices() {
         tc(4, 1, true),
         tc(4, 2, true),
         tc(4, 4, true),
+        AttnKernel::Tc {
+            key_warps: 4,
+            row_warps: 0,
+            ffma_pv: true,
+            stages: 1,
+        },
     ];
     let base = AttnParams {
         n_q: 16,
@@ -1190,5 +1228,75 @@ fn attention_kernel_choices() {
             }
         }
     }
-    eprintln!("attention kernel choices: all match the CPU; decode == verify bit for bit; row warps never change a bit");
+    eprintln!("attention kernel choices: all match the CPU; decode == verify bit for bit; row warps and stages never change a bit");
+}
+
+/// Attention captured in a CUDA graph replays correctly (split kernel + ordered combine, with
+/// 3 / 5 / 9 / 33 splits, the combine's prefetched and batched partials): each replay (new
+/// queries) gives the bits of an eager call on the same inputs, and matches the CPU.
+#[test]
+fn attention_graph_replays() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if gpu("attention_graph_replays").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_graph_replays");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    for n_kv in [528usize, 1040, 2064, 8208] {
+        let p = AttnParams {
+            n_q: 16,
+            n_kv,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            q_pos0: n_kv - 16,
+            kv_pos0: 0,
+            causal: true,
+            window: None,
+            scale: 128f32.powf(-0.5),
+        };
+        let nq = p.n_q * p.n_heads * p.head_dim;
+        let k = rand_vec(&mut r, n_kv * 8 * 128, 1.5);
+        let v = rand_vec(&mut r, n_kv * 8 * 128, 1.0);
+        let (kg, vg) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
+        let mut qg = g.upload(&rand_vec(&mut r, nq, 1.5)).unwrap();
+        let mut og = poisoned(&g, nq);
+        g.attention(&qg, &kg, &vg, &p, &mut og).expect("eager");
+        g.synchronize().unwrap();
+        let st = g.stream().clone();
+        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .expect("capture");
+        let res = g
+            .fill(&mut og, f32::NAN)
+            .and_then(|_| g.attention(&qg, &kg, &vg, &p, &mut og));
+        let graph = st
+            .end_capture(CUgraphInstantiate_flags(0))
+            .expect("end capture")
+            .expect("graph");
+        res.expect("captured ops");
+        for rep in 0..3 {
+            let q = rand_vec(&mut r, nq, 1.5);
+            st.memcpy_htod(&q, qg.slice_mut()).expect("q");
+            graph.launch().expect("replay");
+            g.synchronize().unwrap();
+            let got = g.download(&og).unwrap();
+            let mut oe = poisoned(&g, nq);
+            g.attention(&qg, &kg, &vg, &p, &mut oe).expect("eager");
+            assert_same_bits(
+                &format!("n_kv {n_kv}: graph replay {rep} vs eager"),
+                &got,
+                &g.download(&oe).unwrap(),
+            );
+            let mut oc = vec![0.0; nq];
+            cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+            report(
+                &format!("attention graph replay {rep} n_kv {n_kv}"),
+                &got,
+                &oc,
+                2e-5,
+            );
+        }
+    }
+    eprintln!("attention: graph replays == eager bit for bit, match the CPU");
 }

@@ -555,6 +555,7 @@ fn parse_attn_kernel(name: &str) -> Result<AttnKernel> {
             key_warps: if name.starts_with("tc2") { 2 } else { 4 },
             row_warps: 0,
             ffma_pv: name.ends_with('f'),
+            stages: 0,
         },
         o => bail!("--attn-kernel {o}: expected auto, simt, tc2, tc4, tc2f or tc4f"),
     })
@@ -686,41 +687,45 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         g.set_a8_kernel(A8Kernel::Auto);
         g.set_a8_pdl(false);
     }
-    // Attention: the f32 SIMT kernel (split 256, the previous default) and the 3xTF32
-    // tensor-core kernel with 2 / 4 key warps per chunk over split sizes, row warps chosen
-    // from the grid (auto) or forced; "win" = sliding window (only the visible keys counted).
-    let tc = |key_warps, row_warps, ffma_pv| AttnKernel::Tc {
+    // Attention: the f32 SIMT kernel (split 256) and the 3xTF32 tensor-core kernel with 2 / 4
+    // key warps per chunk over split sizes, row warps chosen from the grid (auto) or forced
+    // ("win" = sliding window: only the visible keys counted). P V on the CUDA cores (tc2f /
+    // tc4f) is left out: measured slower everywhere. Registers and spills of the kernels first.
+    for (name, regs, local) in g.attn_kernel_info()? {
+        let row = format!(
+            "attention kernel {name}: {regs} registers, {local} bytes local memory per thread\n"
+        );
+        print!("{row}");
+        md += &row;
+    }
+    let tc = |key_warps, row_warps, stages| AttnKernel::Tc {
         key_warps,
         row_warps,
-        ffma_pv,
+        ffma_pv: false,
+        stages,
     };
-    // Two groups (P V on the tensor cores, then on the CUDA cores), each over all shapes; every
-    // row is also printed as soon as it is measured.
-    let mut groups: Vec<Vec<(AttnKernel, usize, String)>> = Vec::new();
-    for fpv in [false, true] {
-        let pv = if fpv { " ffma-pv" } else { "" };
-        let mut v: Vec<(AttnKernel, usize, String)> = if fpv {
-            Vec::new()
-        } else {
-            vec![
-                (AttnKernel::Simt, 256, "simt split 256".into()),
-                (AttnKernel::Auto, 256, "auto (default) split 256".into()),
-            ]
-        };
-        for kw in [2usize, 4] {
-            for split in [128usize, 256, 512] {
+    let mut v: Vec<(AttnKernel, usize, String)> = vec![
+        (AttnKernel::Simt, 256, "simt split 256".into()),
+        (AttnKernel::Auto, 256, "auto (default) split 256".into()),
+    ];
+    for kw in [2usize, 4] {
+        for split in [128usize, 256, 512] {
+            v.push((tc(kw, 0, 0), split, format!("tc kw{kw} split {split}")));
+        }
+    }
+    // Row warps x pipeline stages (neither changes a bit); 0 = chosen from the grid.
+    for kw in [2usize, 4] {
+        for rw in [1usize, 2, 4] {
+            for st in [1usize, 2, 3] {
                 v.push((
-                    tc(kw, 0, fpv),
-                    split,
-                    format!("tc kw{kw}{pv} split {split}"),
+                    tc(kw, rw, st),
+                    256,
+                    format!("tc kw{kw} rw{rw} stages {st} split 256"),
                 ));
             }
         }
-        for rw in [1usize, 2, 4] {
-            v.push((tc(4, rw, fpv), 256, format!("tc kw4{pv} rw{rw} split 256")));
-        }
-        groups.push(v);
     }
+    let groups = vec![v];
     for attn_variants in &groups {
         for (ctx, nq, causal, window) in [
             (512usize, 16usize, false, None),

@@ -25,12 +25,14 @@ pub enum AttnKernel {
     Simt,
     /// The 3xTF32 tensor-core kernel with `key_warps` (2 or 4) warps over the keys of each
     /// chunk and `row_warps` (1, 2 or 4; 0 = chosen from the grid size) warps of 16 query
-    /// rows per block; with `ffma_pv` the tensor cores run S = Q K^T only and P V runs on the
-    /// CUDA cores (f32 FMA) alongside. `row_warps` does not change any bits.
+    /// rows per block and `stages` (1, 2 or 3; 0 = chosen from the grid size) cp.async
+    /// pipeline stages; with `ffma_pv` the tensor cores run S = Q K^T only and P V runs on the
+    /// CUDA cores (f32 FMA) alongside. `row_warps` and `stages` do not change any bits.
     Tc {
         key_warps: usize,
         row_warps: usize,
         ffma_pv: bool,
+        stages: usize,
     },
 }
 
@@ -42,6 +44,7 @@ impl AttnKernel {
                 key_warps: 4,
                 row_warps: 0,
                 ffma_pv: false,
+                stages: 0,
             },
             k => k,
         }
@@ -72,18 +75,40 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize
 const SM_SMEM: usize = 228 * 1024;
 const BLOCK_SMEM_MAX: usize = 227 * 1024;
 
-/// Pipeline stages of the tensor-core kernel: 3 where that fits without fewer resident
-/// blocks per multiprocessor (shared memory), else 2. Scheduling only: no bits change.
-fn tc_stages(d: usize, kw: usize, rw: usize, fpv: bool) -> usize {
-    let per_sm = |b: usize| SM_SMEM / (b + 1024);
-    let (s2, s3) = (
-        tc_smem_bytes(d, kw, rw, 2, fpv),
-        tc_smem_bytes(d, kw, rw, 3, fpv),
-    );
-    if s3 <= BLOCK_SMEM_MAX && per_sm(s3) >= per_sm(s2) {
+/// Resident blocks per multiprocessor of a tensor-core launch with `nst` stages: by shared
+/// memory, and by registers (the kernels are built for 128 per thread).
+fn tc_blocks_per_sm(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize {
+    let smem = tc_smem_bytes(d, kw, rw, nst, fpv);
+    if smem > BLOCK_SMEM_MAX {
+        return 0;
+    }
+    let by_regs = 65536 / (32 * kw * rw * 128);
+    (SM_SMEM / (smem + 1024)).min(by_regs)
+}
+
+/// Pipeline stages of the tensor-core kernel for a grid of `blocks` on `sms` multiprocessors:
+/// 3 where that keeps as many resident blocks per multiprocessor as 2, else 2; and 1 for
+/// blocks of one row warp when that needs fewer waves (two such blocks per multiprocessor:
+/// decode over a long context, 264 blocks at ctx 8192: 52 -> 44 us on the H200; blocks of more
+/// row warps measured slower with 1 stage). Scheduling only: no bits change.
+fn tc_stages(d: usize, kw: usize, rw: usize, fpv: bool, blocks: usize, sms: usize) -> usize {
+    let waves = |nst: usize| {
+        let per = tc_blocks_per_sm(d, kw, rw, nst, fpv);
+        if per == 0 {
+            usize::MAX
+        } else {
+            blocks.div_ceil(per * sms.max(1))
+        }
+    };
+    let deep = if tc_blocks_per_sm(d, kw, rw, 3, fpv) >= tc_blocks_per_sm(d, kw, rw, 2, fpv) {
         3
     } else {
         2
+    };
+    if rw == 1 && waves(1) < waves(deep) {
+        1
+    } else {
+        deep
     }
 }
 
@@ -136,20 +161,45 @@ impl Cuda {
         if let AttnKernel::Tc {
             key_warps,
             row_warps,
+            stages,
             ..
         } = k
         {
-            if !matches!(key_warps, 2 | 4) || !matches!(row_warps, 0 | 1 | 2 | 4) {
+            if !matches!(key_warps, 2 | 4)
+                || !matches!(row_warps, 0 | 1 | 2 | 4)
+                || !matches!(stages, 0..=3)
+            {
                 return Err(BackendError::Invalid {
                     op: "set_attn_kernel",
                     msg: format!(
-                        "key_warps {key_warps} (expected 2 or 4), row_warps {row_warps} (expected 0, 1, 2 or 4)"
+                        "key_warps {key_warps} (expected 2 or 4), row_warps {row_warps} (expected 0, 1, 2 or 4), stages {stages} (expected 0, 1, 2 or 3)"
                     ),
                 });
             }
         }
         *lock(&self.attn_kernel) = k;
         Ok(())
+    }
+
+    /// (entry point, registers per thread, local memory bytes per thread) of the head-dim 128
+    /// tensor-core attention kernels: a benchmark aid (spills show as local memory).
+    pub fn attn_kernel_info(&self) -> Result<Vec<(&'static str, i32, i32)>> {
+        let mut v = Vec::new();
+        for kw in [2, 4] {
+            for fpv in [false, true] {
+                if let Some(k) = tc_kernel(128, kw, fpv) {
+                    let f = self.func(k)?;
+                    let regs = f.num_regs().map_err(dev)?;
+                    let local = f
+                        .get_attribute(
+                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                        )
+                        .map_err(dev)?;
+                    v.push((k.name(), regs, local));
+                }
+            }
+        }
+        Ok(v)
     }
 
     /// Raise the shared-memory limits of the attention kernels to their largest launch.
@@ -161,8 +211,11 @@ impl Cuda {
             for kw in [2, 4] {
                 for fpv in [false, true] {
                     if let Some(k) = tc_kernel(d, kw, fpv) {
-                        let most = (1..=4)
-                            .map(|rw| tc_smem_bytes(d, kw, rw, tc_stages(d, kw, rw, fpv), fpv))
+                        let most = [1, 2, 4]
+                            .iter()
+                            .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
+                            .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, fpv))
+                            .filter(|&b| b <= BLOCK_SMEM_MAX)
                             .max()
                             .unwrap_or(0);
                         self.func_smem(k, most)?;
@@ -234,10 +287,11 @@ impl Cuda {
                 key_warps,
                 row_warps,
                 ffma_pv,
-            } => Some((key_warps, row_warps, ffma_pv)),
+                stages,
+            } => Some((key_warps, row_warps, ffma_pv, stages)),
         };
         let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
-            Some((kw, rw, fpv)) if tc_kernel(d, kw, fpv).is_some() => {
+            Some((kw, rw, fpv, stages)) if tc_kernel(d, kw, fpv).is_some() => {
                 let kern = tc_kernel(d, kw, fpv).ok_or_else(internal)?;
                 let rw = if rw > 0 {
                     rw
@@ -253,7 +307,12 @@ impl Cuda {
                     }
                     rw
                 };
-                let nst = tc_stages(d, kw, rw, fpv);
+                let blocks = n_split * p.n_kv_heads * qr.div_ceil(16 * rw);
+                let nst = match stages {
+                    0 => tc_stages(d, kw, rw, fpv, blocks, self.num_sms),
+                    n if tc_smem_bytes(d, kw, rw, n, fpv) <= BLOCK_SMEM_MAX => n,
+                    _ => 2,
+                };
                 Some((
                     kern,
                     (32 * kw * rw) as u32,
@@ -296,11 +355,23 @@ impl Cuda {
                 if nst > 0 {
                     b.arg(&nst);
                 }
-                let grid = (
-                    n_split as u32,
-                    p.n_kv_heads as u32,
-                    qr.div_ceil(rows_per_block) as u32,
-                );
+                // The tensor-core kernel takes (row groups, splits, kv heads), the SIMT one
+                // (splits, kv heads, row groups).
+                if nst > 0 && (n_split > 65535 || p.n_kv_heads > 65535) {
+                    return Err(BackendError::Invalid {
+                        op,
+                        msg: format!(
+                            "n_kv {} ({n_split} splits of {split_keys} keys) and n_kv_heads {}: at most 65535 of each on CUDA",
+                            p.n_kv, p.n_kv_heads
+                        ),
+                    });
+                }
+                let groups = qr.div_ceil(rows_per_block) as u32;
+                let grid = if nst > 0 {
+                    (groups, n_split as u32, p.n_kv_heads as u32)
+                } else {
+                    (n_split as u32, p.n_kv_heads as u32, groups)
+                };
                 unsafe { b.launch(cfg(grid, threads, smem as u32)) }.map_err(dev)?;
                 let fc = self.func(Kernel::AttnCombine)?;
                 let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
@@ -347,26 +418,38 @@ impl Cuda {
 mod tests {
     use super::*;
 
-    /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB).
+    /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB), and
+    /// the stage choice prefers more resident blocks only where the grid needs them.
     #[test]
     fn tc_smem_fits() {
         for d in [32, 64, 128] {
             for kw in [2, 4] {
                 for rw in [1, 2, 4] {
                     for fpv in [false, true] {
-                        let nst = tc_stages(d, kw, rw, fpv);
-                        assert!(
-                            tc_smem_bytes(d, kw, rw, nst, fpv) <= BLOCK_SMEM_MAX,
-                            "d {d} kw {kw} rw {rw} fpv {fpv}"
-                        );
+                        for blocks in [1, 96, 264, 528, 5000] {
+                            let nst = tc_stages(d, kw, rw, fpv, blocks, 132);
+                            assert!(
+                                tc_smem_bytes(d, kw, rw, nst, fpv) <= BLOCK_SMEM_MAX,
+                                "d {d} kw {kw} rw {rw} fpv {fpv}"
+                            );
+                        }
                     }
                 }
             }
         }
         assert_eq!(tc_smem_bytes(128, 4, 4, 2, false), 44544 * 4);
-        // d 128: 3 stages for one row warp of 4 key warps (one block per SM either way), 2 for
-        // 4 row warps (3 would not fit).
-        assert_eq!(tc_stages(128, 4, 1, false), 3);
-        assert_eq!(tc_stages(128, 4, 4, false), 2);
+        // d 128, 4 key warps: one row warp, a grid that fits one wave either way: 3 stages;
+        // 264 blocks (decode at ctx 8192): 1 stage, two blocks per multiprocessor, one wave.
+        assert_eq!(tc_stages(128, 4, 1, false, 96, 132), 3);
+        assert_eq!(tc_blocks_per_sm(128, 4, 1, 1, false), 2);
+        assert_eq!(tc_stages(128, 4, 1, false, 264, 132), 1);
+        // 4 row warps (512 threads: one block per multiprocessor by registers): 2 stages (3
+        // would not fit).
+        assert_eq!(tc_stages(128, 4, 4, false, 264, 132), 2);
+        // 2 key warps x 4 row warps: two blocks per multiprocessor with 1 or 2 stages: 2.
+        assert_eq!(tc_stages(128, 2, 4, false, 264, 132), 2);
+        // 2 row warps (ctx 2048, 16 queries: 144 blocks): 3 stages (fit, one block per
+        // multiprocessor either way), not 1 (measured 36.8 us vs 39.6).
+        assert_eq!(tc_stages(128, 4, 2, false, 144, 132), 3);
     }
 }
