@@ -23,6 +23,17 @@ fn fixture_ids(name: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The oracle fixture's prompt as a `--prompt-ids` argument, and transformers' greedy
+/// continuation of it.
+fn fixture_prompt() -> (String, Vec<u32>) {
+    let ids = fixture_ids("prompt_ids")
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    (ids, fixture_ids("greedy_ids"))
+}
+
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(args)
@@ -37,13 +48,7 @@ fn run(args: &[&str]) -> (bool, String, String) {
 
 #[test]
 fn generate_json_matches_transformers_greedy() {
-    let prompt = fixture_ids("prompt_ids");
-    let greedy = fixture_ids("greedy_ids");
-    let ids = prompt
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let (ids, greedy) = fixture_prompt();
     let target = root().join("targets/tests/fixtures/qwen3_dense/model");
     for (draft, extra) in [
         ("dflash_plain", vec![]),
@@ -180,13 +185,7 @@ fn shipped_pair_text_prompt() {
 /// shipped pair the Q8_0A8 drafter with its Q8_0A8 head still gets accepts.
 #[test]
 fn drafter_precision_and_head_never_change_the_stream() {
-    let prompt = fixture_ids("prompt_ids");
-    let greedy = fixture_ids("greedy_ids");
-    let ids = prompt
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let (ids, greedy) = fixture_prompt();
     let target = root().join("targets/tests/fixtures/qwen3_dense/model");
     let draft = root().join("draft-model/tests/fixtures/dspark_markov/draft");
     let max_new = greedy.len().to_string();
@@ -255,13 +254,7 @@ fn drafter_precision_and_head_never_change_the_stream() {
 /// panic.
 #[test]
 fn device_cuda_runs_or_says_why() {
-    let prompt = fixture_ids("prompt_ids");
-    let greedy = fixture_ids("greedy_ids");
-    let ids = prompt
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let (ids, greedy) = fixture_prompt();
     let target = root().join("targets/tests/fixtures/qwen3_dense/model");
     let draft = root().join("draft-model/tests/fixtures/dspark_markov/draft");
     let max_new = greedy.len().to_string();
