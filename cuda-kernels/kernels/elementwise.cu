@@ -7,25 +7,8 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) {
 // One block per row of width dim. out = w * x / sqrt(mean(x^2) + eps). The row is read once
 // into registers (dim <= 32 * blockDim), else twice. The block size is chosen from dim only.
 #define RMS_MAXV 32
-// The row (dim <= RMS_MAXV * blockDim) into registers v (loaded through ld) and its
-// 1 / sqrt(mean(x^2) + eps): the arithmetic of rms_norm, shared with the fused kernels
-// below so that they give the same bits.
-template <typename LD>
-__device__ __forceinline__ float rms_inv_regs(float (&v)[RMS_MAXV], LD ld, int dim, float eps, float *red) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int u = 0; u < RMS_MAXV; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
-        v[u] = i < dim ? ld(i) : 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < RMS_MAXV; ++u) ss = fmaf(v[u], v[u], ss);
-    ss = block_sum(ss, red);
-    return 1.0f / sqrtf(ss / (float)dim + eps);
-}
-
-// 1 / sqrt(mean(v^2) + eps) of a row already in registers (zeros past dim): the arithmetic
-// of rms_inv_regs, for kernels that load their row themselves.
+// 1 / sqrt(mean(v^2) + eps) of a row already in registers (zeros past dim): the arithmetic of
+// rms_norm, shared with the fused kernels below so that they give the same bits.
 __device__ __forceinline__ float rms_inv_of(const float (&v)[RMS_MAXV], int dim, float eps, float *red) {
     float ss = 0.0f;
 #pragma unroll
@@ -105,9 +88,10 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f
 // q (n_heads) then k (n_kv heads); block size = rms_norm's for head_dim, head_dim <=
 // min(1024, RMS_MAXV * blockDim). q -> q_out; k -> kc (already offset to the first cache
 // row); the k blocks also copy v's head row into vc. Same bits as rms_norm + rope + copy.
-extern "C" __global__ void qk_norm_rope_kv(const float *q0, const float *k0, const float *v, const float *qn, const float *kn,
-                                           float *q_out, float *kc, float *vc, int n_heads, int n_kv, int hd, int half_rot,
-                                           long long pos0, const float *inv_freq, float attn_scale, float eps) {
+extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const float *__restrict__ k0, const float *__restrict__ v,
+                                           const float *__restrict__ qn, const float *__restrict__ kn, float *__restrict__ q_out,
+                                           float *__restrict__ kc, float *__restrict__ vc, int n_heads, int n_kv, int hd, int half_rot,
+                                           long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps) {
     __shared__ float red[32];
     __shared__ float ys[1024];
     const int nh = n_heads + n_kv;
@@ -118,12 +102,21 @@ extern "C" __global__ void qk_norm_rope_kv(const float *q0, const float *k0, con
     const float *src = (isq ? q0 : k0) + off;
     const float *w = isq ? qn : kn;
     float *dst = (isq ? q_out : kc) + off;
-    float vv[RMS_MAXV];
-    const float inv = rms_inv_regs(vv, [&](int i) { return src[i]; }, hd, eps, red);
+    // The V copy first and the norm weights loaded with the row: no load waits behind a store.
+    if (!isq)
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
+    float vv[RMS_MAXV], wv[RMS_MAXV];
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
-        if (i < hd) ys[i] = w[i] * (vv[u] * inv);
+        vv[u] = i < hd ? src[i] : 0.0f;
+        wv[u] = i < hd ? w[i] : 0.0f;
+    }
+    const float inv = rms_inv_of(vv, hd, eps, red);
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < hd) ys[i] = wv[u] * (vv[u] * inv);
     }
     __syncthreads();
     const float pos = (float)(pos0 + r);
@@ -137,8 +130,6 @@ extern "C" __global__ void qk_norm_rope_kv(const float *q0, const float *k0, con
             dst[i] = ys[i];
         }
     }
-    if (!isq)
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
 }
 
 // out = (w * rmsnorm(x)) * silu(z)

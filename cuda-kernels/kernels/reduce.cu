@@ -105,3 +105,46 @@ extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, c
     block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
 }
+
+// The same step one row per warp iteration (the kernel before markov_step took 4 rows at a
+// time), kept for Q8_0A8, whose fragment-ordered bytes made the 4-row kernel slower on the
+// H200 (8B DSpark step 3.59 -> 3.93 ms, 27B 4.52 -> 5.79 ms) while it sped up bf16 / q8_0 /
+// q4_0 (3.58 -> 2.56, 3.69 -> 2.69, 4.40 -> 2.94 ms). Same arithmetic, same bits.
+template <int F>
+__device__ __forceinline__ float markov_dot1(const void *w2q, const u16 *w2d, int o, int rank, const float *emb, int lane) {
+    float acc = 0.0f;
+    for (int i = lane; i < rank; i += 32) acc = fmaf(load_w(F, w2q, w2d, o, i, rank), emb[i], acc);
+    return acc;
+}
+
+extern "C" __global__ void markov_step_r1(int fmt1, const void *w1q, const u16 *w1d, int fmt2, const void *w2q, const u16 *w2d,
+                                       int rank, int vocab, const u32 *prev, float *logits, int chunk, float *pv, u32 *pi) {
+    extern __shared__ float emb[];
+    __shared__ float rv[32];
+    __shared__ u32 ri[32];
+    const u32 p = *prev;
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
+    float bv = 0.0f;
+    u32 bi = ARGMAX_NONE;
+    for (int o = o0 + warp; o < o1; o += nw) {
+        // The format switch outside the inner loop (load_w folds to one format's decode).
+        float acc;
+        switch (fmt2) {
+        case FMT_F32: acc = markov_dot1<FMT_F32>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_BF16: acc = markov_dot1<FMT_BF16>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_F16: acc = markov_dot1<FMT_F16>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_Q8_0: acc = markov_dot1<FMT_Q8_0>(w2q, w2d, o, rank, emb, lane); break;
+        case FMT_Q4_0: acc = markov_dot1<FMT_Q4_0>(w2q, w2d, o, rank, emb, lane); break;
+        default: acc = markov_dot1<FMT_Q8A8>(w2q, w2d, o, rank, emb, lane); break;
+        }
+        acc = warp_sum(acc);
+        float v = logits[o] + acc;
+        if (lane == 0) logits[o] = v;
+        if (am_better(v, (u32)o, bv, bi)) { bv = v; bi = (u32)o; }
+    }
+    block_argmax(bv, bi, rv, ri);
+    if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
+}

@@ -611,7 +611,12 @@ impl Cuda {
             am_v.as_mut().ok_or_else(internal)?,
             am_i.as_mut().ok_or_else(internal)?,
         );
-        let f1 = self.func(Kernel::MarkovStep)?;
+        // One row per warp iteration for Q8_0A8 W2 (measured faster there), four otherwise.
+        let f1 = self.func(if matches!(w2.buf, CudaWeightBuf::Q8A8 { .. }) {
+            Kernel::MarkovStepR1
+        } else {
+            Kernel::MarkovStep
+        })?;
         let f2 = self.func(Kernel::ArgmaxFinal)?;
         let (fmt1, fmt2, chunk, nb_i) = (
             w1.buf.fmt_code(),
@@ -804,7 +809,11 @@ impl Cuda {
             // H200 (16 rows, graph of 1 op) that is whole-K for the 8B shapes and lm_head and
             // chunked for 5120x5120 (25.6 -> 22.4 us), 17408x5120 (59.5 -> 50.8), 5120x17408
             // (72.6 -> 56.0), 27B gate/up fused (99.9 -> 88.8), 1024x4096 (12.5 -> 10.8).
-            A8Kernel::Auto if whole_w > 1 => A8Kernel::WholeK,
+            // Also whole-K for K <= 4096 (at most 4 chunks): the 8B q/k/v `matmul_many`
+            // (tiles 256 + 64 + 64) falls under the balance rule, but its step was 2.5-3.3%
+            // faster with whole-K in two runs (0.963 vs 0.996 ms at ctx 512) while the 27B
+            // shapes (K 5120 / 17408) are 7-9% slower with it.
+            A8Kernel::Auto if whole_w > 1 || nch <= 4 => A8Kernel::WholeK,
             A8Kernel::Auto => {
                 let ctas4 = tiles.iter().map(|t| t.div_ceil(4)).sum::<usize>() * nch;
                 A8Kernel::Chunked(if ctas4 >= sms { 4 } else { 2 })
