@@ -34,6 +34,16 @@ fn fixture_prompt() -> (String, Vec<u32>) {
     (ids, fixture_ids("greedy_ids"))
 }
 
+/// A token-id array field of `generate --json`'s object.
+fn json_ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no array {key} in {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(args)
@@ -79,22 +89,12 @@ fn generate_json_matches_transformers_greedy() {
         let lines: Vec<&str> = stdout.lines().collect();
         assert_eq!(lines.len(), 1, "--json prints one line: {stdout}");
         let v: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
-        let toks: Vec<u32> = v["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let toks: Vec<u32> = json_ids(&v, "tokens");
         assert_eq!(
             toks, greedy,
             "spec tokens differ from transformers' greedy continuation"
         );
-        let plain: Vec<u32> = v["plain_tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let plain: Vec<u32> = json_ids(&v, "plain_tokens");
         assert_eq!(plain, greedy);
         assert_eq!(v["identical"], serde_json::Value::Bool(true));
         for key in [
@@ -214,12 +214,7 @@ fn drafter_precision_and_head_never_change_the_stream() {
         ]);
         assert!(ok, "{prec} / {head}: {stderr}");
         let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
-        let toks: Vec<u32> = v["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let toks: Vec<u32> = json_ids(&v, "tokens");
         assert_eq!(toks, greedy, "{prec} / {head}");
         assert_eq!(v["identical"], serde_json::Value::Bool(true));
     }
@@ -283,16 +278,9 @@ fn device_cuda_runs_or_says_why() {
         return;
     }
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
-    let toks = |k: &str| -> Vec<u32> {
-        v[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
     assert_eq!(v["identical"], serde_json::Value::Bool(true));
-    assert_eq!(toks("tokens"), greedy);
-    assert_eq!(toks("plain_tokens"), greedy);
+    assert_eq!(json_ids(&v, "tokens"), greedy);
+    assert_eq!(json_ids(&v, "plain_tokens"), greedy);
     eprintln!(
         "CUDA: {} tokens, tau {:.2}, identical to plain greedy and to transformers",
         greedy.len(),
