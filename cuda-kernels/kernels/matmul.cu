@@ -363,6 +363,17 @@ __device__ __forceinline__ void cp_async16(u32 s, const void *g) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// L2 eviction priority of the weight stream (read once per call): evict_first keeps it from
+// pushing the activations, the KV cache and x out of L2; evict_normal = no hint.
+__device__ __forceinline__ u64 l2_stream_policy(int evict_first) {
+    u64 p;
+    if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ void cp_async16_pol(u32 s, const void *g, u64 pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "l"(pol) : "memory");
+}
 
 // Not volatile: a pure function of its inputs, so the compiler may overlap blocks.
 __device__ __forceinline__ void mma_s8_16832(int c[4], const uint4 &a, u32 b0, u32 b1) {
@@ -434,7 +445,7 @@ struct A8Mat {
 // only whole fragments).
 template <int NT, int W, int S>
 __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
-                                       int T) {
+                                       int T, int ef) {
     extern __shared__ __align__(16) u8 a8_smem[];
     constexpr int NTH = 32 * W * NT;
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
@@ -466,13 +477,14 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
         for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (tid + u * NTH) * 16, gx + xo + u * NTH * 16);
         if (tid < XD_B / 16) cp_async16(base + XQ_B + tid * 16, gd + dofs);
     };
+    const u64 pol = l2_stream_policy(ef);
     auto issue_w = [&](int st, int slot) {
         if (tile_ok) {
             const u32 wb = s_wq + slot * STAGE_B + (j * 32 + lane) * 16;
             const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
 #pragma unroll
-            for (int i = 0; i < A8_KC / NT; ++i) cp_async16(wb + i * NT * 512, gw + wo + i * NT * 512);
-            if (j == 0 && lane < WS_B / 16) cp_async16(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so);
+            for (int i = 0; i < A8_KC / NT; ++i) cp_async16_pol(wb + i * NT * 512, gw + wo + i * NT * 512, pol);
+            if (j == 0 && lane < WS_B / 16) cp_async16_pol(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so, pol);
         }
     };
     auto issue = [&](int st, int slot) {
@@ -539,17 +551,18 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
 #define A8(NAME, NT, W, S)                                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                     \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
-             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T) { \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,    \
+             int ef) {                                                                                                            \
         const int bx = blockIdx.x;                                                                                                \
         if (bx < c1) {                                                                                                            \
             const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
-            a8_mma<NT, W, S>(m, bx, xq, xd, K, T);                                                                                \
+            a8_mma<NT, W, S>(m, bx, xq, xd, K, T, ef);                                                                                \
         } else if (bx < c2) {                                                                                                     \
             const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
-            a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T);                                                                           \
+            a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T, ef);                                                                           \
         } else {                                                                                                                  \
             const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
-            a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T);                                                                           \
+            a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T, ef);                                                                           \
         }                                                                                                                         \
     }
 A8(a8_n1_w1, 1, 1, 12)
@@ -558,6 +571,159 @@ A8(a8_n1_w4, 1, 4, 4)
 A8(a8_n2_w1, 2, 1, 12)
 A8(a8_n2_w2, 2, 2, 8)
 A8(a8_n2_w4, 2, 4, 4)
+
+// ---------------------------------------------------------------------------------------
+// Q8_0A8, K split over the warps of a block (A8Kernel::Split): a block = W tiles of 16
+// features x NT token groups of 8 x KS k-slices, one warp per (slice, tile, token group).
+// Slice ks runs the chains of chunks ks, ks + KS, ks + 2 KS, ... (each chunk's chain by one
+// thread, block after block, as the contract says). The slices share one S-slot cp.async
+// pipeline: stage st = (round r, sub-stage s) holds, for every slice, the A8_KC blocks
+// [c A8_CB + s A8_KC, + A8_KC) of its chunk c = r KS + ks (weights, scales, x codes, x
+// scales). Each chunk sum goes to shared memory; after the last stage the warps of slice 0
+// add them in chunk order (out = acc_0 + acc_1 + ..., the contract's adds). So the bits are
+// those of the whole-K kernel, with KS times its warps per tile: at N = 4096-5120 whole-K
+// runs one 4-warp block per SM, whose per-warp latency chain (not HBM) sets its time.
+template <int NT, int W, int KS, int S>
+__device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
+                                          int T, int ef) {
+    extern __shared__ __align__(16) u8 a8_smem[];
+    constexpr int SW = 32 * W * NT;  // threads per slice
+    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    constexpr int SL_B = XQ_B + XD_B + W * (WQ_B + WS_B);  // one slice's part of a stage
+    constexpr int STAGE_B = KS * SL_B;
+    constexpr int XQ_PER_T = XQ_B / 16 / SW;
+    constexpr int NS = A8_CB / A8_KC;  // stages per chunk
+    static_assert(XQ_PER_T * SW * 16 == XQ_B, "x stage split");
+    static_assert(XD_B / 16 <= SW, "x scale stage split");
+    static_assert(NS * A8_KC == A8_CB, "whole stages per chunk");
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int ks = warp / (W * NT), wi = warp % (W * NT), tl = wi / NT, j = wi % NT;
+    const int sid = tid % SW;  // thread index within the slice
+    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nch = (KB + A8_CB - 1) / A8_CB;
+    const int nst = (nch + KS - 1) / KS * NS;
+    const int N = m.N;
+    const int tile = cta * W + tl;
+    const bool tile_ok = tile * 16 < N;
+    const u32 s0 = smem_addr(a8_smem);
+    float4 *part = (float4 *)(a8_smem + S * STAGE_B);  // [chunk][W][NT][32 lanes]
+    const long long pbt = (long long)(tile_ok ? tile : 0) * KBp;
+    // First block of this slice's part of stage st (or -1: no chunk / past the end of K).
+    auto first_block = [&](int st) {
+        const int c = (st / NS) * KS + ks, b = c * A8_CB + (st % NS) * A8_KC;
+        return c < nch && b < KB ? b : -1;
+    };
+    auto issue_x = [&](int st, int slot) {
+        const int b = first_block(st);
+        if (b < 0) return;
+        const u32 base = s0 + slot * STAGE_B + ks * SL_B;
+        const u8 *gx = (const u8 *)xq + (long long)b * (NT * 256);
+#pragma unroll
+        for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (sid + u * SW) * 16, gx + (sid + u * SW) * 16);
+        if (sid < XD_B / 16) cp_async16(base + XQ_B + sid * 16, (const u8 *)xd + (long long)b * (NT * 32) + sid * 16);
+    };
+    const u64 pol = l2_stream_policy(ef);
+    auto issue_w = [&](int st, int slot) {
+        const int b = first_block(st);
+        if (b < 0 || !tile_ok) return;
+        const u32 wb = s0 + slot * STAGE_B + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B);
+        const u8 *gw = m.wq + (pbt + b) * 512 + (j * 32 + lane) * 16;
+#pragma unroll
+        for (int i = 0; i < A8_KC / NT; ++i) cp_async16_pol(wb + (j * 32 + lane) * 16 + i * NT * 512, gw + i * NT * 512, pol);
+        if (j == 0 && lane < WS_B / 16)
+            cp_async16_pol(wb + WQ_B + lane * 16, (const u8 *)m.wsc + (pbt + b) * 32 + lane * 16, pol);
+    };
+
+    // Weights of the first S - 1 stages before x exists (PDL), then their x (see a8_mma).
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue_w(s, s);
+        cp_async_commit();
+    }
+    griddep_wait();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue_x(s, s);
+        cp_async_commit();
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int st = 0; st < nst; ++st) {
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        const int nx = st + S - 1;
+        if (nx < nst) {
+            issue_w(nx, nx % S);
+            issue_x(nx, nx % S);
+        }
+        cp_async_commit();
+        const int b = first_block(st);
+        if (tile_ok && b >= 0) {
+            const u8 *base = a8_smem + (st % S) * STAGE_B + ks * SL_B;
+            const uint2 *sx = (const uint2 *)base;
+            const float *sd = (const float *)(base + XQ_B);
+            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
+            const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
+            const int nb = KB - b;
+            if (nb >= A8_KC) {
+                a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
+            } else {
+                for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+            }
+            // End of chunk c (its last stage, or the end of K): park acc_c.
+            const int c = (st / NS) * KS + ks;
+            if (st % NS == NS - 1 || b + A8_KC >= KB) {
+                part[((c * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (ks != 0 || !tile_ok) return;
+    float4 tot = part[(tl * NT + j) * 32 + lane];
+    for (int c = 1; c < nch; ++c) {
+        const float4 v = part[((c * W + tl) * NT + j) * 32 + lane];
+        tot.x = __fadd_rn(tot.x, v.x);
+        tot.y = __fadd_rn(tot.y, v.y);
+        tot.z = __fadd_rn(tot.z, v.z);
+        tot.w = __fadd_rn(tot.w, v.w);
+    }
+    const float r[4] = {tot.x, tot.y, tot.z, tot.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+        const int tok = 8 * j + 2 * t + (c & 1);
+        if (o < N && tok < T) m.out[(long long)tok * N + o] = r[c];
+    }
+}
+
+// (NT, W, KS, S): host side a8k_config / a8k_smem_bytes in backend.rs; same parameters as A8.
+#define A8K(NAME, NT, W, KS, S)                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                                \
+        NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,    \
+             int ef) {                                                                                                            \
+        const int bx = blockIdx.x;                                                                                                \
+        if (bx < c1) {                                                                                                            \
+            const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
+            a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef);                                                                         \
+        } else if (bx < c2) {                                                                                                     \
+            const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
+            a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef);                                                                    \
+        } else {                                                                                                                  \
+            const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
+            a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef);                                                                    \
+        }                                                                                                                         \
+    }
+A8K(a8k_n1_w1_k4, 1, 1, 4, 3)
+A8K(a8k_n1_w2_k2, 1, 2, 2, 4)
+A8K(a8k_n1_w2_k4, 1, 2, 4, 3)
+A8K(a8k_n1_w4_k2, 1, 4, 2, 3)
+A8K(a8k_n2_w1_k4, 2, 1, 4, 3)
+A8K(a8k_n2_w2_k2, 2, 2, 2, 4)
+A8K(a8k_n2_w2_k4, 2, 2, 4, 3)
+A8K(a8k_n2_w4_k2, 2, 4, 2, 3)
+
 
 // ---------------------------------------------------------------------------------------
 // Q8_0A8, K split over blocks by chunk (A8Kernel::Chunked / ChunkedSum; auto picks it where

@@ -69,7 +69,37 @@ pub enum A8Kernel {
     /// Persistent blocks (about one wave) over the (`w`-tile group, chunk) items, one
     /// cp.async pipeline through all the items of a block; `w` 2, 4 or 8.
     Stream(u8),
+    /// Whole-K with K split over the warps of a block: `w` tiles x `ks` slices, slice `s`
+    /// running chunks `s, s + ks, ...`, the chunk sums added in order in shared memory.
+    /// `(w, ks)` one of (1, 4), (2, 2), (2, 4), (4, 2); where its shared memory would not
+    /// fit (very long K), whole-K runs instead.
+    Split(u8, u8),
 }
+
+/// Q8_0A8 split kernels (`A8K(...)` in matmul.cu) for `nt` token groups, `w` tiles and `ks`
+/// k-slices: the kernel and its pipeline depth.
+fn a8k_config(nt: usize, w: usize, ks: usize) -> Option<(Kernel, usize)> {
+    Some(match (nt, w, ks) {
+        (1, 1, 4) => (Kernel::A8KN1W1K4, 3),
+        (1, 2, 2) => (Kernel::A8KN1W2K2, 4),
+        (1, 2, 4) => (Kernel::A8KN1W2K4, 3),
+        (1, 4, 2) => (Kernel::A8KN1W4K2, 3),
+        (2, 1, 4) => (Kernel::A8KN2W1K4, 3),
+        (2, 2, 2) => (Kernel::A8KN2W2K2, 4),
+        (2, 2, 4) => (Kernel::A8KN2W2K4, 3),
+        (2, 4, 2) => (Kernel::A8KN2W4K2, 3),
+        _ => return None,
+    })
+}
+
+/// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and the
+/// chunk sums (`nch` chunks x `w` tiles x `nt` token groups x 32 lanes x float4).
+fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize, nch: usize) -> usize {
+    stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + nch * w * nt * 512
+}
+
+/// The opt-in shared memory limit of one thread block on sm_90 (227 KiB).
+const MAX_SMEM_BLOCK: usize = 232_448;
 
 /// Q8_0A8 stream kernels (`A8S(...)` in matmul.cu): pipeline slots for `w` tiles per block.
 fn a8s_stages(w: usize) -> usize {
@@ -215,6 +245,7 @@ pub struct Cuda {
     smem_set: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
     a8_pdl: Mutex<bool>,
+    a8_evict_first: Mutex<bool>,
     attn_split: Mutex<usize>,
     attn_kernel: Mutex<AttnKernel>,
 }
@@ -322,6 +353,7 @@ impl Cuda {
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
             a8_pdl: Mutex::new(false),
+            a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(ATT_SPLIT),
             attn_kernel: Mutex::new(AttnKernel::Auto),
         })
@@ -352,6 +384,15 @@ impl Cuda {
     /// (on the H200 it measured -2% to +2% on the draft steps, so it stays off).
     pub fn set_a8_pdl(&self, on: bool) {
         *lock(&self.a8_pdl) = on;
+    }
+
+    /// Whether the whole-K and split Q8_0A8 kernels stream their weights (read once per call)
+    /// with the L2 evict-first priority, so they do not push the activations, the KV cache
+    /// and the quantized x out of L2. On by default (H200, 16 rows: the 8B draft step 0.832
+    /// -> 0.811 ms at ctx 512, 1.089 -> 1.073 ms at 8192, 27B 1.404 -> 1.390 ms); changes no
+    /// result (a benchmark knob).
+    pub fn set_a8_evict_first(&self, on: bool) {
+        *lock(&self.a8_evict_first) = on;
     }
     fn func(&self, k: Kernel) -> Result<CudaFunction> {
         self.reg.get(k).map_err(BackendError::from)
@@ -802,22 +843,43 @@ impl Cuda {
             .into_iter()
             .find(|&w| whole_load(w) <= whole_load(1))
             .unwrap_or(1);
+        let all_tiles: usize = tiles.iter().sum();
         let mode = match *lock(&self.a8_kernel) {
-            // Whole-K unless its balance rule leaves one tile per block (few warps per SM, the
-            // per-warp chain over all of K then sets the time: k/v alone, the 27B shapes);
-            // there the chunked kernel, 4 tiles per block if that still fills the SMs. On the
-            // H200 (16 rows, graph of 1 op) that is whole-K for the 8B shapes and lm_head and
-            // chunked for 5120x5120 (25.6 -> 22.4 us), 17408x5120 (59.5 -> 50.8), 5120x17408
-            // (72.6 -> 56.0), 27B gate/up fused (99.9 -> 88.8), 1024x4096 (12.5 -> 10.8).
-            // Also whole-K for K <= 4096 (at most 4 chunks): the 8B q/k/v `matmul_many`
-            // (tiles 256 + 64 + 64) falls under the balance rule, but its step was 2.5-3.3%
-            // faster with whole-K in two runs (0.963 vs 0.996 ms at ctx 512) while the 27B
-            // shapes (K 5120 / 17408) are 7-9% slower with it.
-            A8Kernel::Auto if whole_w > 1 || nch <= 4 => A8Kernel::WholeK,
+            // Measured on the H200 (16 rows, graphs of enough distinct copies that the weights
+            // come from HBM; us per call, auto before -> now, `xtask bench gpu --a8-sweep`):
+            // * very tall matrices (the lm_heads, >= 4096 tiles): whole-K, at 83-94% of the
+            //   copy bandwidth (every split choice is slower there);
+            // * K <= 7168 (at most 7 chunks): 1 tile x 4 k-slices per block, 2 blocks per SM:
+            //   8B q/k/v 22.8 -> 15.0, o 12.7 -> 10.1, gate/up 40.2 -> 40.1; 27B q/k/v 23.8
+            //   -> 19.3, o 21.6 -> 13.9, gate/up 87.5 -> 74.1;
+            // * longer K (down): the chunk sums need more shared memory, one block per SM:
+            //   2 tiles x 4 slices while that is one wave (8B down 29.4 -> 22.4), else 4 tiles
+            //   x 2 slices (27B down 54.4 -> 49.0).
+            // * K <= 2048 (1-2 chunks: little to split; the shipped drafter): whole-K as before.
+            A8Kernel::Auto if all_tiles >= 4096 || nch < 3 => A8Kernel::WholeK,
+            A8Kernel::Auto if nch <= 7 => A8Kernel::Split(1, 4),
             A8Kernel::Auto => {
-                let ctas4 = tiles.iter().map(|t| t.div_ceil(4)).sum::<usize>() * nch;
-                A8Kernel::Chunked(if ctas4 >= sms { 4 } else { 2 })
+                let ctas2: usize = tiles.iter().map(|t| t.div_ceil(2)).sum();
+                if ctas2 <= sms {
+                    A8Kernel::Split(2, 4)
+                } else {
+                    A8Kernel::Split(4, 2)
+                }
             }
+            m => m,
+        };
+        // A split choice whose shared memory does not fit (or that has no kernel) runs
+        // whole-K (same bits).
+        let mode = match mode {
+            A8Kernel::Split(w, ks) => match a8k_config(nt, w as usize, ks as usize) {
+                Some((_, stages))
+                    if a8k_smem_bytes(nt, w as usize, ks as usize, stages, nch)
+                        <= MAX_SMEM_BLOCK =>
+                {
+                    mode
+                }
+                _ => A8Kernel::WholeK,
+            },
             m => m,
         };
         let tile_w = |ws: u8| match ws {
@@ -851,6 +913,12 @@ impl Cuda {
                 };
                 let sum = matches!(mode, A8Kernel::ChunkedSum(_)) && nch > 1;
                 (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum, false)
+            }
+            A8Kernel::Split(w, ks) => {
+                let (w, ks) = (w as usize, ks as usize);
+                let (kern, stages) = a8k_config(nt, w, ks).ok_or_else(internal)?;
+                let smem = a8k_smem_bytes(nt, w, ks, stages, nch);
+                (kern, w, smem, w * nt * ks, false, false, false)
             }
             _ => {
                 let w = whole_w;
@@ -978,6 +1046,9 @@ impl Cuda {
                 .dptr(&*xd, st)
                 .i32(k_i)
                 .i32(t_i);
+            if !stream && !chunked {
+                a.i32(i32::from(*lock(&self.a8_evict_first)));
+            }
             if stream {
                 let ws = a8_ws.as_mut().ok_or_else(internal)?;
                 let cnt = a8_cnt.as_mut().ok_or_else(internal)?;

@@ -49,7 +49,9 @@ pub struct BenchArgs {
     /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, chunk2, chunk4,
     /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
     /// chunksum4, chunksum8 (the same, a second kernel sums), stream2, stream4, stream8
-    /// (persistent blocks over the (tile group, chunk) items) (same bits; a benchmark knob).
+    /// (persistent blocks over the (tile group, chunk) items), split1x4, split2x2, split2x4,
+    /// split4x2 (K split over the warps of a block: tiles x slices) (same bits; a benchmark
+    /// knob).
     #[arg(long, default_value = "auto")]
     a8_kernel: String,
     /// Q8_0A8 launches with programmatic dependent launch: off (the library default) or on
@@ -74,6 +76,10 @@ pub struct BenchArgs {
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
+    /// Only the q8_0a8 draft step (the --shapes and --ctx given) under each of these Q8_0A8
+    /// kernel choices (comma list of --a8-kernel names), two interleaved rounds, then exit.
+    #[arg(long)]
+    a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -574,6 +580,10 @@ const A8_VARIANTS: &[(A8Kernel, bool, &str)] = &[
     (A8Kernel::Chunked(8), false, " chunk w8"),
     (A8Kernel::Stream(4), false, " stream w4"),
     (A8Kernel::Stream(8), false, " stream w8"),
+    (A8Kernel::Split(1, 4), false, " split w1 k4"),
+    (A8Kernel::Split(2, 2), false, " split w2 k2"),
+    (A8Kernel::Split(2, 4), false, " split w2 k4"),
+    (A8Kernel::Split(4, 2), false, " split w4 k2"),
 ];
 
 /// Extra Q8_0A8 shapes of the 27B drafter (hidden 5120, intermediate 17408).
@@ -596,8 +606,12 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
         "stream2" => A8Kernel::Stream(2),
         "stream4" => A8Kernel::Stream(4),
         "stream8" => A8Kernel::Stream(8),
+        "split1x4" => A8Kernel::Split(1, 4),
+        "split2x2" => A8Kernel::Split(2, 2),
+        "split2x4" => A8Kernel::Split(2, 4),
+        "split4x2" => A8Kernel::Split(4, 2),
         o => bail!(
-            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4 or stream8"
+            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, split1x4, split2x2, split2x4 or split4x2"
         ),
     })
 }
@@ -854,6 +868,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .split(',')
         .map(|s| parse_format(s.trim()))
         .collect::<Result<_>>()?;
+    if let Some(list) = &a.a8_sweep {
+        return a8_sweep(&g, &a, list, &shapes, &ctxs);
+    }
     let bw = copy_bandwidth(&g)?;
     let mut md = String::new();
     let date = Command::new("date")
@@ -1071,5 +1088,145 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(p) = a.md {
         std::fs::write(&p, &md).with_context(|| format!("writing {}", p.display()))?;
     }
+    Ok(())
+}
+
+/// The q8_0a8 draft step under several Q8_0A8 kernel choices, side by side: two rounds over
+/// the choices (so drift between the first and the last shows), graph ms per round.
+fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
+    // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
+    // evict-first hint), `+asN` (attention split of N keys), `+att=NAME` (attention kernel).
+    struct Config {
+        name: String,
+        kernel: A8Kernel,
+        evict_first: bool,
+        attn_split: usize,
+        attn: AttnKernel,
+    }
+    let configs: Vec<Config> = list
+        .split(',')
+        .map(|c| {
+            let mut it = c.trim().split('+');
+            let mut cfg = Config {
+                name: c.trim().to_string(),
+                kernel: parse_a8_kernel(it.next().unwrap_or("auto"))?,
+                evict_first: true,
+                attn_split: a.attn_split.unwrap_or(256),
+                attn: parse_attn_kernel(&a.attn_kernel)?,
+            };
+            for opt in it {
+                if opt == "noef" {
+                    cfg.evict_first = false;
+                } else if let Some(n) = opt.strip_prefix("as") {
+                    cfg.attn_split = n.parse()?;
+                } else if let Some(n) = opt.strip_prefix("att=") {
+                    cfg.attn = parse_attn_kernel(n)?;
+                } else {
+                    bail!("--a8-sweep: unknown option {opt} in {c}");
+                }
+            }
+            Ok(cfg)
+        })
+        .collect::<Result<_>>()?;
+    // The projection table: the plain kernel names only.
+    let kernels: Vec<(String, A8Kernel)> = configs
+        .iter()
+        .filter(|c| !c.name.contains('+'))
+        .map(|c| (c.name.clone(), c.kernel))
+        .collect();
+    g.set_attn_split(a.attn_split.unwrap_or(256))?;
+    g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
+    // The drafters' projections (16 rows; q/k/v and gate/up as the step's `matmul_many`), each
+    // as a graph of enough distinct copies that the weights do not stay in L2 (>= 150 MB).
+    let bw = copy_bandwidth(g)?;
+    println!("| projection (16 rows) | copies | a8 kernel | us per call round 1 | round 2 | GB/s | % of copy bw |\n|---|---:|---|---:|---:|---:|---:|");
+    for (name, ns, k) in if kernels.is_empty() {
+        vec![]
+    } else {
+        vec![
+            ("8B q/k/v", vec![4096usize, 1024, 1024], 4096usize),
+            ("8B o", vec![4096], 4096),
+            ("8B gate/up", vec![12288, 12288], 4096),
+            ("8B down", vec![4096], 12288),
+            ("8B lm_head", vec![151936], 4096),
+            ("27B q/k/v", vec![4096, 1024, 1024], 5120),
+            ("27B o", vec![5120], 4096),
+            ("27B gate/up", vec![17408, 17408], 5120),
+            ("27B down", vec![5120], 17408),
+            ("27B lm_head", vec![248320], 5120),
+        ]
+    } {
+        let one: usize = ns.iter().map(|&n| n * (k / 32) * 34).sum();
+        let copies = (150_000_000usize).div_ceil(one).max(2);
+        let ws: Vec<Vec<Weight<Cuda>>> = (0..copies)
+            .map(|c| {
+                ns.iter()
+                    .map(|&n| g.random_weight("w", n, k, WeightFormat::Q8_0A8, 9 + c as u64, 0.02))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let x = g.random_buf(16 * k, 3, 1.0)?;
+        let mut outs: Vec<CudaBuf> = ns
+            .iter()
+            .map(|&n| g.zeros(16 * n))
+            .collect::<std::result::Result<_, _>>()?;
+        let mut t = vec![Vec::new(); kernels.len()];
+        for _round in 0..2 {
+            for (i, (_, kern)) in kernels.iter().enumerate() {
+                g.set_a8_kernel(*kern);
+                let ms = time_graph(g, a.iters, || {
+                    for wc in &ws {
+                        let wr: Vec<&Weight<Cuda>> = wc.iter().collect();
+                        let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                        g.matmul_many(&x, 16, &wr, &mut refs)?;
+                    }
+                    Ok(())
+                })?;
+                t[i].push(ms * 1e3 / copies as f64);
+            }
+        }
+        for ((kname, _), v) in kernels.iter().zip(&t) {
+            let best = v[0].min(v[1]);
+            let gbs = one as f64 / best / 1e3;
+            println!(
+                "| {name} | {copies} | {kname} | {:.1} | {:.1} | {gbs:.0} | {:.0}% |",
+                v[0],
+                v[1],
+                100.0 * gbs * 1e9 / bw
+            );
+        }
+    }
+    println!(
+        "\n| shape | ctx | a8 kernel | graph ms round 1 | round 2 |\n|---|---:|---|---:|---:|"
+    );
+    for s in shapes {
+        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+        let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
+        m.fused = !a.unfused;
+        let mut b = m.bufs(g, s.block)?;
+        for &ctx in ctxs {
+            let mut t = vec![Vec::new(); configs.len()];
+            for _round in 0..2 {
+                for (i, c) in configs.iter().enumerate() {
+                    g.set_a8_kernel(c.kernel);
+                    g.set_a8_evict_first(c.evict_first);
+                    g.set_attn_split(c.attn_split)?;
+                    g.set_attn_kernel(c.attn)?;
+                    let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
+                    t[i].push(st.graph.unwrap_or(f64::NAN));
+                }
+            }
+            for (c, v) in configs.iter().zip(&t) {
+                println!(
+                    "| {} | {ctx} | {} | {:.4} | {:.4} |",
+                    s.name, c.name, v[0], v[1]
+                );
+            }
+        }
+    }
+    g.set_a8_kernel(A8Kernel::Auto);
+    g.set_a8_evict_first(true);
+    g.set_attn_split(256)?;
+    g.set_attn_kernel(AttnKernel::Auto)?;
     Ok(())
 }

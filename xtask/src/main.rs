@@ -52,7 +52,7 @@ enum BenchCmd {
     /// Encode / decode throughput of every format, 1 thread and all threads, vs gguf-py.
     Quant(quant::BenchArgs),
     /// The draft step on the CUDA backend vs PyTorch, HBM floor, verify vs decode (GPU machine).
-    Gpu(gpu::BenchArgs),
+    Gpu(Box<gpu::BenchArgs>),
 }
 
 fn main() -> Result<()> {
@@ -66,7 +66,7 @@ fn main() -> Result<()> {
         },
         Cmd::Bench { what } => match what {
             BenchCmd::Quant(a) => quant::bench(a),
-            BenchCmd::Gpu(a) => gpu::bench(a),
+            BenchCmd::Gpu(a) => gpu::bench(*a),
         },
     }
 }
