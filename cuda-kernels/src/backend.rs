@@ -18,7 +18,6 @@ use crate::registry::{arch_for, Kernel, Registry};
 
 mod attention;
 pub use attention::AttnKernel;
-use attention::ATT_SPLIT;
 
 type Result<T> = std::result::Result<T, BackendError>;
 
@@ -71,7 +70,7 @@ pub enum A8Kernel {
     Stream(u8),
     /// Whole-K with K split over the warps of a block: `w` tiles x `ks` slices, slice `s`
     /// running chunks `s, s + ks, ...`, the chunk sums added in order in shared memory.
-    /// `(w, ks)` one of (1, 4), (2, 2), (2, 4), (4, 2); where its shared memory would not
+    /// `(w, ks)` one of (1, 4), (1, 5), (2, 2), (2, 4), (4, 2); where its shared memory would not
     /// fit (very long K), whole-K runs instead.
     Split(u8, u8),
 }
@@ -84,10 +83,12 @@ fn a8k_config(nt: usize, w: usize, ks: usize) -> Option<(Kernel, usize)> {
         (1, 2, 2) => (Kernel::A8KN1W2K2, 4),
         (1, 2, 4) => (Kernel::A8KN1W2K4, 3),
         (1, 4, 2) => (Kernel::A8KN1W4K2, 3),
+        (1, 1, 5) => (Kernel::A8KN1W1K5, 3),
         (2, 1, 4) => (Kernel::A8KN2W1K4, 3),
         (2, 2, 2) => (Kernel::A8KN2W2K2, 4),
         (2, 2, 4) => (Kernel::A8KN2W2K4, 3),
         (2, 4, 2) => (Kernel::A8KN2W4K2, 3),
+        (2, 1, 5) => (Kernel::A8KN2W1K5, 3),
         _ => return None,
     })
 }
@@ -246,7 +247,7 @@ pub struct Cuda {
     a8_kernel: Mutex<A8Kernel>,
     a8_pdl: Mutex<bool>,
     a8_evict_first: Mutex<bool>,
-    attn_split: Mutex<usize>,
+    attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
 }
 
@@ -354,7 +355,7 @@ impl Cuda {
             a8_kernel: Mutex::new(A8Kernel::Auto),
             a8_pdl: Mutex::new(false),
             a8_evict_first: Mutex::new(true),
-            attn_split: Mutex::new(ATT_SPLIT),
+            attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
         })
     }
@@ -846,18 +847,28 @@ impl Cuda {
         let all_tiles: usize = tiles.iter().sum();
         let mode = match *lock(&self.a8_kernel) {
             // Measured on the H200 (16 rows, graphs of enough distinct copies that the weights
-            // come from HBM; us per call, auto before -> now, `xtask bench gpu --a8-sweep`):
+            // come from HBM; us per call incl. the x quantizer, whole-K/chunked before -> now,
+            // `xtask bench gpu --a8-sweep`):
             // * very tall matrices (the lm_heads, >= 4096 tiles): whole-K, at 83-94% of the
             //   copy bandwidth (every split choice is slower there);
-            // * K <= 7168 (at most 7 chunks): 1 tile x 4 k-slices per block, 2 blocks per SM:
-            //   8B q/k/v 22.8 -> 15.0, o 12.7 -> 10.1, gate/up 40.2 -> 40.1; 27B q/k/v 23.8
-            //   -> 19.3, o 21.6 -> 13.9, gate/up 87.5 -> 74.1;
+            // * K <= 2048 (1-2 chunks: little to split; the shipped drafter): whole-K;
+            // * K <= 7168 (at most 7 chunks): 4 tiles x 2 k-slices per block (x shared by 4
+            //   tiles, one block of 16 warps per SM) where those blocks cover >= 70% of the
+            //   SMs, else 1 tile x 4 slices (2 blocks per SM): 8B q/k/v 22.8 -> 14.8, o 12.7 ->
+            //   10.3, gate/up 40.2 -> 41.0; 27B q/k/v 23.8 -> 17.8, o 21.6 -> 14.4, gate/up
+            //   87.5 -> 74.6 (1 x 4 everywhere: 16.0, 10.3, 40.5, 20.6, 14.4, 77.5);
             // * longer K (down): the chunk sums need more shared memory, one block per SM:
-            //   2 tiles x 4 slices while that is one wave (8B down 29.4 -> 22.4), else 4 tiles
-            //   x 2 slices (27B down 54.4 -> 49.0).
-            // * K <= 2048 (1-2 chunks: little to split; the shipped drafter): whole-K as before.
+            //   2 tiles x 4 slices while that is one wave (8B down 29.4 -> 21.7), else 4 x 2
+            //   (27B down 54.4 -> 47.7).
             A8Kernel::Auto if all_tiles >= 4096 || nch < 3 => A8Kernel::WholeK,
-            A8Kernel::Auto if nch <= 7 => A8Kernel::Split(1, 4),
+            A8Kernel::Auto if nch <= 7 => {
+                let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
+                if 10 * ctas4 >= 7 * sms {
+                    A8Kernel::Split(4, 2)
+                } else {
+                    A8Kernel::Split(1, 4)
+                }
+            }
             A8Kernel::Auto => {
                 let ctas2: usize = tiles.iter().map(|t| t.div_ceil(2)).sum();
                 if ctas2 <= sms {

@@ -360,6 +360,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
         A8Kernel::Stream(4),
         A8Kernel::Stream(8),
         A8Kernel::Split(1, 4),
+        A8Kernel::Split(1, 5),
         A8Kernel::Split(2, 2),
         A8Kernel::Split(2, 4),
         A8Kernel::Split(4, 2),
@@ -405,7 +406,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
                 g.set_a8_pdl(false);
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split w1k4/w2k2/w2k4/w4k2, auto, with and without PDL == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split w1k4/w1k5/w2k2/w2k4/w4k2, auto, with and without PDL == contract");
     }
     // Fused launches (3 matrices, different tile counts; a tall one with a partial last
     // chunk, so that blocks' item ranges cross matrix boundaries) under every choice.

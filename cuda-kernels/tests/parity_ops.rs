@@ -569,6 +569,46 @@ fn attention_is_per_row_deterministic() {
         }
         eprintln!("DETERMINISM attention ctx={ctx} hd={hd} win={win:?}: decode of queries 0/7/15 bit-identical to the 16-query verify");
     }
+    // Non-causal block attention (the drafter's): the automatic split depends on n_kv only
+    // (128 keys up to 1024 keys, else 256), so a row alone equals the same row of the block.
+    for &(ctx, hd) in &[(512usize, 128usize), (1008, 64), (2000, 128)] {
+        let (h, hkv, nq) = (32usize, 8usize, 16usize);
+        let cap = ctx + nq;
+        let q = rand_vec(&mut r, nq * h * hd, 1.5);
+        let k = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.5)).unwrap();
+        let v = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.0)).unwrap();
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal: false,
+            window: None,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let qg = g.upload(&q).unwrap();
+        let mut all = poisoned(g, nq * h * hd);
+        g.attention(&qg, &k, &v, &p, &mut all).unwrap();
+        let all = g.download(&all).unwrap();
+        for i in [0usize, 9, 15] {
+            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
+            let pi = AttnParams {
+                n_q: 1,
+                q_pos0: ctx + i,
+                ..p
+            };
+            let mut o = poisoned(g, h * hd);
+            g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
+            let o = g.download(&o).unwrap();
+            for (j, (a, b)) in o.iter().zip(&all[i * h * hd..(i + 1) * h * hd]).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "non-causal n_kv {cap} hd {hd}: row {i} value {j} differs between a 1-row and a 16-row call");
+            }
+        }
+        eprintln!("DETERMINISM non-causal attention n_kv={cap} hd={hd}: rows 0/9/15 alone bit-identical to the 16-row block");
+    }
 }
 
 #[test]

@@ -49,7 +49,7 @@ pub struct BenchArgs {
     /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, chunk2, chunk4,
     /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
     /// chunksum4, chunksum8 (the same, a second kernel sums), stream2, stream4, stream8
-    /// (persistent blocks over the (tile group, chunk) items), split1x4, split2x2, split2x4,
+    /// (persistent blocks over the (tile group, chunk) items), split1x4, split1x5, split2x2, split2x4,
     /// split4x2 (K split over the warps of a block: tiles x slices) (same bits; a benchmark
     /// knob).
     #[arg(long, default_value = "auto")]
@@ -76,8 +76,9 @@ pub struct BenchArgs {
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
-    /// Only the q8_0a8 draft step (the --shapes and --ctx given) under each of these Q8_0A8
-    /// kernel choices (comma list of --a8-kernel names), two interleaved rounds, then exit.
+    /// Only the q8_0a8 projections and draft step (the --shapes and --ctx given) under each of
+    /// these configurations, two interleaved rounds, then exit: a comma list of --a8-kernel
+    /// names, each optionally followed by +noef, +pdl, +asN (attention split), +att=NAME.
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -607,11 +608,12 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
         "stream4" => A8Kernel::Stream(4),
         "stream8" => A8Kernel::Stream(8),
         "split1x4" => A8Kernel::Split(1, 4),
+        "split1x5" => A8Kernel::Split(1, 5),
         "split2x2" => A8Kernel::Split(2, 2),
         "split2x4" => A8Kernel::Split(2, 4),
         "split4x2" => A8Kernel::Split(4, 2),
         o => bail!(
-            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, split1x4, split2x2, split2x4 or split4x2"
+            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, split1x4, split1x5, split2x2, split2x4 or split4x2"
         ),
     })
 }
@@ -782,7 +784,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
                 md += &row;
             }
             g.set_attn_kernel(AttnKernel::Auto)?;
-            g.set_attn_split(256)?;
+            g.set_attn_split_auto();
         }
     }
     for (rows, dim) in [(16usize, 4096usize), (512, 128)] {
@@ -823,7 +825,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(ctx) = a.attn_once {
         // One attention shape, a few calls, nothing else (for a profiler).
         g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
-        g.set_attn_split(a.attn_split.unwrap_or(256))?;
+        set_split(&g, a.attn_split)?;
         let (nq, h, hkv, hd) = (16usize, 32usize, 8usize, 128usize);
         let q = g.random_buf(nq * h * hd, 4, 1.0)?;
         let kc = g.random_buf((ctx + nq) * hkv * hd, 5, 1.0)?;
@@ -902,7 +904,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     for s in &shapes {
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
         g.set_a8_kernel(a8k);
-        g.set_attn_split(a.attn_split.unwrap_or(256))?;
+        set_split(&g, a.attn_split)?;
         g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
@@ -1095,12 +1097,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 /// the choices (so drift between the first and the last shows), graph ms per round.
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
-    // evict-first hint), `+asN` (attention split of N keys), `+att=NAME` (attention kernel).
+    // evict-first hint), `+pdl` (programmatic dependent launch of quantizer + matmul), `+asN`
+    // (attention split of N keys), `+att=NAME` (attention kernel).
     struct Config {
         name: String,
         kernel: A8Kernel,
         evict_first: bool,
-        attn_split: usize,
+        pdl: bool,
+        attn_split: Option<usize>,
         attn: AttnKernel,
     }
     let configs: Vec<Config> = list
@@ -1111,14 +1115,17 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 name: c.trim().to_string(),
                 kernel: parse_a8_kernel(it.next().unwrap_or("auto"))?,
                 evict_first: true,
-                attn_split: a.attn_split.unwrap_or(256),
+                pdl: false,
+                attn_split: a.attn_split,
                 attn: parse_attn_kernel(&a.attn_kernel)?,
             };
             for opt in it {
                 if opt == "noef" {
                     cfg.evict_first = false;
+                } else if opt == "pdl" {
+                    cfg.pdl = true;
                 } else if let Some(n) = opt.strip_prefix("as") {
-                    cfg.attn_split = n.parse()?;
+                    cfg.attn_split = Some(n.parse()?);
                 } else if let Some(n) = opt.strip_prefix("att=") {
                     cfg.attn = parse_attn_kernel(n)?;
                 } else {
@@ -1134,7 +1141,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         .filter(|c| !c.name.contains('+'))
         .map(|c| (c.name.clone(), c.kernel))
         .collect();
-    g.set_attn_split(a.attn_split.unwrap_or(256))?;
+    set_split(g, a.attn_split)?;
     g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
     // The drafters' projections (16 rows; q/k/v and gate/up as the step's `matmul_many`), each
     // as a graph of enough distinct copies that the weights do not stay in L2 (>= 150 MB).
@@ -1210,7 +1217,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 for (i, c) in configs.iter().enumerate() {
                     g.set_a8_kernel(c.kernel);
                     g.set_a8_evict_first(c.evict_first);
-                    g.set_attn_split(c.attn_split)?;
+                    g.set_a8_pdl(c.pdl);
+                    set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
@@ -1226,7 +1234,17 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     }
     g.set_a8_kernel(A8Kernel::Auto);
     g.set_a8_evict_first(true);
-    g.set_attn_split(256)?;
+    g.set_a8_pdl(false);
+    g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
+    Ok(())
+}
+
+/// The attention split: `keys` when given, else the backend's automatic choice.
+fn set_split(g: &Cuda, keys: Option<usize>) -> Result<()> {
+    match keys {
+        Some(k) => g.set_attn_split(k)?,
+        None => g.set_attn_split_auto(),
+    }
     Ok(())
 }
