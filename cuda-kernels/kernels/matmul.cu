@@ -579,8 +579,9 @@ A8(a8_n2_w4, 2, 4, 4)
 // thread, block after block, as the contract says). The slices share one S-slot cp.async
 // pipeline: stage st = (round r, sub-stage s) holds, for every slice, the A8_KC blocks
 // [c A8_CB + s A8_KC, + A8_KC) of its chunk c = r KS + ks (weights, scales, x codes, x
-// scales). Each chunk sum goes to shared memory; after the last stage the warps of slice 0
-// add them in chunk order (out = acc_0 + acc_1 + ..., the contract's adds). So the bits are
+// scales). Each chunk sum goes to shared memory; at the start of each round the warps of
+// slice 0 add the sums of the round before to a running total, in chunk order (out = acc_0 +
+// acc_1 + ..., the contract's adds; two rounds of slots, whatever K). So the bits are
 // those of the whole-K kernel, with KS times its warps per tile: at N = 4096-5120 whole-K
 // runs one 4-warp block per SM, whose per-warp latency chain (not HBM) sets its time.
 template <int NT, int W, int KS, int S>
@@ -605,7 +606,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     const int tile = cta * W + tl;
     const bool tile_ok = tile * 16 < N;
     const u32 s0 = smem_addr(a8_smem);
-    float4 *part = (float4 *)(a8_smem + S * STAGE_B);  // [chunk][W][NT][32 lanes]
+    float4 *part = (float4 *)(a8_smem + S * STAGE_B);  // [round parity][slice][W][NT][32 lanes]
     const long long pbt = (long long)(tile_ok ? tile : 0) * KBp;
     // First block of this slice's part of stage st (or -1: no chunk / past the end of K).
     auto first_block = [&](int st) {
@@ -646,6 +647,24 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
         cp_async_commit();
     }
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // Slice 0: add the chunk sums of round r (chunks r KS .. r KS + KS - 1) to tot, in chunk
+    // order (tot = acc_0 for chunk 0).
+    auto fold = [&](int r) {
+        for (int q = 0; q < KS; ++q) {
+            const int c = r * KS + q;
+            if (c >= nch) break;
+            const float4 v = part[((((r & 1) * KS + q) * W + tl) * NT + j) * 32 + lane];
+            if (c == 0) {
+                tot = v;
+            } else {
+                tot.x = __fadd_rn(tot.x, v.x);
+                tot.y = __fadd_rn(tot.y, v.y);
+                tot.z = __fadd_rn(tot.z, v.z);
+                tot.w = __fadd_rn(tot.w, v.w);
+            }
+        }
+    };
     for (int st = 0; st < nst; ++st) {
         cp_async_wait<S - 2>();
         __syncthreads();
@@ -655,6 +674,8 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
             issue_x(nx, nx % S);
         }
         cp_async_commit();
+        // Round st / NS begins: every chunk of the round before is parked (the barrier above).
+        if (ks == 0 && tile_ok && st % NS == 0 && st > 0) fold(st / NS - 1);
         const int b = first_block(st);
         if (tile_ok && b >= 0) {
             const u8 *base = a8_smem + (st % S) * STAGE_B + ks * SL_B;
@@ -668,10 +689,11 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
             } else {
                 for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
             }
-            // End of chunk c (its last stage, or the end of K): park acc_c.
-            const int c = (st / NS) * KS + ks;
+            // End of this slice's chunk (its last stage, or the end of K): park acc_c in the
+            // slot of (round parity, slice); slice 0 reads it after the next round's first
+            // barrier, and the slot is written again two rounds later.
             if (st % NS == NS - 1 || b + A8_KC >= KB) {
-                part[((c * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
             }
@@ -680,14 +702,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     cp_async_wait<0>();
     __syncthreads();
     if (ks != 0 || !tile_ok) return;
-    float4 tot = part[(tl * NT + j) * 32 + lane];
-    for (int c = 1; c < nch; ++c) {
-        const float4 v = part[((c * W + tl) * NT + j) * 32 + lane];
-        tot.x = __fadd_rn(tot.x, v.x);
-        tot.y = __fadd_rn(tot.y, v.y);
-        tot.z = __fadd_rn(tot.z, v.z);
-        tot.w = __fadd_rn(tot.w, v.w);
-    }
+    fold(nst / NS - 1);
     const float r[4] = {tot.x, tot.y, tot.z, tot.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -715,16 +730,20 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
             a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef);                                                                    \
         }                                                                                                                         \
     }
-A8K(a8k_n1_w1_k4, 1, 1, 4, 3)
-A8K(a8k_n1_w2_k2, 1, 2, 2, 4)
-A8K(a8k_n1_w2_k4, 1, 2, 4, 3)
-A8K(a8k_n1_w4_k2, 1, 4, 2, 3)
-A8K(a8k_n1_w1_k5, 1, 1, 5, 3)
-A8K(a8k_n2_w1_k4, 2, 1, 4, 3)
-A8K(a8k_n2_w2_k2, 2, 2, 2, 4)
-A8K(a8k_n2_w2_k4, 2, 2, 4, 3)
-A8K(a8k_n2_w4_k2, 2, 4, 2, 3)
-A8K(a8k_n2_w1_k5, 2, 1, 5, 3)
+A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)
+A8K(a8k_n1_w2_k2_s4, 1, 2, 2, 4)
+A8K(a8k_n1_w2_k4_s3, 1, 2, 4, 3)
+A8K(a8k_n1_w2_k4_s2, 1, 2, 4, 2)
+A8K(a8k_n1_w4_k2_s3, 1, 4, 2, 3)
+A8K(a8k_n1_w4_k2_s2, 1, 4, 2, 2)
+A8K(a8k_n1_w4_k4_s2, 1, 4, 4, 2)
+A8K(a8k_n2_w1_k4_s3, 2, 1, 4, 3)
+A8K(a8k_n2_w2_k2_s4, 2, 2, 2, 4)
+A8K(a8k_n2_w2_k4_s3, 2, 2, 4, 3)
+A8K(a8k_n2_w2_k4_s2, 2, 2, 4, 2)
+A8K(a8k_n2_w4_k2_s3, 2, 4, 2, 3)
+A8K(a8k_n2_w4_k2_s2, 2, 4, 2, 2)
+A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
 
 
 // ---------------------------------------------------------------------------------------

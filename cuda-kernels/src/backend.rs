@@ -68,39 +68,40 @@ pub enum A8Kernel {
     /// Persistent blocks (about one wave) over the (`w`-tile group, chunk) items, one
     /// cp.async pipeline through all the items of a block; `w` 2, 4 or 8.
     Stream(u8),
-    /// Whole-K with K split over the warps of a block: `w` tiles x `ks` slices, slice `s`
-    /// running chunks `s, s + ks, ...`, the chunk sums added in order in shared memory.
-    /// `(w, ks)` one of (1, 4), (1, 5), (2, 2), (2, 4), (4, 2); where its shared memory would not
-    /// fit (very long K), whole-K runs instead.
-    Split(u8, u8),
+    /// Whole-K with K split over the warps of a block: `(w, ks, s)` = `w` tiles x `ks`
+    /// slices, slice `i` running chunks `i, i + ks, ...`, the chunk sums added in order in
+    /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (2, 2, 4), (2, 4, 3),
+    /// (2, 4, 2), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other runs whole-K.
+    Split(u8, u8, u8),
 }
 
-/// Q8_0A8 split kernels (`A8K(...)` in matmul.cu) for `nt` token groups, `w` tiles and `ks`
-/// k-slices: the kernel and its pipeline depth.
-fn a8k_config(nt: usize, w: usize, ks: usize) -> Option<(Kernel, usize)> {
-    Some(match (nt, w, ks) {
-        (1, 1, 4) => (Kernel::A8KN1W1K4, 3),
-        (1, 2, 2) => (Kernel::A8KN1W2K2, 4),
-        (1, 2, 4) => (Kernel::A8KN1W2K4, 3),
-        (1, 4, 2) => (Kernel::A8KN1W4K2, 3),
-        (1, 1, 5) => (Kernel::A8KN1W1K5, 3),
-        (2, 1, 4) => (Kernel::A8KN2W1K4, 3),
-        (2, 2, 2) => (Kernel::A8KN2W2K2, 4),
-        (2, 2, 4) => (Kernel::A8KN2W2K4, 3),
-        (2, 4, 2) => (Kernel::A8KN2W4K2, 3),
-        (2, 1, 5) => (Kernel::A8KN2W1K5, 3),
+/// Q8_0A8 split kernels (`A8K(...)` in matmul.cu) for `nt` token groups, `w` tiles, `ks`
+/// k-slices and an `s`-stage pipeline.
+fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
+    Some(match (nt, w, ks, s) {
+        (1, 1, 4, 3) => Kernel::A8KN1W1K4S3,
+        (1, 2, 2, 4) => Kernel::A8KN1W2K2S4,
+        (1, 2, 4, 3) => Kernel::A8KN1W2K4S3,
+        (1, 2, 4, 2) => Kernel::A8KN1W2K4S2,
+        (1, 4, 2, 3) => Kernel::A8KN1W4K2S3,
+        (1, 4, 2, 2) => Kernel::A8KN1W4K2S2,
+        (1, 4, 4, 2) => Kernel::A8KN1W4K4S2,
+        (2, 1, 4, 3) => Kernel::A8KN2W1K4S3,
+        (2, 2, 2, 4) => Kernel::A8KN2W2K2S4,
+        (2, 2, 4, 3) => Kernel::A8KN2W2K4S3,
+        (2, 2, 4, 2) => Kernel::A8KN2W2K4S2,
+        (2, 4, 2, 3) => Kernel::A8KN2W4K2S3,
+        (2, 4, 2, 2) => Kernel::A8KN2W4K2S2,
+        (2, 4, 4, 2) => Kernel::A8KN2W4K4S2,
         _ => return None,
     })
 }
 
-/// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and the
-/// chunk sums (`nch` chunks x `w` tiles x `nt` token groups x 32 lanes x float4).
-fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize, nch: usize) -> usize {
-    stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + nch * w * nt * 512
+/// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and two
+/// rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups x 32 lanes x float4).
+fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize) -> usize {
+    stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + 2 * ks * w * nt * 512
 }
-
-/// The opt-in shared memory limit of one thread block on sm_90 (227 KiB).
-const MAX_SMEM_BLOCK: usize = 232_448;
 
 /// Q8_0A8 stream kernels (`A8S(...)` in matmul.cu): pipeline slots for `w` tiles per block.
 fn a8s_stages(w: usize) -> usize {
@@ -353,7 +354,7 @@ impl Cuda {
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
-            a8_pdl: Mutex::new(false),
+            a8_pdl: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
@@ -380,9 +381,10 @@ impl Cuda {
         *lock(&self.a8_kernel) = k;
     }
     /// Launch the Q8_0A8 quantizer and matmul kernels with programmatic dependent launch
-    /// (default off): the matmul then prefetches its first weight stages while the quantizer
-    /// runs. The same bits either way (the kernels wait for their inputs); a benchmark knob
-    /// (on the H200 it measured -2% to +2% on the draft steps, so it stays off).
+    /// (default on): the matmul then prefetches its first weight stages while the quantizer
+    /// runs. The same bits either way (the kernels wait for their inputs); a benchmark knob.
+    /// On the H200 with the split kernels: draft step 0.782 -> 0.760 ms (8B, ctx 512), 1.070
+    /// -> 1.052 (8192), 27B 1.335 -> 1.308, 1.514 -> 1.491 (graph replays, one lease).
     pub fn set_a8_pdl(&self, on: bool) {
         *lock(&self.a8_pdl) = on;
     }
@@ -847,50 +849,37 @@ impl Cuda {
         let all_tiles: usize = tiles.iter().sum();
         let mode = match *lock(&self.a8_kernel) {
             // Measured on the H200 (16 rows, graphs of enough distinct copies that the weights
-            // come from HBM; us per call incl. the x quantizer, whole-K/chunked before -> now,
-            // `xtask bench gpu --a8-sweep`):
-            // * very tall matrices (the lm_heads, >= 4096 tiles): whole-K, at 83-94% of the
-            //   copy bandwidth (every split choice is slower there);
+            // come from HBM; us per call incl. the x quantizer, old auto (whole-K / chunked)
+            // -> this rule, `xtask bench gpu --a8-sweep`, 2026-11-30 02:50 lease):
             // * K <= 2048 (1-2 chunks: little to split; the shipped drafter): whole-K;
-            // * K <= 7168 (at most 7 chunks): 4 tiles x 2 k-slices per block (x shared by 4
-            //   tiles, one block of 16 warps per SM) where those blocks cover >= 70% of the
-            //   SMs, else 1 tile x 4 slices (2 blocks per SM): 8B q/k/v 22.8 -> 14.8, o 12.7 ->
-            //   10.3, gate/up 40.2 -> 41.0; 27B q/k/v 23.8 -> 17.8, o 21.6 -> 14.4, gate/up
-            //   87.5 -> 74.6 (1 x 4 everywhere: 16.0, 10.3, 40.5, 20.6, 14.4, 77.5);
-            // * longer K (down): the chunk sums need more shared memory, one block per SM:
-            //   2 tiles x 4 slices while that is one wave (8B down 29.4 -> 21.7), else 4 x 2
-            //   (27B down 54.4 -> 47.7).
-            A8Kernel::Auto if all_tiles >= 4096 || nch < 3 => A8Kernel::WholeK,
-            A8Kernel::Auto if nch <= 7 => {
-                let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
-                if 10 * ctas4 >= 7 * sms {
-                    A8Kernel::Split(4, 2)
-                } else {
-                    A8Kernel::Split(1, 4)
-                }
-            }
+            // * enough 4-tile blocks for two per SM (gate/up, the lm_heads): 4 tiles x 2
+            //   k-slices, 2 stages (x shared by 4 tiles, 2 blocks of 16 warps per SM): 8B
+            //   gate/up 40.2 -> 37.7, lm_head 166 -> 171.5 (whole-K stays 3% faster there);
+            //   27B gate/up 87.5 -> 63.5, lm_head 383 -> 343;
+            // * up to 2.5 tiles per SM (o, down): 1 tile x 4 slices, 3 stages, 2 blocks per
+            //   SM: 8B o 12.7 -> 9.5, down 29.4 -> 20.4; 27B o 21.6 -> 13.4, down 54.4 -> 45.0;
+            // * in between (the fused q/k/v, 384 tiles): 2 tiles x 2 slices, 4 stages: 8B
+            //   22.8 -> 14.4, 27B 23.8 -> 17.2.
+            A8Kernel::Auto if nch < 3 => A8Kernel::WholeK,
             A8Kernel::Auto => {
-                let ctas2: usize = tiles.iter().map(|t| t.div_ceil(2)).sum();
-                if ctas2 <= sms {
-                    A8Kernel::Split(2, 4)
+                let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
+                if ctas4 >= 2 * sms {
+                    A8Kernel::Split(4, 2, 2)
+                } else if 2 * all_tiles <= 5 * sms {
+                    A8Kernel::Split(1, 4, 3)
                 } else {
-                    A8Kernel::Split(4, 2)
+                    A8Kernel::Split(2, 2, 4)
                 }
             }
             m => m,
         };
-        // A split choice whose shared memory does not fit (or that has no kernel) runs
-        // whole-K (same bits).
+        // A split choice without a kernel runs whole-K (same bits).
         let mode = match mode {
-            A8Kernel::Split(w, ks) => match a8k_config(nt, w as usize, ks as usize) {
-                Some((_, stages))
-                    if a8k_smem_bytes(nt, w as usize, ks as usize, stages, nch)
-                        <= MAX_SMEM_BLOCK =>
-                {
-                    mode
-                }
-                _ => A8Kernel::WholeK,
-            },
+            A8Kernel::Split(w, ks, st)
+                if a8k_kernel(nt, w as usize, ks as usize, st as usize).is_none() =>
+            {
+                A8Kernel::WholeK
+            }
             m => m,
         };
         let tile_w = |ws: u8| match ws {
@@ -925,11 +914,18 @@ impl Cuda {
                 let sum = matches!(mode, A8Kernel::ChunkedSum(_)) && nch > 1;
                 (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum, false)
             }
-            A8Kernel::Split(w, ks) => {
-                let (w, ks) = (w as usize, ks as usize);
-                let (kern, stages) = a8k_config(nt, w, ks).ok_or_else(internal)?;
-                let smem = a8k_smem_bytes(nt, w, ks, stages, nch);
-                (kern, w, smem, w * nt * ks, false, false, false)
+            A8Kernel::Split(w, ks, st) => {
+                let (w, ks, st) = (w as usize, ks as usize, st as usize);
+                let kern = a8k_kernel(nt, w, ks, st).ok_or_else(internal)?;
+                (
+                    kern,
+                    w,
+                    a8k_smem_bytes(nt, w, ks, st),
+                    w * nt * ks,
+                    false,
+                    false,
+                    false,
+                )
             }
             _ => {
                 let w = whole_w;

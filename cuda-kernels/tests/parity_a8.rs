@@ -359,11 +359,13 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
         A8Kernel::Stream(2),
         A8Kernel::Stream(4),
         A8Kernel::Stream(8),
-        A8Kernel::Split(1, 4),
-        A8Kernel::Split(1, 5),
-        A8Kernel::Split(2, 2),
-        A8Kernel::Split(2, 4),
-        A8Kernel::Split(4, 2),
+        A8Kernel::Split(1, 4, 3),
+        A8Kernel::Split(2, 2, 4),
+        A8Kernel::Split(2, 4, 3),
+        A8Kernel::Split(2, 4, 2),
+        A8Kernel::Split(4, 2, 3),
+        A8Kernel::Split(4, 2, 2),
+        A8Kernel::Split(4, 4, 2),
         A8Kernel::Auto,
     ];
     // Ragged tiles, a partial last stage (9 and 13 blocks), partial last chunks (33 and 41
@@ -406,7 +408,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
                 g.set_a8_pdl(false);
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split w1k4/w1k5/w2k2/w2k4/w4k2, auto, with and without PDL == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, auto, with and without PDL == contract");
     }
     // Fused launches (3 matrices, different tile counts; a tall one with a partial last
     // chunk, so that blocks' item ranges cross matrix boundaries) under every choice.

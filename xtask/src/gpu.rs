@@ -49,14 +49,14 @@ pub struct BenchArgs {
     /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, chunk2, chunk4,
     /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
     /// chunksum4, chunksum8 (the same, a second kernel sums), stream2, stream4, stream8
-    /// (persistent blocks over the (tile group, chunk) items), split1x4, split1x5, split2x2, split2x4,
-    /// split4x2 (K split over the warps of a block: tiles x slices) (same bits; a benchmark
-    /// knob).
+    /// (persistent blocks over the (tile group, chunk) items), splitWxKSsS, e.g. split4x2s3 (K
+    /// split over the warps of a block: W tiles x KS slices, S pipeline stages) (same bits; a
+    /// benchmark knob).
     #[arg(long, default_value = "auto")]
     a8_kernel: String,
-    /// Q8_0A8 launches with programmatic dependent launch: off (the library default) or on
+    /// Q8_0A8 launches with programmatic dependent launch: on (the library default) or off
     /// (same bits; a benchmark knob).
-    #[arg(long, default_value = "off")]
+    #[arg(long, default_value = "on")]
     a8_pdl: String,
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
     #[arg(long)]
@@ -78,7 +78,7 @@ pub struct BenchArgs {
     ops_only: bool,
     /// Only the q8_0a8 projections and draft step (the --shapes and --ctx given) under each of
     /// these configurations, two interleaved rounds, then exit: a comma list of --a8-kernel
-    /// names, each optionally followed by +noef, +pdl, +asN (attention split), +att=NAME.
+    /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME.
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -573,18 +573,18 @@ fn parse_attn_kernel(name: &str) -> Result<AttnKernel> {
 /// Q8_0A8 kernel choices timed in the per-op table (kernel, programmatic dependent launch;
 /// all give the same bits).
 const A8_VARIANTS: &[(A8Kernel, bool, &str)] = &[
-    (A8Kernel::Auto, false, " auto (default)"),
-    (A8Kernel::Auto, true, " auto + PDL"),
+    (A8Kernel::Auto, true, " auto (default, PDL)"),
+    (A8Kernel::Auto, false, " auto without PDL"),
     (A8Kernel::WholeK, false, " whole-K"),
     (A8Kernel::Chunked(2), false, " chunk w2"),
     (A8Kernel::Chunked(4), false, " chunk w4"),
     (A8Kernel::Chunked(8), false, " chunk w8"),
     (A8Kernel::Stream(4), false, " stream w4"),
     (A8Kernel::Stream(8), false, " stream w8"),
-    (A8Kernel::Split(1, 4), false, " split w1 k4"),
-    (A8Kernel::Split(2, 2), false, " split w2 k2"),
-    (A8Kernel::Split(2, 4), false, " split w2 k4"),
-    (A8Kernel::Split(4, 2), false, " split w4 k2"),
+    (A8Kernel::Split(1, 4, 3), false, " split w1 k4 s3"),
+    (A8Kernel::Split(2, 4, 3), false, " split w2 k4 s3"),
+    (A8Kernel::Split(4, 2, 3), false, " split w4 k2 s3"),
+    (A8Kernel::Split(4, 2, 2), false, " split w4 k2 s2"),
 ];
 
 /// Extra Q8_0A8 shapes of the 27B drafter (hidden 5120, intermediate 17408).
@@ -607,13 +607,15 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
         "stream2" => A8Kernel::Stream(2),
         "stream4" => A8Kernel::Stream(4),
         "stream8" => A8Kernel::Stream(8),
-        "split1x4" => A8Kernel::Split(1, 4),
-        "split1x5" => A8Kernel::Split(1, 5),
-        "split2x2" => A8Kernel::Split(2, 2),
-        "split2x4" => A8Kernel::Split(2, 4),
-        "split4x2" => A8Kernel::Split(4, 2),
+        o if o.starts_with("split") => {
+            // splitWxKSsS, e.g. split4x2s3: w tiles, ks slices, s pipeline stages.
+            let spec = &o["split".len()..];
+            let (w, rest) = spec.split_once('x').ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
+            let (ks, st) = rest.split_once('s').ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
+            A8Kernel::Split(w.parse()?, ks.parse()?, st.parse()?)
+        }
         o => bail!(
-            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, split1x4, split1x5, split2x2, split2x4 or split4x2"
+            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, splitWxKSsS (e.g. split4x2s3)"
         ),
     })
 }
@@ -661,7 +663,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
                 }
             }
             g.set_a8_kernel(A8Kernel::Auto);
-            g.set_a8_pdl(false);
+            g.set_a8_pdl(true);
         }
     }
     // The step's fused launches (Q8_0A8 `matmul_many`: one x quantization + one launch).
@@ -701,7 +703,7 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             }
         }
         g.set_a8_kernel(A8Kernel::Auto);
-        g.set_a8_pdl(false);
+        g.set_a8_pdl(true);
     }
     // Attention: the f32 SIMT kernel (split 256) and the 3xTF32 tensor-core kernel with 2 / 4
     // key warps per chunk over split sizes, row warps chosen from the grid (auto) or forced
@@ -1097,7 +1099,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 /// the choices (so drift between the first and the last shows), graph ms per round.
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
-    // evict-first hint), `+pdl` (programmatic dependent launch of quantizer + matmul), `+asN`
+    // evict-first hint), `+nopdl` (no programmatic dependent launch of quantizer + matmul), `+asN`
     // (attention split of N keys), `+att=NAME` (attention kernel).
     struct Config {
         name: String,
@@ -1115,15 +1117,15 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 name: c.trim().to_string(),
                 kernel: parse_a8_kernel(it.next().unwrap_or("auto"))?,
                 evict_first: true,
-                pdl: false,
+                pdl: true,
                 attn_split: a.attn_split,
                 attn: parse_attn_kernel(&a.attn_kernel)?,
             };
             for opt in it {
                 if opt == "noef" {
                     cfg.evict_first = false;
-                } else if opt == "pdl" {
-                    cfg.pdl = true;
+                } else if opt == "nopdl" {
+                    cfg.pdl = false;
                 } else if let Some(n) = opt.strip_prefix("as") {
                     cfg.attn_split = Some(n.parse()?);
                 } else if let Some(n) = opt.strip_prefix("att=") {
@@ -1234,7 +1236,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     }
     g.set_a8_kernel(A8Kernel::Auto);
     g.set_a8_evict_first(true);
-    g.set_a8_pdl(false);
+    g.set_a8_pdl(true);
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
     Ok(())
