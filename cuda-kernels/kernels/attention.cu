@@ -254,6 +254,7 @@ ATTN(256)
 #define ATT_CMB_TILE 256
 #define ATT_CMB_PRE 16
 extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
+    griddep_launch();
     __shared__ float red[32];
     __shared__ float w_s[ATT_CMB_TILE];
     __shared__ float l_s[ATT_CMB_TILE];

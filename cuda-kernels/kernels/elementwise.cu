@@ -22,6 +22,7 @@ __device__ __forceinline__ float rms_inv_of(const float (&v)[RMS_MAXV], int dim,
 // round trips per row at dim 4096: measured 10-15 us per launch instead of a few).
 extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ out, int dim,
                                     float eps) {
+    griddep_launch();
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const float *xr = x + row * dim;
@@ -52,6 +53,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 // with rms_norm's arithmetic and block size: the bits of add_assign followed by rms_norm.
 extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
                                         float *__restrict__ out, int dim, float eps) {
+    griddep_launch();
     __shared__ float red[32];
     const long long row = blockIdx.x;
     float *hr = h + row * dim;
@@ -185,6 +187,7 @@ extern "C" __global__ void mul_sigmoid(float *x, const float *gate, long long n)
 }
 
 extern "C" __global__ void copy2d(const float *src, long long src_stride, float *dst, long long dst_stride, int rows, int cols) {
+    griddep_launch();
     const long long n = (long long)rows * cols;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / cols, c = i % cols;

@@ -303,21 +303,6 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
     return h;
 }
 
-// Programmatic dependent launch (sm_90): the Q8_0A8 kernels may be launched while the
-// previous kernel on the stream still runs; griddep_wait() blocks until that kernel has
-// finished and its writes are visible (a no-op for a normal launch), griddep_launch() lets
-// the next PDL-launched kernel start early.
-__device__ __forceinline__ void griddep_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // x [T, K] f32 -> q8_0 codes in mma B-fragment order + f32 scales (the f16 value), padded
 // to NT*8 tokens and KBp blocks with zeros:
 //   xq[((b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = codes k = 16h + 4t .. +3
@@ -495,6 +480,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     // Weights of the first S - 1 stages before x exists (PDL: while the quantizer runs), then
     // their x: groups W0 .. W(S-2), X0 .. X(S-2); stage st needs X(st), after which at most
     // S - 2 groups are newer, as in the steady state.
+    griddep_launch();
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < nst) issue_w(s, s);
@@ -635,6 +621,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     };
 
     // Weights of the first S - 1 stages before x exists (PDL), then their x (see a8_mma).
+    griddep_launch();
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < nst) issue_w(s, s);
