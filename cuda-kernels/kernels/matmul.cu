@@ -420,6 +420,7 @@ struct A8Mat {
     const u16 *wsc;
     float *out;
     int N;
+    float *ws;  // chunk sums [chunk][tile][token group][32 lanes][4] (split across blocks only)
 };
 
 // Whole-K: a block = W tiles of 16 output features x NT token groups of 8: one warp per
@@ -572,7 +573,7 @@ A8(a8_n2_w4, 2, 4, 4)
 // runs one 4-warp block per SM, whose per-warp latency chain (not HBM) sets its time.
 template <int NT, int W, int KS, int S>
 __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
-                                          int T, int ef) {
+                                          int T, int ef, int rounds_apart) {
     extern __shared__ __align__(16) u8 a8_smem[];
     constexpr int SW = 32 * W * NT;  // threads per slice
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
@@ -587,16 +588,20 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     const int ks = warp / (W * NT), wi = warp % (W * NT), tl = wi / NT, j = wi % NT;
     const int sid = tid % SW;  // thread index within the slice
     const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nch = (KB + A8_CB - 1) / A8_CB;
-    const int nst = (nch + KS - 1) / KS * NS;
+    // rounds_apart > 0 (= the rounds of K): K split across thread blocks too, one round
+    // (KS chunks) per block; the chunk sums go to m.ws and a8_sum adds them in chunk order.
+    const int r0 = rounds_apart > 0 ? cta % rounds_apart : 0;
+    const int grp = rounds_apart > 0 ? cta / rounds_apart : cta;
+    const int nst = rounds_apart > 0 ? NS : (nch + KS - 1) / KS * NS;
     const int N = m.N;
-    const int tile = cta * W + tl;
+    const int tile = grp * W + tl;
     const bool tile_ok = tile * 16 < N;
     const u32 s0 = smem_addr(a8_smem);
     float4 *part = (float4 *)(a8_smem + S * STAGE_B);  // [round parity][slice][W][NT][32 lanes]
     const long long pbt = (long long)(tile_ok ? tile : 0) * KBp;
     // First block of this slice's part of stage st (or -1: no chunk / past the end of K).
     auto first_block = [&](int st) {
-        const int c = (st / NS) * KS + ks, b = c * A8_CB + (st % NS) * A8_KC;
+        const int c = (r0 + st / NS) * KS + ks, b = c * A8_CB + (st % NS) * A8_KC;
         return c < nch && b < KB ? b : -1;
     };
     auto issue_x = [&](int st, int slot) {
@@ -662,7 +667,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
         }
         cp_async_commit();
         // Round st / NS begins: every chunk of the round before is parked (the barrier above).
-        if (ks == 0 && tile_ok && st % NS == 0 && st > 0) fold(st / NS - 1);
+        if (rounds_apart == 0 && ks == 0 && tile_ok && st % NS == 0 && st > 0) fold(st / NS - 1);
         const int b = first_block(st);
         if (tile_ok && b >= 0) {
             const u8 *base = a8_smem + (st % S) * STAGE_B + ks * SL_B;
@@ -680,13 +685,20 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
             // slot of (round parity, slice); slice 0 reads it after the next round's first
             // barrier, and the slot is written again two rounds later.
             if (st % NS == NS - 1 || b + A8_KC >= KB) {
-                part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                if (rounds_apart > 0) {
+                    const int c = r0 * KS + ks, ntiles = (N + 15) >> 4;
+                    __stcg((float4 *)(m.ws + ((long long)c * ntiles * NT + tile * NT + j) * 128 + lane * 4),
+                           make_float4(acc[0], acc[1], acc[2], acc[3]));
+                } else {
+                    part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                }
 #pragma unroll
                 for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
             }
         }
     }
     cp_async_wait<0>();
+    if (rounds_apart > 0) return;
     __syncthreads();
     if (ks != 0 || !tile_ok) return;
     fold(nst / NS - 1);
@@ -704,17 +716,17 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                                \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,    \
-             int ef) {                                                                                                            \
+             int ef, int rounds_apart, float *ws, long long wso1, long long wso2) {                                              \
         const int bx = blockIdx.x;                                                                                                \
         if (bx < c1) {                                                                                                            \
-            const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
-            a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef);                                                                         \
+            const A8Mat m = {wq0, ws0, out0, n0, ws};                                                                                 \
+            a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef, rounds_apart);                                                                         \
         } else if (bx < c2) {                                                                                                     \
-            const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
-            a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef);                                                                    \
+            const A8Mat m = {wq1, ws1, out1, n1, ws + wso1};                                                                                 \
+            a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef, rounds_apart);                                                                    \
         } else {                                                                                                                  \
-            const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
-            a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef);                                                                    \
+            const A8Mat m = {wq2, ws2, out2, n2, ws + wso2};                                                                                 \
+            a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef, rounds_apart);                                                                    \
         }                                                                                                                         \
     }
 A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)

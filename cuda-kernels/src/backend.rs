@@ -73,6 +73,11 @@ pub enum A8Kernel {
     /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (2, 2, 4), (2, 4, 3),
     /// (2, 4, 2), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other runs whole-K.
     Split(u8, u8, u8),
+    /// As [`A8Kernel::Split`], with K also split across thread blocks: a block runs one
+    /// round (`ks` chunks) of one tile group and writes its chunk sums to a workspace; a second
+    /// kernel (`a8_sum`) adds them in chunk order. More, shorter blocks for few tall tiles over
+    /// a long K (the 27B down projection: 320 tiles, 17 chunks).
+    SplitApart(u8, u8, u8),
 }
 
 /// Q8_0A8 split kernels (`A8K(...)` in matmul.cu) for `nt` token groups, `w` tiles, `ks`
@@ -857,7 +862,10 @@ impl Cuda {
             //   gate/up 40.2 -> 37.7, lm_head 166 -> 171.5 (whole-K stays 3% faster there);
             //   27B gate/up 87.5 -> 63.5, lm_head 383 -> 343;
             // * up to 2.5 tiles per SM (o, down): 1 tile x 4 slices, 3 stages, 2 blocks per
-            //   SM: 8B o 12.7 -> 9.5, down 29.4 -> 20.4; 27B o 21.6 -> 13.4, down 54.4 -> 45.0;
+            //   SM: 8B o 12.7 -> 9.5, down 29.4 -> 20.4; 27B o 21.6 -> 13.4; except more than
+            //   one wave of those blocks over a long K (>= 8 chunks), where 4 x 2, 2 stages with
+            //   K split across blocks (one round each, then `a8_sum`) balances the SMs: 27B
+            //   down 54.4 -> 37.1 (1 x 4: 43.2);
             // * in between (the fused q/k/v, 384 tiles): 2 tiles x 2 slices, 4 stages: 8B
             //   22.8 -> 14.4, 27B 23.8 -> 17.2.
             A8Kernel::Auto if nch < 3 => A8Kernel::WholeK,
@@ -866,22 +874,34 @@ impl Cuda {
                 if ctas4 >= 2 * sms {
                     A8Kernel::Split(4, 2, 2)
                 } else if 2 * all_tiles <= 5 * sms {
-                    A8Kernel::Split(1, 4, 3)
+                    if all_tiles > 2 * sms && nch >= 8 {
+                        A8Kernel::SplitApart(4, 2, 2)
+                    } else {
+                        A8Kernel::Split(1, 4, 3)
+                    }
                 } else {
                     A8Kernel::Split(2, 2, 4)
                 }
             }
             m => m,
         };
-        // A split choice without a kernel runs whole-K (same bits).
+        // A split choice without a kernel runs whole-K, one whose K fits one round needs no
+        // split across blocks (same bits either way).
         let mode = match mode {
-            A8Kernel::Split(w, ks, st)
+            A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st)
                 if a8k_kernel(nt, w as usize, ks as usize, st as usize).is_none() =>
             {
                 A8Kernel::WholeK
             }
+            A8Kernel::SplitApart(w, ks, st) if nch <= ks as usize => A8Kernel::Split(w, ks, st),
             m => m,
         };
+        // Split kernels: the rounds (ks chunks each) of K, when split across blocks.
+        let rounds_apart = match mode {
+            A8Kernel::SplitApart(_, ks, _) => nch.div_ceil(ks as usize),
+            _ => 0,
+        };
+        let is_split = matches!(mode, A8Kernel::Split(..) | A8Kernel::SplitApart(..));
         let tile_w = |ws: u8| match ws {
             0..=2 => 2usize,
             3..=4 => 4,
@@ -914,7 +934,7 @@ impl Cuda {
                 let sum = matches!(mode, A8Kernel::ChunkedSum(_)) && nch > 1;
                 (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum, false)
             }
-            A8Kernel::Split(w, ks, st) => {
+            A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
                 let (w, ks, st) = (w as usize, ks as usize, st as usize);
                 let kern = a8k_kernel(nt, w, ks, st).ok_or_else(internal)?;
                 (
@@ -923,7 +943,7 @@ impl Cuda {
                     a8k_smem_bytes(nt, w, ks, st),
                     w * nt * ks,
                     false,
-                    false,
+                    rounds_apart > 0,
                     false,
                 )
             }
@@ -955,7 +975,7 @@ impl Cuda {
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-        if chunked {
+        if chunked || rounds_apart > 0 {
             ensure(&self.stream, &mut s.a8_ws, ws_len.iter().sum()).map_err(dev)?;
             ensure(&self.stream, &mut s.a8_cnt, groups.iter().sum()).map_err(dev)?;
         }
@@ -992,7 +1012,7 @@ impl Cuda {
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
             *slot = i32_of("matmul", "w.rows", m.n)?;
         }
-        let per_group = if chunked { nch } else { 1 };
+        let per_group = if chunked { nch } else { rounds_apart.max(1) };
         let c1 = groups[0] * per_group;
         let c2 = c1 + groups.get(1).map_or(0, |g| g * per_group);
         let n_items = n_groups * nch;
@@ -1055,6 +1075,15 @@ impl Cuda {
                 .i32(t_i);
             if !stream && !chunked {
                 a.i32(i32::from(*lock(&self.a8_evict_first)));
+            }
+            if is_split {
+                a.i32(i32_of("matmul", "rounds", rounds_apart)?);
+                match a8_ws.as_mut() {
+                    Some(ws) if rounds_apart > 0 => a.dptr_mut(&mut *ws, st),
+                    _ => a.u64(0),
+                };
+                a.i64(if rounds_apart > 0 { wso1 } else { 0 })
+                    .i64(if rounds_apart > 0 { wso2 } else { 0 });
             }
             if stream {
                 let ws = a8_ws.as_mut().ok_or_else(internal)?;

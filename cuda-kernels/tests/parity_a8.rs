@@ -366,6 +366,9 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
         A8Kernel::Split(4, 2, 3),
         A8Kernel::Split(4, 2, 2),
         A8Kernel::Split(4, 4, 2),
+        A8Kernel::SplitApart(1, 4, 3),
+        A8Kernel::SplitApart(2, 2, 4),
+        A8Kernel::SplitApart(4, 2, 2),
         A8Kernel::Auto,
     ];
     // Ragged tiles, a partial last stage (9 and 13 blocks), partial last chunks (33 and 41
@@ -408,13 +411,14 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
                 g.set_a8_pdl(false);
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, auto, with and without PDL == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, split apart 1x4x3 / 2x2x4 / 4x2x2, auto, with and without PDL == contract");
     }
     // Fused launches (3 matrices, different tile counts; a tall one with a partial last
     // chunk, so that blocks' item ranges cross matrix boundaries) under every choice.
     for (k, ns) in [
         (4096usize, [4096usize, 1024, 1000]),
         (1312, [2000, 333, 36000]),
+        (5152, [1000, 333, 600]),
     ] {
         let hws: Vec<HostWeight> = ns
             .iter()

@@ -50,8 +50,8 @@ pub struct BenchArgs {
     /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
     /// chunksum4, chunksum8 (the same, a second kernel sums), stream2, stream4, stream8
     /// (persistent blocks over the (tile group, chunk) items), splitWxKSsS, e.g. split4x2s3 (K
-    /// split over the warps of a block: W tiles x KS slices, S pipeline stages) (same bits; a
-    /// benchmark knob).
+    /// split over the warps of a block: W tiles x KS slices, S pipeline stages), apartWxKSsS
+    /// (the same, K also split across blocks) (same bits; a benchmark knob).
     #[arg(long, default_value = "auto")]
     a8_kernel: String,
     /// Q8_0A8 launches with programmatic dependent launch: on (the library default) or off
@@ -607,15 +607,21 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
         "stream2" => A8Kernel::Stream(2),
         "stream4" => A8Kernel::Stream(4),
         "stream8" => A8Kernel::Stream(8),
-        o if o.starts_with("split") => {
-            // splitWxKSsS, e.g. split4x2s3: w tiles, ks slices, s pipeline stages.
+        o if o.starts_with("split") || o.starts_with("apart") => {
+            // splitWxKSsS, e.g. split4x2s3: w tiles, ks slices, s pipeline stages; apartWxKSsS:
+            // the same with K also split across blocks.
             let spec = &o["split".len()..];
             let (w, rest) = spec.split_once('x').ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
             let (ks, st) = rest.split_once('s').ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
-            A8Kernel::Split(w.parse()?, ks.parse()?, st.parse()?)
+            let (w, ks, st) = (w.parse()?, ks.parse()?, st.parse()?);
+            if o.starts_with("split") {
+                A8Kernel::Split(w, ks, st)
+            } else {
+                A8Kernel::SplitApart(w, ks, st)
+            }
         }
         o => bail!(
-            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, splitWxKSsS (e.g. split4x2s3)"
+            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, splitWxKSsS (e.g. split4x2s3) or apartWxKSsS"
         ),
     })
 }
