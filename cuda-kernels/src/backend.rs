@@ -41,33 +41,19 @@ fn a8_stages(w: usize) -> usize {
     }
 }
 
-/// Q8_0A8 chunked kernels (`A8C(...)` in matmul.cu): blocks of the contract's f32 chunk
-/// ([`dflash_backend::A8_CHUNK_BLOCKS`], `A8_CB` in matmul.cu) per thread block.
+/// Blocks of the Q8_0A8 contract's f32 chunk ([`dflash_backend::A8_CHUNK_BLOCKS`], `A8_CB` in
+/// matmul.cu).
 const A8_CB: usize = dflash_backend::A8_CHUNK_BLOCKS;
-
-/// Shared memory of one chunked Q8_0A8 block: the whole chunk (4 stages) of `w` tiles and
-/// `nt` token groups.
-fn a8c_smem_bytes(nt: usize, w: usize) -> usize {
-    (A8_CB / A8_KC) * (A8_KC * nt * 288 + w * A8_KC * 544)
-}
 
 /// Which Q8_0A8 matmul kernel runs (the results are bit-identical either way; this only
 /// picks the launch shape, for benchmarks and tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum A8Kernel {
-    /// The default: whole-K, or chunked where whole-K would run one tile per block.
+    /// The default: a split kernel chosen from the tile count and K (whole-K for K <= 2048);
+    /// the rule and its measurements are in `Cuda::matmul_a8`.
     Auto,
     /// One warp per (tile, token group) over all of K (chunk after chunk).
     WholeK,
-    /// K split over thread blocks by chunk of 32 blocks, `w` (2, 4 or 8) tiles of 16
-    /// features per thread block; the chunk sums added in order by the last-arriving thread
-    /// block of each tile group.
-    Chunked(u8),
-    /// As `Chunked`, the chunk sums added in order by a second kernel (`a8_sum`).
-    ChunkedSum(u8),
-    /// Persistent blocks (about one wave) over the (`w`-tile group, chunk) items, one
-    /// cp.async pipeline through all the items of a block; `w` 2, 4 or 8.
-    Stream(u8),
     /// Whole-K with K split over the warps of a block: `(w, ks, s)` = `w` tiles x `ks`
     /// slices, slice `i` running chunks `i, i + ks, ...`, the chunk sums added in order in
     /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (2, 2, 4), (2, 4, 3),
@@ -106,15 +92,6 @@ fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
 /// rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups x 32 lanes x float4).
 fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize) -> usize {
     stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + 2 * ks * w * nt * 512
-}
-
-/// Q8_0A8 stream kernels (`A8S(...)` in matmul.cu): pipeline slots for `w` tiles per block.
-fn a8s_stages(w: usize) -> usize {
-    if w <= 2 {
-        8
-    } else {
-        4
-    }
 }
 
 /// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
@@ -224,7 +201,6 @@ struct Scratch {
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
     a8_ws: Option<CudaSlice<f32>>,
-    a8_cnt: Option<CudaSlice<u32>>,
 }
 
 fn ensure<T: DeviceRepr + ValidAsZeroBits>(
@@ -353,7 +329,6 @@ impl Cuda {
                 a8_q: None,
                 a8_d: None,
                 a8_ws: None,
-                a8_cnt: None,
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
@@ -854,20 +829,20 @@ impl Cuda {
         let all_tiles: usize = tiles.iter().sum();
         let mode = match *lock(&self.a8_kernel) {
             // Measured on the H200 (16 rows, graphs of enough distinct copies that the weights
-            // come from HBM; us per call incl. the x quantizer, old auto (whole-K / chunked)
-            // -> this rule, `xtask bench gpu --a8-sweep`, 2026-11-30 02:50 lease):
+            // come from HBM; us per call incl. the x quantizer, the old auto (whole-K / chunked,
+            // 01:57 lease) -> this rule (02:55 lease), `xtask bench gpu --a8-sweep`):
             // * K <= 2048 (1-2 chunks: little to split; the shipped drafter): whole-K;
             // * enough 4-tile blocks for two per SM (gate/up, the lm_heads): 4 tiles x 2
             //   k-slices, 2 stages (x shared by 4 tiles, 2 blocks of 16 warps per SM): 8B
-            //   gate/up 40.2 -> 37.7, lm_head 166 -> 171.5 (whole-K stays 3% faster there);
-            //   27B gate/up 87.5 -> 63.5, lm_head 383 -> 343;
+            //   gate/up 40.2 -> 39.2, lm_head 166 -> 169 (whole-K stays ~2% faster there);
+            //   27B gate/up 87.5 -> 61.9, lm_head 383 -> 338;
             // * up to 2.5 tiles per SM (o, down): 1 tile x 4 slices, 3 stages, 2 blocks per
-            //   SM: 8B o 12.7 -> 9.5, down 29.4 -> 20.4; 27B o 21.6 -> 13.4; except more than
+            //   SM: 8B o 12.7 -> 9.2, down 29.4 -> 19.5; 27B o 21.6 -> 13.3; except more than
             //   one wave of those blocks over a long K (>= 8 chunks), where 4 x 2, 2 stages with
             //   K split across blocks (one round each, then `a8_sum`) balances the SMs: 27B
-            //   down 54.4 -> 37.1 (1 x 4: 43.2);
+            //   down 54.4 -> 37.6 (1 x 4: 43.4);
             // * in between (the fused q/k/v, 384 tiles): 2 tiles x 2 slices, 4 stages: 8B
-            //   22.8 -> 14.4, 27B 23.8 -> 17.2.
+            //   22.8 -> 13.5, 27B 23.8 -> 16.7.
             A8Kernel::Auto if nch < 3 => A8Kernel::WholeK,
             A8Kernel::Auto => {
                 let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
@@ -902,50 +877,11 @@ impl Cuda {
             _ => 0,
         };
         let is_split = matches!(mode, A8Kernel::Split(..) | A8Kernel::SplitApart(..));
-        let tile_w = |ws: u8| match ws {
-            0..=2 => 2usize,
-            3..=4 => 4,
-            _ => 8,
-        };
-        let (kern, w, smem, warps, chunked, sum_kernel, stream) = match mode {
-            A8Kernel::Stream(ws) => {
-                let w = tile_w(ws);
-                let kern = match (nt, w) {
-                    (1, 2) => Kernel::A8SN1W2,
-                    (1, 4) => Kernel::A8SN1W4,
-                    (1, _) => Kernel::A8SN1W8,
-                    (_, 2) => Kernel::A8SN2W2,
-                    (_, 4) => Kernel::A8SN2W4,
-                    _ => Kernel::A8SN2W8,
-                };
-                let smem = a8s_stages(w) * (A8_KC * nt * 288 + w * A8_KC * 544);
-                (kern, w, smem, w * nt, true, false, true)
-            }
-            A8Kernel::Chunked(ws) | A8Kernel::ChunkedSum(ws) => {
-                let w = tile_w(ws);
-                let kern = match (nt, w) {
-                    (1, 2) => Kernel::A8CN1W2,
-                    (1, 4) => Kernel::A8CN1W4,
-                    (1, _) => Kernel::A8CN1W8,
-                    (_, 2) => Kernel::A8CN2W2,
-                    (_, 4) => Kernel::A8CN2W4,
-                    _ => Kernel::A8CN2W8,
-                };
-                let sum = matches!(mode, A8Kernel::ChunkedSum(_)) && nch > 1;
-                (kern, w, a8c_smem_bytes(nt, w), w * nt, true, sum, false)
-            }
+        let (kern, w, smem, warps) = match mode {
             A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
                 let (w, ks, st) = (w as usize, ks as usize, st as usize);
                 let kern = a8k_kernel(nt, w, ks, st).ok_or_else(internal)?;
-                (
-                    kern,
-                    w,
-                    a8k_smem_bytes(nt, w, ks, st),
-                    w * nt * ks,
-                    false,
-                    rounds_apart > 0,
-                    false,
-                )
+                (kern, w, a8k_smem_bytes(nt, w, ks, st), w * nt * ks)
             }
             _ => {
                 let w = whole_w;
@@ -957,34 +893,22 @@ impl Cuda {
                     (_, 2) => Kernel::A8N2W2,
                     _ => Kernel::A8N2W4,
                 };
-                (kern, w, a8_smem_bytes(nt, w), w * nt, false, false, false)
+                (kern, w, a8_smem_bytes(nt, w), w * nt)
             }
         };
         let f = self.func_smem(kern, smem)?;
         let fq = self.func(Kernel::A8QuantX)?;
-        // Chunked: per matrix, the partials [chunk][tile][token group][128] and one counter
-        // per tile group.
+        // SplitApart: per matrix, the chunk sums [chunk][tile][token group][128].
         let groups: Vec<usize> = tiles.iter().map(|t| t.div_ceil(w)).collect();
-        let n_groups: usize = groups.iter().sum();
-        let ws_len: Vec<usize> = if stream {
-            // One slot of w x nt x 128 per item (group, chunk), all matrices together.
-            vec![n_groups * nch * w * nt * 128]
-        } else {
-            tiles.iter().map(|t| nch * t * nt * 128).collect()
-        };
+        let ws_len: Vec<usize> = tiles.iter().map(|t| nch * t * nt * 128).collect();
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-        if chunked || rounds_apart > 0 {
+        if rounds_apart > 0 {
             ensure(&self.stream, &mut s.a8_ws, ws_len.iter().sum()).map_err(dev)?;
-            ensure(&self.stream, &mut s.a8_cnt, groups.iter().sum()).map_err(dev)?;
         }
         let Scratch {
-            a8_q,
-            a8_d,
-            a8_ws,
-            a8_cnt,
-            ..
+            a8_q, a8_d, a8_ws, ..
         } = &mut *s;
         let (xq, xd) = (
             a8_q.as_mut().ok_or_else(internal)?,
@@ -1012,48 +936,17 @@ impl Cuda {
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
             *slot = i32_of("matmul", "w.rows", m.n)?;
         }
-        let per_group = if chunked { nch } else { rounds_apart.max(1) };
+        // Blocks per tile group: the rounds of K when split across blocks.
+        let per_group = rounds_apart.max(1);
         let c1 = groups[0] * per_group;
         let c2 = c1 + groups.get(1).map_or(0, |g| g * per_group);
-        let n_items = n_groups * nch;
-        let grid = if stream {
-            // About one wave of resident blocks, no more than there are items.
-            let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor((32 * warps) as u32, smem, None)
-                .map_err(dev)?
-                .max(1) as usize;
-            n_items.min(per_sm * sms)
-        } else {
-            n_groups * per_group
-        };
+        let grid = groups.iter().sum::<usize>() * per_group;
         let (c1_i, c2_i) = (
             i32_of("matmul", "blocks", c1)?,
             i32_of("matmul", "blocks", c2)?,
         );
         let wso1 = ws_len[0] as i64;
         let wso2 = wso1 + ws_len.get(1).copied().unwrap_or(0) as i64;
-        let cno1 = i32_of("matmul", "blocks", groups[0])?;
-        let cno2 = i32_of(
-            "matmul",
-            "blocks",
-            groups[0] + groups.get(1).copied().unwrap_or(0),
-        )?;
-        let sum_mode = i32::from(sum_kernel);
-        let n_items_i = i32_of("matmul", "items", n_items)?;
-        // The stream kernel takes the first global tile group of matrices 1 and 2 where the
-        // others take their first block.
-        let (c1_i, c2_i) = if stream {
-            (
-                i32_of("matmul", "blocks", groups[0])?,
-                i32_of(
-                    "matmul",
-                    "blocks",
-                    groups[0] + groups.get(1).copied().unwrap_or(0),
-                )?,
-            )
-        } else {
-            (c1_i, c2_i)
-        };
         let nch_i = i32_of("matmul", "w.cols", nch)?;
         {
             let mut a = RawArgs::default();
@@ -1073,9 +966,7 @@ impl Cuda {
                 .dptr(&*xd, st)
                 .i32(k_i)
                 .i32(t_i);
-            if !stream && !chunked {
-                a.i32(i32::from(*lock(&self.a8_evict_first)));
-            }
+            a.i32(i32::from(*lock(&self.a8_evict_first)));
             if is_split {
                 a.i32(i32_of("matmul", "rounds", rounds_apart)?);
                 match a8_ws.as_mut() {
@@ -1085,25 +976,8 @@ impl Cuda {
                 a.i64(if rounds_apart > 0 { wso1 } else { 0 })
                     .i64(if rounds_apart > 0 { wso2 } else { 0 });
             }
-            if stream {
-                let ws = a8_ws.as_mut().ok_or_else(internal)?;
-                let cnt = a8_cnt.as_mut().ok_or_else(internal)?;
-                a.dptr_mut(&mut *ws, st)
-                    .dptr_mut(&mut *cnt, st)
-                    .i32(n_items_i);
-            } else if chunked {
-                let ws = a8_ws.as_mut().ok_or_else(internal)?;
-                let cnt = a8_cnt.as_mut().ok_or_else(internal)?;
-                a.dptr_mut(&mut *ws, st)
-                    .dptr_mut(&mut *cnt, st)
-                    .i64(wso1)
-                    .i64(wso2)
-                    .i32(cno1)
-                    .i32(cno2)
-                    .i32(sum_mode);
-            }
-            // SAFETY: the parameters are those of the A8 / A8C / A8S kernel macros in
-            // matmul.cu, in order.
+            // SAFETY: the parameters are those of the A8 / A8K kernel macros in matmul.cu, in
+            // order.
             unsafe {
                 a.launch(
                     st,
@@ -1113,7 +987,7 @@ impl Cuda {
                 )
             }?;
         }
-        if sum_kernel {
+        if rounds_apart > 0 {
             let fs = self.func(Kernel::A8Sum)?;
             let ws = a8_ws.as_mut().ok_or_else(internal)?;
             let total: usize = mats.iter().map(|m| rows * m.n).sum();

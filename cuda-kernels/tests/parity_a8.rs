@@ -350,15 +350,6 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
     use dflash_cuda_kernels::A8Kernel;
     let kernels = [
         A8Kernel::WholeK,
-        A8Kernel::Chunked(2),
-        A8Kernel::Chunked(4),
-        A8Kernel::Chunked(8),
-        A8Kernel::ChunkedSum(2),
-        A8Kernel::ChunkedSum(4),
-        A8Kernel::ChunkedSum(8),
-        A8Kernel::Stream(2),
-        A8Kernel::Stream(4),
-        A8Kernel::Stream(8),
         A8Kernel::Split(1, 4, 3),
         A8Kernel::Split(2, 2, 4),
         A8Kernel::Split(2, 4, 3),
@@ -411,7 +402,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
                 g.set_a8_pdl(false);
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, chunked w2/4/8 (both sums), stream w2/4/8, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, split apart 1x4x3 / 2x2x4 / 4x2x2, auto, with and without PDL == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, split apart 1x4x3 / 2x2x4 / 4x2x2, auto, with and without PDL == contract");
     }
     // Fused launches (3 matrices, different tile counts; a tall one with a partial last
     // chunk, so that blocks' item ranges cross matrix boundaries) under every choice.
@@ -488,9 +479,9 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
 
 #[test]
 fn a8_graph_replays_match_the_contract() {
-    // The chunked kernel's tile-group counters must be back at zero after every launch, so
-    // that a captured graph replays correctly; replay with new x each time, with and without
-    // programmatic dependent launch (a private backend: the PDL setting is per backend).
+    // A captured graph replays correctly with new x each time: the automatic kernel and
+    // SplitApart (its chunk-sum workspace and the second kernel), with and without
+    // programmatic dependent launch (a private backend: these settings are per backend).
     if gpu("a8_graph_replays_match_the_contract").is_none() {
         return;
     }
@@ -501,7 +492,13 @@ fn a8_graph_replays_match_the_contract() {
     let wv = rand_vec(&mut r, n * k, 1.0);
     let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
     let wg = g.upload_weight(&hw).expect("w");
-    for pdl in [false, true] {
+    use dflash_cuda_kernels::A8Kernel;
+    for (kern, pdl) in [
+        (A8Kernel::Auto, false),
+        (A8Kernel::Auto, true),
+        (A8Kernel::SplitApart(4, 2, 2), true),
+    ] {
+        g.set_a8_kernel(kern);
         g.set_a8_pdl(pdl);
         let mut xg = g.upload(&spread_x(&mut r, rows, k)).expect("x");
         let mut og = poisoned(&g, rows * n);
@@ -526,10 +523,15 @@ fn a8_graph_replays_match_the_contract() {
             g.synchronize().expect("sync");
             let want = contract(&x, rows, k, weight_blocks(&hw), n);
             let got = g.download(&og).expect("dl");
-            assert_bits(&format!("graph replay {rep} pdl {pdl}"), &got, &want, n);
+            assert_bits(
+                &format!("graph replay {rep} {kern:?} pdl {pdl}"),
+                &got,
+                &want,
+                n,
+            );
         }
     }
     eprintln!(
-        "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, PDL off and on"
+        "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, auto (PDL off and on) and split apart"
     );
 }

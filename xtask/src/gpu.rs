@@ -46,12 +46,9 @@ pub struct BenchArgs {
     /// Skip the per-op breakdown (profiling runs).
     #[arg(long)]
     no_ops: bool,
-    /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, chunk2, chunk4,
-    /// chunk8 (K split by 32-block chunk, 2/4/8 tiles per block, last block sums), chunksum2,
-    /// chunksum4, chunksum8 (the same, a second kernel sums), stream2, stream4, stream8
-    /// (persistent blocks over the (tile group, chunk) items), splitWxKSsS, e.g. split4x2s3 (K
-    /// split over the warps of a block: W tiles x KS slices, S pipeline stages), apartWxKSsS
-    /// (the same, K also split across blocks) (same bits; a benchmark knob).
+    /// Q8_0A8 matmul kernel for the step: auto (the library default), whole, splitWxKSsS, e.g.
+    /// split4x2s3 (K split over the warps of a block: W tiles x KS slices, S pipeline stages),
+    /// apartWxKSsS (the same, K also split across blocks) (same bits; a benchmark knob).
     #[arg(long, default_value = "auto")]
     a8_kernel: String,
     /// Q8_0A8 launches with programmatic dependent launch: on (the library default) or off
@@ -576,11 +573,11 @@ const A8_VARIANTS: &[(A8Kernel, bool, &str)] = &[
     (A8Kernel::Auto, true, " auto (default, PDL)"),
     (A8Kernel::Auto, false, " auto without PDL"),
     (A8Kernel::WholeK, false, " whole-K"),
-    (A8Kernel::Chunked(2), false, " chunk w2"),
-    (A8Kernel::Chunked(4), false, " chunk w4"),
-    (A8Kernel::Chunked(8), false, " chunk w8"),
-    (A8Kernel::Stream(4), false, " stream w4"),
-    (A8Kernel::Stream(8), false, " stream w8"),
+    (
+        A8Kernel::SplitApart(4, 2, 2),
+        false,
+        " split apart w4 k2 s2",
+    ),
     (A8Kernel::Split(1, 4, 3), false, " split w1 k4 s3"),
     (A8Kernel::Split(2, 4, 3), false, " split w2 k4 s3"),
     (A8Kernel::Split(4, 2, 3), false, " split w4 k2 s3"),
@@ -598,21 +595,16 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
     Ok(match s {
         "auto" => A8Kernel::Auto,
         "whole" => A8Kernel::WholeK,
-        "chunk2" => A8Kernel::Chunked(2),
-        "chunk4" => A8Kernel::Chunked(4),
-        "chunk8" => A8Kernel::Chunked(8),
-        "chunksum2" => A8Kernel::ChunkedSum(2),
-        "chunksum4" => A8Kernel::ChunkedSum(4),
-        "chunksum8" => A8Kernel::ChunkedSum(8),
-        "stream2" => A8Kernel::Stream(2),
-        "stream4" => A8Kernel::Stream(4),
-        "stream8" => A8Kernel::Stream(8),
         o if o.starts_with("split") || o.starts_with("apart") => {
             // splitWxKSsS, e.g. split4x2s3: w tiles, ks slices, s pipeline stages; apartWxKSsS:
             // the same with K also split across blocks.
             let spec = &o["split".len()..];
-            let (w, rest) = spec.split_once('x').ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
-            let (ks, st) = rest.split_once('s').ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
+            let (w, rest) = spec
+                .split_once('x')
+                .ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
+            let (ks, st) = rest
+                .split_once('s')
+                .ok_or_else(|| anyhow!("--a8-kernel {o}"))?;
             let (w, ks, st) = (w.parse()?, ks.parse()?, st.parse()?);
             if o.starts_with("split") {
                 A8Kernel::Split(w, ks, st)
@@ -621,7 +613,7 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
             }
         }
         o => bail!(
-            "--a8-kernel {o}: expected auto, whole, chunk2, chunk4, chunk8, chunksum2, chunksum4, chunksum8, stream2, stream4, stream8, splitWxKSsS (e.g. split4x2s3) or apartWxKSsS"
+            "--a8-kernel {o}: expected auto, whole, splitWxKSsS (e.g. split4x2s3) or apartWxKSsS"
         ),
     })
 }
