@@ -525,11 +525,17 @@ fn attention_is_per_row_deterministic() {
         return;
     };
     let mut r = rng("attention_is_per_row_deterministic");
-    for &(ctx, hd, win) in &[
-        (8192usize, 128usize, None),
-        (700, 128, Some(256usize)),
-        (300, 64, None),
-        (50, 48, None),
+    // Causal (the target): decode of query i == row i of a 16-query verify. Non-causal (the
+    // drafter's block attention; the automatic split depends on n_kv only: 128 keys up to 1024
+    // keys, else 256): a row alone == the same row of the 16-row block.
+    for &(ctx, hd, win, causal) in &[
+        (8192usize, 128usize, None, true),
+        (700, 128, Some(256usize), true),
+        (300, 64, None, true),
+        (50, 48, None, true),
+        (512, 128, None, false),
+        (1008, 64, None, false),
+        (2000, 128, None, false),
     ] {
         let (h, hkv, nq) = (32usize, 8usize, 16usize);
         let cap = ctx + nq;
@@ -544,7 +550,7 @@ fn attention_is_per_row_deterministic() {
             head_dim: hd,
             q_pos0: ctx,
             kv_pos0: 0,
-            causal: true,
+            causal,
             window: win,
             scale: (hd as f32).powf(-0.5),
         };
@@ -556,7 +562,7 @@ fn attention_is_per_row_deterministic() {
             let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
             let pi = AttnParams {
                 n_q: 1,
-                n_kv: ctx + i + 1,
+                n_kv: if causal { ctx + i + 1 } else { cap },
                 q_pos0: ctx + i,
                 ..p
             };
@@ -564,50 +570,10 @@ fn attention_is_per_row_deterministic() {
             g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
             let o = g.download(&o).unwrap();
             for (j, (a, b)) in o.iter().zip(&all[i * h * hd..(i + 1) * h * hd]).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "ctx {ctx} hd {hd}: query {i} value {j} differs between decode and a 16-query verify");
+                assert_eq!(a.to_bits(), b.to_bits(), "ctx {ctx} hd {hd} causal {causal}: query {i} value {j} differs between a 1-query call and the 16-query call");
             }
         }
-        eprintln!("DETERMINISM attention ctx={ctx} hd={hd} win={win:?}: decode of queries 0/7/15 bit-identical to the 16-query verify");
-    }
-    // Non-causal block attention (the drafter's): the automatic split depends on n_kv only
-    // (128 keys up to 1024 keys, else 256), so a row alone equals the same row of the block.
-    for &(ctx, hd) in &[(512usize, 128usize), (1008, 64), (2000, 128)] {
-        let (h, hkv, nq) = (32usize, 8usize, 16usize);
-        let cap = ctx + nq;
-        let q = rand_vec(&mut r, nq * h * hd, 1.5);
-        let k = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.5)).unwrap();
-        let v = g.upload(&rand_vec(&mut r, cap * hkv * hd, 1.0)).unwrap();
-        let p = AttnParams {
-            n_q: nq,
-            n_kv: cap,
-            n_heads: h,
-            n_kv_heads: hkv,
-            head_dim: hd,
-            q_pos0: ctx,
-            kv_pos0: 0,
-            causal: false,
-            window: None,
-            scale: (hd as f32).powf(-0.5),
-        };
-        let qg = g.upload(&q).unwrap();
-        let mut all = poisoned(g, nq * h * hd);
-        g.attention(&qg, &k, &v, &p, &mut all).unwrap();
-        let all = g.download(&all).unwrap();
-        for i in [0usize, 9, 15] {
-            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
-            let pi = AttnParams {
-                n_q: 1,
-                q_pos0: ctx + i,
-                ..p
-            };
-            let mut o = poisoned(g, h * hd);
-            g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
-            let o = g.download(&o).unwrap();
-            for (j, (a, b)) in o.iter().zip(&all[i * h * hd..(i + 1) * h * hd]).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "non-causal n_kv {cap} hd {hd}: row {i} value {j} differs between a 1-row and a 16-row call");
-            }
-        }
-        eprintln!("DETERMINISM non-causal attention n_kv={cap} hd={hd}: rows 0/9/15 alone bit-identical to the 16-row block");
+        eprintln!("DETERMINISM attention ctx={ctx} hd={hd} win={win:?} causal={causal}: queries 0/7/15 alone bit-identical to the 16-query call");
     }
 }
 
