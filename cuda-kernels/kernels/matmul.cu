@@ -534,23 +534,24 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     }
 }
 
-// W tiles per block, pipeline depth S (host side: a8_stages in backend.rs).
-#define A8(NAME, NT, W, S)                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                     \
+// W tiles per block, pipeline depth S (host side: a8_stages in backend.rs); ef: the weight
+// stream evict-first in L2.
+#define A8(NAME, NT, W, S)                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                   \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
-             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,    \
-             int ef) {                                                                                                            \
-        const int bx = blockIdx.x;                                                                                                \
-        if (bx < c1) {                                                                                                            \
-            const A8Mat m = {wq0, ws0, out0, n0};                                                                                 \
-            a8_mma<NT, W, S>(m, bx, xq, xd, K, T, ef);                                                                                \
-        } else if (bx < c2) {                                                                                                     \
-            const A8Mat m = {wq1, ws1, out1, n1};                                                                                 \
-            a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T, ef);                                                                           \
-        } else {                                                                                                                  \
-            const A8Mat m = {wq2, ws2, out2, n2};                                                                                 \
-            a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T, ef);                                                                           \
-        }                                                                                                                         \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
+             int ef) {                                                                                                          \
+        const int bx = blockIdx.x;                                                                                              \
+        if (bx < c1) {                                                                                                          \
+            const A8Mat m = {wq0, ws0, out0, n0, nullptr};                                                                      \
+            a8_mma<NT, W, S>(m, bx, xq, xd, K, T, ef);                                                                          \
+        } else if (bx < c2) {                                                                                                   \
+            const A8Mat m = {wq1, ws1, out1, n1, nullptr};                                                                      \
+            a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T, ef);                                                                     \
+        } else {                                                                                                                \
+            const A8Mat m = {wq2, ws2, out2, n2, nullptr};                                                                      \
+            a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T, ef);                                                                     \
+        }                                                                                                                       \
     }
 A8(a8_n1_w1, 1, 1, 12)
 A8(a8_n1_w2, 1, 2, 8)
@@ -711,23 +712,25 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     }
 }
 
-// (NT, W, KS, S): host side a8k_config / a8k_smem_bytes in backend.rs; same parameters as A8.
-#define A8K(NAME, NT, W, KS, S)                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                                \
+// (NT, W, KS, S): host side a8k_kernel / a8k_smem_bytes in backend.rs. The parameters of A8,
+// then rounds_apart (0: K within the block) and the chunk-sum workspace of SplitApart (ws, and
+// wso1 / wso2: where matrices 1 and 2 start in it).
+#define A8K(NAME, NT, W, KS, S)                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                              \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
-             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,    \
-             int ef, int rounds_apart, float *ws, long long wso1, long long wso2) {                                              \
-        const int bx = blockIdx.x;                                                                                                \
-        if (bx < c1) {                                                                                                            \
-            const A8Mat m = {wq0, ws0, out0, n0, ws};                                                                                 \
-            a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef, rounds_apart);                                                                         \
-        } else if (bx < c2) {                                                                                                     \
-            const A8Mat m = {wq1, ws1, out1, n1, ws + wso1};                                                                                 \
-            a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef, rounds_apart);                                                                    \
-        } else {                                                                                                                  \
-            const A8Mat m = {wq2, ws2, out2, n2, ws + wso2};                                                                                 \
-            a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef, rounds_apart);                                                                    \
-        }                                                                                                                         \
+             const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
+             int ef, int rounds_apart, float *ws, long long wso1, long long wso2) {                                             \
+        const int bx = blockIdx.x;                                                                                              \
+        if (bx < c1) {                                                                                                          \
+            const A8Mat m = {wq0, ws0, out0, n0, ws};                                                                           \
+            a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef, rounds_apart);                                                     \
+        } else if (bx < c2) {                                                                                                   \
+            const A8Mat m = {wq1, ws1, out1, n1, ws + wso1};                                                                    \
+            a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef, rounds_apart);                                                \
+        } else {                                                                                                                \
+            const A8Mat m = {wq2, ws2, out2, n2, ws + wso2};                                                                    \
+            a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef, rounds_apart);                                                \
+        }                                                                                                                       \
     }
 A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)
 A8K(a8k_n1_w2_k2_s4, 1, 2, 2, 4)

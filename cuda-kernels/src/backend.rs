@@ -361,10 +361,11 @@ impl Cuda {
         *lock(&self.a8_kernel) = k;
     }
     /// Launch the Q8_0A8 quantizer and matmul kernels with programmatic dependent launch
-    /// (default on): the matmul then prefetches its first weight stages while the quantizer
-    /// runs. The same bits either way (the kernels wait for their inputs); a benchmark knob.
-    /// On the H200 with the split kernels: draft step 0.782 -> 0.760 ms (8B, ctx 512), 1.070
-    /// -> 1.052 (8192), 27B 1.335 -> 1.308, 1.514 -> 1.491 (graph replays, one lease).
+    /// (default on): the quantizer's launch overlaps the kernel before it (which triggers its
+    /// dependents first thing) and the matmul prefetches its first weight stages while the
+    /// quantizer runs. The same bits either way (the kernels wait for their inputs); a
+    /// benchmark knob. On the H200, draft step (graph replays, one lease) off -> on: 8B 0.779
+    /// -> 0.750 ms (ctx 512), 1.066 -> 1.036 (8192); 27B 1.198 -> 1.170, 1.384 -> 1.355.
     pub fn set_a8_pdl(&self, on: bool) {
         *lock(&self.a8_pdl) = on;
     }
