@@ -41,6 +41,24 @@ fn a8_stages(w: usize) -> usize {
     }
 }
 
+/// Shared memory limits of a device: the most one thread block may take (opt-in) and one
+/// multiprocessor's total. Kernel choices respect them (H100 / H200: 227 / 228 KiB; sm_86 /
+/// sm_89: 99 / 100 KiB; A100: 163 / 164 KiB).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SmemLimits {
+    pub(crate) block: usize,
+    pub(crate) sm: usize,
+}
+
+impl SmemLimits {
+    /// The H100 / H200 (sm_90) limits.
+    #[cfg(test)]
+    pub(crate) const SM90: SmemLimits = SmemLimits {
+        block: 227 * 1024,
+        sm: 228 * 1024,
+    };
+}
+
 /// Blocks of the Q8_0A8 contract's f32 chunk ([`dflash_backend::A8_CHUNK_BLOCKS`], `A8_CB` in
 /// matmul.cu).
 const A8_CB: usize = dflash_backend::A8_CHUNK_BLOCKS;
@@ -92,6 +110,26 @@ fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
 /// rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups x 32 lanes x float4).
 fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize) -> usize {
     stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + 2 * ks * w * nt * 512
+}
+
+/// A Q8_0A8 kernel choice that fits `limit` bytes of shared memory per block: `mode` itself
+/// (whole-K with `whole_w` tiles per block), else 4 tiles x 2 slices x 2 stages, else whole-K
+/// with 4 tiles per block (the smallest pipelines); `None` if not even that fits. The same
+/// bits whichever runs.
+fn a8_fit(mode: A8Kernel, nt: usize, whole_w: usize, limit: usize) -> Option<(A8Kernel, usize)> {
+    let smem = |m: A8Kernel, ww: usize| match m {
+        A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
+            a8k_smem_bytes(nt, w as usize, ks as usize, st as usize)
+        }
+        _ => a8_smem_bytes(nt, ww),
+    };
+    let small = match mode {
+        A8Kernel::SplitApart(..) => A8Kernel::SplitApart(4, 2, 2),
+        _ => A8Kernel::Split(4, 2, 2),
+    };
+    [(mode, whole_w), (small, whole_w), (A8Kernel::WholeK, 4)]
+        .into_iter()
+        .find(|&(m, ww)| smem(m, ww) <= limit)
 }
 
 /// Blocks per row of a repacked Q8_0A8 weight (K / 32 rounded up to whole stages).
@@ -221,6 +259,7 @@ pub struct Cuda {
     stream: Arc<CudaStream>,
     reg: Registry,
     num_sms: usize,
+    smem: SmemLimits,
     opts: CudaOptions,
     scratch: Mutex<Scratch>,
     rope_cache: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
@@ -309,11 +348,20 @@ impl Cuda {
         let num_sms = ctx
             .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             as usize;
+        let smem = SmemLimits {
+            block: ctx.attribute(
+                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )? as usize,
+            sm: ctx.attribute(
+                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )? as usize,
+        };
         Ok(Cuda {
             reg: Registry::new(ctx.clone(), arch),
             ctx,
             stream,
             num_sms,
+            smem,
             opts,
             scratch: Mutex::new(Scratch {
                 mm_ws: None,
@@ -872,6 +920,15 @@ impl Cuda {
             A8Kernel::SplitApart(w, ks, st) if nch <= ks as usize => A8Kernel::Split(w, ks, st),
             m => m,
         };
+        let (mode, whole_w) =
+            a8_fit(mode, nt, whole_w, self.smem.block).ok_or_else(|| BackendError::Invalid {
+                op: "matmul",
+                msg: format!(
+                    "Q8_0A8 needs {} bytes of shared memory per thread block, the device allows {}",
+                    a8_smem_bytes(nt, 4),
+                    self.smem.block
+                ),
+            })?;
         // Split kernels: the rounds (ks chunks each) of K, when split across blocks.
         let rounds_apart = match mode {
             A8Kernel::SplitApart(_, ks, _) => nch.div_ceil(ks as usize),
@@ -2189,7 +2246,10 @@ impl Backend for Cuda {
 mod tests {
     //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
-    use super::{a8_kbp, repack_q4_0, repack_q8_a8};
+    use super::{
+        a8_fit, a8_kbp, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, repack_q4_0, repack_q8_a8,
+        A8Kernel, SmemLimits,
+    };
 
     fn bf16(bits: u16) -> f32 {
         f32::from_bits((bits as u32) << 16)
@@ -2287,5 +2347,60 @@ mod tests {
         }
         // Padding (rows 37..48, blocks 9..16) is scale 0 (every real block has a scale > 0).
         assert_eq!(d.iter().filter(|&&v| v != 0).count(), rows * kb);
+    }
+
+    #[test]
+    fn a8_choices_fit_the_shared_memory_of_the_device() {
+        // Every split configuration with a kernel, the automatic rule's choices and whole-K
+        // with 1 / 2 / 4 tiles per block.
+        let mut modes: Vec<(A8Kernel, usize)> = vec![
+            (A8Kernel::WholeK, 1),
+            (A8Kernel::WholeK, 2),
+            (A8Kernel::WholeK, 4),
+        ];
+        for w in [1u8, 2, 4] {
+            for ks in [2u8, 4] {
+                for st in [2u8, 3, 4] {
+                    if a8k_kernel(2, w.into(), ks.into(), st.into()).is_some() {
+                        modes.push((A8Kernel::Split(w, ks, st), 1));
+                        modes.push((A8Kernel::SplitApart(w, ks, st), 1));
+                    }
+                }
+            }
+        }
+        let smem = |nt: usize, m: A8Kernel, ww: usize| match m {
+            A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
+                a8k_smem_bytes(nt, w.into(), ks.into(), st.into())
+            }
+            _ => a8_smem_bytes(nt, ww),
+        };
+        for nt in [1usize, 2] {
+            for &(m, ww) in &modes {
+                // sm_90: every choice runs as chosen (the H200 measurements hold).
+                assert_eq!(
+                    a8_fit(m, nt, ww, SmemLimits::SM90.block),
+                    Some((m, ww)),
+                    "{m:?} nt {nt}"
+                );
+                // A100 (163 KiB) and sm_86 / sm_89 (99 KiB): something that fits, of the same
+                // family (SplitApart keeps its workspace path) or whole-K.
+                for limit in [163 * 1024, 99 * 1024] {
+                    let (f, fw) = a8_fit(m, nt, ww, limit).expect("a fitting choice");
+                    assert!(
+                        smem(nt, f, fw) <= limit,
+                        "{m:?} nt {nt} -> {f:?} at {limit}"
+                    );
+                    if let A8Kernel::SplitApart(..) = m {
+                        assert!(
+                            matches!(f, A8Kernel::SplitApart(..) | A8Kernel::WholeK),
+                            "{m:?} -> {f:?}"
+                        );
+                    }
+                }
+            }
+            // A device with 48 KiB per block: no Q8_0A8 kernel fits (an error, not a launch
+            // failure).
+            assert_eq!(a8_fit(A8Kernel::WholeK, nt, 4, 48 * 1024), None);
+        }
     }
 }

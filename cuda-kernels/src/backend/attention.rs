@@ -4,7 +4,7 @@
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, AttnParams, BackendError, Cuda, CudaBuf, Kernel,
-    PushKernelArg, Result, Scratch,
+    PushKernelArg, Result, Scratch, SmemLimits,
 };
 use crate::error::dev;
 
@@ -76,19 +76,23 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize
     main.max(merge) * 4
 }
 
-/// Shared memory of one H100 / H200 multiprocessor and the most one block may take.
-const SM_SMEM: usize = 228 * 1024;
-const BLOCK_SMEM_MAX: usize = 227 * 1024;
-
 /// Resident blocks per multiprocessor of a tensor-core launch with `nst` stages: by shared
-/// memory, and by registers (the kernels are built for 128 per thread).
-fn tc_blocks_per_sm(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize {
+/// memory (the device's limits `lim`), and by registers (the kernels are built for 128 per
+/// thread).
+fn tc_blocks_per_sm(
+    d: usize,
+    kw: usize,
+    rw: usize,
+    nst: usize,
+    fpv: bool,
+    lim: SmemLimits,
+) -> usize {
     let smem = tc_smem_bytes(d, kw, rw, nst, fpv);
-    if smem > BLOCK_SMEM_MAX {
+    if smem > lim.block {
         return 0;
     }
     let by_regs = 65536 / (32 * kw * rw * 128);
-    (SM_SMEM / (smem + 1024)).min(by_regs)
+    (lim.sm / (smem + 1024)).min(by_regs)
 }
 
 /// Pipeline stages of the tensor-core kernel for a grid of `blocks` on `sms` multiprocessors:
@@ -96,19 +100,33 @@ fn tc_blocks_per_sm(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> us
 /// blocks of one row warp when that needs fewer waves (two such blocks per multiprocessor:
 /// decode over a long context, 264 blocks at ctx 8192: 52 -> 44 us on the H200; blocks of more
 /// row warps measured slower with 1 stage). Scheduling only: no bits change.
-fn tc_stages(d: usize, kw: usize, rw: usize, fpv: bool, blocks: usize, sms: usize) -> usize {
+fn tc_stages(
+    d: usize,
+    kw: usize,
+    rw: usize,
+    fpv: bool,
+    blocks: usize,
+    sms: usize,
+    lim: SmemLimits,
+) -> usize {
     let waves = |nst: usize| {
-        let per = tc_blocks_per_sm(d, kw, rw, nst, fpv);
+        let per = tc_blocks_per_sm(d, kw, rw, nst, fpv, lim);
         if per == 0 {
             usize::MAX
         } else {
             blocks.div_ceil(per * sms.max(1))
         }
     };
-    let deep = if tc_blocks_per_sm(d, kw, rw, 3, fpv) >= tc_blocks_per_sm(d, kw, rw, 2, fpv) {
+    let (per3, per2) = (
+        tc_blocks_per_sm(d, kw, rw, 3, fpv, lim),
+        tc_blocks_per_sm(d, kw, rw, 2, fpv, lim),
+    );
+    let deep = if per3 > 0 && per3 >= per2 {
         3
-    } else {
+    } else if per2 > 0 {
         2
+    } else {
+        1
     };
     if rw == 1 && waves(1) < waves(deep) {
         1
@@ -218,7 +236,7 @@ impl Cuda {
     /// Raise the shared-memory limits of the attention kernels to their largest launch.
     pub(super) fn attention_warm_up(&self) -> Result<()> {
         for d in [32, 64, 128, 256] {
-            if let Some(k) = simt_kernel(d) {
+            if let Some(k) = simt_kernel(d).filter(|_| simt_smem_bytes(d) <= self.smem.block) {
                 self.func_smem(k, simt_smem_bytes(d))?;
             }
             for kw in [2, 4] {
@@ -228,7 +246,7 @@ impl Cuda {
                             .iter()
                             .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
                             .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, fpv))
-                            .filter(|&b| b <= BLOCK_SMEM_MAX)
+                            .filter(|&b| b <= self.smem.block)
                             .max()
                             .unwrap_or(0);
                         self.func_smem(k, most)?;
@@ -307,18 +325,26 @@ impl Cuda {
                 stages,
             } => Some((key_warps, row_warps, ffma_pv, stages)),
         };
+        // Kernels whose smallest launch does not fit the device's shared memory per block
+        // (e.g. 99 KiB on sm_86 / sm_89) are not chosen; row warps and stages change no bit.
+        let lim = self.smem;
         let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
-            Some((kw, rw, fpv, stages)) if tc_kernel(d, kw, fpv).is_some() => {
+            Some((kw, rw, fpv, stages))
+                if tc_kernel(d, kw, fpv).is_some()
+                    && tc_smem_bytes(d, kw, 1, 1, fpv) <= lim.block =>
+            {
                 let kern = tc_kernel(d, kw, fpv).ok_or_else(internal)?;
                 let rw = if rw > 0 {
                     rw
                 } else {
                     // As many rows per block as the rows allow while the grid still fills the
-                    // GPU (more rows per block = fewer reads of each K/V chunk).
+                    // GPU (more rows per block = fewer reads of each K/V chunk) and one stage
+                    // fits the shared memory.
                     let mut rw = 4;
                     while rw > 1
                         && (qr <= 16 * (rw / 2)
-                            || n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms)
+                            || n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms
+                            || tc_smem_bytes(d, kw, rw, 1, fpv) > lim.block)
                     {
                         rw /= 2;
                     }
@@ -326,9 +352,9 @@ impl Cuda {
                 };
                 let blocks = n_split * p.n_kv_heads * qr.div_ceil(16 * rw);
                 let nst = match stages {
-                    0 => tc_stages(d, kw, rw, fpv, blocks, self.num_sms),
-                    n if tc_smem_bytes(d, kw, rw, n, fpv) <= BLOCK_SMEM_MAX => n,
-                    _ => 2,
+                    0 => tc_stages(d, kw, rw, fpv, blocks, self.num_sms, lim),
+                    n if tc_smem_bytes(d, kw, rw, n, fpv) <= lim.block => n,
+                    _ => tc_stages(d, kw, rw, fpv, blocks, self.num_sms, lim),
                 };
                 Some((
                     kern,
@@ -338,7 +364,9 @@ impl Cuda {
                     nst as i32,
                 ))
             }
-            _ => simt_kernel(d).map(|k| (k, 256, simt_smem_bytes(d), ATT_QT, 0)),
+            _ => simt_kernel(d)
+                .filter(|_| simt_smem_bytes(d) <= lim.block)
+                .map(|k| (k, 256, simt_smem_bytes(d), ATT_QT, 0)),
         };
 
         match split {
@@ -439,34 +467,63 @@ mod tests {
     /// the stage choice prefers more resident blocks only where the grid needs them.
     #[test]
     fn tc_smem_fits() {
-        for d in [32, 64, 128] {
-            for kw in [2, 4] {
-                for rw in [1, 2, 4] {
-                    for fpv in [false, true] {
-                        for blocks in [1, 96, 264, 528, 5000] {
-                            let nst = tc_stages(d, kw, rw, fpv, blocks, 132);
-                            assert!(
-                                tc_smem_bytes(d, kw, rw, nst, fpv) <= BLOCK_SMEM_MAX,
-                                "d {d} kw {kw} rw {rw} fpv {fpv}"
-                            );
+        // The stages chosen fit the block limit of an H200 (227 KiB) and, for every row-warp
+        // count whose one-stage launch fits there, of sm_86 / sm_89 (99 KiB) and A100 (163 KiB).
+        let small = [
+            SmemLimits::SM90,
+            SmemLimits {
+                block: 163 * 1024,
+                sm: 164 * 1024,
+            },
+            SmemLimits {
+                block: 99 * 1024,
+                sm: 100 * 1024,
+            },
+        ];
+        for lim in small {
+            for d in [32, 64, 128] {
+                for kw in [2, 4] {
+                    for rw in [1, 2, 4] {
+                        for fpv in [false, true] {
+                            if tc_smem_bytes(d, kw, rw, 1, fpv) > lim.block {
+                                continue;
+                            }
+                            for blocks in [1, 96, 264, 528, 5000] {
+                                let nst = tc_stages(d, kw, rw, fpv, blocks, 132, lim);
+                                assert!(
+                                    tc_smem_bytes(d, kw, rw, nst, fpv) <= lim.block,
+                                    "d {d} kw {kw} rw {rw} fpv {fpv} limit {}",
+                                    lim.block
+                                );
+                            }
                         }
                     }
                 }
             }
         }
+        // One row warp always fits on the small parts (the automatic row warps go down to it).
+        for d in [32, 64, 128] {
+            for kw in [2, 4] {
+                assert!(
+                    tc_smem_bytes(d, kw, 1, 1, false) <= 99 * 1024,
+                    "d {d} kw {kw}"
+                );
+            }
+        }
+        let h = SmemLimits::SM90;
         assert_eq!(tc_smem_bytes(128, 4, 4, 2, false), 44544 * 4);
         // d 128, 4 key warps: one row warp, a grid that fits one wave either way: 3 stages;
         // 264 blocks (decode at ctx 8192): 1 stage, two blocks per multiprocessor, one wave.
-        assert_eq!(tc_stages(128, 4, 1, false, 96, 132), 3);
-        assert_eq!(tc_blocks_per_sm(128, 4, 1, 1, false), 2);
-        assert_eq!(tc_stages(128, 4, 1, false, 264, 132), 1);
+        assert_eq!(tc_stages(128, 4, 1, false, 96, 132, h), 3);
+        assert_eq!(tc_blocks_per_sm(128, 4, 1, 1, false, h), 2);
+        assert_eq!(tc_stages(128, 4, 1, false, 264, 132, h), 1);
         // 4 row warps (512 threads: one block per multiprocessor by registers): 2 stages (3
         // would not fit).
-        assert_eq!(tc_stages(128, 4, 4, false, 264, 132), 2);
+        assert_eq!(tc_stages(128, 4, 4, false, 264, 132, h), 2);
         // 2 key warps x 4 row warps: two blocks per multiprocessor with 1 or 2 stages: 2.
-        assert_eq!(tc_stages(128, 2, 4, false, 264, 132), 2);
+        assert_eq!(tc_stages(128, 2, 4, false, 264, 132, h), 2);
         // 2 row warps (ctx 2048, 16 queries: 144 blocks): 3 stages (fit, one block per
         // multiprocessor either way), not 1 (measured 36.8 us vs 39.6).
-        assert_eq!(tc_stages(128, 4, 2, false, 144, 132), 3);
+        assert_eq!(tc_stages(128, 4, 2, false, 144, 132, h), 3);
     }
 }
