@@ -2171,12 +2171,12 @@ impl Backend for Cuda {
             check(op, "stash", p.t * p.n_v_heads * p.dk * p.dv, s.len)?;
         }
         let smem = (p.dk * p.dv + 2 * p.dk + 32) * 4;
-        if smem > 227 * 1024 {
+        if smem > self.smem.block {
             return Err(BackendError::Invalid {
                 op,
                 msg: format!(
-                    "state of {}x{} per head does not fit shared memory",
-                    p.dk, p.dv
+                    "state of {}x{} per head needs {smem} bytes of shared memory, the device allows {} per block",
+                    p.dk, p.dv, self.smem.block
                 ),
             });
         }
