@@ -307,6 +307,34 @@ extern "C" __global__ void gated_delta_rule(const float *q, const float *k, cons
     for (int i = threadIdx.x; i < dk * dv; i += blockDim.x) st[i] = S[i];
 }
 
+// A hint to the L2: bring up to 6 byte ranges in (the weights the next kernels will stream,
+// issued while latency-bound kernels leave the memory idle). No results; nothing reads them
+// through this kernel. Starts are 16-byte aligned (device allocations are); a tail of the range
+// under 16 bytes is left out. sm_90: bulk prefetches of up to 32 KiB pieces through the copy
+// engine, round-robin over the threads; older devices: one line prefetch per 128 bytes.
+// Launched on a stream of its own, beside the ops (one multiprocessor issues bulk prefetches
+// at only a few hundred GB/s: the launch spreads them over one warp per MiB).
+#define L2PF_PIECE 32768
+extern "C" __global__ void l2_prefetch(const char *p0, long long n0, const char *p1, long long n1, const char *p2, long long n2,
+                                       const char *p3, long long n3, const char *p4, long long n4, const char *p5, long long n5) {
+    const char *ps[6] = {p0, p1, p2, p3, p4, p5};
+    const long long ns[6] = {n0, n1, n2, n3, n4, n5};
+    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x, nth = (long long)gridDim.x * blockDim.x;
+#pragma unroll
+    for (int r = 0; r < 6; ++r) {
+        const long long n = ns[r] & ~15LL;
+        if (ps[r] == nullptr || n <= 0) continue;
+#if __CUDA_ARCH__ >= 900
+        for (long long off = tid * L2PF_PIECE; off < n; off += nth * L2PF_PIECE) {
+            const unsigned sz = (unsigned)min((long long)L2PF_PIECE, n - off);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ps[r] + off), "r"(sz) : "memory");
+        }
+#else
+        for (long long off = tid * 128; off < n; off += nth * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(ps[r] + off));
+#endif
+    }
+}
+
 // Deterministic pseudo-random fills (benchmarks build large random weights on the device).
 __device__ __forceinline__ u32 hash_u32(u64 x) {
     x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;

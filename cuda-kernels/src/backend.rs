@@ -257,6 +257,8 @@ fn ensure<T: DeviceRepr + ValidAsZeroBits>(
 pub struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// A second stream for [`Cuda::l2_prefetch`] hints only (they run beside the ops).
+    pf_stream: Arc<CudaStream>,
     reg: Registry,
     num_sms: usize,
     smem: SmemLimits,
@@ -343,6 +345,7 @@ impl Cuda {
         // SAFETY: every slice of this backend is used on `stream` alone.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
+        let pf_stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = arch_for(major, minor)?;
         let num_sms = ctx
@@ -360,6 +363,7 @@ impl Cuda {
             reg: Registry::new(ctx.clone(), arch),
             ctx,
             stream,
+            pf_stream,
             num_sms,
             smem,
             opts,
@@ -426,6 +430,81 @@ impl Cuda {
     pub fn set_a8_evict_first(&self, on: bool) {
         *lock(&self.a8_evict_first) = on;
     }
+    /// A hint to the L2 cache: start fetching parts of weight matrices that the next kernels
+    /// will stream, so that the memory works while latency-bound kernels (norms, attention
+    /// over a short context) run. Each part is `(weight, from..to)`, fractions of the matrix
+    /// in its stored order (for the block formats the same fraction of the codes and of the
+    /// scales, i.e. whole leading rows / tiles); at most 3 matrices. The fetch is issued on a
+    /// second stream after everything queued so far, so no later op waits for it; call
+    /// [`Cuda::l2_prefetch_join`] before ending a graph capture (a capture must end on one
+    /// stream). Changes no result.
+    pub fn l2_prefetch(&self, parts: &[(&Weight<Self>, std::ops::Range<f64>)]) -> Result<()> {
+        if parts.len() > 3 {
+            return Err(BackendError::Invalid {
+                op: "l2_prefetch",
+                msg: format!("at most 3 matrices per call, found {}", parts.len()),
+            });
+        }
+        // Pointers are taken on the op stream (the only one that uses the weights); the
+        // prefetch stream only reads them through the L2 hint.
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        let (mut slots, mut total) = (0, 0u64);
+        let mut range = |a: &mut RawArgs, p: u64, bytes: usize, r: &std::ops::Range<f64>| {
+            let (lo, hi) = (r.start.clamp(0.0, 1.0), r.end.clamp(0.0, 1.0));
+            let (b0, b1) = ((lo * bytes as f64) as u64 & !15, (hi * bytes as f64) as u64);
+            a.u64(p + b0).i64(b1.saturating_sub(b0) as i64);
+            total += b1.saturating_sub(b0);
+            slots += 1;
+        };
+        for (w, r) in parts {
+            match &w.buf {
+                CudaWeightBuf::F32(s) => range(&mut a, s.device_ptr(st).0, s.num_bytes(), r),
+                CudaWeightBuf::Bf16(s) | CudaWeightBuf::F16(s) => {
+                    range(&mut a, s.device_ptr(st).0, s.num_bytes(), r)
+                }
+                CudaWeightBuf::Q8_0 { qs, d } => {
+                    range(&mut a, qs.device_ptr(st).0, qs.num_bytes(), r);
+                    range(&mut a, d.device_ptr(st).0, d.num_bytes(), r);
+                }
+                CudaWeightBuf::Q4_0 { qs, d } => {
+                    range(&mut a, qs.device_ptr(st).0, qs.num_bytes(), r);
+                    range(&mut a, d.device_ptr(st).0, d.num_bytes(), r);
+                }
+                CudaWeightBuf::Q8A8 { qs, d } => {
+                    range(&mut a, qs.device_ptr(st).0, qs.num_bytes(), r);
+                    range(&mut a, d.device_ptr(st).0, d.num_bytes(), r);
+                }
+            }
+        }
+        for _ in slots..6 {
+            a.u64(0).i64(0);
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::L2Prefetch)?;
+        // One warp per MiB: one multiprocessor issues bulk prefetches at a few hundred GB/s.
+        let blocks = (total as usize >> 20).clamp(1, self.num_sms.max(1));
+        self.pf_stream.join(&self.stream).map_err(dev)?;
+        // SAFETY: the parameters are l2_prefetch's six (pointer, bytes) pairs; the ranges lie
+        // inside the weights' allocations (fractions clamped to [0, 1]).
+        unsafe {
+            a.launch(
+                &self.pf_stream,
+                &f,
+                cfg((blocks as u32, 1, 1), 32, 0),
+                false,
+            )
+        }
+    }
+
+    /// Make the op stream wait for the [`Cuda::l2_prefetch`] hints issued so far (required
+    /// before a graph capture of the op stream ends; otherwise harmless).
+    pub fn l2_prefetch_join(&self) -> Result<()> {
+        self.stream.join(&self.pf_stream).map_err(dev)
+    }
+
     fn func(&self, k: Kernel) -> Result<CudaFunction> {
         self.reg.get(k).map_err(BackendError::from)
     }

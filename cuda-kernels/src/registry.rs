@@ -88,6 +88,7 @@ kernels! {
     GdnGates => (Elementwise, "gdn_gates"),
     CausalConv1d => (Elementwise, "causal_conv1d"),
     GatedDeltaRule => (Elementwise, "gated_delta_rule"),
+    L2Prefetch => (Elementwise, "l2_prefetch"),
     FillRandomU32 => (Elementwise, "fill_random_u32"),
     FillRandomHalf => (Elementwise, "fill_random_half"),
     FillRandomF32 => (Elementwise, "fill_random_f32"),

@@ -481,7 +481,8 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
 fn a8_graph_replays_match_the_contract() {
     // A captured graph replays correctly with new x each time: the automatic kernel and
     // SplitApart (its chunk-sum workspace and the second kernel), with and without
-    // programmatic dependent launch (a private backend: these settings are per backend).
+    // programmatic dependent launch, and with an L2 prefetch hint on the side stream forked
+    // into and joined back to the capture (a private backend: these settings are per backend).
     if gpu("a8_graph_replays_match_the_contract").is_none() {
         return;
     }
@@ -493,10 +494,14 @@ fn a8_graph_replays_match_the_contract() {
     let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
     let wg = g.upload_weight(&hw).expect("w");
     use dflash_cuda_kernels::A8Kernel;
-    for (kern, pdl) in [
-        (A8Kernel::Auto, false),
-        (A8Kernel::Auto, true),
-        (A8Kernel::SplitApart(4, 2, 2), true),
+    // More than 3 matrices per hint: an error, not a launch.
+    let four: Vec<_> = (0..4).map(|_| (&wg, 0.0..1.0)).collect();
+    assert!(g.l2_prefetch(&four).is_err());
+    for (kern, pdl, prefetch) in [
+        (A8Kernel::Auto, false, false),
+        (A8Kernel::Auto, true, false),
+        (A8Kernel::SplitApart(4, 2, 2), true, false),
+        (A8Kernel::Auto, true, true),
     ] {
         g.set_a8_kernel(kern);
         g.set_a8_pdl(pdl);
@@ -508,9 +513,16 @@ fn a8_graph_replays_match_the_contract() {
         let st = g.stream().clone();
         st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .expect("capture");
-        let res = g
-            .fill(&mut og, f32::NAN)
-            .and_then(|_| g.matmul(&xg, rows, &wg, &mut og));
+        let res = g.fill(&mut og, f32::NAN).and_then(|_| {
+            if prefetch {
+                g.l2_prefetch(&[(&wg, 0.0..0.5), (&wg, 0.5..1.0)])?;
+            }
+            g.matmul(&xg, rows, &wg, &mut og)?;
+            if prefetch {
+                g.l2_prefetch_join()?;
+            }
+            Ok(())
+        });
         let graph = st
             .end_capture(CUgraphInstantiate_flags(0))
             .expect("end capture")
@@ -524,7 +536,7 @@ fn a8_graph_replays_match_the_contract() {
             let want = contract(&x, rows, k, weight_blocks(&hw), n);
             let got = g.download(&og).expect("dl");
             assert_bits(
-                &format!("graph replay {rep} {kern:?} pdl {pdl}"),
+                &format!("graph replay {rep} {kern:?} pdl {pdl} prefetch {prefetch}"),
                 &got,
                 &want,
                 n,
@@ -532,6 +544,6 @@ fn a8_graph_replays_match_the_contract() {
         }
     }
     eprintln!(
-        "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, auto (PDL off and on) and split apart"
+        "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, auto (PDL off and on, with an L2 prefetch hint) and split apart"
     );
 }

@@ -67,6 +67,14 @@ pub struct BenchArgs {
     /// exit (for a profiler).
     #[arg(long)]
     attn_once: Option<usize>,
+    /// L2 prefetch of the coming weights during the step, MB per prefetch point: e.g.
+    /// `A24B40C24D16E24` (A after the down projection: the next q/k/v; B after q/k/v: o,
+    /// then gate/up; C after o: gate/up; D after gate/up: down; E after the last down: the
+    /// lm_head); empty = none. Changes no result. Default B32C16 (H200, q8_0a8 step, one
+    /// lease: 8B 0.750 -> 0.721 ms at ctx 512, 1.055 -> 1.050 at 8192; 27B 1.167 -> 1.159,
+    /// 1.363 -> 1.359; prefetching more, or at A / D / E, measured slower).
+    #[arg(long, default_value = "B32C16")]
+    l2_prefetch: String,
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
@@ -75,7 +83,10 @@ pub struct BenchArgs {
     ops_only: bool,
     /// Only the q8_0a8 projections and draft step (the --shapes and --ctx given) under each of
     /// these configurations, two interleaved rounds, then exit: a comma list of --a8-kernel
-    /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME.
+    /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
+    /// +pf=SPEC (L2 prefetch, as --l2-prefetch), +skip=LETTERS (timing ablation: launches
+    /// left out, letters of nkqaogdl = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up,
+    /// down, lm_head; the step's results are then meaningless).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -167,7 +178,45 @@ struct Model {
     /// Fused launches (q/k norm + RoPE + KV write, residual add + RMSNorm, SiLU into the
     /// down projection's quantizer); false = the separate ops (same bits).
     fused: bool,
+    /// L2 prefetch budgets (bytes) at the step's prefetch points (see [`PfPoint`]); zeros =
+    /// no prefetch launches.
+    prefetch: [usize; 5],
+    /// Launches left out (timing ablations only; the results are then meaningless): letters
+    /// of `nkqaogdl` = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up, down, lm_head.
+    skip: String,
     rope: RopeSpec,
+}
+
+/// Where the step hints the L2 to fetch the weights coming next (each right after a
+/// projection, so the fetch overlaps that projection's tail and the latency-bound kernels
+/// after it): A after the down projection (the next layer's q/k/v; layer 0: at the start),
+/// B after q/k/v (o, then gate/up), C after o (gate/up), D after gate/up (down), E after the
+/// last down projection (the lm_head).
+#[derive(Clone, Copy)]
+enum PfPoint {
+    A = 0,
+    B = 1,
+    C = 2,
+    D = 3,
+    E = 4,
+}
+
+/// Parse `A24B40C0D16E24` (MB per point; points not named are 0).
+fn parse_prefetch(spec: &str) -> Result<[usize; 5]> {
+    let mut b = [0usize; 5];
+    let mut rest = spec.trim();
+    while let Some(c) = rest.chars().next() {
+        let i = "ABCDE"
+            .find(c)
+            .ok_or_else(|| anyhow::anyhow!("prefetch spec {spec}: unknown point {c}"))?;
+        let digits: String = rest[1..]
+            .chars()
+            .take_while(|d| d.is_ascii_digit())
+            .collect();
+        b[i] = digits.parse::<usize>()? << 20;
+        rest = &rest[1 + digits.len()..];
+    }
+    Ok(b)
 }
 
 struct Bufs {
@@ -249,6 +298,8 @@ impl Model {
             layers,
             markov,
             fused: true,
+            prefetch: [0; 5],
+            skip: String::new(),
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -272,6 +323,47 @@ impl Model {
             b += 2 * keys * self.s.kv_heads * self.s.head_dim * 4;
         }
         b
+    }
+
+    /// The step's weight matrices in the order the step streams them.
+    fn weight_at(&self, j: usize) -> &Weight<Cuda> {
+        match self.layers.get(j / 7) {
+            Some(l) => [&l.wq, &l.wk, &l.wv, &l.wo, &l.wg, &l.wu, &l.wd][j % 7],
+            None => &self.lm_head,
+        }
+    }
+
+    /// Prefetch point `pt` before the weight `first` (index into [`Model::weight_at`]): the
+    /// point's budget of bytes from there on, past what earlier points already fetched
+    /// (`cursor`: weight index and fraction), at most 3 matrices.
+    fn prefetch_at(
+        &self,
+        g: &Cuda,
+        cursor: &mut (usize, f64),
+        pt: PfPoint,
+        first: usize,
+    ) -> Result<()> {
+        let mut left = self.prefetch[pt as usize] as f64;
+        if left <= 0.0 {
+            return Ok(());
+        }
+        let (mut j, mut f) = if cursor.0 > first || (cursor.0 == first && cursor.1 > 0.0) {
+            *cursor
+        } else {
+            (first, 0.0)
+        };
+        let n = 7 * self.layers.len() + 1;
+        let mut parts = Vec::new();
+        while left > 0.0 && j < n && parts.len() < 3 {
+            let w = self.weight_at(j);
+            let bytes = w.buf.device_bytes() as f64;
+            let t = (f + left / bytes).min(1.0);
+            parts.push((w, f..t));
+            left -= (t - f) * bytes;
+            (j, f) = if t >= 1.0 { (j + 1, 0.0) } else { (j, t) };
+        }
+        *cursor = (j, f);
+        Ok(g.l2_prefetch(&parts)?)
     }
 
     fn bufs(&self, g: &Cuda, rows: usize) -> Result<Bufs> {
@@ -316,26 +408,34 @@ impl Model {
         g.gather_rows_dev(&self.embed, &b.ids, rows, &mut b.h)?;
         let fused = self.fused;
         let nl = self.layers.len();
-        if fused && nl > 0 {
+        let skip = self.skip.clone();
+        let sk = |c: char| skip.contains(c);
+        if fused && nl > 0 && !sk('n') {
             g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
         }
+        let mut cur = (0usize, 0.0f64);
+        self.prefetch_at(g, &mut cur, PfPoint::A, 0)?;
         for li in 0..nl {
-            let (cur, rest) = self.layers.split_at_mut(li + 1);
-            let l = &mut cur[li];
-            let next_norm = rest.first().map_or(&self.norm, |n| &n.ln1);
+            let w0 = 7 * li;
+            let l = &self.layers[li];
             if !fused {
                 g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
             }
             // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
             // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
-            g.matmul_many(
-                &b.x,
-                rows,
-                &[&l.wq, &l.wk, &l.wv],
-                &mut [&mut b.q0, &mut b.k0, &mut b.v],
-            )?;
+            if !sk('k') {
+                g.matmul_many(
+                    &b.x,
+                    rows,
+                    &[&l.wq, &l.wk, &l.wv],
+                    &mut [&mut b.q0, &mut b.k0, &mut b.v],
+                )?;
+            }
+            self.prefetch_at(g, &mut cur, PfPoint::B, w0 + 3)?;
             let kvw = s.kv_heads * hd;
-            if fused {
+            let l = &mut self.layers[li];
+            if sk('q') {
+            } else if fused {
                 // q/k RMSNorm + RoPE + K/V cache write: one launch, the bits of the 6 below.
                 g.qk_norm_rope_kv(
                     &b.q0, &b.k0, &b.v, &l.qn, &l.kn, rows, s.heads, s.kv_heads, hd, eps, ctx,
@@ -349,6 +449,7 @@ impl Model {
                 g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
                 g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
             }
+            let l = &self.layers[li];
             let p = AttnParams {
                 n_q: rows,
                 n_kv: ctx + rows,
@@ -361,21 +462,44 @@ impl Model {
                 window: l.window,
                 scale: (hd as f32).powf(-0.5),
             };
-            g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
-            g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
+            if !sk('a') {
+                g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
+            }
+            if !sk('o') {
+                g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
+            }
+            self.prefetch_at(g, &mut cur, PfPoint::C, w0 + 4)?;
+            let next_norm = self.layers.get(li + 1).map_or(&self.norm, |n| &n.ln1);
             if fused {
                 // Residual add + the next RMSNorm in one launch (same bits as the two ops);
                 // SiLU * up inside the down projection's x quantizer (Q8_0A8).
-                g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
-                g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
-                g.matmul_silu_mul(&b.gate, &b.up, &mut b.act, rows, &l.wd, &mut b.o)?;
-                g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?;
+                if !sk('n') {
+                    g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
+                }
+                if !sk('g') {
+                    g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
+                }
+                self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
+                if !sk('d') {
+                    g.matmul_silu_mul(&b.gate, &b.up, &mut b.act, rows, &l.wd, &mut b.o)?;
+                }
             } else {
                 g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
                 g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
                 g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
+                self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
                 g.silu_mul(&b.gate, &b.up, &mut b.act)?;
                 g.matmul(&b.act, rows, &l.wd, &mut b.o)?;
+            }
+            if li + 1 < nl {
+                self.prefetch_at(g, &mut cur, PfPoint::A, w0 + 7)?;
+            } else {
+                self.prefetch_at(g, &mut cur, PfPoint::E, w0 + 7)?;
+            }
+            if sk('n') {
+            } else if fused {
+                g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?;
+            } else {
                 g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
             }
         }
@@ -384,12 +508,17 @@ impl Model {
         }
         let n = rows - lm_from;
         g.copy(&b.x, lm_from * s.hidden, &mut b.xl, 0, n * s.hidden)?;
-        g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
+        if !sk('l') {
+            g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
+        }
         match &self.markov {
             Some((w1, w2)) => {
                 g.markov_chain_dev(&mut b.logits, n, s.vocab, &mut b.prev, &mut b.toks, w1, w2)?
             }
             None => g.argmax_rows_dev(&b.logits, 0, n, s.vocab, &mut b.toks)?,
+        }
+        if self.prefetch.iter().any(|&b| b > 0) {
+            g.l2_prefetch_join()?;
         }
         Ok(())
     }
@@ -909,6 +1038,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fused = !a.unfused;
+            m.prefetch = parse_prefetch(&a.l2_prefetch)?;
             let mut b = m.bufs(&g, s.block)?;
             for &ctx in &ctxs {
                 let t = time_forward(&g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
@@ -1106,6 +1236,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         pdl: bool,
         attn_split: Option<usize>,
         attn: AttnKernel,
+        prefetch: [usize; 5],
+        skip: String,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1118,6 +1250,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 pdl: true,
                 attn_split: a.attn_split,
                 attn: parse_attn_kernel(&a.attn_kernel)?,
+                prefetch: parse_prefetch(&a.l2_prefetch)?,
+                skip: String::new(),
             };
             for opt in it {
                 if opt == "noef" {
@@ -1128,6 +1262,10 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.attn_split = Some(n.parse()?);
                 } else if let Some(n) = opt.strip_prefix("att=") {
                     cfg.attn = parse_attn_kernel(n)?;
+                } else if let Some(n) = opt.strip_prefix("pf=") {
+                    cfg.prefetch = parse_prefetch(n)?;
+                } else if let Some(n) = opt.strip_prefix("skip=") {
+                    cfg.skip = n.to_string();
                 } else {
                     bail!("--a8-sweep: unknown option {opt} in {c}");
                 }
@@ -1210,6 +1348,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
         let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
         m.fused = !a.unfused;
+        m.prefetch = parse_prefetch(&a.l2_prefetch)?;
         let mut b = m.bufs(g, s.block)?;
         for &ctx in ctxs {
             let mut t = vec![Vec::new(); configs.len()];
@@ -1220,6 +1359,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_a8_pdl(c.pdl);
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
+                    m.prefetch = c.prefetch;
+                    m.skip = c.skip.clone();
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }
