@@ -18,7 +18,7 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
-use dflash_cuda_kernels::{A8Kernel, AttnKernel, Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -70,12 +70,18 @@ pub struct BenchArgs {
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
+    /// Q8_0A8: the norms and the attention combine feed the matmuls through the quantizer
+    /// launches instead of writing the quantized activation themselves (the default); the
+    /// norms' f32 results then differ in the last bits (cluster-partitioned sums).
+    #[arg(long)]
+    no_q8_fused: bool,
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
     /// Only the q8_0a8 projections and draft step (the --shapes and --ctx given) under each of
     /// these configurations, two interleaved rounds, then exit: a comma list of --a8-kernel
-    /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME.
+    /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
+    /// +noq8 (no q8 producers: the quantizer launches, as --no-q8-fused).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -167,6 +173,14 @@ struct Model {
     /// Fused launches (q/k norm + RoPE + KV write, residual add + RMSNorm, SiLU into the
     /// down projection's quantizer); false = the separate ops (same bits).
     fused: bool,
+    /// With `fused` and Q8_0A8 weights: the norms (but the final one) and the attention write
+    /// the quantized activation of the next matmul themselves (`rms_norm_q8`,
+    /// `add_rms_norm_q8`, `attention_q8` -> `matmul_many_a8`): 15 quantizer launches fewer per
+    /// 5-layer step. The final norm stays f32 (the lm_head takes rows lm_from.. of it through
+    /// a copy, and quantizes them itself). Not the same bits as without: the cluster norms sum
+    /// the squares in another order.
+    q8_fused: bool,
+    fmt: WeightFormat,
     rope: RopeSpec,
 }
 
@@ -188,6 +202,9 @@ struct Bufs {
     logits: CudaBuf,
     toks: CudaSlice<u32>,
     prev: CudaSlice<u32>,
+    /// Q8_0A8 (at most 16 rows): the quantized hidden-size activation (q/k/v and gate/up
+    /// input) and attention output (o input).
+    q8: Option<(A8Act, A8Act)>,
 }
 
 fn ones(g: &Cuda, n: usize) -> Result<CudaBuf> {
@@ -249,6 +266,8 @@ impl Model {
             layers,
             markov,
             fused: true,
+            q8_fused: true,
+            fmt,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -297,6 +316,14 @@ impl Model {
             logits: g.zeros(rows * s.vocab)?,
             toks: g.upload_ids(&vec![0u32; rows])?,
             prev: g.upload_ids(&[1u32])?,
+            q8: if self.fmt == WeightFormat::Q8_0A8 && rows <= 16 {
+                Some((
+                    g.a8_act(rows, s.hidden)?,
+                    g.a8_act(rows, s.heads * s.head_dim)?,
+                ))
+            } else {
+                None
+            },
         })
     }
 
@@ -316,8 +343,19 @@ impl Model {
         g.gather_rows_dev(&self.embed, &b.ids, rows, &mut b.h)?;
         let fused = self.fused;
         let nl = self.layers.len();
+        // (hidden activation, attention activation) of the q8 producers, when they run.
+        let mut q8 = if fused && self.q8_fused {
+            b.q8.as_mut()
+        } else {
+            None
+        };
         if fused && nl > 0 {
-            g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
+            match q8.as_mut() {
+                Some((xa, _)) => {
+                    g.rms_norm_q8(&b.h, &self.layers[0].ln1, rows, s.hidden, eps, None, xa)?
+                }
+                None => g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?,
+            }
         }
         for li in 0..nl {
             let (cur, rest) = self.layers.split_at_mut(li + 1);
@@ -327,13 +365,14 @@ impl Model {
                 g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
             }
             // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
-            // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
-            g.matmul_many(
-                &b.x,
-                rows,
-                &[&l.wq, &l.wk, &l.wv],
-                &mut [&mut b.q0, &mut b.k0, &mut b.v],
-            )?;
+            // x and one launch for the 3 (2) matrices (with the q8 producers: the launch only);
+            // other formats: separate matmuls.
+            let qkv = [&l.wq, &l.wk, &l.wv];
+            let mut qkv_out = [&mut b.q0, &mut b.k0, &mut b.v];
+            match q8.as_mut() {
+                Some((xa, _)) => g.matmul_many_a8(xa, &qkv, &mut qkv_out)?,
+                None => g.matmul_many(&b.x, rows, &qkv, &mut qkv_out)?,
+            }
             let kvw = s.kv_heads * hd;
             if fused {
                 // q/k RMSNorm + RoPE + K/V cache write: one launch, the bits of the 6 below.
@@ -361,15 +400,41 @@ impl Model {
                 window: l.window,
                 scale: (hd as f32).powf(-0.5),
             };
-            g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
-            g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
+            match q8.as_mut() {
+                Some((_, aa)) => {
+                    g.attention_q8(&b.q, &l.kc, &l.vc, &p, None, aa)?;
+                    g.matmul_many_a8(aa, &[&l.wo], &mut [&mut b.o])?;
+                }
+                None => {
+                    g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
+                    g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
+                }
+            }
             if fused {
                 // Residual add + the next RMSNorm in one launch (same bits as the two ops);
                 // SiLU * up inside the down projection's x quantizer (Q8_0A8).
-                g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
-                g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
+                let gu = [&l.wg, &l.wu];
+                let mut gu_out = [&mut b.gate, &mut b.up];
+                match q8.as_mut() {
+                    Some((xa, _)) => {
+                        g.add_rms_norm_q8(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, None, xa)?;
+                        g.matmul_many_a8(xa, &gu, &mut gu_out)?;
+                    }
+                    None => {
+                        g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
+                        g.matmul_many(&b.x, rows, &gu, &mut gu_out)?;
+                    }
+                }
                 g.matmul_silu_mul(&b.gate, &b.up, &mut b.act, rows, &l.wd, &mut b.o)?;
-                g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?;
+                // The next layer's ln1 (q8), or the final norm (f32: the lm_head's input).
+                match q8.as_mut().filter(|_| li + 1 < nl) {
+                    Some((xa, _)) => {
+                        g.add_rms_norm_q8(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, None, xa)?
+                    }
+                    None => {
+                        g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?
+                    }
+                }
             } else {
                 g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
                 g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
@@ -909,6 +974,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         for &f in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fused = !a.unfused;
+            m.q8_fused = !a.no_q8_fused;
             let mut b = m.bufs(&g, s.block)?;
             for &ctx in &ctxs {
                 let t = time_forward(&g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
@@ -1098,7 +1164,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
     // evict-first hint), `+nopdl` (no programmatic dependent launch of quantizer + matmul), `+asN`
-    // (attention split of N keys), `+att=NAME` (attention kernel).
+    // (attention split of N keys), `+att=NAME` (attention kernel), `+noq8` (the quantizer
+    // launches instead of the q8 producers).
     struct Config {
         name: String,
         kernel: A8Kernel,
@@ -1106,6 +1173,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         pdl: bool,
         attn_split: Option<usize>,
         attn: AttnKernel,
+        q8_fused: bool,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1118,12 +1186,15 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 pdl: true,
                 attn_split: a.attn_split,
                 attn: parse_attn_kernel(&a.attn_kernel)?,
+                q8_fused: !a.no_q8_fused,
             };
             for opt in it {
                 if opt == "noef" {
                     cfg.evict_first = false;
                 } else if opt == "nopdl" {
                     cfg.pdl = false;
+                } else if opt == "noq8" {
+                    cfg.q8_fused = false;
                 } else if let Some(n) = opt.strip_prefix("as") {
                     cfg.attn_split = Some(n.parse()?);
                 } else if let Some(n) = opt.strip_prefix("att=") {
@@ -1220,6 +1291,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_a8_pdl(c.pdl);
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
+                    m.q8_fused = c.q8_fused;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }
