@@ -427,8 +427,12 @@ impl Cuda {
                 drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             )? as usize,
         };
+        // Cluster launch (the q8 norms): sm_90+ and the driver says so (a driver that does not
+        // know the attribute: no clusters, one block per row).
         let cluster = major >= 9
-            && ctx.attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)? != 0;
+            && ctx
+                .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)
+                .is_ok_and(|v| v != 0);
         Ok(Cuda {
             reg: Registry::new(ctx.clone(), arch),
             ctx,

@@ -859,6 +859,34 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         let ms = time_graph(g, iters, || Ok(g.rms_norm(&x, &w, dim, 1e-6, &mut o)?))?;
         md += &format!("| rms_norm dim {dim} | {rows} | {ms:.4} | - | - |\n");
     }
+    // The q8 producers of the q8_0a8 step against the norm + quantizer they replace.
+    for dim in [4096usize, 5120] {
+        let rows = 16;
+        let (h0, o) = (
+            g.random_buf(rows * dim, 6, 1.0)?,
+            g.random_buf(rows * dim, 7, 0.1)?,
+        );
+        let w = g.random_buf(dim, 8, 1.0)?;
+        let mut h = g.random_buf(rows * dim, 6, 1.0)?;
+        let mut y = g.zeros(rows * dim)?;
+        let mut act = g.a8_act(rows, dim)?;
+        let ms = time_graph(g, iters, || {
+            g.copy(&h0, 0, &mut h, 0, rows * dim)?;
+            g.add_rms_norm(&mut h, &o, &w, rows, dim, 1e-6, &mut y)?;
+            Ok(g.a8_quantize(&y, &mut act)?)
+        })?;
+        md += &format!(
+            "| copy + add_rms_norm + a8 quantizer dim {dim} | {rows} | {ms:.4} | - | - |\n"
+        );
+        let ms = time_graph(g, iters, || {
+            g.copy(&h0, 0, &mut h, 0, rows * dim)?;
+            Ok(g.add_rms_norm_q8(&mut h, &o, &w, rows, dim, 1e-6, None, &mut act)?)
+        })?;
+        md += &format!(
+            "| copy + add_rms_norm_q8 dim {dim} (cluster {:?}) | {rows} | {ms:.4} | - | - |\n",
+            g.norm_q8_cluster(dim)
+        );
+    }
     Ok(md)
 }
 
