@@ -805,6 +805,9 @@ fn a8_matmul_many_a8_equals_matmul_many_bit_for_bit() {
             let mut act = poisoned_act(g, rows, k, 11);
             g.rms_norm_q8(&xg, &wn, rows, k, 1e-6, Some(&mut y), &mut act)
                 .expect("rms_norm_q8");
+            for b in want.iter_mut().chain(got.iter_mut()) {
+                g.fill(b, f32::NAN).expect("poison");
+            }
             let mut refs: Vec<_> = want.iter_mut().collect();
             g.matmul_many(&y, rows, &ws, &mut refs)
                 .expect("matmul_many");
