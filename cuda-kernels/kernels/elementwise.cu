@@ -145,9 +145,10 @@ __device__ __forceinline__ void norm_q8(float *__restrict__ h, const float *__re
             tot = r == 0 ? p : tot + p;
         }
         ss = tot;
-        // This block is done reading the others' shared memory; it waits for the others
-        // (below, before exiting) so that its own `part` stays alive while they read it.
-        asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+        // This block is done reading the others' shared memory (release: the reads complete
+        // before the arrival); it waits for the others (below, before exiting) so that its own
+        // `part` stays alive while they read it.
+        asm volatile("barrier.cluster.arrive.release;" ::: "memory");
     }
 #else
     if (C > 1) __trap();  // no clusters before sm_90 (the host never asks for them there)
@@ -165,7 +166,7 @@ __device__ __forceinline__ void norm_q8(float *__restrict__ h, const float *__re
     }
     if (rank == C - 1) a8_zero_pad(tok, dim / 32, KBp, NT, xq, xd);
 #if __CUDA_ARCH__ >= 900
-    if (C > 1) asm volatile("barrier.cluster.wait;" ::: "memory");
+    if (C > 1) asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 #endif
 }
 
