@@ -78,6 +78,112 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__re
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// RMSNorm (optionally after the residual add) writing its output straight as a Q8_0A8
+// activation (the layout and arithmetic of a8_store_block, prelude.cuh): the bytes of
+// a8_quant_x run on the f32 output y, with no quantizer launch.
+//
+// A row is split over a thread-block CLUSTER of C blocks (C = 1, 2, 4, 8; host side
+// norm_q8_shape in backend.rs): block `rank` = blockIdx.x % C (its %cluster_ctarank in a 1-D
+// cluster) owns the contiguous slice [rank S, rank S + S) of the row, S = dim / C (a multiple of
+// 32: every warp's 32 values are one q8 block), value i of the slice in thread i % blockDim,
+// register i / blockDim (as rms_norm does over a whole row). Each block sums the squares of
+// its slice (rms_norm's fmaf chain and block_sum), parks the partial in shared memory; after
+// a cluster barrier every block reads the C partials through distributed shared memory and
+// adds them in rank order, so all blocks of a row get the same sum and the same inv.
+// y = w * (v * inv) (rms_norm's element step). With C = 1 (and the block size of rms_norm,
+// which the host picks) the sum is rms_norm's exactly, so y is rms_norm's bits; with C > 1
+// the sum of squares is partitioned differently and y is within f32 rounding of rms_norm.
+//
+// The grid is NT*8 rows x C blocks: rows >= T are the padding tokens (their codes and scales
+// are written as zeros, nothing is read), and the block of rank C - 1 of each row also zeroes
+// the padding blocks K/32 .. KBp-1 of its token: every byte of xq / xd is written, as
+// a8_quant_x does. h [T, dim] (add variant: h += o, written back), out [T, dim] f32 (may be
+// null). Cluster instructions are only compiled for sm_90+ and only executed with C > 1 (the
+// host launches C > 1 only on devices with cluster launch).
+template <bool ADD>
+__device__ __forceinline__ void norm_q8(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
+                                        float *__restrict__ out, int T, int dim, float eps, int C, int NT, int KBp,
+                                        u32 *__restrict__ xq, float *__restrict__ xd) {
+    griddep_launch();
+    __shared__ float red[32];
+    __shared__ float part;
+    const int rank = blockIdx.x % C, tok = blockIdx.x / C;
+    const int S = dim / C, nth = blockDim.x, warp = threadIdx.x >> 5;
+    const bool live = tok < T;
+    const long long base = (long long)tok * dim + (long long)rank * S;
+    float v[RMS_MAXV], wv[RMS_MAXV];
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        const int i = threadIdx.x + u * nth;
+        v[u] = live && i < S ? (ADD ? h[base + i] + o[base + i] : h[base + i]) : 0.0f;
+        wv[u] = i < S ? w[rank * S + i] : 0.0f;
+    }
+    if (ADD && live) {
+#pragma unroll
+        for (int u = 0; u < RMS_MAXV; ++u) {
+            const int i = threadIdx.x + u * nth;
+            if (i < S) h[base + i] = v[u];
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) ss = fmaf(v[u], v[u], ss);
+    ss = block_sum(ss, red);
+#if __CUDA_ARCH__ >= 900
+    if (C > 1) {
+        if (threadIdx.x == 0) part = ss;
+        // The partials are written (release) before any block reads them (acquire).
+        asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+        const u32 local = (u32)__cvta_generic_to_shared(&part);
+        float tot = 0.0f;
+        for (int r = 0; r < C; ++r) {
+            u32 remote;
+            float p;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+            asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(p) : "r"(remote) : "memory");
+            tot = r == 0 ? p : tot + p;
+        }
+        ss = tot;
+        // This block is done reading the others' shared memory (release: the reads complete
+        // before the arrival); it waits for the others (below, before exiting) so that its own
+        // `part` stays alive while they read it.
+        asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+    }
+#else
+    if (C > 1) __trap();  // no clusters before sm_90 (the host never asks for them there)
+#endif
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    const int kb0 = rank * S / 32;
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u * nth >= S) break;  // uniform over the block
+        const int i = threadIdx.x + u * nth;
+        const float y = live ? wv[u] * (v[u] * inv) : 0.0f;
+        if (out != nullptr && live && i < S) out[base + i] = y;
+        // i < S is uniform over a warp (S and nth are multiples of 32): whole blocks only.
+        if (u * nth + 32 * warp < S) a8_store_block(y, kb0 + (u * nth >> 5) + warp, tok, NT, xq, xd);
+    }
+    if (rank == C - 1) a8_zero_pad(tok, dim / 32, KBp, NT, xq, xd);
+#if __CUDA_ARCH__ >= 900
+    if (C > 1) asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// rms_norm of x [T, dim] (x is only read) into the Q8_0A8 activation (and out when not null).
+extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ out, int T,
+                                       int dim, float eps, int C, int NT, int KBp, u32 *__restrict__ xq, float *__restrict__ xd) {
+    norm_q8<false>(const_cast<float *>(x), nullptr, w, out, T, dim, eps, C, NT, KBp, xq, xd);
+}
+
+// h += o, then rms_norm(h) into the Q8_0A8 activation (and out when not null); h is
+// add_assign's bits.
+extern "C" __global__ void add_rms_norm_q8(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
+                                           float *__restrict__ out, int T, int dim, float eps, int C, int NT, int KBp,
+                                           u32 *__restrict__ xq, float *__restrict__ xd) {
+    norm_q8<true>(h, o, w, out, T, dim, eps, C, NT, KBp, xq, xd);
+}
+
 // NeoX rotation of one pair (the arithmetic of rope, shared with qk_norm_rope_kv).
 __device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f, float sc, float &o1, float &o2) {
     const float ang = pos * f;

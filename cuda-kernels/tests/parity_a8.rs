@@ -7,13 +7,18 @@
 //!   graph replays too;
 //! * the matmul bit for bit against the CPU backend's Q8_0A8;
 //! * per-row determinism (rows of a 16-row call == the same rows alone), bit for bit;
-//! * `gather_rows` of a Q8_0A8 table == q8_0 dequantization, exactly.
+//! * `gather_rows` of a Q8_0A8 table == q8_0 dequantization, exactly;
+//! * the q8 producers (`rms_norm_q8`, `add_rms_norm_q8`, `attention_q8`): every byte of the
+//!   activation they write (padding included) == the quantizer on their own f32 result, their
+//!   f32 result == the plain op's (bit for bit where the arithmetic is the same, else within
+//!   f32 rounding), and `matmul_many_a8` on such an activation == `matmul_many` on the f32 x.
 
 mod common;
 
 use common::{gpu, poisoned, rand_vec, rng};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, HostData, HostWeight, WeightFormat, A8_CHUNK_BLOCKS};
+use dflash_backend::{AttnParams, Backend, HostData, HostWeight, WeightFormat, A8_CHUNK_BLOCKS};
+use dflash_cuda_kernels::{A8Act, Cuda};
 use dflash_quant::{quantize_q8_0, BlockQ8_0};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -546,4 +551,316 @@ fn a8_graph_replays_match_the_contract() {
     eprintln!(
         "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, auto (PDL off and on, with an L2 prefetch hint) and split apart"
     );
+}
+
+/// The raw bytes of two activations are identical (codes as words, scales as f32 bits,
+/// padding included).
+fn assert_same_act(what: &str, g: &Cuda, got: &A8Act, want: &A8Act) {
+    let (q1, d1) = g.a8_act_raw(got).expect("raw");
+    let (q2, d2) = g.a8_act_raw(want).expect("raw");
+    assert_eq!(q1.len(), q2.len(), "{what}: code words");
+    if let Some(i) = q1.iter().zip(&q2).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: code word {i}: {:#010x} vs quantizer {:#010x}",
+            q1[i], q2[i]
+        );
+    }
+    if let Some(i) = d1
+        .iter()
+        .zip(&d2)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!("{what}: scale {i}: {} vs quantizer {}", d1[i], d2[i]);
+    }
+}
+
+/// `act`'s live blocks == dflash_quant::quantize_q8_0 of the f32 values (an independent
+/// transcription of ggml's quantizer).
+fn assert_act_is_ggml(what: &str, g: &Cuda, act: &A8Act, f32_vals: &[f32]) {
+    let (codes, scales) = g.a8_act_host(act).expect("host");
+    let want = quantize_q8_0(f32_vals).expect("finite");
+    for (i, b) in want.iter().enumerate() {
+        assert_eq!(scales[i], b.d.to_bits(), "{what}: scale of block {i}");
+        assert_eq!(
+            &codes[i * 32..(i + 1) * 32],
+            &b.qs[..],
+            "{what}: codes of block {i}"
+        );
+    }
+}
+
+/// A poisoned activation (garbage codes, NaN scales).
+fn poisoned_act(g: &Cuda, rows: usize, k: usize, seed: u64) -> A8Act {
+    let mut a = g.a8_act(rows, k).expect("act");
+    g.a8_act_poison(&mut a, seed).expect("poison");
+    a
+}
+
+/// The f32 result of a q8 norm against the plain norm: the same bits where the row runs in
+/// one block (cluster size 1, or the two-op fallback), else within f32 rounding (the sum of
+/// squares is split over the cluster's blocks).
+fn assert_norm_f32(what: &str, g: &Cuda, dim: usize, got: &[f32], want: &[f32]) {
+    match g.norm_q8_cluster(dim) {
+        Some(1) | None => assert_bits(what, got, want, dim),
+        Some(c) => {
+            let e = common::rel_err(got, want);
+            eprintln!("{what}: cluster {c}, max rel err {e:.3e} vs the one-block norm");
+            assert!(e <= 2e-6, "{what}: max relative error {e:e} exceeds 2e-6");
+        }
+    }
+}
+
+#[test]
+fn a8_norms_q8_write_the_quantizer_bytes() {
+    let Some(g) = gpu("a8_norms_q8_write_the_quantizer_bytes") else {
+        return;
+    };
+    let mut r = rng("a8_norms_q8_write_the_quantizer_bytes");
+    let eps = 1e-6f32;
+    // 4096 / 5120 / 1024: clusters of 8 on sm_90; 4128 (129 blocks) and 96 (3 blocks, padded
+    // to a stage of 8): one block per row; 8224 (257 blocks): wider than one block -> norm +
+    // quantizer.
+    for &dim in &[4096usize, 5120, 1024, 4128, 96, 8224] {
+        for &rows in &[1usize, 7, 16] {
+            let what = format!(
+                "dim={dim} rows={rows} (cluster {:?})",
+                g.norm_q8_cluster(dim)
+            );
+            let x = spread_x(&mut r, rows, dim);
+            let o = rand_vec(&mut r, rows * dim, 2.0);
+            let w = rand_vec(&mut r, dim, 1.5);
+            let (xg, og, wg) = (
+                g.upload(&x).expect("x"),
+                g.upload(&o).expect("o"),
+                g.upload(&w).expect("w"),
+            );
+
+            // rms_norm_q8: q8 == the quantizer on its own f32 output, every byte.
+            let mut y = poisoned(g, rows * dim);
+            let mut act = poisoned_act(g, rows, dim, 1);
+            g.rms_norm_q8(&xg, &wg, rows, dim, eps, Some(&mut y), &mut act)
+                .expect("rms_norm_q8");
+            let mut want = poisoned_act(g, rows, dim, 2);
+            g.a8_quantize(&y, &mut want).expect("quantize");
+            assert_same_act(&format!("rms_norm_q8 {what}"), g, &act, &want);
+            let yh = g.download(&y).expect("y");
+            assert_act_is_ggml(&format!("rms_norm_q8 {what}"), g, &act, &yh);
+            // Without the f32 output: the same bytes.
+            let mut act_only = poisoned_act(g, rows, dim, 3);
+            g.rms_norm_q8(&xg, &wg, rows, dim, eps, None, &mut act_only)
+                .expect("rms_norm_q8 q8 only");
+            assert_same_act(&format!("rms_norm_q8 (no f32) {what}"), g, &act_only, &act);
+            // f32 against rms_norm.
+            let mut y_ref = poisoned(g, rows * dim);
+            g.rms_norm(&xg, &wg, dim, eps, &mut y_ref)
+                .expect("rms_norm");
+            let y_ref = g.download(&y_ref).expect("y");
+            assert_norm_f32(&format!("rms_norm_q8 f32 {what}"), g, dim, &yh, &y_ref);
+
+            // add_rms_norm_q8: h == add_assign's bits, q8 == the quantizer on its f32 output.
+            let mut h1 = g.upload(&x).expect("h");
+            let mut y = poisoned(g, rows * dim);
+            let mut act = poisoned_act(g, rows, dim, 4);
+            g.add_rms_norm_q8(&mut h1, &og, &wg, rows, dim, eps, Some(&mut y), &mut act)
+                .expect("add_rms_norm_q8");
+            let mut want = poisoned_act(g, rows, dim, 5);
+            g.a8_quantize(&y, &mut want).expect("quantize");
+            assert_same_act(&format!("add_rms_norm_q8 {what}"), g, &act, &want);
+            let yh = g.download(&y).expect("y");
+            assert_act_is_ggml(&format!("add_rms_norm_q8 {what}"), g, &act, &yh);
+            let mut h2 = g.upload(&x).expect("h");
+            let mut y_ref = poisoned(g, rows * dim);
+            g.add_rms_norm(&mut h2, &og, &wg, rows, dim, eps, &mut y_ref)
+                .expect("add_rms_norm");
+            assert_bits(
+                &format!("add_rms_norm_q8 h {what}"),
+                &g.download(&h1).expect("h"),
+                &g.download(&h2).expect("h"),
+                dim,
+            );
+            let y_ref = g.download(&y_ref).expect("y");
+            assert_norm_f32(&format!("add_rms_norm_q8 f32 {what}"), g, dim, &yh, &y_ref);
+            let mut h3 = g.upload(&x).expect("h");
+            let mut act_only = poisoned_act(g, rows, dim, 6);
+            g.add_rms_norm_q8(&mut h3, &og, &wg, rows, dim, eps, None, &mut act_only)
+                .expect("add_rms_norm_q8 q8 only");
+            assert_same_act(
+                &format!("add_rms_norm_q8 (no f32) {what}"),
+                g,
+                &act_only,
+                &act,
+            );
+        }
+        eprintln!(
+            "EXACT rms_norm_q8 / add_rms_norm_q8 dim={dim} (cluster {:?}): q8 == quantizer(f32 out), rows 1/7/16",
+            g.norm_q8_cluster(dim)
+        );
+    }
+    // Shape errors name the operand.
+    let mut act = g.a8_act(4, 64).expect("act");
+    let (xg, wg) = (
+        g.upload(&vec![1.0; 4 * 128]).expect("x"),
+        g.upload(&[1.0; 128]).expect("w"),
+    );
+    let e = g
+        .rms_norm_q8(&xg, &wg, 4, 128, eps, None, &mut act)
+        .expect_err("act of width 64 for dim 128");
+    assert!(e.to_string().contains("act"), "{e}");
+    assert!(g.a8_act(17, 64).is_err() && g.a8_act(4, 48).is_err());
+}
+
+#[test]
+fn a8_attention_q8_writes_the_quantizer_bytes() {
+    let Some(g) = gpu("a8_attention_q8_writes_the_quantizer_bytes") else {
+        return;
+    };
+    let mut r = rng("a8_attention_q8_writes_the_quantizer_bytes");
+    // (n_q, ctx, heads, kv heads, head dim, causal): the drafters' block attention (non-causal,
+    // 32/8 heads of 128), a causal one, head dim 64 and 256, and head dim 48 (no split kernel:
+    // the generic kernel, then the quantizer).
+    let cases = [
+        (16usize, 512usize, 32usize, 8usize, 128usize, false),
+        (7, 2000, 32, 8, 128, false),
+        (1, 300, 32, 8, 128, true),
+        (16, 100, 4, 2, 64, true),
+        (9, 700, 2, 1, 256, false),
+        (5, 40, 2, 1, 48, false),
+    ];
+    for &(nq, ctx, h, hkv, d, causal) in &cases {
+        let nkv = ctx + nq;
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: nkv,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: d,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal,
+            window: None,
+            scale: (d as f32).powf(-0.5),
+        };
+        let what = format!("n_q={nq} n_kv={nkv} heads={h}/{hkv} d={d} causal={causal}");
+        let q = g.upload(&rand_vec(&mut r, nq * h * d, 1.5)).expect("q");
+        let k = g.upload(&rand_vec(&mut r, nkv * hkv * d, 1.5)).expect("k");
+        let v = g.upload(&rand_vec(&mut r, nkv * hkv * d, 1.0)).expect("v");
+        let mut o_ref = poisoned(g, nq * h * d);
+        g.attention(&q, &k, &v, &p, &mut o_ref).expect("attention");
+        let mut o = poisoned(g, nq * h * d);
+        let mut act = poisoned_act(g, nq, h * d, 7);
+        g.attention_q8(&q, &k, &v, &p, Some(&mut o), &mut act)
+            .expect("attention_q8");
+        let (oh, oh_ref) = (g.download(&o).expect("o"), g.download(&o_ref).expect("o"));
+        assert_bits(&format!("attention_q8 f32 {what}"), &oh, &oh_ref, h * d);
+        let mut want = poisoned_act(g, nq, h * d, 8);
+        g.a8_quantize(&o_ref, &mut want).expect("quantize");
+        assert_same_act(&format!("attention_q8 {what}"), g, &act, &want);
+        assert_act_is_ggml(&format!("attention_q8 {what}"), g, &act, &oh_ref);
+        let mut act_only = poisoned_act(g, nq, h * d, 9);
+        g.attention_q8(&q, &k, &v, &p, None, &mut act_only)
+            .expect("attention_q8 q8 only");
+        assert_same_act(&format!("attention_q8 (no f32) {what}"), g, &act_only, &act);
+        eprintln!("EXACT attention_q8 {what}: f32 == attention, q8 == quantizer(f32)");
+    }
+}
+
+#[test]
+fn a8_matmul_many_a8_equals_matmul_many_bit_for_bit() {
+    let Some(g) = gpu("a8_matmul_many_a8_equals_matmul_many_bit_for_bit") else {
+        return;
+    };
+    let mut r = rng("a8_matmul_many_a8_equals_matmul_many_bit_for_bit");
+    // (K, N of each matrix): the 8B q/k/v (3 matrices), one ragged matrix over a K with
+    // padded blocks (1056 = 33 blocks), 3 small ones over K = 96, the 27B o projection.
+    let cases: [(usize, Vec<usize>); 4] = [
+        (4096, vec![4096, 1024, 1024]),
+        (1056, vec![1000]),
+        (96, vec![40, 17, 33]),
+        (4096, vec![5120]),
+    ];
+    for (k, ns) in &cases {
+        let k = *k;
+        let wgs: Vec<_> = ns
+            .iter()
+            .map(|&n| {
+                let wv = rand_vec(&mut r, n * k, 1.0);
+                let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("e");
+                g.upload_weight(&hw).expect("w")
+            })
+            .collect();
+        let ws: Vec<_> = wgs.iter().collect();
+        for &rows in &[1usize, 9, 16] {
+            let x = spread_x(&mut r, rows, k);
+            let xg = g.upload(&x).expect("x");
+            let mut want: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+            let mut refs: Vec<_> = want.iter_mut().collect();
+            g.matmul_many(&xg, rows, &ws, &mut refs)
+                .expect("matmul_many");
+            let mut act = poisoned_act(g, rows, k, 10);
+            g.a8_quantize(&xg, &mut act).expect("quantize");
+            let mut got: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+            let mut refs: Vec<_> = got.iter_mut().collect();
+            g.matmul_many_a8(&act, &ws, &mut refs)
+                .expect("matmul_many_a8");
+            for (i, n) in ns.iter().enumerate() {
+                assert_bits(
+                    &format!("matmul_many_a8 k={k} matrix {i} rows={rows}"),
+                    &g.download(&got[i]).expect("dl"),
+                    &g.download(&want[i]).expect("dl"),
+                    *n,
+                );
+            }
+            // From a q8 producer: rms_norm_q8's activation == matmul_many of its f32 output.
+            let w = rand_vec(&mut r, k, 1.5);
+            let wn = g.upload(&w).expect("w");
+            let mut y = poisoned(g, rows * k);
+            let mut act = poisoned_act(g, rows, k, 11);
+            g.rms_norm_q8(&xg, &wn, rows, k, 1e-6, Some(&mut y), &mut act)
+                .expect("rms_norm_q8");
+            for b in want.iter_mut().chain(got.iter_mut()) {
+                g.fill(b, f32::NAN).expect("poison");
+            }
+            let mut refs: Vec<_> = want.iter_mut().collect();
+            g.matmul_many(&y, rows, &ws, &mut refs)
+                .expect("matmul_many");
+            let mut refs: Vec<_> = got.iter_mut().collect();
+            g.matmul_many_a8(&act, &ws, &mut refs)
+                .expect("matmul_many_a8");
+            for (i, n) in ns.iter().enumerate() {
+                assert_bits(
+                    &format!("rms_norm_q8 -> matmul_many_a8 k={k} matrix {i} rows={rows}"),
+                    &g.download(&got[i]).expect("dl"),
+                    &g.download(&want[i]).expect("dl"),
+                    *n,
+                );
+            }
+        }
+        eprintln!("EXACT matmul_many_a8 k={k} n={ns:?}: == matmul_many, rows 1/9/16");
+    }
+    // Errors: a weight not in Q8_0A8, a K mismatch, an output too short.
+    let act = g.a8_act(4, 64).expect("act");
+    let wv = rand_vec(&mut r, 8 * 64, 1.0);
+    let bf = g
+        .upload_weight(&HostWeight::from_f32("wb", 8, 64, &wv, WeightFormat::Bf16).expect("e"))
+        .expect("w");
+    let wrong_k = g
+        .upload_weight(
+            &HostWeight::from_f32("wk", 8, 32, &wv[..256], WeightFormat::Q8_0A8).expect("e"),
+        )
+        .expect("w");
+    let ok = g
+        .upload_weight(&HostWeight::from_f32("wo", 8, 64, &wv, WeightFormat::Q8_0A8).expect("e"))
+        .expect("w");
+    let mut out = poisoned(g, 4 * 8);
+    let mut short = poisoned(g, 4 * 8 - 1);
+    for (w, o, what) in [
+        (&bf, &mut out, "Q8_0A8"),
+        (&wrong_k, &mut poisoned(g, 32), "columns"),
+        (&ok, &mut short, "out"),
+    ] {
+        let e = g
+            .matmul_many_a8(&act, &[w], &mut [o])
+            .expect_err("a bad operand");
+        assert!(e.to_string().contains(what), "{what}: {e}");
+    }
 }
