@@ -251,22 +251,10 @@ ATTN(256)
 // unchanged (exactly as skipping them), so the result does not depend on how many such splits
 // follow (decode == verify). Latency: the first ATT_CMB_PRE partial outputs are loaded while
 // the (m, l) of all splits are (one round trip for both); the rest in unrolled batches.
-// out may be null. With xq != null (D % 32 == 0, blockDim = D) the block also writes its D
-// values as the Q8_0A8 activation of token i = row / H, blocks (h D + 32 w) / 32 (warp w;
-// h = row % H, K = H D; a8_store_block in prelude.cuh: the bytes of a8_quant_x on out); the
-// grid then has NT*8*H blocks: those past rows_total write the padding tokens' zeros, and the
-// block of head H - 1 of each token zeroes its padding blocks K/32 .. KBp-1.
 #define ATT_CMB_TILE 256
 #define ATT_CMB_PRE 16
-extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out,
-                                        int H, int NT, int KBp, u32 *xq, float *xd) {
+extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
     griddep_launch();
-    if (xq != nullptr && (long long)blockIdx.x >= rows_total) {  // a padding token: zeros
-        const int i = blockIdx.x / H, h = blockIdx.x % H, kb = H * D / 32;
-        a8_store_block(0.0f, (h * D >> 5) + (threadIdx.x >> 5), i, NT, xq, xd);
-        if (h == H - 1) a8_zero_pad(i, kb, KBp, NT, xq, xd);
-        return;
-    }
     __shared__ float red[32];
     __shared__ float w_s[ATT_CMB_TILE];
     __shared__ float l_s[ATT_CMB_TILE];
@@ -338,13 +326,7 @@ extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, i
             }
         }
     }
-    const float y = L > 0.0f ? acc / L : 0.0f;
-    if (col && out != nullptr) out[row * D + tid] = y;
-    if (xq != nullptr) {
-        const int i = (int)(row / H), h = (int)(row % H);
-        a8_store_block(y, (h * D >> 5) + warp, i, NT, xq, xd);
-        if (h == H - 1) a8_zero_pad(i, H * D / 32, KBp, NT, xq, xd);
-    }
+    if (col) out[row * D + tid] = L > 0.0f ? acc / L : 0.0f;
 }
 
 // Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),

@@ -296,9 +296,20 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
 // the CPU transcription and independent of the row count and of the launch shape.
 #define A8_CB 32
 
+// f32 -> f16 bits, round to nearest even (ggml's GGML_FP32_TO_FP16 on F16C machines).
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
 // x [T, K] f32 -> q8_0 codes in mma B-fragment order + f32 scales (the f16 value), padded
-// to NT*8 tokens and KBp blocks with zeros (the layout and arithmetic of a8_store_block in
-// prelude.cuh, byte-exact with dflash_quant::quantize_q8_0).
+// to NT*8 tokens and KBp blocks with zeros:
+//   xq[((b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = codes k = 16h + 4t .. +3
+//   xd[b * NT * 8 + tok]
+// Byte-exact with dflash_quant::quantize_q8_0 (ggml quantize_row_q8_0_ref) for finite x:
+// d = amax / 127, id = d != 0 ? 1 / d : 0 (an infinite id gives the codes of id = 0, as on
+// x86), q = roundf(x * id), stored d = f16(d).
 // With up != nullptr the quantized x is silu(x) * up (silu_mul's arithmetic, same bits).
 extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *__restrict__ up, int T, int K, int NT, int KBp,
                                       u32 *__restrict__ xq, float *__restrict__ xd) {
@@ -313,7 +324,18 @@ extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *
     const bool live = tok < T && b < K / 32;
     const long long xi = (long long)tok * K + b * 32 + lane;
     const float v = live ? (up != nullptr ? silu_f(x[xi]) * up[xi] : x[xi]) : 0.0f;
-    a8_store_block(v, b, tok, NT, xq, xd);
+    const float amax = warp_max(fabsf(v));  // finite x: the max is order-independent
+    const float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
+    const u32 q = (u32)((int)roundf(__fmul_rn(v, id))) & 0xffu;
+    const u32 w = q | (__shfl_down_sync(0xffffffffu, q, 1) << 8) | (__shfl_down_sync(0xffffffffu, q, 2) << 16) |
+                  (__shfl_down_sync(0xffffffffu, q, 3) << 24);
+    if ((lane & 3) == 0) {
+        const int t = (lane & 15) >> 2, h = lane >> 4;
+        xq[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = w;
+    }
+    if (lane == 0) xd[(long long)b * ntok + tok] = f16_to_f32(f32_to_f16_bits(d));
 }
 
 __device__ __forceinline__ u32 smem_addr(const void *p) {

@@ -137,73 +137,6 @@ fn a8_kbp(cols: usize) -> usize {
     (cols / 32).div_ceil(A8_KC) * A8_KC
 }
 
-/// (token groups of 8, padded blocks) of a Q8_0A8 activation of `rows` (1..=16) rows of width
-/// `k` (a positive multiple of 32), or an error naming `op`.
-fn a8_dims(op: &'static str, rows: usize, k: usize) -> Result<(usize, usize)> {
-    if rows == 0 || rows > SKINNY_ROWS || k == 0 || !k.is_multiple_of(32) {
-        return Err(BackendError::Invalid {
-            op,
-            msg: format!(
-                "a Q8_0A8 activation needs 1..={SKINNY_ROWS} rows and a width that is a positive multiple of 32, found {rows} rows of width {k}"
-            ),
-        });
-    }
-    Ok((if rows > 8 { 2 } else { 1 }, a8_kbp(k)))
-}
-
-/// A Q8_0A8 activation owned by the caller: `rows` (1..=16) rows of width `k` (a multiple of
-/// 32) quantized to q8_0 (ggml's bytes) in the int8 mma B-fragment layout the Q8_0A8 matmul
-/// reads: `xq[((b * nt + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h]` = the u32 of codes
-/// `16h + 4t .. +3` of block `b` of token `tok`, `xd[b * nt * 8 + tok]` = its f16 scale as f32;
-/// tokens padded to `nt * 8`, blocks to `kbp` ([`a8_kbp`]), with zeros. Every producer
-/// ([`Cuda::a8_quantize`], [`Cuda::rms_norm_q8`], [`Cuda::add_rms_norm_q8`],
-/// [`Cuda::attention_q8`]) writes every byte, padding included: the bytes of the quantizer
-/// `a8_quant_x` run on the producer's f32 result. Read by [`Cuda::matmul_many_a8`].
-pub struct A8Act {
-    xq: CudaSlice<u32>,
-    xd: CudaSlice<f32>,
-    rows: usize,
-    k: usize,
-    nt: usize,
-    kbp: usize,
-}
-
-impl A8Act {
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-    pub fn k(&self) -> usize {
-        self.k
-    }
-    /// The error of an operation on `rows` rows of width `k` with this activation.
-    fn expect(&self, op: &'static str, rows: usize, k: usize) -> Result<()> {
-        if self.rows != rows || self.k != k {
-            return Err(BackendError::Invalid {
-                op,
-                msg: format!(
-                    "operand `act` holds {} rows of width {}, expected {rows} rows of width {k}",
-                    self.rows, self.k
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// (cluster size C, threads per block) of `rms_norm_q8` / `add_rms_norm_q8` (elementwise.cu)
-/// for rows of `dim` (a multiple of 32), or `None` (the row does not fit one block's
-/// registers: the caller runs the norm and the quantizer). C is the largest of 8, 4, 2 with
-/// `dim % (32 C) == 0` where the device launches clusters, else 1; the block size is
-/// rms_norm's for the slice `dim / C` (so with C = 1 the f32 output is rms_norm's bits), which
-/// holds at most 32 values per thread. From `dim` and the device only (per-row determinism).
-fn norm_q8_shape(dim: usize, cluster: bool) -> Option<(usize, u32)> {
-    let c = [8usize, 4, 2, 1]
-        .into_iter()
-        .find(|&c| (c == 1 || cluster) && dim.is_multiple_of(32 * c))?;
-    let threads = norm_threads(dim / c);
-    (dim > 0 && dim.is_multiple_of(32) && dim / c <= 32 * threads as usize).then_some((c, threads))
-}
-
 /// Shared memory of one Q8_0A8 matmul block: `nt` token groups of 8, `w` warps.
 fn a8_smem_bytes(nt: usize, w: usize) -> usize {
     a8_stages(w) * (A8_KC * nt * 288 + w * A8_KC * 544)
@@ -306,8 +239,6 @@ struct Scratch {
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
     a8_ws: Option<CudaSlice<f32>>,
-    /// f32 values of the Q8_0A8 producers' fallbacks (quantized from here).
-    q8_tmp: Option<CudaSlice<f32>>,
 }
 
 fn ensure<T: DeviceRepr + ValidAsZeroBits>(
@@ -331,8 +262,6 @@ pub struct Cuda {
     reg: Registry,
     num_sms: usize,
     smem: SmemLimits,
-    /// Thread-block clusters can be launched (sm_90+ with the driver's cluster launch).
-    cluster: bool,
     opts: CudaOptions,
     scratch: Mutex<Scratch>,
     rope_cache: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
@@ -430,12 +359,6 @@ impl Cuda {
                 drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             )? as usize,
         };
-        // Cluster launch (the q8 norms): sm_90+ and the driver says so (a driver that does not
-        // know the attribute: no clusters, one block per row).
-        let cluster = major >= 9
-            && ctx
-                .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)
-                .is_ok_and(|v| v != 0);
         Ok(Cuda {
             reg: Registry::new(ctx.clone(), arch),
             ctx,
@@ -443,7 +366,6 @@ impl Cuda {
             pf_stream,
             num_sms,
             smem,
-            cluster,
             opts,
             scratch: Mutex::new(Scratch {
                 mm_ws: None,
@@ -459,7 +381,6 @@ impl Cuda {
                 a8_q: None,
                 a8_d: None,
                 a8_ws: None,
-                q8_tmp: None,
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
@@ -998,9 +919,11 @@ impl Cuda {
         Ok(())
     }
 
-    /// Q8_0A8: quantize x (q8_0, ggml's bytes) once into the mma B-fragment layout (the
-    /// scratch activation), then one int8 tensor-core launch over up to 3 matrices of the same
-    /// K ([`Cuda::a8_mma`]).
+    /// Q8_0A8: quantize x (q8_0, ggml's bytes) once into the mma B-fragment layout, then one
+    /// int8 tensor-core launch over up to 3 matrices of the same K (`mats`: codes, scales,
+    /// output rows N, output view). The kernel and its launch shape come from (N, K, SM count)
+    /// only, and every choice gives the contract's bits (per-chunk chains, chunk sums added in
+    /// order).
     fn matmul_a8(
         &self,
         x: &cudarc::driver::CudaView<'_, f32>,
@@ -1009,78 +932,17 @@ impl Cuda {
         k: usize,
         mats: &mut [A8Launch<'_, '_>],
     ) -> Result<()> {
-        let (nt, kbp) = a8_dims("matmul", rows, k)?;
-        let mut s = lock(&self.scratch);
-        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
-        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-        let Scratch {
-            a8_q, a8_d, a8_ws, ..
-        } = &mut *s;
-        let (xq, xd) = (
-            a8_q.as_mut().ok_or_else(internal)?,
-            a8_d.as_mut().ok_or_else(internal)?,
-        );
-        self.a8_quant_launch(x, up, rows, k, xq, xd)?;
-        self.a8_mma(xq, xd, rows, k, mats, a8_ws)
-    }
-
-    /// The Q8_0A8 activation quantizer (`a8_quant_x`): `rows` rows of `x` (of `silu(x) * up`
-    /// with `up`), width `k`, into `xq` / `xd` in the layout of [`A8Act`], padding included.
-    #[allow(clippy::too_many_arguments)]
-    fn a8_quant_launch(
-        &self,
-        x: &cudarc::driver::CudaView<'_, f32>,
-        up: Option<&cudarc::driver::CudaView<'_, f32>>,
-        rows: usize,
-        k: usize,
-        xq: &mut CudaSlice<u32>,
-        xd: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let (nt, kbp) = a8_dims("a8_quantize", rows, k)?;
-        let fq = self.func(Kernel::A8QuantX)?;
-        let st = &*self.stream;
-        let mut a = RawArgs::default();
-        a.dptr(x, st);
-        match up {
-            Some(u) => a.dptr(u, st),
-            None => a.u64(0),
-        };
-        a.i32(rows as i32)
-            .i32(i32_of("a8_quantize", "k", k)?)
-            .i32(nt as i32)
-            .i32(i32_of("a8_quantize", "k", kbp)?)
-            .dptr_mut(xq, st)
-            .dptr_mut(xd, st);
-        // SAFETY: the parameters are a8_quant_x's (x, up, T, K, NT, KBp, xq, xd).
-        unsafe {
-            a.launch(
-                st,
-                &fq,
-                grid_1d(kbp * nt * 8 * 32, 256),
-                *lock(&self.a8_pdl),
-            )
+        if !k.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op: "matmul",
+                msg: format!("Q8_0A8 needs cols % 32 == 0, found {k}"),
+            });
         }
-    }
-
-    /// The Q8_0A8 matmul of an activation already quantized (`xq` / `xd`: `rows` rows of width
-    /// `k` in the layout of [`A8Act`]): one int8 tensor-core launch over up to 3 matrices of
-    /// the same K (`mats`: codes, scales, output rows N, output view; `ws_slot`: the scratch
-    /// of the split-across-blocks kernel). The kernel and its launch shape come from (N, K,
-    /// SM count) only, and every choice gives the contract's bits (per-chunk chains, chunk
-    /// sums added in order).
-    fn a8_mma(
-        &self,
-        xq: &CudaSlice<u32>,
-        xd: &CudaSlice<f32>,
-        rows: usize,
-        k: usize,
-        mats: &mut [A8Launch<'_, '_>],
-        ws_slot: &mut Option<CudaSlice<f32>>,
-    ) -> Result<()> {
-        let (nt, _) = a8_dims("matmul", rows, k)?;
-        if mats.is_empty() || mats.len() > 3 {
+        if mats.is_empty() || mats.len() > 3 || rows == 0 || rows > SKINNY_ROWS {
             return Err(internal());
         }
+        let nt = if rows > 8 { 2 } else { 1 };
+        let kbp = a8_kbp(k);
         let nch = (k / 32).div_ceil(A8_CB).max(1);
         let sms = self.num_sms.max(1);
         let tiles: Vec<usize> = mats.iter().map(|m| m.n.div_ceil(16)).collect();
@@ -1172,16 +1034,41 @@ impl Cuda {
             }
         };
         let f = self.func_smem(kern, smem)?;
+        let fq = self.func(Kernel::A8QuantX)?;
         // SplitApart: per matrix, the chunk sums [chunk][tile][token group][128].
         let groups: Vec<usize> = tiles.iter().map(|t| t.div_ceil(w)).collect();
         let ws_len: Vec<usize> = tiles.iter().map(|t| nch * t * nt * 128).collect();
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
         if rounds_apart > 0 {
-            ensure(&self.stream, ws_slot, ws_len.iter().sum()).map_err(dev)?;
+            ensure(&self.stream, &mut s.a8_ws, ws_len.iter().sum()).map_err(dev)?;
         }
+        let Scratch {
+            a8_q, a8_d, a8_ws, ..
+        } = &mut *s;
+        let (xq, xd) = (
+            a8_q.as_mut().ok_or_else(internal)?,
+            a8_d.as_mut().ok_or_else(internal)?,
+        );
         let (k_i, t_i) = (i32_of("matmul", "w.cols", k)?, rows as i32);
-        let nt_i = nt as i32;
+        let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
         let pdl = *lock(&self.a8_pdl);
         let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(x, st);
+        match up {
+            Some(u) => a.dptr(u, st),
+            None => a.u64(0),
+        };
+        a.i32(t_i)
+            .i32(k_i)
+            .i32(nt_i)
+            .i32(kbp_i)
+            .dptr_mut(&mut *xq, st)
+            .dptr_mut(&mut *xd, st);
+        // SAFETY: the parameters are a8_quant_x's (x, up, T, K, NT, KBp, xq, xd).
+        unsafe { a.launch(st, &fq, grid_1d(kbp * nt * 8 * 32, 256), pdl) }?;
         let mut ns = [0i32; 3];
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
             *slot = i32_of("matmul", "w.rows", m.n)?;
@@ -1212,14 +1099,14 @@ impl Cuda {
             }
             a.i32(c1_i)
                 .i32(c2_i)
-                .dptr(xq, st)
-                .dptr(xd, st)
+                .dptr(&*xq, st)
+                .dptr(&*xd, st)
                 .i32(k_i)
                 .i32(t_i);
             a.i32(i32::from(*lock(&self.a8_evict_first)));
             if is_split {
                 a.i32(i32_of("matmul", "rounds", rounds_apart)?);
-                match ws_slot.as_mut() {
+                match a8_ws.as_mut() {
                     Some(ws) if rounds_apart > 0 => a.dptr_mut(&mut *ws, st),
                     _ => a.u64(0),
                 };
@@ -1239,7 +1126,7 @@ impl Cuda {
         }
         if rounds_apart > 0 {
             let fs = self.func(Kernel::A8Sum)?;
-            let ws = ws_slot.as_mut().ok_or_else(internal)?;
+            let ws = a8_ws.as_mut().ok_or_else(internal)?;
             let total: usize = mats.iter().map(|m| rows * m.n).sum();
             let mut b = self.stream.launch_builder(&fs);
             let (first, rest) = mats.split_first_mut().ok_or_else(internal)?;
@@ -1250,7 +1137,7 @@ impl Cuda {
                 pushed += 1;
             }
             for n_unused in &ns[pushed..] {
-                b.arg(xd).arg(n_unused);
+                b.arg(&*xd).arg(n_unused);
             }
             b.arg(&*ws)
                 .arg(&wso1)
@@ -1354,247 +1241,6 @@ impl Cuda {
             r0 += t;
         }
         Ok(())
-    }
-
-    /// [`Backend::matmul_many`] (Q8_0A8 weights only) on an activation already quantized:
-    /// `outs[i] = x W_i^T` for the `act.rows()` rows that `act` holds, one int8 tensor-core
-    /// launch for up to 3 matrices of K = `act.k()`, no quantizer launch. The bits of
-    /// `matmul_many` on the f32 x that `act` was quantized from (the same kernel on the same
-    /// bytes). Errors: 0 or more than 3 weights, as many outputs as weights, a weight not in
-    /// Q8_0A8, a weight whose cols are not `act.k()`, an output shorter than `rows * w.rows`.
-    pub fn matmul_many_a8(
-        &self,
-        act: &A8Act,
-        ws: &[&Weight<Self>],
-        outs: &mut [&mut CudaBuf],
-    ) -> Result<()> {
-        let op = "matmul_many_a8";
-        if ws.is_empty() || ws.len() > 3 || ws.len() != outs.len() {
-            return Err(BackendError::Invalid {
-                op,
-                msg: format!(
-                    "{} weights and {} outputs: expected 1 to 3 of each, as many outputs as weights",
-                    ws.len(),
-                    outs.len()
-                ),
-            });
-        }
-        let rows = act.rows;
-        let mut mats = Vec::with_capacity(3);
-        for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-            let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
-                return Err(BackendError::Invalid {
-                    op,
-                    msg: format!("weight {i} ({}) is {:?}, expected Q8_0A8", w.name, w.format),
-                });
-            };
-            if w.cols != act.k || w.rows == 0 {
-                return Err(BackendError::Invalid {
-                    op,
-                    msg: format!(
-                        "weight {i} ({}) is {} x {}, expected {} columns (act.k) and at least one row",
-                        w.name, w.rows, w.cols, act.k
-                    ),
-                });
-            }
-            check(op, "out", rows * w.rows, o.len)?;
-            mats.push(A8Launch {
-                qs,
-                d,
-                n: w.rows,
-                out: o.data.slice_mut(0..rows * w.rows),
-            });
-        }
-        let mut s = lock(&self.scratch);
-        self.a8_mma(&act.xq, &act.xd, rows, act.k, &mut mats, &mut s.a8_ws)
-    }
-
-    /// The cluster size of [`Cuda::rms_norm_q8`] / [`Cuda::add_rms_norm_q8`] for rows of
-    /// `dim` on this device (1: one block per row), or `None` where they run the norm and the
-    /// quantizer as two launches (rows wider than one block's registers).
-    pub fn norm_q8_cluster(&self, dim: usize) -> Option<usize> {
-        norm_q8_shape(dim, self.cluster).map(|(c, _)| c)
-    }
-
-    /// `rms_norm` of the first `rows` rows of `x` (width `dim`) written straight into the
-    /// Q8_0A8 activation `act` (`rows` x `dim`), and into `out` as f32 when given. The q8 bytes
-    /// are those of [`Cuda::a8_quantize`] on this op's f32 result (one launch instead of two).
-    /// The f32 result is `rms_norm`'s bits where the row runs in one block (cluster size 1,
-    /// [`Cuda::norm_q8_cluster`]: devices before sm_90, widths not a multiple of 64); with a
-    /// cluster of C blocks per row (sm_90, C = 8 / 4 / 2) the sum of squares is partitioned
-    /// differently (C slices, their partial sums added in order), so it is within f32 rounding
-    /// of `rms_norm`, not bit-identical. Per-row deterministic (the shape depends on `dim` and
-    /// the device only). Rows wider than one block's registers run `rms_norm` + the quantizer.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_q8(
-        &self,
-        x: &CudaBuf,
-        w: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: Option<&mut CudaBuf>,
-        act: &mut A8Act,
-    ) -> Result<()> {
-        let op = "rms_norm_q8";
-        act.expect(op, rows, dim)?;
-        check(op, "x", rows * dim, x.len)?;
-        self.norm_q8(op, NormIn::X(x), None, w, rows, dim, eps, out, act)
-    }
-
-    /// Residual add + RMSNorm into a Q8_0A8 activation: `h += o` (the first `rows * dim`
-    /// values, add_assign's bits), then [`Cuda::rms_norm_q8`] of `h` (the same contract: q8
-    /// bytes = the quantizer on the f32 result; the f32 result, into `out` when given, is
-    /// `add_rms_norm`'s bits with cluster size 1 and within f32 rounding of it otherwise).
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm_q8(
-        &self,
-        h: &mut CudaBuf,
-        o: &CudaBuf,
-        w: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: Option<&mut CudaBuf>,
-        act: &mut A8Act,
-    ) -> Result<()> {
-        let op = "add_rms_norm_q8";
-        act.expect(op, rows, dim)?;
-        check(op, "h", rows * dim, h.len)?;
-        check(op, "o", rows * dim, o.len)?;
-        self.norm_q8(op, NormIn::H(h), Some(o), w, rows, dim, eps, out, act)
-    }
-
-    /// The two q8 norms (shapes checked by the callers).
-    #[allow(clippy::too_many_arguments)]
-    fn norm_q8(
-        &self,
-        op: &'static str,
-        x: NormIn<'_>,
-        o: Option<&CudaBuf>,
-        w: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: Option<&mut CudaBuf>,
-        act: &mut A8Act,
-    ) -> Result<()> {
-        check(op, "w", dim, w.len)?;
-        let n = rows * dim;
-        if let Some(o) = &out {
-            check(op, "out", n, o.len)?;
-        }
-        let Some((c, threads)) = norm_q8_shape(dim, self.cluster) else {
-            // Too wide for one block: the add (if any), rms_norm, then the quantizer.
-            let x = match (x, o) {
-                (NormIn::H(h), Some(o)) => {
-                    self.add_assign(h, 0, o, n)?;
-                    &*h
-                }
-                (NormIn::H(h), None) => &*h,
-                (NormIn::X(x), _) => x,
-            };
-            let mut run = |dst: &mut CudaBuf| -> Result<()> {
-                self.rms_norm_rows(x, w, rows, dim, eps, dst)?;
-                self.a8_quantize(dst, act)
-            };
-            return match out {
-                Some(dst) => run(dst),
-                None => self.with_q8_tmp(n, run),
-            };
-        };
-        let (kern, st) = (
-            if o.is_some() {
-                Kernel::AddRmsNormQ8
-            } else {
-                Kernel::RmsNormQ8
-            },
-            &*self.stream,
-        );
-        let f = self.func(kern)?;
-        let mut a = RawArgs::default();
-        match x {
-            NormIn::X(x) => a.dptr(&x.data, st),
-            NormIn::H(h) => a.dptr_mut(&mut h.data, st),
-        };
-        if let Some(o) = o {
-            a.dptr(&o.data, st);
-        }
-        a.dptr(&w.data, st);
-        match out {
-            Some(dst) => a.dptr_mut(&mut dst.data, st),
-            None => a.u64(0),
-        };
-        a.i32(rows as i32)
-            .i32(i32_of(op, "dim", dim)?)
-            .f32(eps)
-            .i32(c as i32)
-            .i32(act.nt as i32)
-            .i32(i32_of(op, "dim", act.kbp)?)
-            .dptr_mut(&mut act.xq, st)
-            .dptr_mut(&mut act.xd, st);
-        let grid = (act.nt * 8 * c) as u32;
-        // SAFETY: the parameters of rms_norm_q8 (x, w, out, ...) / add_rms_norm_q8 (h, o, w,
-        // out, ...): T, dim, eps, C, NT, KBp, xq, xd; clusters of c blocks (c > 1 only where
-        // the device launches clusters), the grid a multiple of c.
-        unsafe { a.launch_cluster(st, &f, cfg((grid, 1, 1), threads, 0), false, c as u32) }
-    }
-
-    /// rms_norm of the first `rows` rows of `x` into `out` (the `rms_norm` kernel).
-    fn rms_norm_rows(
-        &self,
-        x: &CudaBuf,
-        w: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: &mut CudaBuf,
-    ) -> Result<()> {
-        check("rms_norm", "x", rows * dim, x.len)?;
-        check("rms_norm", "out", rows * dim, out.len)?;
-        let f = self.func(Kernel::RmsNorm)?;
-        let d = i32_of("rms_norm", "dim", dim)?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&x.data)
-            .arg(&w.data)
-            .arg(&mut out.data)
-            .arg(&d)
-            .arg(&eps);
-        unsafe { b.launch(cfg((rows as u32, 1, 1), norm_threads(dim), 0)) }.map_err(dev)?;
-        Ok(())
-    }
-
-    /// Run `f` on a scratch f32 buffer of `n` values (the fallbacks of the q8 producers
-    /// without an f32 output). The scratch is taken out of the lock while `f` runs.
-    fn with_q8_tmp<R>(&self, n: usize, f: impl FnOnce(&mut CudaBuf) -> Result<R>) -> Result<R> {
-        let data = {
-            let mut s = lock(&self.scratch);
-            ensure(&self.stream, &mut s.q8_tmp, n).map_err(dev)?;
-            s.q8_tmp.take().ok_or_else(internal)?
-        };
-        let mut buf = CudaBuf { data, len: n };
-        let r = f(&mut buf);
-        lock(&self.scratch).q8_tmp = Some(buf.data);
-        r
-    }
-
-    /// Attention whose output is written straight into the Q8_0A8 activation `act` (`n_q`
-    /// rows of width `n_heads * head_dim`), and into `out` as f32 when given: the q8 bytes of
-    /// [`Cuda::a8_quantize`] on the f32 result, which is [`Backend::attention`]'s bits (only
-    /// the final combine of the splits also writes the q8; same arithmetic). Where the
-    /// attention does not end in that combine (no split kernel for the head dim, no keys, a
-    /// head dim not a multiple of 32), the f32 result goes to `out` (or a scratch) and the
-    /// quantizer runs after it.
-    pub fn attention_q8(
-        &self,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        p: &AttnParams,
-        out: Option<&mut CudaBuf>,
-        act: &mut A8Act,
-    ) -> Result<()> {
-        self.attention_op(q, k, v, p, out, Some(act))
     }
 
     /// Residual add fused with the following RMSNorm: `h += o` (the first `rows * dim`
@@ -1745,39 +1391,32 @@ impl Cuda {
         rows: usize,
         k: usize,
     ) -> Result<(Vec<i8>, Vec<u16>)> {
-        let mut act = self.a8_act(rows, k)?;
-        self.a8_quantize(x, &mut act)?;
-        self.a8_act_host(&act)
-    }
-
-    /// A zeroed Q8_0A8 activation of `rows` (1..=16) rows of width `k` (a positive multiple
-    /// of 32); see [`A8Act`]. Allocate it before a graph capture.
-    pub fn a8_act(&self, rows: usize, k: usize) -> Result<A8Act> {
-        let (nt, kbp) = a8_dims("a8_act", rows, k)?;
-        Ok(A8Act {
-            xq: self.stream.alloc_zeros::<u32>(kbp * nt * 64).map_err(dev)?,
-            xd: self.stream.alloc_zeros::<f32>(kbp * nt * 8).map_err(dev)?,
-            rows,
-            k,
-            nt,
-            kbp,
-        })
-    }
-
-    /// Quantize the first `act.rows()` rows of `x` (width `act.k()`) into `act` (the
-    /// quantizer of the Q8_0A8 matmul, `a8_quant_x`).
-    pub fn a8_quantize(&self, x: &CudaBuf, act: &mut A8Act) -> Result<()> {
-        let (rows, k) = (act.rows, act.k);
-        check("a8_quantize", "x", rows * k, x.len)?;
-        let xv = x.data.slice(0..rows * k);
-        self.a8_quant_launch(&xv, None, rows, k, &mut act.xq, &mut act.xd)
-    }
-
-    /// Test hook: `act`'s live values as ggml blocks: the codes `[rows, k]` and the f16 scale
-    /// bits `[rows, k / 32]`.
-    pub fn a8_act_host(&self, act: &A8Act) -> Result<(Vec<i8>, Vec<u16>)> {
-        let (q, d) = self.a8_act_raw(act)?;
-        let (rows, k, nt) = (act.rows, act.k, act.nt);
+        check("a8_quantize_rows", "x", rows * k, x.len)?;
+        if rows == 0 || rows > SKINNY_ROWS || !k.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op: "a8_quantize_rows",
+                msg: format!("needs 1..=16 rows and k % 32 == 0, found {rows} rows, k {k}"),
+            });
+        }
+        let nt = if rows > 8 { 2 } else { 1 };
+        let kbp = a8_kbp(k);
+        let mut xq = self.stream.alloc_zeros::<u32>(kbp * nt * 64).map_err(dev)?;
+        let mut xd = self.stream.alloc_zeros::<f32>(kbp * nt * 8).map_err(dev)?;
+        let fq = self.func(Kernel::A8QuantX)?;
+        let (t_i, k_i, nt_i, kbp_i) = (rows as i32, k as i32, nt as i32, kbp as i32);
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(&fq);
+        b.arg(&x.data)
+            .arg(&null)
+            .arg(&t_i)
+            .arg(&k_i)
+            .arg(&nt_i)
+            .arg(&kbp_i)
+            .arg(&mut xq)
+            .arg(&mut xd);
+        unsafe { b.launch(grid_1d(kbp * nt * 8 * 32, 256)) }.map_err(dev)?;
+        let q = self.stream.clone_dtoh(&xq).map_err(dev)?;
+        let d = self.stream.clone_dtoh(&xd).map_err(dev)?;
         let kb = k / 32;
         let mut codes = vec![0i8; rows * k];
         let mut scales = vec![0u16; rows * kb];
@@ -1792,32 +1431,6 @@ impl Cuda {
             }
         }
         Ok((codes, scales))
-    }
-
-    /// Test hook: `act`'s device buffers as they are (codes as u32 words, scales as f32, the
-    /// padding included; the layout on [`A8Act`]).
-    pub fn a8_act_raw(&self, act: &A8Act) -> Result<(Vec<u32>, Vec<f32>)> {
-        Ok((
-            self.stream.clone_dtoh(&act.xq).map_err(dev)?,
-            self.stream.clone_dtoh(&act.xd).map_err(dev)?,
-        ))
-    }
-
-    /// Test hook: fill `act` with garbage (random code words, NaN scales), so that a test can
-    /// see that a producer writes every byte.
-    pub fn a8_act_poison(&self, act: &mut A8Act, seed: u64) -> Result<()> {
-        let (nq, nd) = (act.xq.len(), act.xd.len());
-        let f = self.func(Kernel::FillRandomU32)?;
-        let n64 = nq as i64;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut act.xq).arg(&n64).arg(&seed);
-        unsafe { b.launch(grid_1d(nq, 256)) }.map_err(dev)?;
-        let f = self.func(Kernel::Fill)?;
-        let (n64, nan) = (nd as i64, f32::NAN);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut act.xd).arg(&n64).arg(&nan);
-        unsafe { b.launch(grid_1d(nd, 256)) }.map_err(dev)?;
-        Ok(())
     }
 
     fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
@@ -1954,10 +1567,6 @@ impl RawArgs {
         self.0.push(u64::from(v as u32));
         self
     }
-    fn f32(&mut self, v: f32) -> &mut Self {
-        self.0.push(u64::from(v.to_bits()));
-        self
-    }
     fn i64(&mut self, v: i64) -> &mut Self {
         self.0.push(v as u64);
         self
@@ -1976,48 +1585,17 @@ impl RawArgs {
         c: LaunchConfig,
         pdl: bool,
     ) -> Result<()> {
-        // SAFETY: forwarded (the caller's guarantee).
-        unsafe { self.launch_cluster(st, f, c, pdl, 1) }
-    }
-
-    /// [`RawArgs::launch`] with thread-block clusters of `cluster` blocks along x (`> 1`: the
-    /// grid's x size must be a multiple of it and the device must support cluster launch,
-    /// sm_90+; 1 = no cluster attribute).
-    ///
-    /// # Safety
-    /// The parameters must match `f`'s signature in number, order and size.
-    unsafe fn launch_cluster(
-        &mut self,
-        st: &CudaStream,
-        f: &CudaFunction,
-        c: LaunchConfig,
-        pdl: bool,
-        cluster: u32,
-    ) -> Result<()> {
         st.context().bind_to_thread().map_err(dev)?;
         let mut params: Vec<*mut std::ffi::c_void> = self
             .0
             .iter_mut()
             .map(|b| b as *mut u64 as *mut std::ffi::c_void)
             .collect();
-        // SAFETY: plain C structs; every field used is set below, the rest are valid as zero.
-        let mut attrs: [drv_sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut n_attrs = 0;
-        if pdl {
-            attrs[n_attrs].id =
-                drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
-            n_attrs += 1;
-        }
-        if cluster > 1 {
-            attrs[n_attrs].id = drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n_attrs].value.clusterDim = drv_sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                x: cluster,
-                y: 1,
-                z: 1,
-            };
-            n_attrs += 1;
-        }
+        // SAFETY: a plain C struct; every field is set below or valid as zero.
+        let mut attr: drv_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id =
+            drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let lc = drv_sys::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -2027,15 +1605,11 @@ impl RawArgs {
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
             hStream: st.cu_stream(),
-            attrs: if n_attrs > 0 {
-                attrs.as_mut_ptr()
-            } else {
-                std::ptr::null_mut()
-            },
-            numAttrs: n_attrs as u32,
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(pdl),
         };
         // SAFETY: `params` points at live values matching the kernel's parameters (caller),
-        // `lc` and `attrs` outlive the call.
+        // `lc` and `attr` outlive the call.
         unsafe {
             drv_sys::cuLaunchKernelEx(
                 &lc,
@@ -2047,13 +1621,6 @@ impl RawArgs {
         .result()
         .map_err(dev)
     }
-}
-
-/// The input of the q8 norms: read-only (`rms_norm_q8`) or the residual stream `h` that the
-/// add variant updates.
-enum NormIn<'a> {
-    X(&'a CudaBuf),
-    H(&'a mut CudaBuf),
 }
 
 /// One matrix of a Q8_0A8 launch.
@@ -2471,7 +2038,7 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, Some(out), None)
+        self.attention_op(q, k, v, p, out)
     }
 
     fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {
@@ -2759,41 +2326,9 @@ mod tests {
     //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
     use super::{
-        a8_fit, a8_kbp, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, norm_q8_shape, repack_q4_0,
-        repack_q8_a8, A8Kernel, SmemLimits,
+        a8_fit, a8_kbp, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, repack_q4_0, repack_q8_a8,
+        A8Kernel, SmemLimits,
     };
-
-    /// The q8 norms' launch shape: clusters of 8 for the drafters' widths (slices of whole q8
-    /// blocks, at most 32 values per thread), 1 block per row without cluster launch or for
-    /// widths of an odd number of blocks (rms_norm's block size there), none past one block.
-    #[test]
-    fn norm_q8_shapes() {
-        assert_eq!(norm_q8_shape(4096, true), Some((8, 128)));
-        assert_eq!(norm_q8_shape(5120, true), Some((8, 128)));
-        assert_eq!(norm_q8_shape(1024, true), Some((8, 128)));
-        assert_eq!(norm_q8_shape(96 * 32, true), Some((8, 128)));
-        assert_eq!(norm_q8_shape(64, true), Some((2, 128)));
-        assert_eq!(norm_q8_shape(4096, false), Some((1, 256)));
-        assert_eq!(norm_q8_shape(4128, true), Some((1, 256)));
-        assert_eq!(norm_q8_shape(96, true), Some((1, 128)));
-        assert_eq!(norm_q8_shape(8192, false), Some((1, 256)));
-        assert_eq!(norm_q8_shape(8224, true), None);
-        assert_eq!(norm_q8_shape(65536, true), Some((8, 256)));
-        assert_eq!(norm_q8_shape(100, true), None);
-        assert_eq!(norm_q8_shape(0, true), None);
-        for dim in (32..20000).step_by(32) {
-            for cl in [false, true] {
-                if let Some((c, t)) = norm_q8_shape(dim, cl) {
-                    let slice = dim / c;
-                    assert!(
-                        slice.is_multiple_of(32) && slice <= 32 * t as usize,
-                        "dim {dim}"
-                    );
-                    assert!(cl || c == 1, "dim {dim}: a cluster without cluster launch");
-                }
-            }
-        }
-    }
 
     fn bf16(bits: u16) -> f32 {
         f32::from_bits((bits as u32) << 16)

@@ -77,8 +77,6 @@ kernels! {
     RmsNorm => (Elementwise, "rms_norm"),
     RmsNormGated => (Elementwise, "rms_norm_gated"),
     AddRmsNorm => (Elementwise, "add_rms_norm"),
-    RmsNormQ8 => (Elementwise, "rms_norm_q8"),
-    AddRmsNormQ8 => (Elementwise, "add_rms_norm_q8"),
     QkNormRopeKv => (Elementwise, "qk_norm_rope_kv"),
     Rope => (Elementwise, "rope"),
     SiluMul => (Elementwise, "silu_mul"),

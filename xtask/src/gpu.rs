@@ -18,7 +18,7 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
-use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Kernel, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -78,11 +78,6 @@ pub struct BenchArgs {
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
-    /// Q8_0A8: the norms and the attention combine feed the matmuls through the quantizer
-    /// launches instead of writing the quantized activation themselves (the default); the
-    /// norms' f32 results then differ in the last bits (cluster-partitioned sums).
-    #[arg(long)]
-    no_q8_fused: bool,
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
@@ -91,8 +86,7 @@ pub struct BenchArgs {
     /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
     /// +pf=SPEC (L2 prefetch, as --l2-prefetch), +skip=LETTERS (timing ablation: launches
     /// left out, letters of nkqaogdl = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up,
-    /// down, lm_head; the step's results are then meaningless), +noq8 (no q8 producers: the
-    /// quantizer launches, as --no-q8-fused).
+    /// down, lm_head; the step's results are then meaningless).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -190,14 +184,6 @@ struct Model {
     /// Launches left out (timing ablations only; the results are then meaningless): letters
     /// of `nkqaogdl` = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up, down, lm_head.
     skip: String,
-    /// With `fused` and Q8_0A8 weights: the norms (but the final one) and the attention write
-    /// the quantized activation of the next matmul themselves (`rms_norm_q8`,
-    /// `add_rms_norm_q8`, `attention_q8` -> `matmul_many_a8`): 15 quantizer launches fewer per
-    /// 5-layer step. The final norm stays f32 (the lm_head takes rows lm_from.. of it through
-    /// a copy, and quantizes them itself). Not the same bits as without: the cluster norms sum
-    /// the squares in another order.
-    q8_fused: bool,
-    fmt: WeightFormat,
     rope: RopeSpec,
 }
 
@@ -251,9 +237,6 @@ struct Bufs {
     logits: CudaBuf,
     toks: CudaSlice<u32>,
     prev: CudaSlice<u32>,
-    /// Q8_0A8 (at most 16 rows): the quantized hidden-size activation (q/k/v and gate/up
-    /// input) and attention output (o input).
-    q8: Option<(A8Act, A8Act)>,
 }
 
 fn ones(g: &Cuda, n: usize) -> Result<CudaBuf> {
@@ -317,8 +300,6 @@ impl Model {
             fused: true,
             prefetch: [0; 5],
             skip: String::new(),
-            q8_fused: true,
-            fmt,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -408,14 +389,6 @@ impl Model {
             logits: g.zeros(rows * s.vocab)?,
             toks: g.upload_ids(&vec![0u32; rows])?,
             prev: g.upload_ids(&[1u32])?,
-            q8: if self.fmt == WeightFormat::Q8_0A8 && rows <= 16 {
-                Some((
-                    g.a8_act(rows, s.hidden)?,
-                    g.a8_act(rows, s.heads * s.head_dim)?,
-                ))
-            } else {
-                None
-            },
         })
     }
 
@@ -437,19 +410,8 @@ impl Model {
         let nl = self.layers.len();
         let skip = self.skip.clone();
         let sk = |c: char| skip.contains(c);
-        // (hidden activation, attention activation) of the q8 producers, when they run.
-        let mut q8 = if fused && self.q8_fused {
-            b.q8.as_mut()
-        } else {
-            None
-        };
         if fused && nl > 0 && !sk('n') {
-            match q8.as_mut() {
-                Some((xa, _)) => {
-                    g.rms_norm_q8(&b.h, &self.layers[0].ln1, rows, s.hidden, eps, None, xa)?
-                }
-                None => g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?,
-            }
+            g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
         }
         let mut cur = (0usize, 0.0f64);
         self.prefetch_at(g, &mut cur, PfPoint::A, 0)?;
@@ -460,15 +422,14 @@ impl Model {
                 g.rms_norm(&b.h, &l.ln1, s.hidden, eps, &mut b.x)?;
             }
             // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
-            // x and one launch for the 3 (2) matrices (with the q8 producers: the launch only);
-            // other formats: separate matmuls.
+            // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
             if !sk('k') {
-                let qkv = [&l.wq, &l.wk, &l.wv];
-                let mut qkv_out = [&mut b.q0, &mut b.k0, &mut b.v];
-                match q8.as_mut() {
-                    Some((xa, _)) => g.matmul_many_a8(xa, &qkv, &mut qkv_out)?,
-                    None => g.matmul_many(&b.x, rows, &qkv, &mut qkv_out)?,
-                }
+                g.matmul_many(
+                    &b.x,
+                    rows,
+                    &[&l.wq, &l.wk, &l.wv],
+                    &mut [&mut b.q0, &mut b.k0, &mut b.v],
+                )?;
             }
             self.prefetch_at(g, &mut cur, PfPoint::B, w0 + 3)?;
             let kvw = s.kv_heads * hd;
@@ -501,50 +462,22 @@ impl Model {
                 window: l.window,
                 scale: (hd as f32).powf(-0.5),
             };
-            match q8.as_mut() {
-                Some((_, aa)) => {
-                    if !sk('a') {
-                        g.attention_q8(&b.q, &l.kc, &l.vc, &p, None, aa)?;
-                    }
-                    if !sk('o') {
-                        g.matmul_many_a8(aa, &[&l.wo], &mut [&mut b.o])?;
-                    }
-                }
-                None => {
-                    if !sk('a') {
-                        g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
-                    }
-                    if !sk('o') {
-                        g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
-                    }
-                }
+            if !sk('a') {
+                g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
+            }
+            if !sk('o') {
+                g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
             }
             self.prefetch_at(g, &mut cur, PfPoint::C, w0 + 4)?;
             let next_norm = self.layers.get(li + 1).map_or(&self.norm, |n| &n.ln1);
             if fused {
                 // Residual add + the next RMSNorm in one launch (same bits as the two ops);
                 // SiLU * up inside the down projection's x quantizer (Q8_0A8).
-                let gu = [&l.wg, &l.wu];
-                let mut gu_out = [&mut b.gate, &mut b.up];
-                match q8.as_mut() {
-                    Some((xa, _)) => {
-                        if !sk('n') {
-                            g.add_rms_norm_q8(
-                                &mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, None, xa,
-                            )?;
-                        }
-                        if !sk('g') {
-                            g.matmul_many_a8(xa, &gu, &mut gu_out)?;
-                        }
-                    }
-                    None => {
-                        if !sk('n') {
-                            g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
-                        }
-                        if !sk('g') {
-                            g.matmul_many(&b.x, rows, &gu, &mut gu_out)?;
-                        }
-                    }
+                if !sk('n') {
+                    g.add_rms_norm(&mut b.h, &b.o, &l.ln2, rows, s.hidden, eps, &mut b.x)?;
+                }
+                if !sk('g') {
+                    g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
                 }
                 self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
                 if !sk('d') {
@@ -565,15 +498,7 @@ impl Model {
             }
             if sk('n') {
             } else if fused {
-                // The next layer's ln1 (q8), or the final norm (f32: the lm_head's input).
-                match q8.as_mut().filter(|_| li + 1 < nl) {
-                    Some((xa, _)) => {
-                        g.add_rms_norm_q8(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, None, xa)?
-                    }
-                    None => {
-                        g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?
-                    }
-                }
+                g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?;
             } else {
                 g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
             }
@@ -998,34 +923,6 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         let ms = time_graph(g, iters, || Ok(g.rms_norm(&x, &w, dim, 1e-6, &mut o)?))?;
         md += &format!("| rms_norm dim {dim} | {rows} | {ms:.4} | - | - |\n");
     }
-    // The q8 producers of the q8_0a8 step against the norm + quantizer they replace.
-    for dim in [4096usize, 5120] {
-        let rows = 16;
-        let (h0, o) = (
-            g.random_buf(rows * dim, 6, 1.0)?,
-            g.random_buf(rows * dim, 7, 0.1)?,
-        );
-        let w = g.random_buf(dim, 8, 1.0)?;
-        let mut h = g.random_buf(rows * dim, 6, 1.0)?;
-        let mut y = g.zeros(rows * dim)?;
-        let mut act = g.a8_act(rows, dim)?;
-        let ms = time_graph(g, iters, || {
-            g.copy(&h0, 0, &mut h, 0, rows * dim)?;
-            g.add_rms_norm(&mut h, &o, &w, rows, dim, 1e-6, &mut y)?;
-            Ok(g.a8_quantize(&y, &mut act)?)
-        })?;
-        md += &format!(
-            "| copy + add_rms_norm + a8 quantizer dim {dim} | {rows} | {ms:.4} | - | - |\n"
-        );
-        let ms = time_graph(g, iters, || {
-            g.copy(&h0, 0, &mut h, 0, rows * dim)?;
-            Ok(g.add_rms_norm_q8(&mut h, &o, &w, rows, dim, 1e-6, None, &mut act)?)
-        })?;
-        md += &format!(
-            "| copy + add_rms_norm_q8 dim {dim} (cluster {:?}) | {rows} | {ms:.4} | - | - |\n",
-            g.norm_q8_cluster(dim)
-        );
-    }
     Ok(md)
 }
 
@@ -1142,7 +1039,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fused = !a.unfused;
             m.prefetch = parse_prefetch(&a.l2_prefetch)?;
-            m.q8_fused = !a.no_q8_fused;
             let mut b = m.bufs(&g, s.block)?;
             for &ctx in &ctxs {
                 let t = time_forward(&g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
@@ -1332,8 +1228,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
     // evict-first hint), `+nopdl` (no programmatic dependent launch of quantizer + matmul), `+asN`
-    // (attention split of N keys), `+att=NAME` (attention kernel), `+noq8` (the quantizer
-    // launches instead of the q8 producers).
+    // (attention split of N keys), `+att=NAME` (attention kernel).
     struct Config {
         name: String,
         kernel: A8Kernel,
@@ -1343,7 +1238,6 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         attn: AttnKernel,
         prefetch: [usize; 5],
         skip: String,
-        q8_fused: bool,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1358,15 +1252,12 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 attn: parse_attn_kernel(&a.attn_kernel)?,
                 prefetch: parse_prefetch(&a.l2_prefetch)?,
                 skip: String::new(),
-                q8_fused: !a.no_q8_fused,
             };
             for opt in it {
                 if opt == "noef" {
                     cfg.evict_first = false;
                 } else if opt == "nopdl" {
                     cfg.pdl = false;
-                } else if opt == "noq8" {
-                    cfg.q8_fused = false;
                 } else if let Some(n) = opt.strip_prefix("as") {
                     cfg.attn_split = Some(n.parse()?);
                 } else if let Some(n) = opt.strip_prefix("att=") {
@@ -1470,7 +1361,6 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_attn_kernel(c.attn)?;
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
-                    m.q8_fused = c.q8_fused;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }

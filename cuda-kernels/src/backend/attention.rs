@@ -3,8 +3,8 @@
 //! kernel for other head dims, and the ordered combine of the splits (kernels/attention.cu).
 
 use super::{
-    cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
-    Kernel, PushKernelArg, Result, Scratch, SmemLimits,
+    cfg, check, ensure, i32_of, internal, lock, AttnParams, BackendError, Cuda, CudaBuf, Kernel,
+    PushKernelArg, Result, Scratch, SmemLimits,
 };
 use crate::error::dev;
 
@@ -257,16 +257,13 @@ impl Cuda {
         Ok(())
     }
 
-    /// The attention op: the f32 result into `out` and / or (`act`) the Q8_0A8 activation of
-    /// it (written by the split kernels' combine, else quantized from the f32 result).
     pub(super) fn attention_op(
         &self,
         q: &CudaBuf,
         k: &CudaBuf,
         v: &CudaBuf,
         p: &AttnParams,
-        mut out: Option<&mut CudaBuf>,
-        mut act: Option<&mut A8Act>,
+        out: &mut CudaBuf,
     ) -> Result<()> {
         let op = "attention";
         if p.n_heads == 0
@@ -285,16 +282,7 @@ impl Cuda {
         check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
         check(op, "k", p.n_kv * p.n_kv_heads * p.head_dim, k.len)?;
         check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
-        let n_out = p.n_q * p.n_heads * p.head_dim;
-        if let Some(o) = &out {
-            check(op, "out", n_out, o.len)?;
-        }
-        if let Some(a) = &act {
-            a.expect(op, p.n_q, p.n_heads * p.head_dim)?;
-        }
-        if out.is_none() && act.is_none() {
-            return Err(internal());
-        }
+        check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
         if p.n_q == 0 {
             return Ok(());
         }
@@ -381,21 +369,6 @@ impl Cuda {
                 .map(|k| (k, 256, simt_smem_bytes(d), ATT_QT, 0)),
         };
 
-        // The q8 output comes from the combine when there is one and a warp covers whole q8
-        // blocks; otherwise the f32 result (into out or a scratch), then the quantizer.
-        if let Some(a) = act.as_deref_mut() {
-            if split.is_none() || p.n_kv == 0 || !d.is_multiple_of(32) || d > 256 {
-                let mut run = |dst: &mut CudaBuf| -> Result<()> {
-                    self.attention_op(q, k, v, p, Some(&mut *dst), None)?;
-                    self.a8_quantize(dst, a)
-                };
-                return match out {
-                    Some(dst) => run(dst),
-                    None => self.with_q8_tmp(n_out, run),
-                };
-            }
-        }
-
         match split {
             Some((kern, threads, smem, rows_per_block, nst)) if p.n_kv > 0 => {
                 let f = self.func_smem(kern, smem)?;
@@ -447,24 +420,15 @@ impl Cuda {
                 unsafe { b.launch(cfg(grid, threads, smem as u32)) }.map_err(dev)?;
                 let fc = self.func(Kernel::AttnCombine)?;
                 let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
-                let null = 0u64;
                 let mut b = self.stream.launch_builder(&fc);
-                b.arg(&*wo).arg(&*wml).arg(&ns).arg(&rt).arg(&di);
-                match out.as_deref_mut() {
-                    Some(o) => b.arg(&mut o.data),
-                    None => b.arg(&null),
-                };
-                // With the q8 output: blocks for the padding tokens too (NT*8 per head).
-                let (grid, nt, kbp) = match act.as_deref() {
-                    Some(a) => (a.nt * 8 * p.n_heads, a.nt as i32, a.kbp as i32),
-                    None => (rows_total, 0, 0),
-                };
-                b.arg(&h).arg(&nt).arg(&kbp);
-                match act {
-                    Some(a) => b.arg(&mut a.xq).arg(&mut a.xd),
-                    None => b.arg(&null).arg(&null),
-                };
-                unsafe { b.launch(cfg((grid as u32, 1, 1), d.min(256) as u32, 0)) }.map_err(dev)?;
+                b.arg(&*wo)
+                    .arg(&*wml)
+                    .arg(&ns)
+                    .arg(&rt)
+                    .arg(&di)
+                    .arg(&mut out.data);
+                unsafe { b.launch(cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0)) }
+                    .map_err(dev)?;
             }
             _ => {
                 if d > 512 {
@@ -475,7 +439,6 @@ impl Cuda {
                 }
                 let f = self.func(Kernel::AttnGeneric)?;
                 let di = d as i32;
-                let out = out.ok_or_else(internal)?;
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(&q.data).arg(&k.data).arg(&v.data).arg(&mut out.data);
                 b.arg(&nq)
