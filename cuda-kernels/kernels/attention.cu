@@ -34,6 +34,8 @@ __device__ __forceinline__ void attn_split_impl(const float *__restrict__ q, con
                                                 float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                                 long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
                                                 int split_keys) {
+    griddep_launch();  // the combine may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: q and the cache first
     constexpr int DL = D / 32;
     constexpr int KP = D + 4;  // K row pitch: 16-byte rows, conflict-free float4 reads
     extern __shared__ float sm[];
@@ -251,10 +253,15 @@ ATTN(256)
 // unchanged (exactly as skipping them), so the result does not depend on how many such splits
 // follow (decode == verify). Latency: the first ATT_CMB_PRE partial outputs are loaded while
 // the (m, l) of all splits are (one round trip for both); the rest in unrolled batches.
+// ATT_CMB_PRE: 16 (attn_combine) or 64 (attn_combine_wide, for more than 16 splits: one round
+// trip instead of two or three at ctx 8192; the same bits, a register cost that slows the
+// few-split case).
 #define ATT_CMB_TILE 256
-#define ATT_CMB_PRE 16
-extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
+template <int ATT_CMB_PRE>
+__device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
+                                                  float *out) {
     griddep_launch();
+    griddep_wait();  // a programmatic dependent launch: the split partials first
     __shared__ float red[32];
     __shared__ float w_s[ATT_CMB_TILE];
     __shared__ float l_s[ATT_CMB_TILE];
@@ -327,6 +334,13 @@ extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, i
         }
     }
     if (col) out[row * D + tid] = L > 0.0f ? acc / L : 0.0f;
+}
+extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
+    attn_combine_impl<16>(ws_o, ws_ml, n_split, rows_total, D, out);
+}
+extern "C" __global__ void attn_combine_wide(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
+                                             float *out) {
+    attn_combine_impl<64>(ws_o, ws_ml, n_split, rows_total, D, out);
 }
 
 // Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),
@@ -438,6 +452,8 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     constexpr int NO = D / 8;   // output n-tiles
     constexpr int C4 = D / 4;
     constexpr int NDL = D / 32;  // FPV: output columns per lane (d = lane + 32c), 16 rows each
+    griddep_launch();  // the combine may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: q and the cache first
     extern __shared__ __align__(16) float sm[];
     const int nth = blockDim.x;
     const int RW = nth / (32 * KW);

@@ -54,6 +54,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
 extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
                                         float *__restrict__ out, int dim, float eps) {
     griddep_launch();
+    griddep_wait();  // a programmatic dependent launch: the previous kernel's output first
     __shared__ float red[32];
     const long long row = blockIdx.x;
     float *hr = h + row * dim;
@@ -94,6 +95,8 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
                                            const float *__restrict__ qn, const float *__restrict__ kn, float *__restrict__ q_out,
                                            float *__restrict__ kc, float *__restrict__ vc, int n_heads, int n_kv, int hd, int half_rot,
                                            long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps) {
+    griddep_launch();  // the attention split kernel may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: q0 / k0 / v first
     __shared__ float red[32];
     __shared__ float ys[1024];
     const int nh = n_heads + n_kv;

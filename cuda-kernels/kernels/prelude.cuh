@@ -151,13 +151,15 @@ __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Programmatic dependent launch (sm_90): the Q8_0A8 kernels may be launched while the
-// previous kernel on the stream still runs; griddep_wait() blocks until that kernel has
-// finished and its writes are visible (a no-op for a normal launch), griddep_launch() lets
+// Programmatic dependent launch (sm_90): the Q8_0A8 kernels, add_rms_norm, qk_norm_rope_kv,
+// the attention split kernels and the combine may be launched while the previous kernel on
+// the stream still runs; griddep_wait() blocks until that kernel has finished and its writes
+// are visible (a no-op for a normal launch; every such kernel calls it before reading
+// anything, in every block, so none completes before its predecessor), griddep_launch() lets
 // the next PDL-launched kernel start early (its blocks become resident and wait in
 // griddep_wait; a no-op when the next kernel is launched normally). The kernels that precede
-// a Q8_0A8 quantizer in a step (the norms, the attention combine, copy2d, the matmuls) call
-// griddep_launch() first thing, so the quantizer's launch overlaps them.
+// one of those in a step (the norms, qk_norm_rope_kv, the attention kernels, copy2d, the
+// matmuls) call griddep_launch() first thing, so the next launch overlaps them.
 __device__ __forceinline__ void griddep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

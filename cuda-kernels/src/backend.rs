@@ -412,11 +412,11 @@ impl Cuda {
     pub fn set_a8_kernel(&self, k: A8Kernel) {
         *lock(&self.a8_kernel) = k;
     }
-    /// Launch the Q8_0A8 quantizer and matmul kernels with programmatic dependent launch
-    /// (default on): the quantizer's launch overlaps the kernel before it (which triggers its
-    /// dependents first thing) and the matmul prefetches its first weight stages while the
-    /// quantizer runs. The same bits either way (the kernels wait for their inputs); a
-    /// benchmark knob. On the H200, draft step (graph replays, one lease) off -> on: 8B 0.779
+    /// Launch the Q8_0A8 quantizer and matmul kernels, `add_rms_norm`, `qk_norm_rope_kv` and
+    /// the attention split and combine kernels with programmatic dependent launch (default
+    /// on): each launch overlaps the kernel before it (which triggers its dependents first
+    /// thing), and the matmul prefetches its first weight stages while the quantizer runs.
+    /// The same bits either way (the kernels wait for their inputs); a benchmark knob. On the H200, draft step (graph replays, one lease) off -> on: 8B 0.779
     /// -> 0.750 ms (ctx 512), 1.066 -> 1.036 (8192); 27B 1.198 -> 1.170, 1.384 -> 1.355.
     pub fn set_a8_pdl(&self, on: bool) {
         *lock(&self.a8_pdl) = on;
@@ -1275,15 +1275,17 @@ impl Cuda {
         }
         let f = self.func(Kernel::AddRmsNorm)?;
         let d = i32_of("add_rms_norm", "dim", dim)?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut h.data)
-            .arg(&o.data)
-            .arg(&w.data)
-            .arg(&mut out.data)
-            .arg(&d)
-            .arg(&eps);
-        unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(dev)?;
-        Ok(())
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr_mut(&mut h.data, st)
+            .dptr(&o.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut out.data, st)
+            .i32(d)
+            .f32(eps);
+        let pdl = *lock(&self.a8_pdl);
+        // SAFETY: add_rms_norm's parameters in order (h, o, w, out, dim, eps).
+        unsafe { a.launch(st, &f, cfg((rows as u32, 1, 1), threads, 0), pdl) }
     }
 
     /// Per-head q/k RMSNorm + RoPE + K/V cache write in one launch: `q = rope(rms_norm(q0,
@@ -1360,26 +1362,29 @@ impl Cuda {
         let mut vcv = vc
             .data
             .slice_mut(cache_row0 * kvw..(cache_row0 + rows) * kvw);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&q0.data)
-            .arg(&k0.data)
-            .arg(&v.data)
-            .arg(&qn.data)
-            .arg(&kn.data)
-            .arg(&mut q.data)
-            .arg(&mut kcv)
-            .arg(&mut vcv)
-            .arg(&h_i)
-            .arg(&hk_i)
-            .arg(&hd_i)
-            .arg(&hr_i)
-            .arg(&p0)
-            .arg(freqs)
-            .arg(&sc)
-            .arg(&eps);
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(&q0.data, st)
+            .dptr(&k0.data, st)
+            .dptr(&v.data, st)
+            .dptr(&qn.data, st)
+            .dptr(&kn.data, st)
+            .dptr_mut(&mut q.data, st)
+            .dptr_mut(&mut kcv, st)
+            .dptr_mut(&mut vcv, st)
+            .i32(h_i)
+            .i32(hk_i)
+            .i32(hd_i)
+            .i32(hr_i)
+            .i64(p0)
+            .dptr(freqs, st)
+            .f32(sc)
+            .f32(eps);
         let blocks = rows * (n_heads + n_kv_heads);
-        unsafe { b.launch(cfg((blocks as u32, 1, 1), threads, 0)) }.map_err(dev)?;
-        Ok(())
+        let pdl = *lock(&self.a8_pdl);
+        // SAFETY: qk_norm_rope_kv's parameters in order (q0, k0, v, qn, kn, q_out, kc, vc,
+        // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps).
+        unsafe { a.launch(st, &f, cfg((blocks as u32, 1, 1), threads, 0), pdl) }
     }
 
     /// Test hook: run the Q8_0A8 activation quantizer on `rows` (<= 16) rows of `x` (row
@@ -1561,6 +1566,10 @@ impl RawArgs {
     }
     fn u64(&mut self, v: u64) -> &mut Self {
         self.0.push(v);
+        self
+    }
+    fn f32(&mut self, v: f32) -> &mut Self {
+        self.0.push(u64::from(v.to_bits()));
         self
     }
     fn i32(&mut self, v: i32) -> &mut Self {

@@ -149,6 +149,7 @@ kernels! {
     AttnTcD64Kw4Fpv => (Attention, "attn_tc_d64_kw4_fpv"),
     AttnTcD128Kw4Fpv => (Attention, "attn_tc_d128_kw4_fpv"),
     AttnCombine => (Attention, "attn_combine"),
+    AttnCombineWide => (Attention, "attn_combine_wide"),
     AttnGeneric => (Attention, "attn_generic"),
 }
 

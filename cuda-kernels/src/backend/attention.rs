@@ -4,7 +4,7 @@
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, AttnParams, BackendError, Cuda, CudaBuf, Kernel,
-    PushKernelArg, Result, Scratch, SmemLimits,
+    PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
 };
 use crate::error::dev;
 
@@ -15,6 +15,25 @@ pub(super) const ATT_SPLIT: usize = 256;
 /// part idle (8 kv heads, 64 query rows, 528 keys: 96 blocks for 132 SMs on the H200; the
 /// 8B draft step at ctx 512 0.806 -> 0.783 ms, at 8192 128 would cost 1.073 -> 1.219 ms).
 pub(super) const SHORT_NONCAUSAL_KV: usize = 1024;
+/// Non-causal attention over more than this many keys (the visible span: `n_kv`, or the
+/// window when smaller) splits them by 512: fewer, longer splits and half the partials to
+/// combine. H200, 8B drafter step (q8_0a8; one lease, a variant of the step with q8 norms
+/// since dropped), 256 -> 512 keys: ctx 8192 1.085 -> 1.072 ms, ctx 4096 0.948 -> 0.957 (so
+/// not there: the threshold lies between the two measured points); 27B (4 layers windowed to
+/// 2048, unchanged) at 8192 1.413 -> 1.411.
+pub(super) const LONG_NONCAUSAL_KV: usize = 6144;
+
+/// The automatic split of [`Cuda::set_attn_split_auto`]: a function of `n_kv`, the window and
+/// causality only, never of the query rows.
+pub(super) fn split_keys_auto(p: &AttnParams) -> usize {
+    let span = p.window.map_or(p.n_kv, |w| w.min(p.n_kv));
+    match () {
+        _ if p.causal => ATT_SPLIT,
+        _ if span <= SHORT_NONCAUSAL_KV => ATT_SPLIT / 2,
+        _ if span > LONG_NONCAUSAL_KV => ATT_SPLIT * 2,
+        _ => ATT_SPLIT,
+    }
+}
 /// Query rows per block of the SIMT split kernel.
 const ATT_QT: usize = 16;
 
@@ -180,9 +199,10 @@ impl Cuda {
     }
 
     /// Back to the automatic split (the default): 256 keys, except for non-causal calls
-    /// over at most 1024 keys, which take 128 (a function of `n_kv`, never of
-    /// the query rows, so rows stay deterministic across calls of any height; causal calls,
-    /// where decode must equal verify bit for bit, always take 256).
+    /// whose visible span (`n_kv`, or the window when smaller) is at most 1024 keys, which
+    /// take 128, or more than 6144, which take 512 (a function of `n_kv` and the window,
+    /// never of the query rows, so rows stay deterministic across calls of any height; causal
+    /// calls, where decode must equal verify bit for bit, always take 256).
     pub fn set_attn_split_auto(&self) {
         *lock(&self.attn_split) = None;
     }
@@ -312,8 +332,7 @@ impl Cuda {
         let choice = *lock(&self.attn_kernel);
         let split_keys = match *lock(&self.attn_split) {
             Some(k) => k,
-            None if !p.causal && p.n_kv <= SHORT_NONCAUSAL_KV => ATT_SPLIT / 2,
-            None => ATT_SPLIT,
+            None => split_keys_auto(p),
         };
         let n_split = p.n_kv.div_ceil(split_keys);
         let tc = match choice.resolve() {
@@ -381,24 +400,25 @@ impl Cuda {
                     att_o.as_mut().ok_or_else(internal)?,
                     att_ml.as_mut().ok_or_else(internal)?,
                 );
-                let mut b = self.stream.launch_builder(&f);
-                b.arg(&q.data)
-                    .arg(&k.data)
-                    .arg(&v.data)
-                    .arg(&mut *wo)
-                    .arg(&mut *wml);
-                b.arg(&nq)
-                    .arg(&nkv)
-                    .arg(&h)
-                    .arg(&hkv)
-                    .arg(&qp0)
-                    .arg(&kp0)
-                    .arg(&causal)
-                    .arg(&window)
-                    .arg(&scale)
-                    .arg(&split_i);
+                let st = &*self.stream;
+                let mut a = RawArgs::default();
+                a.dptr(&q.data, st)
+                    .dptr(&k.data, st)
+                    .dptr(&v.data, st)
+                    .dptr_mut(&mut *wo, st)
+                    .dptr_mut(&mut *wml, st)
+                    .i32(nq)
+                    .i32(nkv)
+                    .i32(h)
+                    .i32(hkv)
+                    .i64(qp0)
+                    .i64(kp0)
+                    .i32(causal)
+                    .i64(window)
+                    .f32(scale)
+                    .i32(split_i);
                 if nst > 0 {
-                    b.arg(&nst);
+                    a.i32(nst);
                 }
                 // The tensor-core kernel takes (row groups, splits, kv heads), the SIMT one
                 // (splits, kv heads, row groups).
@@ -417,18 +437,31 @@ impl Cuda {
                 } else {
                     (n_split as u32, p.n_kv_heads as u32, groups)
                 };
-                unsafe { b.launch(cfg(grid, threads, smem as u32)) }.map_err(dev)?;
-                let fc = self.func(Kernel::AttnCombine)?;
+                // Programmatic dependent launches (with the Q8_0A8 ones, `set_a8_pdl`): the
+                // split kernel and the combine wait for their inputs first thing.
+                let pdl = *lock(&self.a8_pdl);
+                // SAFETY: the parameters of attn_tc_* (with nst) / attn_split_d* in order.
+                unsafe { a.launch(st, &f, cfg(grid, threads, smem as u32), pdl) }?;
+                // More than 16 splits: the combine that loads 64 partial outputs in its first
+                // round trip (the same bits; H200, 8B drafter shape at ctx 8192, 33 splits:
+                // 13.5 -> 9.0 us; at 5 splits it would cost 4.5 -> 7.0 us).
+                let fc = self.func(if n_split > 16 {
+                    Kernel::AttnCombineWide
+                } else {
+                    Kernel::AttnCombine
+                })?;
                 let (ns, rt, di) = (n_split as i32, rows_total as i64, d as i32);
-                let mut b = self.stream.launch_builder(&fc);
-                b.arg(&*wo)
-                    .arg(&*wml)
-                    .arg(&ns)
-                    .arg(&rt)
-                    .arg(&di)
-                    .arg(&mut out.data);
-                unsafe { b.launch(cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0)) }
-                    .map_err(dev)?;
+                let mut a = RawArgs::default();
+                a.dptr(&*wo, st)
+                    .dptr(&*wml, st)
+                    .i32(ns)
+                    .i64(rt)
+                    .i32(di)
+                    .dptr_mut(&mut out.data, st);
+                let c = cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0);
+                // SAFETY: attn_combine's parameters in order (ws_o, ws_ml, n_split, rows_total,
+                // D, out).
+                unsafe { a.launch(st, &fc, c, pdl) }?;
             }
             _ => {
                 if d > 512 {
@@ -462,6 +495,34 @@ impl Cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The automatic split depends on causality, `n_kv` and the window only.
+    #[test]
+    fn split_keys_auto_rule() {
+        let p = |n_q, n_kv, causal, window| AttnParams {
+            n_q,
+            n_kv,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            q_pos0: 0,
+            kv_pos0: 0,
+            causal,
+            window,
+            scale: 1.0,
+        };
+        for n_q in [1, 16] {
+            for n_kv in [16, 528, 4112, 8208, 100_000] {
+                assert_eq!(split_keys_auto(&p(n_q, n_kv, true, None)), 256);
+            }
+            assert_eq!(split_keys_auto(&p(n_q, 528, false, None)), 128);
+            assert_eq!(split_keys_auto(&p(n_q, 1024, false, None)), 128);
+            assert_eq!(split_keys_auto(&p(n_q, 4112, false, None)), 256);
+            assert_eq!(split_keys_auto(&p(n_q, 8208, false, None)), 512);
+            assert_eq!(split_keys_auto(&p(n_q, 8208, false, Some(2048))), 256);
+            assert_eq!(split_keys_auto(&p(n_q, 8208, false, Some(512))), 128);
+        }
+    }
 
     /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB), and
     /// the stage choice prefers more resident blocks only where the grid needs them.
