@@ -106,44 +106,68 @@ extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, c
     if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
 }
 
-// The same step one row per warp iteration (the kernel before markov_step took 4 rows at a
-// time), kept for Q8_0A8, whose fragment-ordered bytes made the 4-row kernel slower on the
-// H200 (8B DSpark step 3.59 -> 3.93 ms, 27B 4.52 -> 5.79 ms) while it sped up bf16 / q8_0 /
-// q4_0 (3.58 -> 2.56, 3.69 -> 2.69, 4.40 -> 2.94 ms). Same arithmetic, same bits.
-template <int F>
-__device__ __forceinline__ float markov_dot1(const void *w2q, const u16 *w2d, int o, int rank, const float *emb, int lane) {
-    float acc = 0.0f;
-    for (int i = lane; i < rank; i += 32) acc = fmaf(load_w(F, w2q, w2d, o, i, rank), emb[i], acc);
-    return acc;
+// One Markov step for a Q8_0A8 W2 (the mma fragment layout of WeightFormat::Q8_0A8): one warp
+// per 16-row tile. Lane L reads the tile's 16 bytes of each 32-value block (the warp reads
+// 512 contiguous bytes per block: coalesced, where a row-wise kernel gathers single codes of
+// the fragment layout: 8B DSpark step 3.25 ms with such a kernel, most of it the chain) and
+// owns rows g = L / 4 and g + 8 at k = 4t .. 4t+3 and 16+4t .. 19+4t of every block (t = L % 4):
+// per row and block the exact int8 x f32 products (in k order), times the block's scale
+// (fma into the row's sum, blocks in order), then the 4 lanes of a row added with shuffles.
+// Another summation order than markov_step's (within f32 rounding); the argmax rule is the
+// same (am_better: order-free). Same parameters as markov_step (fmt2 must be FMT_Q8A8, rank a
+// multiple of 32, chunk a multiple of 16).
+__device__ __forceinline__ float dot4_i8(u32 c, float4 e) {
+    float s = (float)(signed char)(c & 0xffu) * e.x;
+    s = fmaf((float)(signed char)((c >> 8) & 0xffu), e.y, s);
+    s = fmaf((float)(signed char)((c >> 16) & 0xffu), e.z, s);
+    return fmaf((float)(signed char)(c >> 24), e.w, s);
 }
-
-extern "C" __global__ void markov_step_r1(int fmt1, const void *w1q, const u16 *w1d, int fmt2, const void *w2q, const u16 *w2d,
-                                       int rank, int vocab, const u32 *prev, float *logits, int chunk, float *pv, u32 *pi) {
-    extern __shared__ float emb[];
+extern "C" __global__ void markov_step_a8(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
+                                          const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
+                                          const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
+                                          u32 *__restrict__ pi) {
+    extern __shared__ __align__(16) float emb[];
     __shared__ float rv[32];
     __shared__ u32 ri[32];
     const u32 p = *prev;
     for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kb = rank >> 5;
+    const long long kbp = (long long)((kb + A8_KC - 1) / A8_KC) * A8_KC;
     const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
+    const uint4 *wq4 = (const uint4 *)w2q;
+    const u32 *wd2 = (const u32 *)w2d;
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
-    for (int o = o0 + warp; o < o1; o += nw) {
-        // The format switch outside the inner loop (load_w folds to one format's decode).
-        float acc;
-        switch (fmt2) {
-        case FMT_F32: acc = markov_dot1<FMT_F32>(w2q, w2d, o, rank, emb, lane); break;
-        case FMT_BF16: acc = markov_dot1<FMT_BF16>(w2q, w2d, o, rank, emb, lane); break;
-        case FMT_F16: acc = markov_dot1<FMT_F16>(w2q, w2d, o, rank, emb, lane); break;
-        case FMT_Q8_0: acc = markov_dot1<FMT_Q8_0>(w2q, w2d, o, rank, emb, lane); break;
-        case FMT_Q4_0: acc = markov_dot1<FMT_Q4_0>(w2q, w2d, o, rank, emb, lane); break;
-        default: acc = markov_dot1<FMT_Q8A8>(w2q, w2d, o, rank, emb, lane); break;
+    for (int tile = (o0 >> 4) + warp; (tile << 4) < o1; tile += nw) {
+        float a0 = 0.0f, a1 = 0.0f;  // rows 16 tile + g, + 8
+        const long long pb0 = (long long)tile * kbp;
+#pragma unroll 8
+        for (int b = 0; b < kb; ++b) {
+            const uint4 c = wq4[(pb0 + b) * 32 + lane];
+            const u32 sc = wd2[(pb0 + b) * 8 + g];
+            const float4 e0 = *(const float4 *)(emb + b * 32 + 4 * t);
+            const float4 e1 = *(const float4 *)(emb + b * 32 + 16 + 4 * t);
+            a0 = fmaf(dot4_i8(c.x, e0) + dot4_i8(c.z, e1), f16_to_f32((u16)(sc & 0xffffu)), a0);
+            a1 = fmaf(dot4_i8(c.y, e0) + dot4_i8(c.w, e1), f16_to_f32((u16)(sc >> 16)), a1);
         }
-        acc = warp_sum(acc);
-        float v = logits[o] + acc;
-        if (lane == 0) logits[o] = v;
-        if (am_better(v, (u32)o, bv, bi)) { bv = v; bi = (u32)o; }
+        a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
+        a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
+        a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
+        a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
+        const int r0 = (tile << 4) + g, r1 = r0 + 8;
+        if (r0 < o1) {
+            const float v = logits[r0] + a0;
+            if (t == 0) logits[r0] = v;
+            if (am_better(v, (u32)r0, bv, bi)) { bv = v; bi = (u32)r0; }
+        }
+        if (r1 < o1) {
+            const float v = logits[r1] + a1;
+            if (t == 0) logits[r1] = v;
+            if (am_better(v, (u32)r1, bv, bi)) { bv = v; bi = (u32)r1; }
+        }
     }
     block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }

@@ -28,6 +28,8 @@ pub const SKINNY_ROWS: usize = 16;
 const SKINNY_TILE_ROWS: usize = 32;
 const ARGMAX_CHUNK: usize = 4096;
 const MARKOV_CHUNK: usize = 1024;
+/// Rows per block of the Q8_0A8 Markov step (`markov_step_a8`; a multiple of its 16-row tiles).
+const MARKOV_CHUNK_A8: usize = 256;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
 /// repacked weight are padded to a whole number of stages.
 const A8_KC: usize = 8;
@@ -754,7 +756,11 @@ impl Cuda {
         }
         let rank = i32_of("markov_chain", "rank", w1.cols)?;
         let vocab_i = i32_of("markov_chain", "vocab", vocab)?;
-        let nb = vocab.div_ceil(MARKOV_CHUNK);
+        // Q8_0A8 W2 (rank a multiple of 32, as the format requires): one warp per 16-row tile,
+        // 256 rows per block; other formats: 4 rows per warp iteration, 1024 rows per block.
+        let a8 = matches!(w2.buf, CudaWeightBuf::Q8A8 { .. });
+        let chunk_rows = if a8 { MARKOV_CHUNK_A8 } else { MARKOV_CHUNK };
+        let nb = vocab.div_ceil(chunk_rows);
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.am_v, nb).map_err(dev)?;
         ensure(&self.stream, &mut s.am_i, nb).map_err(dev)?;
@@ -763,9 +769,8 @@ impl Cuda {
             am_v.as_mut().ok_or_else(internal)?,
             am_i.as_mut().ok_or_else(internal)?,
         );
-        // One row per warp iteration for Q8_0A8 W2 (measured faster there), four otherwise.
-        let f1 = self.func(if matches!(w2.buf, CudaWeightBuf::Q8A8 { .. }) {
-            Kernel::MarkovStepR1
+        let f1 = self.func(if a8 {
+            Kernel::MarkovStepA8
         } else {
             Kernel::MarkovStep
         })?;
@@ -773,7 +778,7 @@ impl Cuda {
         let (fmt1, fmt2, chunk, nb_i) = (
             w1.buf.fmt_code(),
             w2.buf.fmt_code(),
-            MARKOV_CHUNK as i32,
+            chunk_rows as i32,
             nb as i32,
         );
         for k in 0..n {

@@ -95,7 +95,7 @@ kernels! {
     ArgmaxPartial => (Reduce, "argmax_partial"),
     ArgmaxFinal => (Reduce, "argmax_final"),
     MarkovStep => (Reduce, "markov_step"),
-    MarkovStepR1 => (Reduce, "markov_step_r1"),
+    MarkovStepA8 => (Reduce, "markov_step_a8"),
     SkinnyBf16N1 => (Matmul, "skinny_bf16_n1"),
     SkinnyBf16N2 => (Matmul, "skinny_bf16_n2"),
     SkinnyQ8N1 => (Matmul, "skinny_q8_0_n1"),

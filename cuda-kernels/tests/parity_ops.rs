@@ -706,7 +706,8 @@ fn markov_chain_on_device() {
     let (vocab, rank, n) = (5000usize, 256usize, 15usize);
     let w1v = rand_vec(&mut r, vocab * rank, 1.0);
     let w2v = rand_vec(&mut r, vocab * rank, 0.2);
-    for fmt in FORMATS {
+    // Q8_0A8 too: its W2 runs its own kernel (one warp per 16-row tile of the fragment layout).
+    for fmt in FORMATS.into_iter().chain([WeightFormat::Q8_0A8]) {
         let h1 = HostWeight::from_f32("markov_w1", vocab, rank, &w1v, fmt).unwrap();
         let h2 = HostWeight::from_f32("markov_w2", vocab, rank, &w2v, fmt).unwrap();
         let logits = rand_vec(&mut r, n * vocab, 4.0);
