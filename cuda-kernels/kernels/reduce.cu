@@ -63,11 +63,73 @@ __device__ __forceinline__ void markov_dots(const void *__restrict__ w2q, const 
     }
 }
 
-extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
-                                       const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
-                                       const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
-                                       u32 *__restrict__ pi) {
-    extern __shared__ float emb[];
+// 8 consecutive weights (row, i0 .. i0+7) of W2 in format F (f32, bf16, f16, q4_0), dequantized with
+// load_w's arithmetic (i0 % 8 == 0; the row start 16-byte aligned for the 16-bit formats and
+// 32-byte for f32: cols % 8 == 0).
+template <int F>
+__device__ __forceinline__ void load_w8(const void *__restrict__ wq, const u16 *__restrict__ wd, long long row, int i0, int cols,
+                                        float (&w)[8]) {
+    if (F == FMT_F32) {
+        const float4 *p = (const float4 *)((const float *)wq + row * cols + i0);
+        const float4 a = p[0], b = p[1];
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    } else if (F == FMT_BF16 || F == FMT_F16) {
+        const uint4 u = *(const uint4 *)((const u16 *)wq + row * cols + i0);
+        const u32 h[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 lo = (u16)(h[j] & 0xffffu), hi = (u16)(h[j] >> 16);
+            w[2 * j] = F == FMT_BF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
+            w[2 * j + 1] = F == FMT_BF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+        }
+    } else {  // FMT_Q4_0: value 8q + i at bit 2i (even i), 16 + 2(i - 1) (odd i)
+        const long long b = row * (cols / 32) + i0 / 32;
+        const float d = f16_to_f32(wd[b]);
+        const u32 u = ((const u32 *)wq)[b * 4 + ((i0 & 31) >> 3)];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int shift = (j & 1) ? 16 + 2 * (j - 1) : 2 * j;
+            w[j] = (float)((int)((u >> shift) & 0xfu) - 8) * d;
+        }
+    }
+}
+
+// markov_dots with lane-contiguous loads: lane L takes k = 8L .. 8L+7 of every 256 (one 16-byte
+// load of a bf16 row segment, one u32 of q4_0 nibbles: the warp reads a row's 256 values with
+// one coalesced load where markov_dots issues 8 scattered ones; for q8_0 the 8-byte loads
+// measured slower than markov_dots, which it keeps). Another
+// summation order than markov_dots' (the lane's 8 in order, then warp_sum): within f32 rounding.
+template <int F>
+__device__ __forceinline__ void markov_dots8(const void *__restrict__ w2q, const u16 *__restrict__ w2d, const int (&rows)[MARKOV_R],
+                                             int rank, const float *__restrict__ emb, int lane, float (&acc)[MARKOV_R]) {
+#pragma unroll
+    for (int r = 0; r < MARKOV_R; ++r) acc[r] = 0.0f;
+    for (int i0 = 8 * lane; i0 < rank; i0 += 256) {
+        const float4 e0 = *(const float4 *)(emb + i0), e1 = *(const float4 *)(emb + i0 + 4);
+        const float e[8] = {e0.x, e0.y, e0.z, e0.w, e1.x, e1.y, e1.z, e1.w};
+        float w[MARKOV_R][8];
+#pragma unroll
+        for (int r = 0; r < MARKOV_R; ++r) {
+            if (rows[r] >= 0) {
+                load_w8<F>(w2q, w2d, rows[r], i0, rank, w[r]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) w[r][j] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MARKOV_R; ++r)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[r] = fmaf(w[r][j], e[j], acc[r]);
+    }
+}
+
+template <bool V>
+__device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
+                                                 const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
+                                                 const u32 *__restrict__ prev, float *__restrict__ logits, int chunk,
+                                                 float *__restrict__ pv, u32 *__restrict__ pi) {
+    extern __shared__ __align__(16) float emb[];
     __shared__ float rv[32];
     __shared__ u32 ri[32];
     const u32 p = *prev;
@@ -86,13 +148,22 @@ extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, c
             lg[r] = rows[r] >= 0 ? logits[rows[r]] : 0.0f;
         }
         // The format switch outside the inner loop (load_w folds to one format's decode).
-        switch (fmt2) {
-        case FMT_F32: markov_dots<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
-        case FMT_BF16: markov_dots<FMT_BF16>(w2q, w2d, rows, rank, emb, lane, acc); break;
-        case FMT_F16: markov_dots<FMT_F16>(w2q, w2d, rows, rank, emb, lane, acc); break;
-        case FMT_Q8_0: markov_dots<FMT_Q8_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
-        case FMT_Q4_0: markov_dots<FMT_Q4_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
-        default: markov_dots<FMT_Q8A8>(w2q, w2d, rows, rank, emb, lane, acc); break;
+        if (V) {  // fmt2 is f32, bf16, f16 or q4_0, rank % 8 == 0
+            switch (fmt2) {
+            case FMT_F32: markov_dots8<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_BF16: markov_dots8<FMT_BF16>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_F16: markov_dots8<FMT_F16>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            default: markov_dots8<FMT_Q4_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            }
+        } else {
+            switch (fmt2) {
+            case FMT_F32: markov_dots<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_BF16: markov_dots<FMT_BF16>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_F16: markov_dots<FMT_F16>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_Q8_0: markov_dots<FMT_Q8_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_Q4_0: markov_dots<FMT_Q4_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            default: markov_dots<FMT_Q8A8>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            }
         }
 #pragma unroll
         for (int r = 0; r < MARKOV_R; ++r) {
@@ -104,6 +175,19 @@ extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, c
     }
     block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
+}
+extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
+                                       const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
+                                       const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
+                                       u32 *__restrict__ pi) {
+    markov_step_impl<false>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
+}
+// The same with lane-contiguous W2 loads (markov_dots8): f32, bf16, f16, q4_0 with rank % 8 == 0.
+extern "C" __global__ void markov_step_v(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
+                                         const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
+                                         const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
+                                         u32 *__restrict__ pi) {
+    markov_step_impl<true>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
 }
 
 // One Markov step for a Q8_0A8 W2 (the mma fragment layout of WeightFormat::Q8_0A8): one warp

@@ -769,8 +769,15 @@ impl Cuda {
             am_v.as_mut().ok_or_else(internal)?,
             am_i.as_mut().ok_or_else(internal)?,
         );
+        // Lane-contiguous W2 loads where rank % 8 == 0 (row segments aligned), except for
+        // q8_0. DSpark step on the H200 (graph ms, 8B / 27B at ctx 512), scalar -> contiguous
+        // loads: bf16 2.570 -> 2.349 / 3.390 -> 3.182, q4_0 2.949 -> 2.531 / 3.793 -> 3.320,
+        // q8_0 2.692 -> 2.737 / 3.650 -> 3.876 (slower: it keeps the scalar kernel).
+        let v = w2.cols.is_multiple_of(8) && !matches!(w2.buf, CudaWeightBuf::Q8_0 { .. });
         let f1 = self.func(if a8 {
             Kernel::MarkovStepA8
+        } else if v {
+            Kernel::MarkovStepV
         } else {
             Kernel::MarkovStep
         })?;

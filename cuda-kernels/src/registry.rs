@@ -96,6 +96,7 @@ kernels! {
     ArgmaxFinal => (Reduce, "argmax_final"),
     MarkovStep => (Reduce, "markov_step"),
     MarkovStepA8 => (Reduce, "markov_step_a8"),
+    MarkovStepV => (Reduce, "markov_step_v"),
     SkinnyBf16N1 => (Matmul, "skinny_bf16_n1"),
     SkinnyBf16N2 => (Matmul, "skinny_bf16_n2"),
     SkinnyQ8N1 => (Matmul, "skinny_q8_0_n1"),

@@ -703,43 +703,55 @@ fn markov_chain_on_device() {
     };
     let cpu = Cpu::new();
     let mut r = rng("markov_chain_on_device");
-    let (vocab, rank, n) = (5000usize, 256usize, 15usize);
-    let w1v = rand_vec(&mut r, vocab * rank, 1.0);
-    let w2v = rand_vec(&mut r, vocab * rank, 0.2);
-    // Q8_0A8 too: its W2 runs its own kernel (one warp per 16-row tile of the fragment layout).
-    for fmt in FORMATS.into_iter().chain([WeightFormat::Q8_0A8]) {
-        let h1 = HostWeight::from_f32("markov_w1", vocab, rank, &w1v, fmt).unwrap();
-        let h2 = HostWeight::from_f32("markov_w2", vocab, rank, &w2v, fmt).unwrap();
-        let logits = rand_vec(&mut r, n * vocab, 4.0);
-        let mut lc = logits.clone();
-        let tc = cpu
-            .markov_chain(
-                &mut lc,
-                n,
-                vocab,
-                17,
-                &cpu.upload_weight(&h1).unwrap(),
-                &cpu.upload_weight(&h2).unwrap(),
-            )
-            .unwrap();
-        let mut lg = g.upload(&logits).unwrap();
-        let tg = g
-            .markov_chain(
-                &mut lg,
-                n,
-                vocab,
-                17,
-                &g.upload_weight(&h1).unwrap(),
-                &g.upload_weight(&h2).unwrap(),
-            )
-            .unwrap();
-        assert_eq!(tc, tg, "{fmt:?}: Markov chain tokens differ");
-        report(
-            &format!("markov_chain logits {fmt:?} (tokens identical)"),
-            &g.download(&lg).unwrap(),
-            &lc,
-            2e-5,
-        );
+    // Rank 256: the lane-contiguous kernel (the scalar-load one for q8_0, the tile kernel for
+    // Q8_0A8); rank 100 (not a multiple of 8, f32 / bf16 / f16 only): the scalar-load kernel.
+    for (vocab, rank, n) in [(5000usize, 256usize, 15usize), (3000, 100, 6)] {
+        let w1v = rand_vec(&mut r, vocab * rank, 1.0);
+        let w2v = rand_vec(&mut r, vocab * rank, 0.2);
+        // Q8_0A8 too: its W2 runs its own kernel (one warp per 16-row tile of the fragment
+        // layout).
+        for fmt in FORMATS.into_iter().chain([WeightFormat::Q8_0A8]) {
+            if rank % 32 != 0
+                && !matches!(
+                    fmt,
+                    WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::F16
+                )
+            {
+                continue;
+            }
+            let h1 = HostWeight::from_f32("markov_w1", vocab, rank, &w1v, fmt).unwrap();
+            let h2 = HostWeight::from_f32("markov_w2", vocab, rank, &w2v, fmt).unwrap();
+            let logits = rand_vec(&mut r, n * vocab, 4.0);
+            let mut lc = logits.clone();
+            let tc = cpu
+                .markov_chain(
+                    &mut lc,
+                    n,
+                    vocab,
+                    17,
+                    &cpu.upload_weight(&h1).unwrap(),
+                    &cpu.upload_weight(&h2).unwrap(),
+                )
+                .unwrap();
+            let mut lg = g.upload(&logits).unwrap();
+            let tg = g
+                .markov_chain(
+                    &mut lg,
+                    n,
+                    vocab,
+                    17,
+                    &g.upload_weight(&h1).unwrap(),
+                    &g.upload_weight(&h2).unwrap(),
+                )
+                .unwrap();
+            assert_eq!(tc, tg, "{fmt:?} rank {rank}: Markov chain tokens differ");
+            report(
+                &format!("markov_chain logits {fmt:?} rank {rank} (tokens identical)"),
+                &g.download(&lg).unwrap(),
+                &lc,
+                2e-5,
+            );
+        }
     }
 }
 
