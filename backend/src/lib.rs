@@ -302,4 +302,61 @@ pub trait Backend: Send + Sync + Sized + 'static {
         }
         Ok(toks)
     }
+
+    // ---------------------------------------------------------------- fused sequences
+    // A backend may run each of these as fewer launches; the default runs the separate ops
+    // above, and an override must give the same values, bit for bit.
+
+    /// The residual add and the following RMSNorm: `add_assign(h, 0, o, rows * dim)` then
+    /// `rms_norm(h, w, dim, eps, out)` (which normalises every row of `h`).
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Buf,
+        o: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        self.add_assign(h, 0, o, rows * dim)?;
+        self.rms_norm(h, w, dim, eps, out)
+    }
+
+    /// Several matmuls of the same `x`: `matmul(x, rows, ws[i], outs[i])` for each `i` (the
+    /// q/k/v or gate/up projections of a layer). `ws` and `outs` have the same length.
+    fn matmul_many(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut Self::Buf],
+    ) -> Result<()> {
+        if ws.len() != outs.len() {
+            return Err(BackendError::Invalid {
+                op: "matmul_many",
+                msg: format!("{} weights but {} outputs", ws.len(), outs.len()),
+            });
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, rows, w, out)?;
+        }
+        Ok(())
+    }
+
+    /// The SwiGLU down projection: `silu_mul(gate, up, act)` then `matmul(act, rows, w, out)`.
+    /// An override may leave `act` unwritten.
+    fn matmul_silu_mul(
+        &self,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+        act: &mut Self::Buf,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        self.silu_mul(gate, up, act)?;
+        self.matmul(act, rows, w, out)
+    }
 }

@@ -1166,7 +1166,7 @@ impl Cuda {
     /// projections of a layer. Q8_0A8 weights of one K (up to 3) share one quantization of x
     /// and one launch; other formats run one `matmul` each. Results are identical to the
     /// separate calls, bit for bit.
-    pub fn matmul_many(
+    fn matmul_many_fused(
         &self,
         x: &CudaBuf,
         rows: usize,
@@ -1221,7 +1221,7 @@ impl Cuda {
     /// `matmul(act, rows, w, out)`. For [`WeightFormat::Q8_0A8`] weights the SiLU product is
     /// formed inside the activation quantizer (one launch fewer; `act` is not written);
     /// other formats run exactly the two ops, through `act`.
-    pub fn matmul_silu_mul(
+    fn matmul_silu_mul_fused(
         &self,
         gate: &CudaBuf,
         up: &CudaBuf,
@@ -1260,7 +1260,7 @@ impl Cuda {
     /// arithmetic and block size). Rows wider than the kernel's register tile (dim > 8192)
     /// run the two ops.
     #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm(
+    fn add_rms_norm_fused(
         &self,
         h: &mut CudaBuf,
         o: &CudaBuf,
@@ -1735,6 +1735,43 @@ fn repack_q4_0(blocks: &[dflash_quant::BlockQ4_0]) -> (Vec<u32>, Vec<u16>) {
 }
 
 impl Backend for Cuda {
+    // The fused sequences (see the inherent `*_fused` methods): the same bits as the trait's
+    // defaults, in fewer launches.
+    fn matmul_many(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+    ) -> Result<()> {
+        self.matmul_many_fused(x, rows, ws, outs)
+    }
+
+    fn matmul_silu_mul(
+        &self,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        act: &mut CudaBuf,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        self.matmul_silu_mul_fused(gate, up, act, rows, w, out)
+    }
+
+    fn add_rms_norm(
+        &self,
+        h: &mut CudaBuf,
+        o: &CudaBuf,
+        w: &CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        self.add_rms_norm_fused(h, o, w, rows, dim, eps, out)
+    }
+
     type Buf = CudaBuf;
     type WeightBuf = CudaWeightBuf;
 

@@ -429,9 +429,20 @@ impl<B: Backend> Drafter<B> {
             )));
         }
         be.rms_norm(&s.x, &l.ln_in, d, eps, &mut s.xn)?;
-        be.matmul(&s.xn, rows, &l.wq, &mut s.q0)?;
-        be.matmul(&s.xn, b, &l.wk, &mut s.k0)?;
-        be.matmul(&s.xn, b, &l.wv, &mut s.v)?;
+        // The backend's fused sequences (one quantization of x and one launch for several
+        // matrices, the residual add with the next norm, SiLU inside the down projection where
+        // the backend has them): the bits of the separate ops.
+        if rows == b {
+            be.matmul_many(
+                &s.xn,
+                b,
+                &[&l.wq, &l.wk, &l.wv],
+                &mut [&mut s.q0, &mut s.k0, &mut s.v],
+            )?;
+        } else {
+            be.matmul(&s.xn, rows, &l.wq, &mut s.q0)?;
+            be.matmul_many(&s.xn, b, &[&l.wk, &l.wv], &mut [&mut s.k0, &mut s.v])?;
+        }
         be.rms_norm(&s.q0, &l.q_norm, hd, eps, &mut s.q)?;
         be.rms_norm(&s.k0, &l.k_norm, hd, eps, &mut s.k)?;
         let rope = &self.ropes[li];
@@ -439,12 +450,14 @@ impl<B: Backend> Drafter<B> {
         be.rope(&mut s.k, b, c.num_key_value_heads, hd, pos0, rope)?;
         attend(li, rows, &s.q, &s.k, &s.v, &mut s.attn)?;
         be.matmul(&s.attn, rows, &l.wo, &mut s.o)?;
-        be.add_assign(&mut s.x, 0, &s.o, rows * d)?;
-        be.rms_norm(&s.x, &l.ln_post, d, eps, &mut s.xn)?;
-        be.matmul(&s.xn, rows, &l.w_gate, &mut s.g)?;
-        be.matmul(&s.xn, rows, &l.w_up, &mut s.u)?;
-        be.silu_mul(&s.g, &s.u, &mut s.a)?;
-        be.matmul(&s.a, rows, &l.w_down, &mut s.o)?;
+        be.add_rms_norm(&mut s.x, &s.o, &l.ln_post, rows, d, eps, &mut s.xn)?;
+        be.matmul_many(
+            &s.xn,
+            rows,
+            &[&l.w_gate, &l.w_up],
+            &mut [&mut s.g, &mut s.u],
+        )?;
+        be.matmul_silu_mul(&s.g, &s.u, &mut s.a, rows, &l.w_down, &mut s.o)?;
         be.add_assign(&mut s.x, 0, &s.o, rows * d)?;
         Ok(())
     }
