@@ -39,6 +39,14 @@ extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_ch
     }
 }
 
+// The Markov embedding W1[*prev, :] into shared memory (every block of a step loads it).
+__device__ __forceinline__ void markov_load_emb(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d,
+                                                const u32 *__restrict__ prev, int rank, float *emb) {
+    const u32 p = *prev;
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
+    __syncthreads();
+}
+
 // One Markov step: logits[o] += dot(W2[o, :], W1[*prev, :]) for o in the block's range, and
 // the block's argmax candidate. Dynamic shared memory: rank floats.
 // Each warp takes its rows (o0 + warp, + nw, + 2 nw, ...) MARKOV_R at a time: the W2 loads and
@@ -132,9 +140,7 @@ __device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restric
     extern __shared__ __align__(16) float emb[];
     __shared__ float rv[32];
     __shared__ u32 ri[32];
-    const u32 p = *prev;
-    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
-    __syncthreads();
+    markov_load_emb(fmt1, w1q, w1d, prev, rank, emb);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
     float bv = 0.0f;
@@ -213,9 +219,7 @@ extern "C" __global__ void markov_step_a8(int fmt1, const void *__restrict__ w1q
     extern __shared__ __align__(16) float emb[];
     __shared__ float rv[32];
     __shared__ u32 ri[32];
-    const u32 p = *prev;
-    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
-    __syncthreads();
+    markov_load_emb(fmt1, w1q, w1d, prev, rank, emb);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kb = rank >> 5;

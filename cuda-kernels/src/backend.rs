@@ -1162,144 +1162,6 @@ impl Cuda {
         Ok(())
     }
 
-    /// Several matmuls of the same `x` (`outs[i] = x W_i^T`), e.g. the q/k/v or gate/up
-    /// projections of a layer. Q8_0A8 weights of one K (up to 3) share one quantization of x
-    /// and one launch; other formats run one `matmul` each. Results are identical to the
-    /// separate calls, bit for bit.
-    fn matmul_many_fused(
-        &self,
-        x: &CudaBuf,
-        rows: usize,
-        ws: &[&Weight<Self>],
-        outs: &mut [&mut CudaBuf],
-    ) -> Result<()> {
-        if ws.len() != outs.len() {
-            return Err(BackendError::Invalid {
-                op: "matmul_many",
-                msg: format!("{} weights but {} outputs", ws.len(), outs.len()),
-            });
-        }
-        let k = ws.first().map_or(0, |w| w.cols);
-        let fused = (1..=3).contains(&ws.len())
-            && k > 0
-            && ws
-                .iter()
-                .all(|w| w.cols == k && w.rows > 0 && matches!(w.buf, CudaWeightBuf::Q8A8 { .. }));
-        if !fused {
-            for (w, o) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul(x, rows, w, o)?;
-            }
-            return Ok(());
-        }
-        check("matmul", "x", rows * k, x.len)?;
-        for (w, o) in ws.iter().zip(outs.iter()) {
-            check("matmul", "out", rows * w.rows, o.len)?;
-        }
-        let mut r0 = 0;
-        while r0 < rows {
-            let t = (rows - r0).min(SKINNY_ROWS);
-            let xv = x.data.slice(r0 * k..(r0 + t) * k);
-            let mut mats = Vec::with_capacity(3);
-            for (w, o) in ws.iter().zip(outs.iter_mut()) {
-                let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
-                    return Err(internal());
-                };
-                mats.push(A8Launch {
-                    qs,
-                    d,
-                    n: w.rows,
-                    out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
-                });
-            }
-            self.matmul_a8(&xv, None, t, k, &mut mats)?;
-            r0 += t;
-        }
-        Ok(())
-    }
-
-    /// `out = (silu(gate) * up) W^T`, the bits of `silu_mul(gate, up, act)` followed by
-    /// `matmul(act, rows, w, out)`. For [`WeightFormat::Q8_0A8`] weights the SiLU product is
-    /// formed inside the activation quantizer (one launch fewer; `act` is not written);
-    /// other formats run exactly the two ops, through `act`.
-    fn matmul_silu_mul_fused(
-        &self,
-        gate: &CudaBuf,
-        up: &CudaBuf,
-        act: &mut CudaBuf,
-        rows: usize,
-        w: &Weight<Self>,
-        out: &mut CudaBuf,
-    ) -> Result<()> {
-        let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
-            self.silu_mul(gate, up, act)?;
-            return self.matmul(act, rows, w, out);
-        };
-        let (k, n) = (w.cols, w.rows);
-        check("matmul_silu_mul", "gate", rows * k, gate.len)?;
-        check("matmul_silu_mul", "up", rows * k, up.len)?;
-        check("matmul_silu_mul", "out", rows * n, out.len)?;
-        let mut r0 = 0;
-        while r0 < rows {
-            let t = (rows - r0).min(SKINNY_ROWS);
-            let gv = gate.data.slice(r0 * k..(r0 + t) * k);
-            let uv = up.data.slice(r0 * k..(r0 + t) * k);
-            let mut mats = [A8Launch {
-                qs,
-                d,
-                n,
-                out: out.data.slice_mut(r0 * n..(r0 + t) * n),
-            }];
-            self.matmul_a8(&gv, Some(&uv), t, k, &mut mats)?;
-            r0 += t;
-        }
-        Ok(())
-    }
-
-    /// Residual add fused with the following RMSNorm: `h += o` (the first `rows * dim`
-    /// values), then `out = rms_norm(h)`; the bits of `add_assign` + `rms_norm` (same
-    /// arithmetic and block size). Rows wider than the kernel's register tile (dim > 8192)
-    /// run the two ops.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm_fused(
-        &self,
-        h: &mut CudaBuf,
-        o: &CudaBuf,
-        w: &CudaBuf,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: &mut CudaBuf,
-    ) -> Result<()> {
-        let n = rows * dim;
-        check("add_rms_norm", "h", n, h.len)?;
-        check("add_rms_norm", "o", n, o.len)?;
-        check("add_rms_norm", "w", dim, w.len)?;
-        check("add_rms_norm", "out", n, out.len)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let threads = norm_threads(dim);
-        if h.len != n || out.len != n || dim > 32 * threads as usize {
-            // rms_norm normalises all of its input buffer: keep the exact two-op path for
-            // buffers with spare capacity too.
-            self.add_assign(h, 0, o, n)?;
-            return self.rms_norm(h, w, dim, eps, out);
-        }
-        let f = self.func(Kernel::AddRmsNorm)?;
-        let d = i32_of("add_rms_norm", "dim", dim)?;
-        let st = &*self.stream;
-        let mut a = RawArgs::default();
-        a.dptr_mut(&mut h.data, st)
-            .dptr(&o.data, st)
-            .dptr(&w.data, st)
-            .dptr_mut(&mut out.data, st)
-            .i32(d)
-            .f32(eps);
-        let pdl = *lock(&self.a8_pdl);
-        // SAFETY: add_rms_norm's parameters in order (h, o, w, out, dim, eps).
-        unsafe { a.launch(st, &f, cfg((rows as u32, 1, 1), threads, 0), pdl) }
-    }
-
     /// Per-head q/k RMSNorm + RoPE + K/V cache write in one launch: `q = rope(rms_norm(q0,
     /// qn))`, `kc[row0..] = rope(rms_norm(k0, kn))`, `vc[row0..] = v`, positions `pos0 +
     /// row`; the bits of `rms_norm` x 2 + `rope` x 2 + `copy` x 2 (same arithmetic, same
@@ -1735,8 +1597,12 @@ fn repack_q4_0(blocks: &[dflash_quant::BlockQ4_0]) -> (Vec<u32>, Vec<u16>) {
 }
 
 impl Backend for Cuda {
-    // The fused sequences (see the inherent `*_fused` methods): the same bits as the trait's
-    // defaults, in fewer launches.
+    // The fused sequences: the same bits as the trait's defaults, in fewer launches.
+
+    /// Several matmuls of the same `x` (`outs[i] = x W_i^T`), e.g. the q/k/v or gate/up
+    /// projections of a layer. Q8_0A8 weights of one K (up to 3) share one quantization of x
+    /// and one launch; other formats run one `matmul` each. Results are identical to the
+    /// separate calls, bit for bit.
     fn matmul_many(
         &self,
         x: &CudaBuf,
@@ -1744,9 +1610,54 @@ impl Backend for Cuda {
         ws: &[&Weight<Self>],
         outs: &mut [&mut CudaBuf],
     ) -> Result<()> {
-        self.matmul_many_fused(x, rows, ws, outs)
+        if ws.len() != outs.len() {
+            return Err(BackendError::Invalid {
+                op: "matmul_many",
+                msg: format!("{} weights but {} outputs", ws.len(), outs.len()),
+            });
+        }
+        let k = ws.first().map_or(0, |w| w.cols);
+        let fused = (1..=3).contains(&ws.len())
+            && k > 0
+            && ws
+                .iter()
+                .all(|w| w.cols == k && w.rows > 0 && matches!(w.buf, CudaWeightBuf::Q8A8 { .. }));
+        if !fused {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(x, rows, w, o)?;
+            }
+            return Ok(());
+        }
+        check("matmul", "x", rows * k, x.len)?;
+        for (w, o) in ws.iter().zip(outs.iter()) {
+            check("matmul", "out", rows * w.rows, o.len)?;
+        }
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = (rows - r0).min(SKINNY_ROWS);
+            let xv = x.data.slice(r0 * k..(r0 + t) * k);
+            let mut mats = Vec::with_capacity(3);
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+                    return Err(internal());
+                };
+                mats.push(A8Launch {
+                    qs,
+                    d,
+                    n: w.rows,
+                    out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
+                });
+            }
+            self.matmul_a8(&xv, None, t, k, &mut mats)?;
+            r0 += t;
+        }
+        Ok(())
     }
 
+    /// `out = (silu(gate) * up) W^T`, the bits of `silu_mul(gate, up, act)` followed by
+    /// `matmul(act, rows, w, out)`. For [`WeightFormat::Q8_0A8`] weights the SiLU product is
+    /// formed inside the activation quantizer (one launch fewer; `act` is not written);
+    /// other formats run exactly the two ops, through `act`.
     fn matmul_silu_mul(
         &self,
         gate: &CudaBuf,
@@ -1756,9 +1667,36 @@ impl Backend for Cuda {
         w: &Weight<Self>,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.matmul_silu_mul_fused(gate, up, act, rows, w, out)
+        let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+            self.silu_mul(gate, up, act)?;
+            return self.matmul(act, rows, w, out);
+        };
+        let (k, n) = (w.cols, w.rows);
+        check("matmul_silu_mul", "gate", rows * k, gate.len)?;
+        check("matmul_silu_mul", "up", rows * k, up.len)?;
+        check("matmul_silu_mul", "out", rows * n, out.len)?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = (rows - r0).min(SKINNY_ROWS);
+            let gv = gate.data.slice(r0 * k..(r0 + t) * k);
+            let uv = up.data.slice(r0 * k..(r0 + t) * k);
+            let mut mats = [A8Launch {
+                qs,
+                d,
+                n,
+                out: out.data.slice_mut(r0 * n..(r0 + t) * n),
+            }];
+            self.matmul_a8(&gv, Some(&uv), t, k, &mut mats)?;
+            r0 += t;
+        }
+        Ok(())
     }
 
+    /// Residual add fused with the following RMSNorm: `h += o` (the first `rows * dim`
+    /// values), then `out = rms_norm(h)`; the bits of `add_assign` + `rms_norm` (same
+    /// arithmetic and block size). Rows wider than the kernel's register tile (dim > 8192)
+    /// run the two ops.
+    #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
         &self,
         h: &mut CudaBuf,
@@ -1769,7 +1707,34 @@ impl Backend for Cuda {
         eps: f32,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.add_rms_norm_fused(h, o, w, rows, dim, eps, out)
+        let n = rows * dim;
+        check("add_rms_norm", "h", n, h.len)?;
+        check("add_rms_norm", "o", n, o.len)?;
+        check("add_rms_norm", "w", dim, w.len)?;
+        check("add_rms_norm", "out", n, out.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let threads = norm_threads(dim);
+        if h.len != n || out.len != n || dim > 32 * threads as usize {
+            // rms_norm normalises all of its input buffer: keep the exact two-op path for
+            // buffers with spare capacity too.
+            self.add_assign(h, 0, o, n)?;
+            return self.rms_norm(h, w, dim, eps, out);
+        }
+        let f = self.func(Kernel::AddRmsNorm)?;
+        let d = i32_of("add_rms_norm", "dim", dim)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr_mut(&mut h.data, st)
+            .dptr(&o.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut out.data, st)
+            .i32(d)
+            .f32(eps);
+        let pdl = *lock(&self.a8_pdl);
+        // SAFETY: add_rms_norm's parameters in order (h, o, w, out, dim, eps).
+        unsafe { a.launch(st, &f, cfg((rows as u32, 1, 1), threads, 0), pdl) }
     }
 
     type Buf = CudaBuf;
