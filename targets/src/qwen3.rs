@@ -574,9 +574,13 @@ impl<B: Backend> Qwen3Dense<B> {
 
         for (li, layer) in self.w.layers.iter().enumerate() {
             be.rms_norm(&*x, &layer.in_norm, d, c.rms_eps, h)?;
-            be.matmul(&*h, t, &layer.wq, q)?;
-            be.matmul(&*h, t, &layer.wk, k)?;
-            be.matmul(&*h, t, &layer.wv, v)?;
+            // The backend's fused sequences (the bits of the separate ops).
+            be.matmul_many(
+                &*h,
+                t,
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &mut [&mut *q, &mut *k, &mut *v],
+            )?;
             be.rms_norm(&*q, &layer.q_norm, hd, c.rms_eps, qn)?;
             be.rms_norm(&*k, &layer.k_norm, hd, c.rms_eps, kn)?;
             be.rope(qn, t, c.n_heads, hd, start, &c.rope)?;
@@ -597,12 +601,9 @@ impl<B: Backend> Qwen3Dense<B> {
             };
             be.attention(&*qn, &self.k_cache[li], &self.v_cache[li], &p, att)?;
             be.matmul(&*att, t, &layer.wo, o)?;
-            be.add_assign(x, 0, &*o, t * d)?;
-            be.rms_norm(&*x, &layer.post_norm, d, c.rms_eps, h)?;
-            be.matmul(&*h, t, &layer.wg, g)?;
-            be.matmul(&*h, t, &layer.wu, u)?;
-            be.silu_mul(&*g, &*u, a)?;
-            be.matmul(&*a, t, &layer.wd, o)?;
+            be.add_rms_norm(x, &*o, &layer.post_norm, t, d, c.rms_eps, h)?;
+            be.matmul_many(&*h, t, &[&layer.wg, &layer.wu], &mut [&mut *g, &mut *u])?;
+            be.matmul_silu_mul(&*g, &*u, a, t, &layer.wd, o)?;
             be.add_assign(x, 0, &*o, t * d)?;
             write_taps(be, li as i32, &*x, &mut tap_buf)?;
         }
