@@ -145,6 +145,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
             draft_dir: c.draft_dir(),
             target_precision: c.target_format(),
             draft_precision: c.draft_precision(),
+            fast_attention: c.draft_attention == crate::DraftAttnArg::Fast,
             ctx_cap,
             quiet: a.json,
         },
@@ -217,11 +218,12 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
             if idx == 0 {
                 println!("machine: {}", machine.describe());
                 println!(
-                    "pair: {} + {} (drafter {:?}, drafter head {:?}), max_new {}, verify cap {}, adaptive {} (multiple {}), reps {reps}",
+                    "pair: {} + {} (drafter {:?}, drafter head {:?}, drafter attention {:?}), max_new {}, verify cap {}, adaptive {} (multiple {}), reps {reps}",
                     c.target_dir().display(),
                     c.draft_dir().display(),
                     c.draft_precision(),
                     c.draft_head,
+                    c.draft_attention,
                     a.max_new,
                     c.verify_cap.map_or("block".to_string(), |v| v.to_string()),
                     !c.no_adaptive,
@@ -350,6 +352,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
             "verify_multiple": c.verify_multiple,
             "draft_precision": format!("{:?}", c.draft_precision()),
             "draft_head": format!("{:?}", c.draft_head),
+            "draft_attention": format!("{:?}", c.draft_attention),
             "markov": !c.no_markov,
             "load_ms": pair.load_ms,
             "prompts": rows.len(),

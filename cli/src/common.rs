@@ -8,7 +8,7 @@ use dflash_backend::{Backend, Weight, WeightFormat};
 use dflash_draft_model::Precision;
 use dflash_spec_round::{RollbackArm, SpecConfig, Target};
 
-use crate::{ArmArg, DraftHeadArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
+use crate::{ArmArg, DraftAttnArg, DraftHeadArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
 
 /// Drafter precision of `generate` and `bench` unless `--draft-precision` says otherwise.
 /// Q8_0A8 with its Q8_0A8 head: on the 2-core AVX-512 VNNI Xeon, `dflash bench --threads 1
@@ -17,6 +17,9 @@ use crate::{ArmArg, DraftHeadArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
 pub const DEFAULT_DRAFT_PRECISION: PrecisionArg = PrecisionArg::Q8_0a8;
 /// Drafter lm_head unless `--draft-head` says otherwise.
 pub const DEFAULT_DRAFT_HEAD: DraftHeadArg = DraftHeadArg::Q8_0a8;
+/// Drafter attention unless `--draft-attention` says otherwise: the fast op (the same as the
+/// exact one on the CPU; 1xTF32 on CUDA, where the drafter's activations are int8 already).
+pub const DEFAULT_DRAFT_ATTENTION: DraftAttnArg = DraftAttnArg::Fast;
 
 #[derive(Args)]
 pub struct CommonArgs {
@@ -55,6 +58,9 @@ pub struct CommonArgs {
     /// The lm_head the drafter's logits use (the target always uses its own).
     #[arg(long, value_enum, default_value_t = DEFAULT_DRAFT_HEAD)]
     pub draft_head: DraftHeadArg,
+    /// The drafter's attention arithmetic.
+    #[arg(long, value_enum, default_value_t = DEFAULT_DRAFT_ATTENTION)]
+    pub draft_attention: DraftAttnArg,
     /// Re-encode the target's matrices (default: keep the file's format).
     #[arg(long, value_enum)]
     pub target_precision: Option<PrecisionArg>,

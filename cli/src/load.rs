@@ -17,6 +17,8 @@ pub struct PairSpec {
     /// Re-encode the target's matrices (`None`: keep the file's format).
     pub target_precision: Option<WeightFormat>,
     pub draft_precision: Precision,
+    /// The drafter's attention through `Backend::attention_fast`.
+    pub fast_attention: bool,
     /// Context capacity of the target (positions).
     pub ctx_cap: usize,
     /// No progress display.
@@ -82,6 +84,7 @@ pub fn load_pair<B: Backend>(be: &B, spec: &PairSpec) -> Result<Pair<B>> {
     pb.set_message(format!("loading drafter {}", spec.draft_dir.display()));
     let opts = DraftLoad {
         precision: spec.draft_precision,
+        fast_attention: spec.fast_attention,
         ..DraftLoad::default()
     };
     let draft = DraftModel::<B>::load(be, &spec.draft_dir, &opts)

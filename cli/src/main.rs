@@ -63,6 +63,16 @@ enum DraftHeadArg {
     Q8_0a8,
 }
 
+/// The drafter's attention arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DraftAttnArg {
+    /// The exact op (f32 on the CPU, 3xTF32 tensor cores on CUDA).
+    Exact,
+    /// Reduced-precision products where the backend has them (1xTF32 tensor cores on CUDA;
+    /// the CPU runs the exact op): changes what the drafter proposes, never what is committed.
+    Fast,
+}
+
 /// Where the target and the drafter run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum DeviceArg {
@@ -137,6 +147,9 @@ struct GenerateArgs {
     /// The lm_head the drafter's logits use (the target always uses its own).
     #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_HEAD)]
     draft_head: DraftHeadArg,
+    /// The drafter's attention arithmetic.
+    #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_ATTENTION)]
+    draft_attention: DraftAttnArg,
     /// Re-encode the target's matrices (default: keep the file's format).
     #[arg(long, value_enum)]
     target_precision: Option<PrecisionArg>,
@@ -281,6 +294,7 @@ fn generate_on<B: Backend>(be: &B, a: GenerateArgs) -> Result<()> {
             draft_dir: draft_dir.clone(),
             target_precision: a.target_precision.map(common::target_format),
             draft_precision: common::draft_precision(a.draft_precision),
+            fast_attention: a.draft_attention == DraftAttnArg::Fast,
             ctx_cap,
             quiet: a.json,
         },

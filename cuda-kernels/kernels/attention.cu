@@ -425,6 +425,11 @@ __device__ __forceinline__ void tf32_split(float x, u32 &hi, u32 &lo) {
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi));
 }
+// x rounded to tf32 (the hi part of tf32_split): P in the 1xTF32 kernels.
+__device__ __forceinline__ u32 tf32_rn(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+// x as a tf32 operand as it is (the tensor cores read its top 19 bits: truncation): Q, K and V in
+// the 1xTF32 kernels, which stream them with no instruction spent on rounding.
+__device__ __forceinline__ u32 f2u(float x) { return __float_as_uint(x); }
 __device__ __forceinline__ void mma_tf32(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -441,7 +446,11 @@ __device__ __forceinline__ void mma_3xtf32(float c[4], const u32 ah[4], const u3
 // rows of its warp): the tensor cores then only run S = Q K^T, and the FMAs issue while they do.
 // P and the rescale factors go through a per-warp shared tile (P transposed, pitch ATT_PTP).
 #define ATT_PTP 20
-template <int D, int KW, bool FPV>
+// X1 (the reduced-precision kernels, `attention_fast`): one tf32 product per term, no lo terms:
+// a third of the mma and none of the splits. Q, K and V enter truncated to tf32 (relative error
+// below 2^-10 each), P rounded (below 2^-11); f32 accumulation. Everything else (chunks, masks, merges, per-row determinism)
+// as above.
+template <int D, int KW, bool FPV, bool X1>
 __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                              long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
@@ -567,6 +576,17 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         for (int kp = 0; kp < D / 16; ++kp) {
             const float4 qa = *(const float4 *)(Qw + g * PQ + 16 * kp + 4 * t);
             const float4 qb = *(const float4 *)(Qw + (g + 8) * PQ + 16 * kp + 4 * t);
+            if constexpr (X1) {
+                const u32 a0[4] = {f2u(qa.x), f2u(qb.x), f2u(qa.y), f2u(qb.y)};
+                const u32 a1[4] = {f2u(qa.z), f2u(qb.z), f2u(qa.w), f2u(qb.w)};
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const float4 kb = *(const float4 *)(Kc + (nt * 8 + g) * PK + 16 * kp + 4 * t);
+                    mma_tf32(s[nt], a0[0], a0[1], a0[2], a0[3], f2u(kb.x), f2u(kb.y));
+                    mma_tf32(s[nt], a1[0], a1[1], a1[2], a1[3], f2u(kb.z), f2u(kb.w));
+                }
+                continue;
+            }
             u32 ah0[4], al0[4], ah1[4], al1[4];
             tf32_split(qa.x, ah0[0], al0[0]);
             tf32_split(qb.x, ah0[1], al0[1]);
@@ -694,6 +714,20 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         // O += P V.
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
+            if constexpr (X1) {
+                const u32 pr[4] = {tf32_rn(s[kt][0]), tf32_rn(s[kt][2]), tf32_rn(s[kt][1]), tf32_rn(s[kt][3])};
+                const float *v0 = Vc + (kt * 8 + 2 * t) * PV + 4 * g;
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    const float4 x0 = *(const float4 *)(v0 + 32 * c);
+                    const float4 x1 = *(const float4 *)(v0 + PV + 32 * c);
+                    mma_tf32(o[4 * c], pr[0], pr[1], pr[2], pr[3], f2u(x0.x), f2u(x1.x));
+                    mma_tf32(o[4 * c + 1], pr[0], pr[1], pr[2], pr[3], f2u(x0.y), f2u(x1.y));
+                    mma_tf32(o[4 * c + 2], pr[0], pr[1], pr[2], pr[3], f2u(x0.z), f2u(x1.z));
+                    mma_tf32(o[4 * c + 3], pr[0], pr[1], pr[2], pr[3], f2u(x0.w), f2u(x1.w));
+                }
+                continue;
+            }
             u32 ph[4], pl[4];
             tf32_split(s[kt][0], ph[0], pl[0]);
             tf32_split(s[kt][2], ph[1], pl[1]);
@@ -843,21 +877,27 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     }
 }
 
-#define ATTN_TC(D, KW, FPV, SUFFIX)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                  \
-        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                   \
-        attn_tc_impl<D, KW, FPV>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst); \
+#define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
+        attn_tc_impl<D, KW, FPV, X1>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst); \
     }
-ATTN_TC(32, 2, false, )
-ATTN_TC(64, 2, false, )
-ATTN_TC(128, 2, false, )
-ATTN_TC(32, 4, false, )
-ATTN_TC(64, 4, false, )
-ATTN_TC(128, 4, false, )
-ATTN_TC(32, 2, true, _fpv)
-ATTN_TC(64, 2, true, _fpv)
-ATTN_TC(128, 2, true, _fpv)
-ATTN_TC(32, 4, true, _fpv)
-ATTN_TC(64, 4, true, _fpv)
-ATTN_TC(128, 4, true, _fpv)
+ATTN_TC(32, 2, false, false, )
+ATTN_TC(64, 2, false, false, )
+ATTN_TC(128, 2, false, false, )
+ATTN_TC(32, 4, false, false, )
+ATTN_TC(64, 4, false, false, )
+ATTN_TC(128, 4, false, false, )
+ATTN_TC(32, 2, true, false, _fpv)
+ATTN_TC(64, 2, true, false, _fpv)
+ATTN_TC(128, 2, true, false, _fpv)
+ATTN_TC(32, 4, true, false, _fpv)
+ATTN_TC(64, 4, true, false, _fpv)
+ATTN_TC(128, 4, true, false, _fpv)
+ATTN_TC(32, 2, false, true, _x1)
+ATTN_TC(64, 2, false, true, _x1)
+ATTN_TC(128, 2, false, true, _x1)
+ATTN_TC(32, 4, false, true, _x1)
+ATTN_TC(64, 4, false, true, _x1)
+ATTN_TC(128, 4, false, true, _x1)

@@ -2061,7 +2061,20 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, out)
+        self.attention_op(q, k, v, p, false, out)
+    }
+
+    /// The 1xTF32 tensor-core kernel (one tf32 product per term, operands rounded to tf32)
+    /// where the exact kernel would be the 3xTF32 one; otherwise the exact op.
+    fn attention_fast(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        self.attention_op(q, k, v, p, true, out)
     }
 
     fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {

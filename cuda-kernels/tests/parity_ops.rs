@@ -763,7 +763,7 @@ fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
         .position(|(a, b)| a.to_bits() != b.to_bits())
     {
         panic!(
-            "{what}: index {i}: fused {} vs separate {} ({} of {} differ)",
+            "{what}: index {i}: got {} vs expected {} ({} of {} differ)",
             got[i],
             want[i],
             got.iter()
@@ -1318,4 +1318,92 @@ fn attention_graph_replays() {
         }
     }
     eprintln!("attention: graph replays == eager bit for bit, match the CPU");
+}
+
+/// `attention_fast` (the drafter's reduced-precision op: the 1xTF32 tensor-core kernel for head
+/// dims 32 / 64 / 128, the exact op otherwise) against the CPU within the TF32 bound, not the
+/// bits of the exact op where the 1xTF32 kernel runs (so it is the kernel measured), the exact
+/// op's bits where it does not, and rows deterministic (a row alone == the row of the block;
+/// causal decode == verify).
+#[test]
+fn attention_fast_against_cpu_and_per_row() {
+    let Some(g) = gpu("attention_fast_against_cpu_and_per_row") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("attention_fast_against_cpu_and_per_row");
+    // (context, head dim, window, causal)
+    for &(ctx, hd, win, causal) in &[
+        (512usize, 128usize, None, false),
+        (8192, 128, None, false),
+        (8192, 128, Some(2048usize), false),
+        (2000, 64, None, false),
+        (300, 32, None, false),
+        (4000, 128, None, true),
+        (700, 48, None, false),
+    ] {
+        let (h, hkv, nq) = (32usize, 8usize, 16usize);
+        let cap = ctx + nq;
+        let q = rand_vec(&mut r, nq * h * hd, 1.5);
+        let k = rand_vec(&mut r, cap * hkv * hd, 1.5);
+        let v = rand_vec(&mut r, cap * hkv * hd, 1.0);
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal,
+            window: win,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let mut oc = vec![0.0; nq * h * hd];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let mut fast = poisoned(g, oc.len());
+        g.attention_fast(&qg, &kg, &vg, &p, &mut fast).unwrap();
+        let fast = g.download(&fast).unwrap();
+        let mut exact = poisoned(g, oc.len());
+        g.attention(&qg, &kg, &vg, &p, &mut exact).unwrap();
+        let exact = g.download(&exact).unwrap();
+        let what = format!("attention_fast ctx={ctx} d={hd} win={win:?} causal={causal}");
+        // Operands rounded to tf32 (relative 2^-11 each): scores off by ~1e-3 of their
+        // size, outputs by ~1e-3 of the largest value.
+        report(&what, &fast, &oc, 4e-3);
+        let differs = fast
+            .iter()
+            .zip(&exact)
+            .any(|(a, b)| a.to_bits() != b.to_bits());
+        if matches!(hd, 32 | 64 | 128) {
+            assert!(
+                differs,
+                "{what}: the same bits as the exact op (the 1xTF32 kernel did not run)"
+            );
+        } else {
+            assert_same_bits(&format!("{what} (exact kernel)"), &fast, &exact);
+        }
+        for i in [0usize, 7, 15] {
+            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
+            let pi = AttnParams {
+                n_q: 1,
+                n_kv: if causal { ctx + i + 1 } else { cap },
+                q_pos0: ctx + i,
+                ..p
+            };
+            let mut o = poisoned(g, h * hd);
+            g.attention_fast(&qi, &kg, &vg, &pi, &mut o).unwrap();
+            assert_same_bits(
+                &format!("{what}: query {i} alone vs the 16-query call"),
+                &g.download(&o).unwrap(),
+                &fast[i * h * hd..(i + 1) * h * hd],
+            );
+        }
+    }
+    eprintln!("attention_fast: within the TF32 bound of the CPU, rows deterministic");
 }

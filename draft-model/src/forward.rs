@@ -479,6 +479,25 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 
+    /// The drafter's attention: [`Backend::attention_fast`] when loaded with
+    /// [`crate::LoadOptions::fast_attention`], else the exact op.
+    fn attention(
+        &self,
+        be: &B,
+        q: &B::Buf,
+        k: &B::Buf,
+        v: &B::Buf,
+        p: &AttnParams,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        if self.fast_attention {
+            be.attention_fast(q, k, v, p, out)?;
+        } else {
+            be.attention(q, k, v, p, out)?;
+        }
+        Ok(())
+    }
+
     /// The block forward over the cached context (the seed's `forward_round`).
     ///
     /// `tokens` is the block (normally [`Drafter::block_tokens`]), sitting at positions
@@ -535,7 +554,7 @@ impl<B: Backend> Drafter<B> {
                 kv.write_block(be, li, k, v, b)?;
                 let (kb, vb) = kv.layer(li)?;
                 let p = attn_params(self, li, n_q, n_ctx + b, start, kv_pos0);
-                be.attention(q, kb, vb, &p, out)?;
+                self.attention(be, q, kb, vb, &p, out)?;
                 Ok(())
             };
             let rows = if li + 1 == n_layers { out_rows } else { b };
@@ -583,7 +602,7 @@ impl<B: Backend> Drafter<B> {
                 be.copy(k, 0, &mut ka, ctx * kvd, b * kvd)?;
                 be.copy(v, 0, &mut va, ctx * kvd, b * kvd)?;
                 let p = attn_params(self, li, n_q, ctx + b, ctx, 0);
-                be.attention(q, &ka, &va, &p, out)?;
+                self.attention(be, q, &ka, &va, &p, out)?;
                 Ok(())
             };
             self.block_layer(be, li, &mut s, b, ctx, &mut attend)?;

@@ -84,6 +84,11 @@ pub struct LoadOptions {
     pub layout_override: Option<RowLayout>,
     /// Scan every tensor for NaN / infinity and report the first one as an error.
     pub validate: bool,
+    /// Run the drafter's attention through [`Backend::attention_fast`] (reduced-precision
+    /// products where the backend has them: TF32 tensor cores on CUDA; the CPU computes the
+    /// exact op either way). The drafts may differ from the exact op's, never the committed
+    /// tokens (the target verifies them).
+    pub fast_attention: bool,
 }
 
 /// One draft decoder layer.
@@ -143,6 +148,8 @@ pub struct Drafter<B: Backend> {
     pub mask_embedding: Option<B::Buf>,
     /// RoPE of each layer.
     pub ropes: Vec<RopeSpec>,
+    /// The attention through [`Backend::attention_fast`] ([`LoadOptions::fast_attention`]).
+    pub fast_attention: bool,
     /// Activation buffers of the last cached block forward, reused by the next one of the
     /// same block length (no allocation per step; stable buffers for the GPU).
     pub(crate) scratch: std::sync::Mutex<Option<crate::forward::Scratch<B>>>,
@@ -551,6 +558,7 @@ impl<B: Backend> Drafter<B> {
             confidence,
             mask_embedding,
             ropes,
+            fast_attention: opts.fast_attention,
             scratch: std::sync::Mutex::new(None),
         })
     }

@@ -28,8 +28,9 @@ pub struct BenchArgs {
     /// Shapes: 8b (Qwen3-8B-DFlash-b16), 27b (Qwen3.6-27B-DFlash).
     #[arg(long, default_value = "8b,27b")]
     shapes: String,
-    /// Drafter weight formats.
-    #[arg(long, default_value = "bf16,q8_0,q8_0a8,q4_0")]
+    /// Drafter weight formats; `+fa` after one = its attention through `attention_fast`
+    /// (1xTF32 products) instead of the exact op.
+    #[arg(long, default_value = "bf16,q8_0,q8_0a8,q8_0a8+fa,q4_0")]
     formats: String,
     /// Timed replays per measurement (median reported).
     #[arg(long, default_value_t = 50)]
@@ -67,6 +68,9 @@ pub struct BenchArgs {
     /// exit (for a profiler).
     #[arg(long)]
     attn_once: Option<usize>,
+    /// With --attn-once: the call through `attention_fast`.
+    #[arg(long)]
+    attn_fast: bool,
     /// L2 prefetch of the coming weights during the step, MB per prefetch point: e.g.
     /// `A24B40C24D16E24` (A after the down projection: the next q/k/v; B after q/k/v: o,
     /// then gate/up; C after o: gate/up; D after gate/up: down; E after the last down: the
@@ -86,7 +90,8 @@ pub struct BenchArgs {
     /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
     /// +pf=SPEC (L2 prefetch, as --l2-prefetch), +skip=LETTERS (timing ablation: launches
     /// left out, letters of nkqaogdl = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up,
-    /// down, lm_head; the step's results are then meaningless).
+    /// down, lm_head; the step's results are then meaningless), +fa (the attention through
+    /// `attention_fast`).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -184,6 +189,8 @@ struct Model {
     /// Launches left out (timing ablations only; the results are then meaningless): letters
     /// of `nkqaogdl` = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up, down, lm_head.
     skip: String,
+    /// The attention through [`Backend::attention_fast`] (the drafter's reduced-precision op).
+    fast_attn: bool,
     rope: RopeSpec,
 }
 
@@ -300,6 +307,7 @@ impl Model {
             fused: true,
             prefetch: [0; 5],
             skip: String::new(),
+            fast_attn: false,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -462,7 +470,10 @@ impl Model {
                 window: l.window,
                 scale: (hd as f32).powf(-0.5),
             };
-            if !sk('a') {
+            if sk('a') {
+            } else if self.fast_attn {
+                g.attention_fast(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
+            } else {
                 g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             }
             if !sk('o') {
@@ -677,6 +688,16 @@ fn fmt_name(f: WeightFormat) -> &'static str {
         WeightFormat::Q8_0 => "q8_0",
         WeightFormat::Q4_0 => "q4_0",
         WeightFormat::Q8_0A8 => "q8_0a8",
+    }
+}
+
+/// A drafter variant's name in the tables: the weight format, with `+ fast attn` when its
+/// attention runs through `attention_fast`.
+fn variant_name(f: WeightFormat, fast: bool) -> String {
+    if fast {
+        format!("{} + fast attn", fmt_name(f))
+    } else {
+        fmt_name(f).to_string()
     }
 }
 
@@ -973,7 +994,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             scale: 0.088,
         };
         for _ in 0..3 {
-            g.attention(&q, &kc, &vc, &p, &mut o)?;
+            if a.attn_fast {
+                g.attention_fast(&q, &kc, &vc, &p, &mut o)?;
+            } else {
+                g.attention(&q, &kc, &vc, &p, &mut o)?;
+            }
         }
         g.synchronize()?;
         return Ok(());
@@ -994,10 +1019,17 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .split(',')
         .map(|s| shape(s.trim()))
         .collect::<Result<_>>()?;
-    let fmts: Vec<WeightFormat> = a
+    // (format, attention through attention_fast)
+    let fmts: Vec<(WeightFormat, bool)> = a
         .formats
         .split(',')
-        .map(|s| parse_format(s.trim()))
+        .map(|s| {
+            let s = s.trim();
+            Ok(match s.strip_suffix("+fa") {
+                Some(f) => (parse_format(f)?, true),
+                None => (parse_format(s)?, false),
+            })
+        })
         .collect::<Result<_>>()?;
     if let Some(list) = &a.a8_sweep {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);
@@ -1023,6 +1055,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     struct Row {
         shape: &'static str,
         fmt: WeightFormat,
+        fast: bool,
         ctx: usize,
         t: StepTimes,
         markov: Option<StepTimes>,
@@ -1035,8 +1068,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         g.set_a8_kernel(a8k);
         set_split(&g, a.attn_split)?;
         g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
-        for &f in &fmts {
+        for &(f, fast) in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
+            m.fast_attn = fast;
             m.fused = !a.unfused;
             m.prefetch = parse_prefetch(&a.l2_prefetch)?;
             let mut b = m.bufs(&g, s.block)?;
@@ -1047,7 +1081,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 println!(
                     "{} {:>5} ctx {:>5}: eager {:.3} ms, graph {} ms, floor {:.3} ms ({:.2} GB){}",
                     s.name,
-                    fmt_name(f),
+                    variant_name(f, fast),
                     ctx,
                     t.eager,
                     t.graph.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
@@ -1061,6 +1095,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 rows.push(Row {
                     shape: s.name,
                     fmt: f,
+                    fast,
                     ctx,
                     t,
                     markov: None,
@@ -1080,7 +1115,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     println!(
                         "{} {:>5} ctx {:>5} + Markov r=256: eager {:.3} ms, graph {:?}",
                         s.name,
-                        fmt_name(f),
+                        variant_name(f, fast),
                         ctx,
                         t.eager,
                         t.graph
@@ -1150,7 +1185,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "| {} | {} | {} | {:.3} | {} | {:.3} ({:.2}) | {:.2}x | {:.3} | {} | {:.2}x |\n",
             r.shape,
             r.ctx,
-            fmt_name(r.fmt),
+            variant_name(r.fmt, r.fast),
             r.t.eager,
             r.t.graph
                 .map(|x| format!("{x:.3}"))
@@ -1174,7 +1209,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     "| {} | {} | {} | {:.3} | {} |\n",
                     r.shape,
                     r.ctx,
-                    fmt_name(r.fmt),
+                    variant_name(r.fmt, r.fast),
                     t.eager,
                     t.graph.map(|x| format!("{x:.3}")).unwrap_or("-".into())
                 );
@@ -1202,7 +1237,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
                 md += &format!(
                     "| {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
-                    fmt_name(r.fmt),
+                    variant_name(r.fmt, r.fast),
                     6.5 * dm / (draft + vm)
                 );
             }
@@ -1238,6 +1273,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         attn: AttnKernel,
         prefetch: [usize; 5],
         skip: String,
+        fast_attn: bool,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1252,6 +1288,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 attn: parse_attn_kernel(&a.attn_kernel)?,
                 prefetch: parse_prefetch(&a.l2_prefetch)?,
                 skip: String::new(),
+                fast_attn: false,
             };
             for opt in it {
                 if opt == "noef" {
@@ -1264,6 +1301,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.attn = parse_attn_kernel(n)?;
                 } else if let Some(n) = opt.strip_prefix("pf=") {
                     cfg.prefetch = parse_prefetch(n)?;
+                } else if opt == "fa" {
+                    cfg.fast_attn = true;
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
@@ -1361,6 +1400,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_attn_kernel(c.attn)?;
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
+                    m.fast_attn = c.fast_attn;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }

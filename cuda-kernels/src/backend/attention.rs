@@ -15,23 +15,28 @@ pub(super) const ATT_SPLIT: usize = 256;
 /// part idle (8 kv heads, 64 query rows, 528 keys: 96 blocks for 132 SMs on the H200; the
 /// 8B draft step at ctx 512 0.806 -> 0.783 ms, at 8192 128 would cost 1.073 -> 1.219 ms).
 pub(super) const SHORT_NONCAUSAL_KV: usize = 1024;
-/// Non-causal attention over more than this many keys (the visible span: `n_kv`, or the
-/// window when smaller) splits them by 512: fewer, longer splits and half the partials to
-/// combine. H200, 8B drafter step (q8_0a8; one lease, a variant of the step with q8 norms
-/// since dropped), 256 -> 512 keys: ctx 8192 1.085 -> 1.072 ms, ctx 4096 0.948 -> 0.957 (so
-/// not there: the threshold lies between the two measured points); 27B (4 layers windowed to
-/// 2048, unchanged) at 8192 1.413 -> 1.411.
-pub(super) const LONG_NONCAUSAL_KV: usize = 6144;
+/// Non-causal attention over a visible span (`n_kv`, or the window when smaller) of more than
+/// this many keys splits it so that all splits of all kv heads run in one wave, one block each
+/// (blocks of all the query rows of a kv head, 4 row warps: one per multiprocessor): at most
+/// `num_sms / n_kv_heads - 1` splits (a window may straddle one more), a multiple of 64 keys,
+/// at least 256. H200 (132 SMs), 8 kv heads: 8208 keys -> 576 (15 splits, 120 blocks; 512
+/// gave 17 splits = 136 blocks, a second wave of 4 blocks that cost ~27% of the kernel's time
+/// in ncu); 4112 -> 320.
+pub(super) const WAVE_NONCAUSAL_KV: usize = 2048;
 
-/// The automatic split of [`Cuda::set_attn_split_auto`]: a function of `n_kv`, the window and
-/// causality only, never of the query rows.
-pub(super) fn split_keys_auto(p: &AttnParams) -> usize {
+/// The automatic split of [`Cuda::set_attn_split_auto`]: a function of `n_kv`, the window,
+/// causality, `n_kv_heads` and the device's multiprocessor count, never of the query rows.
+/// Returns (keys per split, whether the one-wave rule chose it).
+pub(super) fn split_keys_auto(p: &AttnParams, num_sms: usize) -> (usize, bool) {
     let span = p.window.map_or(p.n_kv, |w| w.min(p.n_kv));
     match () {
-        _ if p.causal => ATT_SPLIT,
-        _ if span <= SHORT_NONCAUSAL_KV => ATT_SPLIT / 2,
-        _ if span > LONG_NONCAUSAL_KV => ATT_SPLIT * 2,
-        _ => ATT_SPLIT,
+        _ if p.causal => (ATT_SPLIT, false),
+        _ if span <= SHORT_NONCAUSAL_KV => (ATT_SPLIT / 2, false),
+        _ if span > WAVE_NONCAUSAL_KV => {
+            let n = (num_sms / p.n_kv_heads.max(1)).saturating_sub(1).max(1);
+            (span.div_ceil(n).next_multiple_of(64).max(ATT_SPLIT), true)
+        }
+        _ => (ATT_SPLIT, false),
     }
 }
 /// Query rows per block of the SIMT split kernel.
@@ -154,7 +159,20 @@ fn tc_stages(
     }
 }
 
-fn tc_kernel(d: usize, kw: usize, fpv: bool) -> Option<Kernel> {
+/// The tensor-core kernel for head dim `d`, `kw` key warps, P V on the CUDA cores (`fpv`),
+/// and one tf32 product per term (`x1`: [`Backend::attention_fast`]; only without `fpv`).
+fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
+    if x1 {
+        return Some(match (d, kw, fpv) {
+            (32, 2, false) => Kernel::AttnTcD32Kw2X1,
+            (64, 2, false) => Kernel::AttnTcD64Kw2X1,
+            (128, 2, false) => Kernel::AttnTcD128Kw2X1,
+            (32, 4, false) => Kernel::AttnTcD32Kw4X1,
+            (64, 4, false) => Kernel::AttnTcD64Kw4X1,
+            (128, 4, false) => Kernel::AttnTcD128Kw4X1,
+            _ => return None,
+        });
+    }
     Some(match (d, kw, fpv) {
         (32, 2, false) => Kernel::AttnTcD32Kw2,
         (64, 2, false) => Kernel::AttnTcD64Kw2,
@@ -237,8 +255,8 @@ impl Cuda {
     pub fn attn_kernel_info(&self) -> Result<Vec<(&'static str, i32, i32)>> {
         let mut v = Vec::new();
         for kw in [2, 4] {
-            for fpv in [false, true] {
-                if let Some(k) = tc_kernel(128, kw, fpv) {
+            for (fpv, x1) in [(false, false), (true, false), (false, true)] {
+                if let Some(k) = tc_kernel(128, kw, fpv, x1) {
                     let f = self.func(k)?;
                     let regs = f.num_regs().map_err(dev)?;
                     let local = f
@@ -260,8 +278,8 @@ impl Cuda {
                 self.func_smem(k, simt_smem_bytes(d))?;
             }
             for kw in [2, 4] {
-                for fpv in [false, true] {
-                    if let Some(k) = tc_kernel(d, kw, fpv) {
+                for (fpv, x1) in [(false, false), (true, false), (false, true)] {
+                    if let Some(k) = tc_kernel(d, kw, fpv, x1) {
                         let most = [1, 2, 4]
                             .iter()
                             .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
@@ -283,9 +301,10 @@ impl Cuda {
         k: &CudaBuf,
         v: &CudaBuf,
         p: &AttnParams,
+        fast: bool,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        let op = "attention";
+        let op = if fast { "attention_fast" } else { "attention" };
         if p.n_heads == 0
             || p.n_kv_heads == 0
             || !p.n_heads.is_multiple_of(p.n_kv_heads)
@@ -330,9 +349,9 @@ impl Cuda {
 
         // (kernel, threads, shared bytes, rows per block, pipeline stages) of the split kernel.
         let choice = *lock(&self.attn_kernel);
-        let split_keys = match *lock(&self.attn_split) {
-            Some(k) => k,
-            None => split_keys_auto(p),
+        let (split_keys, one_wave) = match *lock(&self.attn_split) {
+            Some(k) => (k, false),
+            None => split_keys_auto(p, self.num_sms),
         };
         let n_split = p.n_kv.div_ceil(split_keys);
         let tc = match choice.resolve() {
@@ -349,20 +368,26 @@ impl Cuda {
         let lim = self.smem;
         let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
             Some((kw, rw, fpv, stages))
-                if tc_kernel(d, kw, fpv).is_some()
+                if tc_kernel(d, kw, fpv, false).is_some()
                     && tc_smem_bytes(d, kw, 1, 1, fpv) <= lim.block =>
             {
-                let kern = tc_kernel(d, kw, fpv).ok_or_else(internal)?;
+                // The fast op takes the 1xTF32 twin of the exact kernel where there is one
+                // (not for P V on the CUDA cores); the shared memory and grid are the same.
+                let kern = tc_kernel(d, kw, fpv, fast)
+                    .or_else(|| tc_kernel(d, kw, fpv, false))
+                    .ok_or_else(internal)?;
                 let rw = if rw > 0 {
                     rw
                 } else {
                     // As many rows per block as the rows allow while the grid still fills the
-                    // GPU (more rows per block = fewer reads of each K/V chunk) and one stage
-                    // fits the shared memory.
+                    // GPU (more rows per block = fewer reads of each K/V chunk; a split of the
+                    // one-wave rule was sized for these blocks) and one stage fits the shared
+                    // memory.
                     let mut rw = 4;
                     while rw > 1
                         && (qr <= 16 * (rw / 2)
-                            || n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms
+                            || (!one_wave
+                                && n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms)
                             || tc_smem_bytes(d, kw, rw, 1, fpv) > lim.block)
                     {
                         rw /= 2;
@@ -496,7 +521,8 @@ impl Cuda {
 mod tests {
     use super::*;
 
-    /// The automatic split depends on causality, `n_kv` and the window only.
+    /// The automatic split depends on causality, `n_kv`, the window, `n_kv_heads` and the
+    /// multiprocessor count only (never on the query rows).
     #[test]
     fn split_keys_auto_rule() {
         let p = |n_q, n_kv, causal, window| AttnParams {
@@ -513,14 +539,33 @@ mod tests {
         };
         for n_q in [1, 16] {
             for n_kv in [16, 528, 4112, 8208, 100_000] {
-                assert_eq!(split_keys_auto(&p(n_q, n_kv, true, None)), 256);
+                assert_eq!(
+                    split_keys_auto(&p(n_q, n_kv, true, None), 132),
+                    (256, false)
+                );
             }
-            assert_eq!(split_keys_auto(&p(n_q, 528, false, None)), 128);
-            assert_eq!(split_keys_auto(&p(n_q, 1024, false, None)), 128);
-            assert_eq!(split_keys_auto(&p(n_q, 4112, false, None)), 256);
-            assert_eq!(split_keys_auto(&p(n_q, 8208, false, None)), 512);
-            assert_eq!(split_keys_auto(&p(n_q, 8208, false, Some(2048))), 256);
-            assert_eq!(split_keys_auto(&p(n_q, 8208, false, Some(512))), 128);
+            let auto = |n_kv, window| split_keys_auto(&p(n_q, n_kv, false, window), 132);
+            assert_eq!(auto(528, None), (128, false));
+            assert_eq!(auto(1024, None), (128, false));
+            assert_eq!(auto(2048, None), (256, false));
+            assert_eq!(auto(8208, Some(2048)), (256, false));
+            assert_eq!(auto(8208, Some(512)), (128, false));
+            // One wave: 132 / 8 - 1 = 15 splits at most, a multiple of 64 keys, >= 256.
+            assert_eq!(auto(4112, None), (320, true));
+            assert_eq!(auto(8208, None), (576, true));
+            assert_eq!(auto(2112, None), (256, true));
+            for n_kv in [2049, 4112, 8208, 33_000, 100_000] {
+                let (k, _) = auto(n_kv, None);
+                assert!(
+                    n_kv.div_ceil(k) <= 15 && k.is_multiple_of(64),
+                    "{n_kv}: {k}"
+                );
+            }
+            // Fewer multiprocessors, more kv heads: still at least one split per kv head.
+            assert_eq!(
+                split_keys_auto(&p(n_q, 8208, false, None), 78).0,
+                8208usize.div_ceil(8).next_multiple_of(64)
+            );
         }
     }
 
