@@ -511,19 +511,29 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     // Query positions of the block's first and last real rows.
     const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
 
+    // A thread copies column d4 of the rows kk0, kk0 + RSTEP, ... of a chunk (nth is a multiple of
+    // C4): the global addresses advance by a constant, and whole chunks skip the bounds check.
+    const int RSTEP = nth / C4, kk0 = tid / C4, d4c = (tid % C4) * 4;
+    const long long gstep = (long long)RSTEP * Hkv * D;
     auto load_chunk = [&](int c, int st) {
         const long long j0 = jbase + (long long)c * CK;
-        float *kd = Ks + st * CK * PK, *vd = Vs + st * CK * PV;  // stage st
-        for (int idx = tid; idx < CK * C4; idx += nth) {
-            const int kk = idx / C4, d4 = (idx % C4) * 4;
-            const long long j = j0 + kk;
-            if (j < n_kv) {
-                const long long off = (j * Hkv + hk) * D + d4;
-                cp_async16(kd + kk * PK + d4, k + off);
-                cp_async16(vd + kk * PV + d4, v + off);
-            } else {
-                *(float4 *)(kd + kk * PK + d4) = make_float4(0.f, 0.f, 0.f, 0.f);
-                *(float4 *)(vd + kk * PV + d4) = make_float4(0.f, 0.f, 0.f, 0.f);
+        float *kd = Ks + st * CK * PK + d4c, *vd = Vs + st * CK * PV + d4c;  // stage st
+        const long long off0 = ((j0 + kk0) * Hkv + hk) * D + d4c;
+        const float *ks = k + off0, *vs = v + off0;
+        if (j0 + CK <= n_kv) {
+            for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
+                cp_async16(kd + kk * PK, ks);
+                cp_async16(vd + kk * PV, vs);
+            }
+        } else {
+            for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
+                if (j0 + kk < n_kv) {
+                    cp_async16(kd + kk * PK, ks);
+                    cp_async16(vd + kk * PV, vs);
+                } else {
+                    *(float4 *)(kd + kk * PK) = make_float4(0.f, 0.f, 0.f, 0.f);
+                    *(float4 *)(vd + kk * PV) = make_float4(0.f, 0.f, 0.f, 0.f);
+                }
             }
         }
     };
@@ -816,63 +826,81 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         return;
     }
 
-    // Merge the key warps' states in order kw = 0, 1, ... (through shared memory).
+    // Merge the key warps' states in order kw = 0, 1, ... (through shared memory): every key warp
+    // saves its state, then key warp kw merges the output column groups c = kw, kw + KW, ... of
+    // its row warp (each output value gets the same operations, in the same order, as one warp
+    // merging all of them; the row maxima and sums are recomputed by each, identically) and
+    // writes that part of the split's partial.
+    constexpr int SW = NO * 4 + 4;  // floats per lane of one saved state
     if (KW > 1) {
-        constexpr int SW = NO * 4 + 4;  // floats per lane of one saved state
+        __syncthreads();  // every warp is done with the K / V stages
+        float *dst = sm + (size_t)((rw * KW + kw) * SW) * 32 + lane;
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) dst[(n * 4 + r) * 32] = o[n][r];
+        dst[(NO * 4) * 32] = m_a;
+        dst[(NO * 4 + 1) * 32] = m_b;
+        dst[(NO * 4 + 2) * 32] = l_a;
+        dst[(NO * 4 + 3) * 32] = l_b;
         __syncthreads();
-        if (kw > 0) {
-            float *dst = sm + (size_t)((rw * (KW - 1) + kw - 1) * SW) * 32 + lane;
-#pragma unroll
-            for (int n = 0; n < NO; ++n)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) dst[(n * 4 + r) * 32] = o[n][r];
-            dst[(NO * 4) * 32] = m_a;
-            dst[(NO * 4 + 1) * 32] = m_b;
-            dst[(NO * 4 + 2) * 32] = l_a;
-            dst[(NO * 4 + 3) * 32] = l_b;
-        }
-        __syncthreads();
-        if (kw > 0) return;
-        for (int w = 1; w < KW; ++w) {
-            const float *src = sm + (size_t)((rw * (KW - 1) + w - 1) * SW) * 32 + lane;
-            const float msa = src[(NO * 4) * 32], msb = src[(NO * 4 + 1) * 32];
-            const float lsa = src[(NO * 4 + 2) * 32], lsb = src[(NO * 4 + 3) * 32];
-            const float Ma = fmaxf(m_a, msa), Mb = fmaxf(m_b, msb);
-            const float fa = m_a == NEG_INF ? 0.0f : expf(m_a - Ma), fsa = msa == NEG_INF ? 0.0f : expf(msa - Ma);
-            const float fb = m_b == NEG_INF ? 0.0f : expf(m_b - Mb), fsb = msb == NEG_INF ? 0.0f : expf(msb - Mb);
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                o[n][0] = __fmaf_rn(o[n][0], fa, __fmul_rn(src[(n * 4) * 32], fsa));
-                o[n][1] = __fmaf_rn(o[n][1], fa, __fmul_rn(src[(n * 4 + 1) * 32], fsa));
-                o[n][2] = __fmaf_rn(o[n][2], fb, __fmul_rn(src[(n * 4 + 2) * 32], fsb));
-                o[n][3] = __fmaf_rn(o[n][3], fb, __fmul_rn(src[(n * 4 + 3) * 32], fsb));
-            }
-            l_a = __fmaf_rn(l_a, fa, __fmul_rn(lsa, fsa));
-            l_b = __fmaf_rn(l_b, fb, __fmul_rn(lsb, fsb));
-            m_a = Ma;
-            m_b = Mb;
-        }
+        if (kw >= NC) return;
     }
-
-    // The split's partial: rows g / g+8 hold d = 32c + 8t .. +7.
     const long long rows_total = (long long)n_q * H;
+    for (int c = kw; c < NC; c += KW) {
+        float oc[4][4];  // n-tiles 4c .. 4c+3
+        float ma = m_a, mb = m_b, la = l_a, lb = l_b;
+        if constexpr (KW > 1) {
+            const float *s0 = sm + (size_t)((rw * KW) * SW) * 32 + lane;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int qr = half ? rb : ra;
-        if (!(half ? vb : va)) continue;
-        const int i = qr / G, h = hk * G + qr % G;
-        const long long row = (long long)split * rows_total + (long long)i * H + h;
-        float *dst = ws_o + row * D + 8 * t;
+            for (int e = 0; e < 4; ++e)
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const int r0 = half * 2;
-            *(float4 *)(dst + 32 * c) = make_float4(o[4 * c][r0], o[4 * c + 1][r0], o[4 * c + 2][r0], o[4 * c + 3][r0]);
-            *(float4 *)(dst + 32 * c + 4) =
-                make_float4(o[4 * c][r0 + 1], o[4 * c + 1][r0 + 1], o[4 * c + 2][r0 + 1], o[4 * c + 3][r0 + 1]);
+                for (int r = 0; r < 4; ++r) oc[e][r] = s0[((4 * c + e) * 4 + r) * 32];
+            ma = s0[(NO * 4) * 32];
+            mb = s0[(NO * 4 + 1) * 32];
+            la = s0[(NO * 4 + 2) * 32];
+            lb = s0[(NO * 4 + 3) * 32];
+            for (int w = 1; w < KW; ++w) {
+                const float *src = sm + (size_t)((rw * KW + w) * SW) * 32 + lane;
+                const float msa = src[(NO * 4) * 32], msb = src[(NO * 4 + 1) * 32];
+                const float lsa = src[(NO * 4 + 2) * 32], lsb = src[(NO * 4 + 3) * 32];
+                const float Ma = fmaxf(ma, msa), Mb = fmaxf(mb, msb);
+                const float fa = ma == NEG_INF ? 0.0f : expf(ma - Ma), fsa = msa == NEG_INF ? 0.0f : expf(msa - Ma);
+                const float fb = mb == NEG_INF ? 0.0f : expf(mb - Mb), fsb = msb == NEG_INF ? 0.0f : expf(msb - Mb);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = 4 * c + e;
+                    oc[e][0] = __fmaf_rn(oc[e][0], fa, __fmul_rn(src[(n * 4) * 32], fsa));
+                    oc[e][1] = __fmaf_rn(oc[e][1], fa, __fmul_rn(src[(n * 4 + 1) * 32], fsa));
+                    oc[e][2] = __fmaf_rn(oc[e][2], fb, __fmul_rn(src[(n * 4 + 2) * 32], fsb));
+                    oc[e][3] = __fmaf_rn(oc[e][3], fb, __fmul_rn(src[(n * 4 + 3) * 32], fsb));
+                }
+                la = __fmaf_rn(la, fa, __fmul_rn(lsa, fsa));
+                lb = __fmaf_rn(lb, fb, __fmul_rn(lsb, fsb));
+                ma = Ma;
+                mb = Mb;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) oc[e][r] = o[4 * c + e][r];
         }
-        if (t == 0) {
-            ws_ml[row * 2] = half ? m_b : m_a;
-            ws_ml[row * 2 + 1] = half ? l_b : l_a;
+        // The split's partial: rows g / g+8 hold d = 32c + 8t .. +7.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int qr = half ? rb : ra;
+            if (!(half ? vb : va)) continue;
+            const int i = qr / G, h = hk * G + qr % G;
+            const long long row = (long long)split * rows_total + (long long)i * H + h;
+            float *dst = ws_o + row * D + 8 * t + 32 * c;
+            const int r0 = half * 2;
+            *(float4 *)dst = make_float4(oc[0][r0], oc[1][r0], oc[2][r0], oc[3][r0]);
+            *(float4 *)(dst + 4) = make_float4(oc[0][r0 + 1], oc[1][r0 + 1], oc[2][r0 + 1], oc[3][r0 + 1]);
+            if (t == 0 && c == 0) {
+                ws_ml[row * 2] = half ? mb : ma;
+                ws_ml[row * 2 + 1] = half ? lb : la;
+            }
         }
     }
 }

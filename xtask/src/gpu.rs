@@ -60,8 +60,9 @@ pub struct BenchArgs {
     #[arg(long)]
     attn_split: Option<usize>,
     /// Attention kernel for the step: auto (the library default), simt (f32 CUDA cores),
-    /// tc2, tc4 (3xTF32 tensor cores, 2 / 4 key warps per chunk), tc2f, tc4f (the same with
-    /// P V on the CUDA cores) (a benchmark knob).
+    /// tc2, tc4 (tensor cores, 2 / 4 key warps per chunk), tc2f, tc4f (the same with P V on
+    /// the CUDA cores), each optionally followed by rN (row warps per block) and sN (pipeline
+    /// stages) (a benchmark knob).
     #[arg(long, default_value = "auto")]
     attn_kernel: String,
     /// Only run one attention call (8B shape, 16 queries, this context) three times, then
@@ -71,6 +72,10 @@ pub struct BenchArgs {
     /// With --attn-once: the call through `attention_fast`.
     #[arg(long)]
     attn_fast: bool,
+    /// With --attn-once: write the output (f32, little endian) to this file (to compare the
+    /// bits of two builds).
+    #[arg(long)]
+    attn_dump: Option<PathBuf>,
     /// L2 prefetch of the coming weights during the step, MB per prefetch point: e.g.
     /// `A24B40C24D16E24` (A after the down projection: the next q/k/v; B after q/k/v: o,
     /// then gate/up; C after o: gate/up; D after gate/up: down; E after the last down: the
@@ -702,16 +707,41 @@ fn variant_name(f: WeightFormat, fast: bool) -> String {
 }
 
 fn parse_attn_kernel(name: &str) -> Result<AttnKernel> {
+    // auto, simt, or tc{2|4}[f][r{1|2|4}][s{1|2|3}]: key warps, P V on the CUDA cores, row
+    // warps and pipeline stages (0 = the automatic choice).
+    let bad = || anyhow!("--attn-kernel {name}: expected auto, simt or tc{{2|4}}[f][rN][sN]");
     Ok(match name {
         "auto" => AttnKernel::Auto,
         "simt" => AttnKernel::Simt,
-        "tc2" | "tc4" | "tc2f" | "tc4f" => AttnKernel::Tc {
-            key_warps: if name.starts_with("tc2") { 2 } else { 4 },
-            row_warps: 0,
-            ffma_pv: name.ends_with('f'),
-            stages: 0,
-        },
-        o => bail!("--attn-kernel {o}: expected auto, simt, tc2, tc4, tc2f or tc4f"),
+        _ => {
+            let rest = name.strip_prefix("tc").ok_or_else(bad)?;
+            let (kw, mut rest) = rest.split_at(rest.len().min(1));
+            let key_warps: usize = kw.parse().map_err(|_| bad())?;
+            let ffma_pv = rest.starts_with('f');
+            if ffma_pv {
+                rest = &rest[1..];
+            }
+            let (mut row_warps, mut stages) = (0, 0);
+            while let Some(c) = rest.chars().next() {
+                let digits: String = rest[1..]
+                    .chars()
+                    .take_while(|d| d.is_ascii_digit())
+                    .collect();
+                let n: usize = digits.parse().map_err(|_| bad())?;
+                match c {
+                    'r' => row_warps = n,
+                    's' => stages = n,
+                    _ => return Err(bad()),
+                }
+                rest = &rest[1 + digits.len()..];
+            }
+            AttnKernel::Tc {
+                key_warps,
+                row_warps,
+                ffma_pv,
+                stages,
+            }
+        }
     })
 }
 
@@ -1001,6 +1031,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             }
         }
         g.synchronize()?;
+        if let Some(path) = &a.attn_dump {
+            let v = g.download(&o)?;
+            std::fs::write(path, bytemuck::cast_slice::<f32, u8>(&v))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
         return Ok(());
     }
     if a.ops_only {
@@ -1428,4 +1463,28 @@ fn set_split(g: &Cuda, keys: Option<usize>) -> Result<()> {
         None => g.set_attn_split_auto(),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attn_kernel_names() {
+        let tc = |key_warps, ffma_pv, row_warps, stages| AttnKernel::Tc {
+            key_warps,
+            row_warps,
+            ffma_pv,
+            stages,
+        };
+        assert_eq!(parse_attn_kernel("auto").unwrap(), AttnKernel::Auto);
+        assert_eq!(parse_attn_kernel("simt").unwrap(), AttnKernel::Simt);
+        assert_eq!(parse_attn_kernel("tc4").unwrap(), tc(4, false, 0, 0));
+        assert_eq!(parse_attn_kernel("tc2f").unwrap(), tc(2, true, 0, 0));
+        assert_eq!(parse_attn_kernel("tc4r4s2").unwrap(), tc(4, false, 4, 2));
+        assert_eq!(parse_attn_kernel("tc2fs3").unwrap(), tc(2, true, 0, 3));
+        for bad in ["tc", "tcx", "tc4q", "tc4r", "tc4rs2", "gpu"] {
+            assert!(parse_attn_kernel(bad).is_err(), "{bad}");
+        }
+    }
 }

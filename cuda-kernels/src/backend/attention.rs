@@ -95,7 +95,8 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize
         main += rw * kw * (16 * 20 + 16);
         rw * (kw - 1) * (d / 2) * 32 + rw * kw * 32
     } else {
-        rw * (kw - 1) * (d / 2 + 4) * 32
+        // Every key warp's state (the merge runs split over the output column groups).
+        rw * kw * (d / 2 + 4) * 32
     };
     main.max(merge) * 4
 }
