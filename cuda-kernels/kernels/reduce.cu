@@ -20,18 +20,34 @@ extern "C" __global__ void argmax_partial(const float *x, long long row0, int co
     }
 }
 
-// Stage 2: one warp per row over its n_chunks partials (in chunk order). Rows with no
-// candidate (all NaN) give 0. Optionally also stores the winner into *prev (Markov chain).
+// Stage 2: one block per row over its n_chunks partials (any number of threads up to 1024, a
+// multiple of 32). Every thread loads its partials (c = tid, tid + blockDim, ...) in one batch of
+// round trips, then the block reduces them: am_better orders the candidates totally, so the
+// winner does not depend on the reduction order. Rows with no candidate (all NaN) give 0.
+// Optionally also stores the winner into *prev (Markov chain).
+#define AM_FINAL_BATCH 4
 extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_chunks, u32 *out, u32 *prev) {
+    __shared__ float rv[32];
+    __shared__ u32 ri[32];
     const int row = blockIdx.x;
+    const float *rpv = pv + (long long)row * n_chunks;
+    const u32 *rpi = pi + (long long)row * n_chunks;
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
-    for (int c = threadIdx.x; c < n_chunks; c += 32) {
-        float v = pv[row * n_chunks + c];
-        u32 i = pi[row * n_chunks + c];
-        if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
+    for (int c0 = threadIdx.x; c0 < n_chunks; c0 += AM_FINAL_BATCH * blockDim.x) {
+        float v[AM_FINAL_BATCH];
+        u32 i[AM_FINAL_BATCH];
+#pragma unroll
+        for (int u = 0; u < AM_FINAL_BATCH; ++u) {
+            const int c = c0 + u * blockDim.x;
+            v[u] = c < n_chunks ? rpv[c] : 0.0f;
+            i[u] = c < n_chunks ? rpi[c] : ARGMAX_NONE;
+        }
+#pragma unroll
+        for (int u = 0; u < AM_FINAL_BATCH; ++u)
+            if (i[u] != ARGMAX_NONE && am_better(v[u], i[u], bv, bi)) { bv = v[u]; bi = i[u]; }
     }
-    warp_argmax(bv, bi);
+    block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) {
         u32 r = bi == ARGMAX_NONE ? 0u : bi;
         out[row] = r;
@@ -232,6 +248,9 @@ extern "C" __global__ void markov_step_a8(int fmt1, const void *__restrict__ w1q
     for (int tile = (o0 >> 4) + warp; (tile << 4) < o1; tile += nw) {
         float a0 = 0.0f, a1 = 0.0f;  // rows 16 tile + g, + 8
         const long long pb0 = (long long)tile * kbp;
+        const int r0 = (tile << 4) + g, r1 = r0 + 8;
+        // The two logits in flight with the W2 loads (not a round trip after the dots).
+        const float l0 = r0 < o1 ? logits[r0] : 0.0f, l1 = r1 < o1 ? logits[r1] : 0.0f;
 #pragma unroll 8
         for (int b = 0; b < kb; ++b) {
             const uint4 c = wq4[(pb0 + b) * 32 + lane];
@@ -245,14 +264,13 @@ extern "C" __global__ void markov_step_a8(int fmt1, const void *__restrict__ w1q
         a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
         a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
         a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
-        const int r0 = (tile << 4) + g, r1 = r0 + 8;
         if (r0 < o1) {
-            const float v = logits[r0] + a0;
+            const float v = l0 + a0;
             if (t == 0) logits[r0] = v;
             if (am_better(v, (u32)r0, bv, bi)) { bv = v; bi = (u32)r0; }
         }
         if (r1 < o1) {
-            const float v = logits[r1] + a1;
+            const float v = l1 + a1;
             if (t == 0) logits[r1] = v;
             if (am_better(v, (u32)r1, bv, bi)) { bv = v; bi = (u32)r1; }
         }

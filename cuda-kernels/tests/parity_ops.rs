@@ -1407,3 +1407,84 @@ fn attention_fast_against_cpu_and_per_row() {
     }
     eprintln!("attention_fast: within the TF32 bound of the CPU, rows deterministic");
 }
+
+/// The Markov chain on the device captured in a CUDA graph and replayed (the previous token
+/// read and written on the device by every step): every replay gives the CPU chain's tokens
+/// and the eager chain's logits bit for bit.
+#[test]
+fn markov_chain_graph_replays() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if gpu("markov_chain_graph_replays").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("markov_chain_graph_replays");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let (vocab, rank, n) = (20_000usize, 256usize, 15usize);
+    for fmt in [WeightFormat::Q8_0A8, WeightFormat::Bf16, WeightFormat::Q8_0] {
+        let h1 = HostWeight::from_f32("w1", vocab, rank, &rand_vec(&mut r, vocab * rank, 1.0), fmt)
+            .unwrap();
+        let h2 = HostWeight::from_f32("w2", vocab, rank, &rand_vec(&mut r, vocab * rank, 0.2), fmt)
+            .unwrap();
+        let (c1, c2) = (
+            cpu.upload_weight(&h1).unwrap(),
+            cpu.upload_weight(&h2).unwrap(),
+        );
+        let (g1, g2) = (g.upload_weight(&h1).unwrap(), g.upload_weight(&h2).unwrap());
+        let st = g.stream().clone();
+        let mut lg = g.zeros(n * vocab).unwrap();
+        let mut prev = st.alloc_zeros::<u32>(1).unwrap();
+        let mut toks = st.alloc_zeros::<u32>(n).unwrap();
+        // Eager once (allocates the scratch), then capture.
+        g.markov_chain_dev(&mut lg, n, vocab, &mut prev, &mut toks, &g1, &g2)
+            .expect("eager");
+        g.synchronize().unwrap();
+        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .expect("capture");
+        let res = g.markov_chain_dev(&mut lg, n, vocab, &mut prev, &mut toks, &g1, &g2);
+        let graph = st
+            .end_capture(CUgraphInstantiate_flags(0))
+            .expect("end capture")
+            .expect("graph");
+        res.expect("captured chain");
+        for rep in 0..3 {
+            let logits = rand_vec(&mut r, n * vocab, 4.0);
+            let first = r.random_range(0..vocab as u32);
+            st.memcpy_htod(&logits, lg.slice_mut()).expect("logits");
+            st.memcpy_htod(&[first], &mut prev).expect("prev");
+            graph.launch().expect("replay");
+            g.synchronize().unwrap();
+            let got_toks = st.clone_dtoh(&toks).expect("toks");
+            let got_logits = g.download(&lg).unwrap();
+            let mut lc = logits.clone();
+            let want = cpu
+                .markov_chain(&mut lc, n, vocab, first, &c1, &c2)
+                .unwrap();
+            assert_eq!(
+                got_toks, want,
+                "{fmt:?} replay {rep}: tokens vs the CPU chain"
+            );
+            assert_eq!(
+                st.clone_dtoh(&prev).expect("prev")[0],
+                want[n - 1],
+                "{fmt:?} replay {rep}: prev ends as the last draft"
+            );
+            // The eager chain from the same start: the same logits bit for bit.
+            let mut le = g.upload(&logits).unwrap();
+            st.memcpy_htod(&[first], &mut prev).expect("prev");
+            g.markov_chain_dev(&mut le, n, vocab, &mut prev, &mut toks, &g1, &g2)
+                .expect("eager");
+            assert_same_bits(
+                &format!("{fmt:?} replay {rep}: graph vs eager logits"),
+                &got_logits,
+                &g.download(&le).unwrap(),
+            );
+            report(
+                &format!("markov_chain graph replay {rep} {fmt:?} (tokens identical)"),
+                &got_logits,
+                &lc,
+                2e-5,
+            );
+        }
+    }
+}
