@@ -3,7 +3,8 @@
 //! forward) equals the uncached forward from scratch to 1e-6 and drafts the same tokens, for
 //! contexts shorter and far longer than the sliding window and longer than one ingest chunk;
 //! a step asked for fewer drafts (last layer on fewer rows) gives the same first drafts bit
-//! for bit.
+//! for bit; a drafter loaded with `fast_attention` drafts the same on the CPU (its attention
+//! is the exact op there).
 
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{Backend, HostWeight, WeightFormat};
@@ -159,6 +160,18 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     }
     prop_assert_eq!(got.confidence.is_some(), c.markov);
     prop_assert_eq!(kv.len(), c.ctx);
+    // `fast_attention` asks for `Backend::attention_fast`, which is the exact op on the CPU: a
+    // drafter loaded with it drafts the same, bit for bit (same cache: ingest has no attention).
+    let fast_opts = LoadOptions {
+        fast_attention: true,
+        ..LoadOptions::default()
+    };
+    let fast = Drafter::from_tensors(&be, dr.cfg.clone(), &map, &fast_opts).unwrap();
+    prop_assert!(fast.fast_attention && !dr.fast_attention);
+    let got_fast = fast
+        .draft(&be, &mut kv, &lend, anchor, c.ctx, &opts)
+        .unwrap();
+    prop_assert_eq!(&got_fast, &got);
     // The drafter reuses its buffers across steps: a step of another block length, then the
     // same step again, gives bit-identical output.
     let other = DraftOptions {
