@@ -195,7 +195,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// [`Backend::attention`] with the products allowed in reduced precision, for callers whose
     /// result only steers a guess (the drafter: its attention changes what it proposes, never
-    /// what the target commits). A backend may compute `Q K^T` and `P V` with operands rounded
+    /// what the target commits). A backend may compute `Q K^T` and `P V` with operands cut
     /// to 10 mantissa bits (TF32 tensor cores: about `1e-3` relative per product, softmax and
     /// accumulation in f32); rows stay deterministic as in [`Backend::attention`] (a row's
     /// output does not depend on the other rows of the call). The default is the exact op.
