@@ -2071,8 +2071,8 @@ impl Backend for Cuda {
         self.attention_op(q, k, v, p, false, out)
     }
 
-    /// The 1xTF32 tensor-core kernel (one tf32 product per term, Q, K, V truncated and P rounded to tf32)
-    /// where the exact kernel would be the 3xTF32 one; otherwise the exact op.
+    /// The 1xTF32 tensor-core kernel (one tf32 product per term; Q, K, V truncated and P
+    /// rounded to tf32) where the exact kernel would be the 3xTF32 one; otherwise the exact op.
     fn attention_fast(
         &self,
         q: &CudaBuf,
