@@ -29,6 +29,8 @@ extern "C" __global__ void argmax_partial(const float *x, long long row0, int co
 extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_chunks, u32 *out, u32 *prev) {
     __shared__ float rv[32];
     __shared__ u32 ri[32];
+    griddep_launch();  // the next Markov step may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: the partials first
     const int row = blockIdx.x;
     const float *rpv = pv + (long long)row * n_chunks;
     const u32 *rpi = pi + (long long)row * n_chunks;
@@ -58,6 +60,8 @@ extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_ch
 // The Markov embedding W1[*prev, :] into shared memory (every block of a step loads it).
 __device__ __forceinline__ void markov_load_emb(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d,
                                                 const u32 *__restrict__ prev, int rank, float *emb) {
+    griddep_launch();  // the step's final may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: the previous step's token first
     const u32 p = *prev;
     for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
     __syncthreads();
