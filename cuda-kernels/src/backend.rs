@@ -737,7 +737,8 @@ impl Cuda {
 
     /// The Markov chain with the previous token and the results on the device
     /// (graph-capturable): `prev[0]` is the starting token and ends as the last draft;
-    /// `toks[0..n]` receives the drafts. Two launches per step (programmatic dependent launches for a Q8_0A8 W2).
+    /// `toks[0..n]` receives the drafts. Two launches per step (programmatic dependent
+    /// launches for a Q8_0A8 W2).
     #[allow(clippy::too_many_arguments)]
     pub fn markov_chain_dev(
         &self,
