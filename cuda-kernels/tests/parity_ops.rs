@@ -558,21 +558,16 @@ fn attention_is_per_row_deterministic() {
         let mut all = poisoned(g, nq * h * hd);
         g.attention(&qg, &k, &v, &p, &mut all).unwrap();
         let all = g.download(&all).unwrap();
-        for i in [0usize, 7, 15] {
-            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
-            let pi = AttnParams {
-                n_q: 1,
-                n_kv: if causal { ctx + i + 1 } else { cap },
-                q_pos0: ctx + i,
-                ..p
-            };
-            let mut o = poisoned(g, h * hd);
-            g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
-            let o = g.download(&o).unwrap();
-            for (j, (a, b)) in o.iter().zip(&all[i * h * hd..(i + 1) * h * hd]).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "ctx {ctx} hd {hd} causal {causal}: query {i} value {j} differs between a 1-query call and the 16-query call");
-            }
-        }
+        assert_rows_alone_equal(
+            g,
+            &q,
+            &k,
+            &v,
+            &p,
+            &all,
+            false,
+            &format!("ctx {ctx} hd {hd} causal {causal}"),
+        );
         eprintln!("DETERMINISM attention ctx={ctx} hd={hd} win={win:?} causal={causal}: queries 0/7/15 alone bit-identical to the 16-query call");
     }
 }
@@ -775,6 +770,47 @@ fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
     }
 }
 
+/// Queries 0, 7 and 15 of the block `q` (the call `p`, whose output is `all`), each alone in a
+/// 1-query call (causal: over the keys up to its own position, i.e. a decode), give the bits of
+/// their rows of `all`; through `attention_fast` when `fast`.
+#[allow(clippy::too_many_arguments)]
+fn assert_rows_alone_equal(
+    g: &dflash_cuda_kernels::Cuda,
+    q: &[f32],
+    k: &dflash_cuda_kernels::CudaBuf,
+    v: &dflash_cuda_kernels::CudaBuf,
+    p: &AttnParams,
+    all: &[f32],
+    fast: bool,
+    what: &str,
+) {
+    let w = p.n_heads * p.head_dim;
+    for i in [0usize, 7, 15] {
+        let qi = g.upload(&q[i * w..(i + 1) * w]).unwrap();
+        let pi = AttnParams {
+            n_q: 1,
+            n_kv: if p.causal {
+                p.q_pos0 - p.kv_pos0 + i + 1
+            } else {
+                p.n_kv
+            },
+            q_pos0: p.q_pos0 + i,
+            ..*p
+        };
+        let mut o = poisoned(g, w);
+        if fast {
+            g.attention_fast(&qi, k, v, &pi, &mut o).unwrap();
+        } else {
+            g.attention(&qi, k, v, &pi, &mut o).unwrap();
+        }
+        assert_same_bits(
+            &format!("{what}: query {i} alone vs the {}-query call", p.n_q),
+            &g.download(&o).unwrap(),
+            &all[i * w..(i + 1) * w],
+        );
+    }
+}
+
 /// The fused launches of the drafter step (`add_rms_norm`, `qk_norm_rope_kv`,
 /// `matmul_silu_mul`) against the separate backend ops they replace, bit for bit.
 #[test]
@@ -970,22 +1006,16 @@ fn attention_other_split_sizes() {
         let mut all = poisoned(&g, nq * h * hd);
         g.attention(&qg, &k, &v, &p, &mut all).unwrap();
         let all = g.download(&all).unwrap();
-        for i in [0usize, 7, 15] {
-            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
-            let pi = AttnParams {
-                n_q: 1,
-                n_kv: ctx + i + 1,
-                q_pos0: ctx + i,
-                ..p
-            };
-            let mut o = poisoned(&g, h * hd);
-            g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
-            assert_same_bits(
-                &format!("split {split}: decode of query {i} vs the 16-query verify"),
-                &g.download(&o).unwrap(),
-                &all[i * h * hd..(i + 1) * h * hd],
-            );
-        }
+        assert_rows_alone_equal(
+            &g,
+            &q,
+            &k,
+            &v,
+            &p,
+            &all,
+            false,
+            &format!("split {split}: decode vs verify"),
+        );
         eprintln!("attention split {split}: matches the CPU; decode == verify bit for bit");
     }
 }
@@ -1229,22 +1259,16 @@ fn attention_kernel_choices() {
             let mut all = poisoned(&g, nq * h * hd);
             g.attention(&qg, &k, &v, &p, &mut all).unwrap();
             let all = g.download(&all).unwrap();
-            for i in [0usize, 7, 15] {
-                let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
-                let pi = AttnParams {
-                    n_q: 1,
-                    n_kv: ctx + i + 1,
-                    q_pos0: ctx + i,
-                    ..p
-                };
-                let mut o = poisoned(&g, h * hd);
-                g.attention(&qi, &k, &v, &pi, &mut o).unwrap();
-                assert_same_bits(
-                    &format!("{c:?} win {win:?}: decode of query {i} vs the 16-query verify"),
-                    &g.download(&o).unwrap(),
-                    &all[i * h * hd..(i + 1) * h * hd],
-                );
-            }
+            assert_rows_alone_equal(
+                &g,
+                &q,
+                &k,
+                &v,
+                &p,
+                &all,
+                false,
+                &format!("{c:?} win {win:?}: decode vs verify"),
+            );
         }
     }
     eprintln!("attention kernel choices: all match the CPU; decode == verify bit for bit; row warps and stages never change a bit");
@@ -1388,22 +1412,7 @@ fn attention_fast_against_cpu_and_per_row() {
         } else {
             assert_same_bits(&format!("{what} (exact kernel)"), &fast, &exact);
         }
-        for i in [0usize, 7, 15] {
-            let qi = g.upload(&q[i * h * hd..(i + 1) * h * hd]).unwrap();
-            let pi = AttnParams {
-                n_q: 1,
-                n_kv: if causal { ctx + i + 1 } else { cap },
-                q_pos0: ctx + i,
-                ..p
-            };
-            let mut o = poisoned(g, h * hd);
-            g.attention_fast(&qi, &kg, &vg, &pi, &mut o).unwrap();
-            assert_same_bits(
-                &format!("{what}: query {i} alone vs the 16-query call"),
-                &g.download(&o).unwrap(),
-                &fast[i * h * hd..(i + 1) * h * hd],
-            );
-        }
+        assert_rows_alone_equal(g, &q, &kg, &vg, &p, &fast, true, &what);
     }
     eprintln!("attention_fast: within the TF32 bound of the CPU, rows deterministic");
 }
