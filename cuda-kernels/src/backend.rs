@@ -179,7 +179,7 @@ pub enum CudaWeightBuf {
     /// [`WeightFormat::Q8_0A8`]: q8_0 codes repacked into int8 mma A fragments. Tiles of 16
     /// rows (padded); per (tile, block) 32 lanes x 16 bytes (lane `(r % 8) * 4 + (k % 16) / 4`,
     /// register `(k >= 16) * 2 + (r >= 8)`, byte `k % 4`), blocks padded to whole stages
-    /// ([`a8_kbp`]); scales as f16 pairs `(row g, row g + 8)` per (tile, block, g).
+    /// (`a8_kbp`); scales as f16 pairs `(row g, row g + 8)` per (tile, block, g).
     Q8A8 {
         qs: CudaSlice<u8>,
         d: CudaSlice<u16>,

@@ -219,9 +219,11 @@ impl Cuda {
 
     /// Back to the automatic split (the default): 256 keys, except for non-causal calls
     /// whose visible span (`n_kv`, or the window when smaller) is at most 1024 keys, which
-    /// take 128, or more than 6144, which take 512 (a function of `n_kv` and the window,
-    /// never of the query rows, so rows stay deterministic across calls of any height; causal
-    /// calls, where decode must equal verify bit for bit, always take 256).
+    /// take 128, or more than 2048, which are split for one wave of blocks (at most
+    /// `num_sms / n_kv_heads - 1` splits). A function of `n_kv`, the
+    /// window, `n_kv_heads` and the device, never of the query rows, so rows stay
+    /// deterministic across calls of any height; causal calls, where decode must equal verify
+    /// bit for bit, always take 256.
     pub fn set_attn_split_auto(&self) {
         *lock(&self.attn_split) = None;
     }
