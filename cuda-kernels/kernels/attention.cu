@@ -257,11 +257,22 @@ ATTN(256)
 // trip instead of two or three at ctx 8192; the same bits, a register cost that slows the
 // few-split case).
 #define ATT_CMB_TILE 256
+// With xq != null (D % 32 == 0, blockDim = D) the block also writes its D values as the
+// Q8_0A8 activation of token i = row / H (K = H D; warp w: block (h D + 32 w) / 32, h = row %
+// H; a8_store_block in prelude.cuh: the bytes a8_quant_x writes from out); the grid then has
+// NT*8*H blocks: those past rows_total write the padding tokens' zeros, and the block of head
+// H - 1 of each token zeroes its padding blocks K/32 .. KBp-1.
 template <int ATT_CMB_PRE>
 __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
-                                                  float *out) {
+                                                  float *out, int H, int NT, int KBp, u32 *xq, float *xd) {
     griddep_launch();
     griddep_wait();  // a programmatic dependent launch: the split partials first
+    if (xq != nullptr && (long long)blockIdx.x >= rows_total) {  // a padding token: zeros
+        const int i = blockIdx.x / H, h = blockIdx.x % H;
+        a8_store_block(0.0f, (h * D >> 5) + (threadIdx.x >> 5), i, NT, xq, xd);
+        if (h == H - 1) a8_zero_pad(i, H * D / 32, KBp, NT, xq, xd);
+        return;
+    }
     __shared__ float red[32];
     __shared__ float w_s[ATT_CMB_TILE];
     __shared__ float l_s[ATT_CMB_TILE];
@@ -333,14 +344,21 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
             }
         }
     }
-    if (col) out[row * D + tid] = L > 0.0f ? acc / L : 0.0f;
+    const float y = L > 0.0f ? acc / L : 0.0f;
+    if (col) out[row * D + tid] = y;
+    if (xq != nullptr) {
+        const int i = (int)(row / H), h = (int)(row % H);
+        a8_store_block(y, (h * D >> 5) + warp, i, NT, xq, xd);
+        if (h == H - 1) a8_zero_pad(i, H * D / 32, KBp, NT, xq, xd);
+    }
 }
-extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out) {
-    attn_combine_impl<16>(ws_o, ws_ml, n_split, rows_total, D, out);
+extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out,
+                                        int H, int NT, int KBp, u32 *xq, float *xd) {
+    attn_combine_impl<16>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd);
 }
 extern "C" __global__ void attn_combine_wide(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
-                                             float *out) {
-    attn_combine_impl<64>(ws_o, ws_ml, n_split, rows_total, D, out);
+                                             float *out, int H, int NT, int KBp, u32 *xq, float *xd) {
+    attn_combine_impl<64>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd);
 }
 
 // Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),

@@ -79,6 +79,47 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__re
     }
 }
 
+// rms_norm of rows row0 .. row0 + T - 1 of x [*, dim] written straight as the Q8_0A8
+// activation of T tokens (a8_store_block's layout and arithmetic): the bytes a8_quant_x
+// writes from rms_norm's output, without that output or the quantizer's launch. A row is
+// spread over C blocks: every block loads the whole row and sums its squares exactly as
+// rms_norm does (same block size, same order: the same inv in every block), then quantizes
+// its share of the row's q8 blocks: register slots u = c, c + C, ... (slot u of warp w is
+// block (u * blockDim + 32 w) / 32). Grid NT*8*C blocks: tokens T .. NT*8-1 are padding
+// (zeros, nothing read); block c == C - 1 of each token also zeroes the padding blocks
+// dim/32 .. KBp-1. dim % 32 == 0, dim <= RMS_MAXV * blockDim.
+extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float *__restrict__ w, int T, long long row0, int dim,
+                                       float eps, int C, int NT, int KBp, u32 *__restrict__ xq, float *__restrict__ xd) {
+    griddep_launch();  // the matmul may launch (it prefetches its weights, then waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: x first
+    __shared__ float red[32];
+    const int c = blockIdx.x % C, tok = blockIdx.x / C, nth = blockDim.x, warp = threadIdx.x >> 5;
+    const bool live = tok < T;
+    const float *xr = x + (row0 + tok) * (long long)dim;
+    float v[RMS_MAXV], wv[RMS_MAXV];
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        const int i = threadIdx.x + u * nth;
+        v[u] = live && i < dim ? xr[i] : 0.0f;
+        wv[u] = i < dim ? w[i] : 0.0f;
+    }
+    const float inv = live ? rms_inv_of(v, dim, eps, red) : 0.0f;
+    // One copy of the quantization code (a loop that is not unrolled; the slot's values
+    // picked out of the registers by selects): unrolled per slot, the kernel's code was
+    // ~20 times larger and it ran at twice rms_norm's time.
+#pragma unroll 1
+    for (int uu = c; uu * nth + 32 * warp < dim; uu += C) {  // uniform over a warp
+        float xv = 0.0f, wq = 0.0f;
+#pragma unroll
+        for (int u = 0; u < RMS_MAXV; ++u) {
+            xv = u == uu ? v[u] : xv;
+            wq = u == uu ? wv[u] : wq;
+        }
+        a8_store_block(live ? wq * (xv * inv) : 0.0f, (uu * nth >> 5) + warp, tok, NT, xq, xd);
+    }
+    if (c == C - 1) a8_zero_pad(tok, dim / 32, KBp, NT, xq, xd);
+}
+
 // NeoX rotation of one pair (the arithmetic of rope, shared with qk_norm_rope_kv).
 __device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f, float sc, float &o1, float &o2) {
     const float ang = pos * f;

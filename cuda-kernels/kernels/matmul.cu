@@ -296,20 +296,9 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
 // the CPU transcription and independent of the row count and of the launch shape.
 #define A8_CB 32
 
-// f32 -> f16 bits, round to nearest even (ggml's GGML_FP32_TO_FP16 on F16C machines).
-__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
-    u16 h;
-    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
-    return h;
-}
-
 // x [T, K] f32 -> q8_0 codes in mma B-fragment order + f32 scales (the f16 value), padded
-// to NT*8 tokens and KBp blocks with zeros:
-//   xq[((b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = codes k = 16h + 4t .. +3
-//   xd[b * NT * 8 + tok]
-// Byte-exact with dflash_quant::quantize_q8_0 (ggml quantize_row_q8_0_ref) for finite x:
-// d = amax / 127, id = d != 0 ? 1 / d : 0 (an infinite id gives the codes of id = 0, as on
-// x86), q = roundf(x * id), stored d = f16(d).
+// to NT*8 tokens and KBp blocks with zeros (layout and arithmetic: a8_store_block in
+// prelude.cuh, byte-exact with dflash_quant::quantize_q8_0).
 // With up != nullptr the quantized x is silu(x) * up (silu_mul's arithmetic, same bits).
 extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *__restrict__ up, int T, int K, int NT, int KBp,
                                       u32 *__restrict__ xq, float *__restrict__ xd) {
@@ -324,18 +313,7 @@ extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *
     const bool live = tok < T && b < K / 32;
     const long long xi = (long long)tok * K + b * 32 + lane;
     const float v = live ? (up != nullptr ? silu_f(x[xi]) * up[xi] : x[xi]) : 0.0f;
-    const float amax = warp_max(fabsf(v));  // finite x: the max is order-independent
-    const float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
-    const u32 q = (u32)((int)roundf(__fmul_rn(v, id))) & 0xffu;
-    const u32 w = q | (__shfl_down_sync(0xffffffffu, q, 1) << 8) | (__shfl_down_sync(0xffffffffu, q, 2) << 16) |
-                  (__shfl_down_sync(0xffffffffu, q, 3) << 24);
-    if ((lane & 3) == 0) {
-        const int t = (lane & 15) >> 2, h = lane >> 4;
-        xq[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = w;
-    }
-    if (lane == 0) xd[(long long)b * ntok + tok] = f16_to_f32(f32_to_f16_bits(d));
+    a8_store_block(v, b, tok, NT, xq, xd);
 }
 
 __device__ __forceinline__ u32 smem_addr(const void *p) {
@@ -421,7 +399,35 @@ struct A8Mat {
     float *out;
     int N;
     float *ws;  // chunk sums [chunk][tile][token group][32 lanes][4] (split across blocks only)
+    int accum;  // 1: out += the result (one f32 add per output: the bits of add_assign after)
 };
+
+// The 4 outputs a lane of a tile's warp stores (rows g / g + 8 of the tile, tokens 2t / 2t + 1
+// of token group j): flat index, or -1 past N / T.
+__device__ __forceinline__ long long a8_out_index(int N, int T, int tile, int j, int g, int t, int c) {
+    const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
+    const int tok = 8 * j + 2 * t + (c & 1);
+    return o < N && tok < T ? (long long)tok * N + o : -1;
+}
+// accum: the values the outputs are added to, loaded right after the grid dependency wait
+// (their producer is done), so the final store waits for no load.
+__device__ __forceinline__ void a8_prev(const A8Mat &m, int T, int tile, int j, int g, int t, float (&prev)[4]) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const long long i = a8_out_index(m.N, T, tile, j, g, t, c);
+        prev[c] = m.accum && i >= 0 ? m.out[i] : 0.0f;
+    }
+}
+// Store a lane's 4 outputs: out = r, or out = prev + r (accum: add_assign's bits after a plain
+// store; each output is written by one thread).
+__device__ __forceinline__ void a8_put4(const A8Mat &m, int T, int tile, int j, int g, int t, const float (&r)[4],
+                                        const float (&prev)[4]) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const long long i = a8_out_index(m.N, T, tile, j, g, t, c);
+        if (i >= 0) m.out[i] = m.accum ? __fadd_rn(prev[c], r[c]) : r[c];
+    }
+}
 
 // Whole-K: a block = W tiles of 16 output features x NT token groups of 8: one warp per
 // (tile, token group), over all of K (chunk after chunk: the chain restarts every A8_CB
@@ -493,6 +499,8 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
         if (s < nst) issue_x(s, s);
         cp_async_commit();
     }
+    float prev[4];
+    a8_prev(m, tile_ok ? T : 0, tile, j, g, t, prev);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
@@ -526,12 +534,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     }
     cp_async_wait<0>();
     if (!tile_ok) return;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
-        const int tok = 8 * j + 2 * t + (c & 1);
-        if (o < N && tok < T) m.out[(long long)tok * N + o] = tot[c];
-    }
+    a8_put4(m, T, tile, j, g, t, tot, prev);
 }
 
 // W tiles per block, pipeline depth S (host side: a8_stages in backend.rs); ef: the weight
@@ -540,16 +543,16 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                   \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
-             int ef) {                                                                                                          \
+             int ef, int accum) {                                                                                                        \
         const int bx = blockIdx.x;                                                                                              \
         if (bx < c1) {                                                                                                          \
-            const A8Mat m = {wq0, ws0, out0, n0, nullptr};                                                                      \
+            const A8Mat m = {wq0, ws0, out0, n0, nullptr, accum};                                                                      \
             a8_mma<NT, W, S>(m, bx, xq, xd, K, T, ef);                                                                          \
         } else if (bx < c2) {                                                                                                   \
-            const A8Mat m = {wq1, ws1, out1, n1, nullptr};                                                                      \
+            const A8Mat m = {wq1, ws1, out1, n1, nullptr, accum};                                                                      \
             a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T, ef);                                                                     \
         } else {                                                                                                                \
-            const A8Mat m = {wq2, ws2, out2, n2, nullptr};                                                                      \
+            const A8Mat m = {wq2, ws2, out2, n2, nullptr, accum};                                                                      \
             a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T, ef);                                                                     \
         }                                                                                                                       \
     }
@@ -639,6 +642,10 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
         if (s < nst) issue_x(s, s);
         cp_async_commit();
     }
+    // The outputs' previous values (accum), by the lanes that store them: slice 0, K within
+    // the block.
+    float prev[4];
+    a8_prev(m, ks == 0 && rounds_apart == 0 && tile_ok ? T : 0, tile, j, g, t, prev);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // Slice 0: add the chunk sums of round r (chunks r KS .. r KS + KS - 1) to tot, in chunk
@@ -704,12 +711,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     if (ks != 0 || !tile_ok) return;
     fold(nst / NS - 1);
     const float r[4] = {tot.x, tot.y, tot.z, tot.w};
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const int o = tile * 16 + g + (c >= 2 ? 8 : 0);
-        const int tok = 8 * j + 2 * t + (c & 1);
-        if (o < N && tok < T) m.out[(long long)tok * N + o] = r[c];
-    }
+    a8_put4(m, T, tile, j, g, t, r, prev);
 }
 
 // (NT, W, KS, S): host side a8k_kernel / a8k_smem_bytes in backend.rs. The parameters of A8,
@@ -719,16 +721,16 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                              \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
-             int ef, int rounds_apart, float *ws, long long wso1, long long wso2) {                                             \
+             int ef, int rounds_apart, float *ws, long long wso1, long long wso2, int accum) {                                  \
         const int bx = blockIdx.x;                                                                                              \
         if (bx < c1) {                                                                                                          \
-            const A8Mat m = {wq0, ws0, out0, n0, ws};                                                                           \
+            const A8Mat m = {wq0, ws0, out0, n0, ws, accum};                                                                           \
             a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef, rounds_apart);                                                     \
         } else if (bx < c2) {                                                                                                   \
-            const A8Mat m = {wq1, ws1, out1, n1, ws + wso1};                                                                    \
+            const A8Mat m = {wq1, ws1, out1, n1, ws + wso1, accum};                                                                    \
             a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef, rounds_apart);                                                \
         } else {                                                                                                                \
-            const A8Mat m = {wq2, ws2, out2, n2, ws + wso2};                                                                    \
+            const A8Mat m = {wq2, ws2, out2, n2, ws + wso2, accum};                                                                    \
             a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef, rounds_apart);                                                \
         }                                                                                                                       \
     }
@@ -753,21 +755,23 @@ A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
 // SplitApart's second kernel: out = acc_0 + acc_1 + ... (the chunk sums in ws, in chunk
 // order) for up to 3 matrices; one thread per output, outputs of matrix i at [e_i, e_{i+1}) of
 // the flattened index (T x N_i). ws per matrix: [chunk][tile][token group][32 lanes][4].
-__device__ __forceinline__ void a8_sum_one(const float *ws, float *out, int N, int NT, int T, int nch, int e) {
+__device__ __forceinline__ void a8_sum_one(const float *ws, float *out, int N, int NT, int T, int nch, int e, int accum) {
     const int tok = e / N, o = e % N;
     const int ntiles = (N + 15) >> 4, tile = o >> 4, r = o & 15, gg = r & 7, hi = r >> 3;
     const int j = tok >> 3, tt = (tok & 7) >> 1, c = hi * 2 + (tok & 1);
     const long long chunk_stride = (long long)ntiles * NT * 128;
     const float *p = ws + ((long long)tile * NT + j) * 128 + (gg * 4 + tt) * 4 + c;
+    float *dst = out + (long long)tok * N + o;
+    const float prev = accum ? *dst : 0.0f;  // loaded with the chunk sums
     float s = __ldcg(p);
     for (int q = 1; q < nch; ++q) s = __fadd_rn(s, __ldcg(p + q * chunk_stride));
-    out[(long long)tok * N + o] = s;
+    *dst = accum ? __fadd_rn(prev, s) : s;
 }
 extern "C" __global__ void a8_sum(float *out0, int n0, float *out1, int n1, float *out2, int n2, const float *ws, long long wso1,
-                                  long long wso2, int NT, int T, int nch) {
+                                  long long wso2, int NT, int T, int nch, int accum) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     const int e1 = T * n0, e2 = e1 + T * n1, e3 = e2 + T * n2;
-    if (e < e1) a8_sum_one(ws, out0, n0, NT, T, nch, e);
-    else if (e < e2) a8_sum_one(ws + wso1, out1, n1, NT, T, nch, e - e1);
-    else if (e < e3) a8_sum_one(ws + wso2, out2, n2, NT, T, nch, e - e2);
+    if (e < e1) a8_sum_one(ws, out0, n0, NT, T, nch, e, accum);
+    else if (e < e2) a8_sum_one(ws + wso1, out1, n1, NT, T, nch, e - e1, accum);
+    else if (e < e3) a8_sum_one(ws + wso2, out2, n2, NT, T, nch, e - e2, accum);
 }

@@ -148,6 +148,50 @@ __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, 
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Q8_0A8 activations (x quantized to q8_0 in the int8 mma B-fragment layout), written by the
+// quantizer a8_quant_x and by rms_norm_q8 (one implementation of the arithmetic, so the bytes
+// are the same whichever kernel writes them). Layout (NT token groups of 8, KBp blocks, zeros
+// in the padding: tokens T .. NT*8-1, blocks K/32 .. KBp-1):
+//   xq[((b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = codes k = 16h + 4t .. +3 of block b
+//   xd[b * NT * 8 + tok] = the f16 scale of block b, as f32
+
+// f32 -> f16 bits, round to nearest even (ggml's GGML_FP32_TO_FP16 on F16C machines).
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// One warp quantizes block b of token tok (lane = position in the block, v = its value; all
+// 32 lanes call it). Byte-exact with dflash_quant::quantize_q8_0 (ggml
+// quantize_row_q8_0_ref) for finite v: d = amax / 127, id = d != 0 ? 1 / d : 0 (an infinite
+// id gives the codes of id = 0, as on x86), q = roundf(v * id), stored d = f16(d).
+__device__ __forceinline__ void a8_store_block(float v, int b, int tok, int NT, u32 *__restrict__ xq, float *__restrict__ xd) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(v));  // finite v: the max is order-independent
+    const float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
+    const u32 q = (u32)((int)roundf(__fmul_rn(v, id))) & 0xffu;
+    const u32 w = q | (__shfl_down_sync(0xffffffffu, q, 1) << 8) | (__shfl_down_sync(0xffffffffu, q, 2) << 16) |
+                  (__shfl_down_sync(0xffffffffu, q, 3) << 24);
+    if ((lane & 3) == 0) {
+        const int t = (lane & 15) >> 2, h = lane >> 4;
+        xq[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + t) * 2 + h] = w;
+    }
+    if (lane == 0) xd[(long long)b * NT * 8 + tok] = f16_to_f32(f32_to_f16_bits(d));
+}
+
+// Zero codes and scales of the padding blocks KB .. KBp-1 of token tok (by the block's threads).
+__device__ __forceinline__ void a8_zero_pad(int tok, int KB, int KBp, int NT, u32 *__restrict__ xq, float *__restrict__ xd) {
+    for (int e = threadIdx.x; e < (KBp - KB) * 9; e += blockDim.x) {
+        const int b = KB + e / 9, j = e % 9;
+        if (j < 8) xq[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + (j >> 1)) * 2 + (j & 1)] = 0u;
+        else xd[(long long)b * NT * 8 + tok] = 0.0f;
+    }
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 

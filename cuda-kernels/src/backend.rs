@@ -281,6 +281,9 @@ pub struct Cuda {
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
+    /// The Q8_0A8 activation scratch holds `rms_norm_q8`'s output for (K, rows) (cleared by
+    /// the next quantizer launch).
+    a8_ready: Mutex<Option<(usize, usize)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -398,6 +401,7 @@ impl Cuda {
             a8_pdl: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
+            a8_ready: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
         })
     }
@@ -879,7 +883,7 @@ impl Cuda {
                 n,
                 out: out.slice_mut(0..rows * n),
             }];
-            return self.matmul_a8(x, None, rows, k, &mut mats);
+            return self.matmul_a8(Some(x), None, rows, k, &mut mats, false);
         }
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
@@ -958,11 +962,12 @@ impl Cuda {
     /// order).
     fn matmul_a8(
         &self,
-        x: &cudarc::driver::CudaView<'_, f32>,
+        x: Option<&cudarc::driver::CudaView<'_, f32>>,
         up: Option<&cudarc::driver::CudaView<'_, f32>>,
         rows: usize,
         k: usize,
         mats: &mut [A8Launch<'_, '_>],
+        accumulate: bool,
     ) -> Result<()> {
         if !k.is_multiple_of(32) {
             return Err(BackendError::Invalid {
@@ -1087,20 +1092,30 @@ impl Cuda {
         let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
         let pdl = *lock(&self.a8_pdl);
         let st = &*self.stream;
-        let mut a = RawArgs::default();
-        a.dptr(x, st);
-        match up {
-            Some(u) => a.dptr(u, st),
-            None => a.u64(0),
-        };
-        a.i32(t_i)
-            .i32(k_i)
-            .i32(nt_i)
-            .i32(kbp_i)
-            .dptr_mut(&mut *xq, st)
-            .dptr_mut(&mut *xd, st);
-        // SAFETY: the parameters are a8_quant_x's (x, up, T, K, NT, KBp, xq, xd).
-        unsafe { a.launch(st, &fq, grid_1d(kbp * nt * 8 * 32, 256), pdl) }?;
+        match x {
+            Some(x) => {
+                *lock(&self.a8_ready) = None;
+                let q = A8Quant {
+                    t: t_i,
+                    k: k_i,
+                    nt: nt_i,
+                    kbp: kbp_i,
+                    pdl,
+                };
+                self.launch_a8_quant(&fq, x, up, q, xq, xd)?;
+            }
+            None => {
+                let ready = *lock(&self.a8_ready);
+                if ready != Some((k, rows)) {
+                    return Err(BackendError::Invalid {
+                        op: "matmul_many_q8",
+                        msg: format!(
+                            "no Q8_0A8 activation of {rows} rows x {k} from rms_norm_q8 / attention_q8 (the scratch holds {ready:?})"
+                        ),
+                    });
+                }
+            }
+        }
         let mut ns = [0i32; 3];
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
             *slot = i32_of("matmul", "w.rows", m.n)?;
@@ -1145,6 +1160,7 @@ impl Cuda {
                 a.i64(if rounds_apart > 0 { wso1 } else { 0 })
                     .i64(if rounds_apart > 0 { wso2 } else { 0 });
             }
+            a.i32(i32::from(accumulate));
             // SAFETY: the parameters are those of the A8 / A8K kernel macros in matmul.cu, in
             // order.
             unsafe {
@@ -1171,12 +1187,14 @@ impl Cuda {
             for n_unused in &ns[pushed..] {
                 b.arg(&*xd).arg(n_unused);
             }
+            let acc_i = i32::from(accumulate);
             b.arg(&*ws)
                 .arg(&wso1)
                 .arg(&wso2)
                 .arg(&nt_i)
                 .arg(&t_i)
-                .arg(&nch_i);
+                .arg(&nch_i)
+                .arg(&acc_i);
             unsafe { b.launch(grid_1d(total, 256)) }.map_err(dev)?;
         }
         Ok(())
@@ -1279,6 +1297,262 @@ impl Cuda {
         // SAFETY: qk_norm_rope_kv's parameters in order (q0, k0, v, qn, kn, q_out, kc, vc,
         // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps).
         unsafe { a.launch(st, &f, cfg((blocks as u32, 1, 1), threads, 0), pdl) }
+    }
+
+    /// RMSNorm of rows `row0 .. row0 + rows` of `x` (width `dim`, a multiple of 32; `rows`
+    /// <= 16) written straight as the Q8_0A8 activation that the next
+    /// [`Cuda::matmul_many_q8`] of K = `dim` reads: the bytes the matmul's own quantizer
+    /// would write from `rms_norm`'s output (same sum of squares, same block size), with no
+    /// f32 output and no quantizer launch. Each row is spread over several thread blocks,
+    /// each summing the whole row's squares in `rms_norm`'s order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_q8(
+        &self,
+        x: &CudaBuf,
+        row0: usize,
+        rows: usize,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check("rms_norm_q8", "x", (row0 + rows) * dim, x.len)?;
+        check("rms_norm_q8", "w", dim, w.len)?;
+        let threads = norm_threads(dim) as usize;
+        if rows == 0
+            || rows > SKINNY_ROWS
+            || dim == 0
+            || !dim.is_multiple_of(32)
+            || dim > 32 * threads
+        {
+            return Err(BackendError::Invalid {
+                op: "rms_norm_q8",
+                msg: format!(
+                    "needs 1..=16 rows and dim % 32 == 0, dim <= {}; found {rows} rows, dim {dim}",
+                    32 * threads
+                ),
+            });
+        }
+        let nt = if rows > 8 { 2 } else { 1 };
+        let kbp = a8_kbp(dim);
+        // Register slots per row, spread over up to 8 blocks.
+        let blocks_per_row = dim.div_ceil(threads).min(8);
+        let f = self.func(Kernel::RmsNormQ8)?;
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        let Scratch { a8_q, a8_d, .. } = &mut *s;
+        let (xq, xd) = (
+            a8_q.as_mut().ok_or_else(internal)?,
+            a8_d.as_mut().ok_or_else(internal)?,
+        );
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(&x.data, st)
+            .dptr(&w.data, st)
+            .i32(rows as i32)
+            .i64(row0 as i64)
+            .i32(i32_of("rms_norm_q8", "dim", dim)?)
+            .f32(eps)
+            .i32(blocks_per_row as i32)
+            .i32(nt as i32)
+            .i32(i32_of("rms_norm_q8", "dim", kbp)?)
+            .dptr_mut(&mut *xq, st)
+            .dptr_mut(&mut *xd, st);
+        let pdl = *lock(&self.a8_pdl);
+        let grid = (nt * 8 * blocks_per_row) as u32;
+        // SAFETY: rms_norm_q8's parameters in order (x, w, T, row0, dim, eps, C, NT, KBp, xq,
+        // xd); the scratch holds kbp * nt * 64 codes words and kbp * nt * 8 scales.
+        unsafe { a.launch(st, &f, cfg((grid, 1, 1), threads as u32, 0), pdl) }?;
+        *lock(&self.a8_ready) = Some((dim, rows));
+        Ok(())
+    }
+
+    /// The activation quantizer `a8_quant_x`: x (or silu(x) * up) into the scratch layout.
+    fn launch_a8_quant(
+        &self,
+        fq: &CudaFunction,
+        x: &cudarc::driver::CudaView<'_, f32>,
+        up: Option<&cudarc::driver::CudaView<'_, f32>>,
+        q: A8Quant,
+        xq: &mut CudaSlice<u32>,
+        xd: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(x, st);
+        match up {
+            Some(u) => a.dptr(u, st),
+            None => a.u64(0),
+        };
+        a.i32(q.t)
+            .i32(q.k)
+            .i32(q.nt)
+            .i32(q.kbp)
+            .dptr_mut(&mut *xq, st)
+            .dptr_mut(&mut *xd, st);
+        let threads = q.kbp as usize * q.nt as usize * 8 * 32;
+        // SAFETY: the parameters are a8_quant_x's (x, up, T, K, NT, KBp, xq, xd); the scratch
+        // holds KBp * NT * 64 code words and KBp * NT * 8 scales.
+        unsafe { a.launch(st, fq, grid_1d(threads, 256), q.pdl) }
+    }
+
+    /// Attention (`fast`: [`Backend::attention_fast`]'s kernels) of `p.n_q` <= 16 queries
+    /// into `out`, whose rows are also written as the Q8_0A8 activation that the next
+    /// [`Cuda::matmul_many_q8`] of K = `n_heads * head_dim` reads (by the split combine where
+    /// it runs, else by the quantizer after the attention): the bytes the o projection's own
+    /// quantizer would write from `out`.
+    pub fn attention_q8(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        fast: bool,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let kdim = p.n_heads * p.head_dim;
+        if p.n_q == 0 || p.n_q > SKINNY_ROWS || !kdim.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op: "attention_q8",
+                msg: format!(
+                    "needs 1..=16 queries and n_heads * head_dim % 32 == 0, found {} queries, {kdim}",
+                    p.n_q
+                ),
+            });
+        }
+        let nt = if p.n_q > 8 { 2 } else { 1 };
+        let kbp = a8_kbp(kdim);
+        {
+            let mut s = lock(&self.scratch);
+            ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+            ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        }
+        *lock(&self.a8_ready) = None;
+        let combined = self.attention_op(q, k, v, p, fast, Some((nt, kbp)), out)?;
+        if !combined {
+            let fq = self.func(Kernel::A8QuantX)?;
+            let mut s = lock(&self.scratch);
+            let Scratch { a8_q, a8_d, .. } = &mut *s;
+            let (xq, xd) = (
+                a8_q.as_mut().ok_or_else(internal)?,
+                a8_d.as_mut().ok_or_else(internal)?,
+            );
+            let qz = A8Quant {
+                t: p.n_q as i32,
+                k: i32_of("attention_q8", "n_heads * head_dim", kdim)?,
+                nt: nt as i32,
+                kbp: i32_of("attention_q8", "n_heads * head_dim", kbp)?,
+                pdl: *lock(&self.a8_pdl),
+            };
+            let xv = out.data.slice(0..p.n_q * kdim);
+            self.launch_a8_quant(&fq, &xv, None, qz, xq, xd)?;
+        }
+        *lock(&self.a8_ready) = Some((kdim, p.n_q));
+        Ok(())
+    }
+
+    /// `outs[i] = x W_i^T` (or `outs[i] += x W_i^T` with `accumulate`) for Q8_0A8 weights of
+    /// one K, where x is the activation the last [`Cuda::rms_norm_q8`] wrote for this K and
+    /// row count (an error otherwise): the bits of `matmul_many` on `rms_norm`'s output
+    /// (followed by `add_assign` with `accumulate`), without the quantizer launch.
+    pub fn matmul_many_q8(
+        &self,
+        rows: usize,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+        accumulate: bool,
+    ) -> Result<()> {
+        let k = ws.first().map_or(0, |w| w.cols);
+        if ws.len() != outs.len() || !(1..=3).contains(&ws.len()) {
+            return Err(BackendError::Invalid {
+                op: "matmul_many_q8",
+                msg: format!(
+                    "1..=3 weights with one output each, found {} and {}",
+                    ws.len(),
+                    outs.len()
+                ),
+            });
+        }
+        let mut mats = Vec::with_capacity(3);
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+                return Err(BackendError::Invalid {
+                    op: "matmul_many_q8",
+                    msg: format!("needs Q8_0A8 weights, found {:?}", w.format),
+                });
+            };
+            if w.cols != k || w.rows == 0 {
+                return Err(BackendError::shape("matmul_many_q8", "w.cols", k, w.cols));
+            }
+            check("matmul_many_q8", "out", rows * w.rows, o.len)?;
+            mats.push(A8Launch {
+                qs,
+                d,
+                n: w.rows,
+                out: o.data.slice_mut(0..rows * w.rows),
+            });
+        }
+        self.matmul_a8(None, None, rows, k, &mut mats, accumulate)
+    }
+
+    /// `h += x W^T` for Q8_0A8 weights (the residual add inside the matmul's store): the bits
+    /// of `matmul` into a buffer followed by `add_assign(h, 0, ..)`.
+    pub fn matmul_add(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        w: &Weight<Self>,
+        h: &mut CudaBuf,
+    ) -> Result<()> {
+        self.matmul_add_a8(x, None, rows, w, h)
+    }
+
+    /// `h += (silu(gate) * up) W^T` for Q8_0A8 weights: the bits of `matmul_silu_mul` into a
+    /// buffer followed by `add_assign(h, 0, ..)`.
+    pub fn matmul_silu_mul_add(
+        &self,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        rows: usize,
+        w: &Weight<Self>,
+        h: &mut CudaBuf,
+    ) -> Result<()> {
+        check("matmul_silu_mul_add", "up", rows * w.cols, up.len)?;
+        self.matmul_add_a8(gate, Some(up), rows, w, h)
+    }
+
+    fn matmul_add_a8(
+        &self,
+        x: &CudaBuf,
+        up: Option<&CudaBuf>,
+        rows: usize,
+        w: &Weight<Self>,
+        h: &mut CudaBuf,
+    ) -> Result<()> {
+        let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+            return Err(BackendError::Invalid {
+                op: "matmul_add",
+                msg: format!("needs Q8_0A8 weights, found {:?}", w.format),
+            });
+        };
+        let (k, n) = (w.cols, w.rows);
+        check("matmul_add", "x", rows * k, x.len)?;
+        check("matmul_add", "h", rows * n, h.len)?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let t = (rows - r0).min(SKINNY_ROWS);
+            let xv = x.data.slice(r0 * k..(r0 + t) * k);
+            let uv = up.map(|u| u.data.slice(r0 * k..(r0 + t) * k));
+            let mut mats = [A8Launch {
+                qs,
+                d,
+                n,
+                out: h.data.slice_mut(r0 * n..(r0 + t) * n),
+            }];
+            self.matmul_a8(Some(&xv), uv.as_ref(), t, k, &mut mats, true)?;
+            r0 += t;
+        }
+        Ok(())
     }
 
     /// Test hook: run the Q8_0A8 activation quantizer on `rows` (<= 16) rows of `x` (row
@@ -1527,6 +1801,16 @@ impl RawArgs {
 }
 
 /// One matrix of a Q8_0A8 launch.
+/// The activation quantizer's sizes (tokens, K, token groups, padded blocks) and launch mode.
+#[derive(Clone, Copy)]
+struct A8Quant {
+    t: i32,
+    k: i32,
+    nt: i32,
+    kbp: i32,
+    pdl: bool,
+}
+
 struct A8Launch<'a, 'b> {
     qs: &'a CudaSlice<u8>,
     d: &'a CudaSlice<u16>,
@@ -1689,7 +1973,7 @@ impl Backend for Cuda {
                     out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
                 });
             }
-            self.matmul_a8(&xv, None, t, k, &mut mats)?;
+            self.matmul_a8(Some(&xv), None, t, k, &mut mats, false)?;
             r0 += t;
         }
         Ok(())
@@ -1727,7 +2011,7 @@ impl Backend for Cuda {
                 n,
                 out: out.data.slice_mut(r0 * n..(r0 + t) * n),
             }];
-            self.matmul_a8(&gv, Some(&uv), t, k, &mut mats)?;
+            self.matmul_a8(Some(&gv), Some(&uv), t, k, &mut mats, false)?;
             r0 += t;
         }
         Ok(())
@@ -2102,7 +2386,7 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, false, out)
+        self.attention_op(q, k, v, p, false, None, out).map(|_| ())
     }
 
     /// The 1xTF32 tensor-core kernel (one tf32 product per term; Q, K, V truncated and P
@@ -2115,7 +2399,7 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, true, out)
+        self.attention_op(q, k, v, p, true, None, out).map(|_| ())
     }
 
     fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {

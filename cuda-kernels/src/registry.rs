@@ -77,6 +77,7 @@ kernels! {
     RmsNorm => (Elementwise, "rms_norm"),
     RmsNormGated => (Elementwise, "rms_norm_gated"),
     AddRmsNorm => (Elementwise, "add_rms_norm"),
+    RmsNormQ8 => (Elementwise, "rms_norm_q8"),
     QkNormRopeKv => (Elementwise, "qk_norm_rope_kv"),
     Rope => (Elementwise, "rope"),
     SiluMul => (Elementwise, "silu_mul"),

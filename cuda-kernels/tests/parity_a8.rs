@@ -478,6 +478,188 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
 }
 
 #[test]
+fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bit() {
+    // A private backend: the kernel choice is per backend.
+    if gpu("a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bit")
+        .is_none()
+    {
+        return;
+    }
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let mut r =
+        rng("a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bit");
+    use dflash_cuda_kernels::A8Kernel;
+    let kernels = [
+        A8Kernel::WholeK,
+        A8Kernel::Split(1, 4, 3),
+        A8Kernel::Split(2, 2, 4),
+        A8Kernel::Split(4, 2, 2),
+        A8Kernel::SplitApart(4, 2, 2),
+        A8Kernel::Auto,
+    ];
+    let eps = 1e-6f32;
+    // rms_norm_q8 + matmul_many_q8 == rms_norm + matmul_many: one register slot per row
+    // (dim 96), several blocks per row (4096, 5120), a row offset (the lm_head rows).
+    for &(dim, ref ns) in &[
+        (96usize, vec![50usize]),
+        (416, vec![1000, 333]),
+        (4096, vec![4096, 1024, 1024]),
+        (5120, vec![600]),
+    ] {
+        let hws: Vec<HostWeight> = ns
+            .iter()
+            .map(|&n| {
+                let wv = rand_vec(&mut r, n * dim, 1.0);
+                HostWeight::from_f32("w", n, dim, &wv, WeightFormat::Q8_0A8).expect("encode")
+            })
+            .collect();
+        let wgs: Vec<_> = hws.iter().map(|h| g.upload_weight(h).expect("w")).collect();
+        let ws: Vec<_> = wgs.iter().collect();
+        let nw = g.upload(&rand_vec(&mut r, dim, 1.0)).expect("norm w");
+        for &(row0, rows) in &[(0usize, 1usize), (0, 9), (1, 15), (0, 16)] {
+            let total = row0 + rows;
+            let h = g.upload(&spread_x(&mut r, total, dim)).expect("h");
+            let mut xn = poisoned(&g, total * dim);
+            g.rms_norm(&h, &nw, dim, eps, &mut xn).expect("rms_norm");
+            let xv = g.download(&xn).expect("dl");
+            let xrows = g.upload(&xv[row0 * dim..]).expect("rows");
+            for kern in kernels {
+                g.set_a8_kernel(kern);
+                let mut want: Vec<_> = ns.iter().map(|&n| poisoned(&g, rows * n)).collect();
+                let mut refs: Vec<_> = want.iter_mut().collect();
+                g.matmul_many(&xrows, rows, &ws, &mut refs).expect("many");
+                let mut got: Vec<_> = ns.iter().map(|&n| poisoned(&g, rows * n)).collect();
+                let mut refs: Vec<_> = got.iter_mut().collect();
+                g.rms_norm_q8(&h, row0, rows, &nw, dim, eps)
+                    .expect("rms_norm_q8");
+                g.matmul_many_q8(rows, &ws, &mut refs, false)
+                    .expect("many_q8");
+                for i in 0..ns.len() {
+                    assert_bits(
+                        &format!("rms_norm_q8 + matmul_many_q8 {kern:?} dim={dim} matrix {i} rows {row0}+{rows}"),
+                        &g.download(&got[i]).expect("dl"),
+                        &g.download(&want[i]).expect("dl"),
+                        ns[i],
+                    );
+                }
+            }
+        }
+        // Another quantizer launch in between: the activation is gone, an error, not a
+        // stale read.
+        let h = g.upload(&spread_x(&mut r, 4, dim)).expect("h");
+        g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
+        let mut o = poisoned(&g, 4 * ns[0]);
+        g.matmul(&h, 4, &wgs[0], &mut o).expect("matmul");
+        assert!(g.matmul_many_q8(4, &ws[..1], &mut [&mut o], false).is_err());
+        g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
+        assert!(g.matmul_many_q8(3, &ws[..1], &mut [&mut o], false).is_err());
+    }
+    // matmul_add == matmul + add_assign and matmul_silu_mul_add == matmul_silu_mul +
+    // add_assign: one chunk, several, several rounds across blocks (SplitApart: a8_sum adds).
+    for &(n, k) in &[(1000usize, 416usize), (4096, 4096), (300, 17408)] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+        let wg = g.upload_weight(&hw).expect("w");
+        for rows in [1usize, 9, 16] {
+            let x = g.upload(&spread_x(&mut r, rows, k)).expect("x");
+            let up = g.upload(&spread_x(&mut r, rows, k)).expect("up");
+            let h0 = rand_vec(&mut r, rows * n, 1.0);
+            for kern in kernels {
+                g.set_a8_kernel(kern);
+                for silu in [false, true] {
+                    let mut want = g.upload(&h0).expect("h");
+                    let mut o = poisoned(&g, rows * n);
+                    let mut act = poisoned(&g, rows * k);
+                    if silu {
+                        g.matmul_silu_mul(&x, &up, &mut act, rows, &wg, &mut o)
+                            .expect("mm");
+                    } else {
+                        g.matmul(&x, rows, &wg, &mut o).expect("mm");
+                    }
+                    g.add_assign(&mut want, 0, &o, rows * n).expect("add");
+                    let mut got = g.upload(&h0).expect("h");
+                    if silu {
+                        g.matmul_silu_mul_add(&x, &up, rows, &wg, &mut got)
+                            .expect("add fused");
+                    } else {
+                        g.matmul_add(&x, rows, &wg, &mut got).expect("add fused");
+                    }
+                    assert_bits(
+                        &format!("matmul_add (silu {silu}) {kern:?} n={n} k={k} rows={rows}"),
+                        &g.download(&got).expect("dl"),
+                        &g.download(&want).expect("dl"),
+                        n,
+                    );
+                }
+            }
+        }
+    }
+    // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
+    // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding
+    // tokens) and the quantizer after the generic kernel (head dim 48).
+    use dflash_backend::AttnParams;
+    g.set_a8_kernel(A8Kernel::Auto);
+    for &(n_q, h, hkv, d, n_kv, causal, fast) in &[
+        (16usize, 32usize, 8usize, 128usize, 528usize, false, true),
+        (16, 32, 8, 128, 528, false, false),
+        (5, 16, 4, 64, 300, true, false),
+        (9, 32, 8, 48, 200, false, true),
+        (12, 4, 2, 256, 100, false, false),
+    ] {
+        let kdim = h * d;
+        let wv = rand_vec(&mut r, 640 * kdim, 1.0);
+        let hw = HostWeight::from_f32("wo", 640, kdim, &wv, WeightFormat::Q8_0A8).expect("encode");
+        let wo = g.upload_weight(&hw).expect("w");
+        let q = g.upload(&rand_vec(&mut r, n_q * kdim, 1.0)).expect("q");
+        let kc = g.upload(&rand_vec(&mut r, n_kv * hkv * d, 1.0)).expect("k");
+        let vc = g.upload(&rand_vec(&mut r, n_kv * hkv * d, 1.0)).expect("v");
+        let p = AttnParams {
+            n_q,
+            n_kv,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: d,
+            q_pos0: n_kv - n_q,
+            kv_pos0: 0,
+            causal,
+            window: None,
+            scale: (d as f32).powf(-0.5),
+        };
+        let h0 = rand_vec(&mut r, n_q * 640, 1.0);
+        let mut att = poisoned(&g, n_q * kdim);
+        if fast {
+            g.attention_fast(&q, &kc, &vc, &p, &mut att)
+                .expect("attention");
+        } else {
+            g.attention(&q, &kc, &vc, &p, &mut att).expect("attention");
+        }
+        let mut want = g.upload(&h0).expect("h");
+        g.matmul_add(&att, n_q, &wo, &mut want).expect("matmul_add");
+        let mut att2 = poisoned(&g, n_q * kdim);
+        g.attention_q8(&q, &kc, &vc, &p, fast, &mut att2)
+            .expect("attention_q8");
+        let mut got = g.upload(&h0).expect("h");
+        g.matmul_many_q8(n_q, &[&wo], &mut [&mut got], true)
+            .expect("many_q8");
+        let what = format!("attention_q8 n_q={n_q} d={d} causal={causal} fast={fast}");
+        assert_bits(
+            &what,
+            &g.download(&att2).expect("dl"),
+            &g.download(&att).expect("dl"),
+            kdim,
+        );
+        assert_bits(
+            &what,
+            &g.download(&got).expect("dl"),
+            &g.download(&want).expect("dl"),
+            640,
+        );
+    }
+    g.set_a8_kernel(A8Kernel::Auto);
+    eprintln!("EXACT rms_norm_q8 + matmul_many_q8, matmul_add and matmul_silu_mul_add == the separate ops under every kernel choice; attention_q8 + matmul_many_q8 == attention + matmul_add");
+}
+
+#[test]
 fn a8_graph_replays_match_the_contract() {
     // A captured graph replays correctly with new x each time: the automatic kernel and
     // SplitApart (its chunk-sum workspace and the second kernel), with and without

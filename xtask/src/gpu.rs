@@ -90,6 +90,10 @@ pub struct BenchArgs {
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
+    /// Only the norm -> projection chain timings (us per instance; 10 distinct q/k/v weight
+    /// copies per graph), then exit.
+    #[arg(long)]
+    norm_chain: bool,
     /// Only the q8_0a8 projections and draft step (the --shapes and --ctx given) under each of
     /// these configurations, two interleaved rounds, then exit: a comma list of --a8-kernel
     /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
@@ -196,6 +200,13 @@ struct Model {
     skip: String,
     /// The attention through [`Backend::attention_fast`] (the drafter's reduced-precision op).
     fast_attn: bool,
+    /// Q8_0A8 only: the norms write the quantized activation (`Cuda::rms_norm_q8`) and the
+    /// o / down projections add into the residual stream (`Cuda::matmul_add`,
+    /// `matmul_silu_mul_add`): the same bits, fewer launches.
+    q8norm: bool,
+    /// Q8_0A8 only: the o / down projections add into the residual stream, the norms are
+    /// plain `rms_norm` (implied by `q8norm`).
+    q8epi: bool,
     rope: RopeSpec,
 }
 
@@ -313,6 +324,8 @@ impl Model {
             prefetch: [0; 5],
             skip: String::new(),
             fast_attn: false,
+            q8norm: false,
+            q8epi: false,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -423,8 +436,15 @@ impl Model {
         let nl = self.layers.len();
         let skip = self.skip.clone();
         let sk = |c: char| skip.contains(c);
+        let a8 = fused && self.lm_head.format == WeightFormat::Q8_0A8;
+        let q8n = self.q8norm && a8;
+        let q8e = (self.q8epi || self.q8norm) && a8;
         if fused && nl > 0 && !sk('n') {
-            g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
+            if q8n {
+                g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?;
+            } else {
+                g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
+            }
         }
         let mut cur = (0usize, 0.0f64);
         self.prefetch_at(g, &mut cur, PfPoint::A, 0)?;
@@ -436,7 +456,15 @@ impl Model {
             }
             // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
             // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
-            if !sk('k') {
+            if sk('k') {
+            } else if q8n {
+                g.matmul_many_q8(
+                    rows,
+                    &[&l.wq, &l.wk, &l.wv],
+                    &mut [&mut b.q0, &mut b.k0, &mut b.v],
+                    false,
+                )?;
+            } else {
                 g.matmul_many(
                     &b.x,
                     rows,
@@ -476,17 +504,45 @@ impl Model {
                 scale: (hd as f32).powf(-0.5),
             };
             if sk('a') {
+            } else if q8n {
+                // The split combine also writes the o projection's quantized activation.
+                g.attention_q8(&b.q, &l.kc, &l.vc, &p, self.fast_attn, &mut b.attn)?;
             } else if self.fast_attn {
                 g.attention_fast(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             } else {
                 g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             }
-            if !sk('o') {
+            if sk('o') {
+            } else if q8n && !sk('a') {
+                g.matmul_many_q8(rows, &[&l.wo], &mut [&mut b.h], true)?;
+            } else if q8e {
+                g.matmul_add(&b.attn, rows, &l.wo, &mut b.h)?;
+            } else {
                 g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
             }
             self.prefetch_at(g, &mut cur, PfPoint::C, w0 + 4)?;
             let next_norm = self.layers.get(li + 1).map_or(&self.norm, |n| &n.ln1);
-            if fused {
+            if q8e {
+                // The residual adds inside the o / down projections' stores; with q8norm the
+                // norms write the next projections' quantized activation (same bits, 3
+                // launches fewer).
+                if sk('n') {
+                } else if q8n {
+                    g.rms_norm_q8(&b.h, 0, rows, &l.ln2, s.hidden, eps)?;
+                } else {
+                    g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
+                }
+                if sk('g') {
+                } else if q8n {
+                    g.matmul_many_q8(rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up], false)?;
+                } else {
+                    g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
+                }
+                self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
+                if !sk('d') {
+                    g.matmul_silu_mul_add(&b.gate, &b.up, rows, &l.wd, &mut b.h)?;
+                }
+            } else if fused {
                 // Residual add + the next RMSNorm in one launch (same bits as the two ops);
                 // SiLU * up inside the down projection's x quantizer (Q8_0A8).
                 if !sk('n') {
@@ -513,9 +569,17 @@ impl Model {
                 self.prefetch_at(g, &mut cur, PfPoint::E, w0 + 7)?;
             }
             if sk('n') {
+            } else if q8n {
+                // The last layer's: the final norm of the lm_head rows only.
+                let (r0, n) = if li + 1 < nl {
+                    (0, rows)
+                } else {
+                    (lm_from, rows - lm_from)
+                };
+                g.rms_norm_q8(&b.h, r0, n, next_norm, s.hidden, eps)?;
+            } else if q8e {
+                g.rms_norm(&b.h, next_norm, s.hidden, eps, &mut b.x)?;
             } else if fused {
-                g.add_rms_norm(&mut b.h, &b.o, next_norm, rows, s.hidden, eps, &mut b.x)?;
-            } else {
                 g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
             }
         }
@@ -523,9 +587,15 @@ impl Model {
             g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
         }
         let n = rows - lm_from;
-        g.copy(&b.x, lm_from * s.hidden, &mut b.xl, 0, n * s.hidden)?;
-        if !sk('l') {
-            g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
+        if q8n && nl > 0 {
+            if !sk('l') {
+                g.matmul_many_q8(n, &[&self.lm_head], &mut [&mut b.logits], false)?;
+            }
+        } else {
+            g.copy(&b.x, lm_from * s.hidden, &mut b.xl, 0, n * s.hidden)?;
+            if !sk('l') {
+                g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
+            }
         }
         match &self.markov {
             Some((w1, w2)) => {
@@ -798,6 +868,133 @@ fn parse_a8_kernel(s: &str) -> Result<A8Kernel> {
     })
 }
 
+/// The norm -> q/k/v chain at the 8B shape, 16 rows, as graphs of 10 instances (each with its
+/// own q/k/v weight copy, 267 MB in all): us per instance of each variant, two rounds.
+fn norm_chain(g: &Cuda, iters: usize) -> Result<()> {
+    let (rows, k, eps) = (16usize, 4096usize, 1e-6f32);
+    let ns = [4096usize, 1024, 1024];
+    let copies: Vec<Vec<Weight<Cuda>>> = (0..10)
+        .map(|c| {
+            ns.iter()
+                .map(|&n| g.random_weight("w", n, k, WeightFormat::Q8_0A8, 20 + c, 0.02))
+                .collect::<std::result::Result<Vec<_>, _>>()
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let h = g.random_buf(rows * k, 3, 1.0)?;
+    let mut h2 = g.random_buf(rows * k, 4, 1.0)?;
+    let o = g.random_buf(rows * k, 5, 1.0)?;
+    let nw = ones(g, k)?;
+    let mut x = g.zeros(rows * k)?;
+    let mut outs: Vec<CudaBuf> = ns
+        .iter()
+        .map(|&n| g.zeros(rows * n))
+        .collect::<std::result::Result<_, _>>()?;
+    type Variant<'a> = (
+        &'a str,
+        Box<dyn Fn(&mut CudaBuf, &mut [CudaBuf], &mut CudaBuf) -> Result<()> + 'a>,
+    );
+    let variants: Vec<Variant> = vec![
+        (
+            "rms_norm x10",
+            Box::new(|x: &mut CudaBuf, _: &mut [CudaBuf], _: &mut CudaBuf| {
+                for _ in 0..10 {
+                    g.rms_norm(&h, &nw, k, eps, x)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "add_rms_norm x10",
+            Box::new(|x: &mut CudaBuf, _: &mut [CudaBuf], h2: &mut CudaBuf| {
+                for _ in 0..10 {
+                    g.add_rms_norm(h2, &o, &nw, rows, k, eps, x)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "rms_norm_q8 x10",
+            Box::new(|_: &mut CudaBuf, _: &mut [CudaBuf], _: &mut CudaBuf| {
+                for _ in 0..10 {
+                    g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "quantizer + q/k/v x10",
+            Box::new(|x: &mut CudaBuf, outs: &mut [CudaBuf], _: &mut CudaBuf| {
+                for c in &copies {
+                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    g.matmul_many(x, rows, &wr, &mut refs)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "q/k/v of a ready activation x10",
+            Box::new(|_: &mut CudaBuf, outs: &mut [CudaBuf], _: &mut CudaBuf| {
+                g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
+                for c in &copies {
+                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    g.matmul_many_q8(rows, &wr, &mut refs, false)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "(rms_norm + quantizer + q/k/v) x10",
+            Box::new(|x: &mut CudaBuf, outs: &mut [CudaBuf], _: &mut CudaBuf| {
+                for c in &copies {
+                    g.rms_norm(&h, &nw, k, eps, x)?;
+                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    g.matmul_many(x, rows, &wr, &mut refs)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "(add_rms_norm + quantizer + q/k/v) x10",
+            Box::new(|x: &mut CudaBuf, outs: &mut [CudaBuf], h2: &mut CudaBuf| {
+                for c in &copies {
+                    g.add_rms_norm(h2, &o, &nw, rows, k, eps, x)?;
+                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    g.matmul_many(x, rows, &wr, &mut refs)?;
+                }
+                Ok(())
+            }),
+        ),
+        (
+            "(rms_norm_q8 + q/k/v) x10",
+            Box::new(|_: &mut CudaBuf, outs: &mut [CudaBuf], _: &mut CudaBuf| {
+                for c in &copies {
+                    g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
+                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    g.matmul_many_q8(rows, &wr, &mut refs, false)?;
+                }
+                Ok(())
+            }),
+        ),
+    ];
+    println!("| chain (8B q/k/v, 16 rows) | us per instance round 1 | round 2 |\n|---|---:|---:|");
+    let mut t = vec![Vec::new(); variants.len()];
+    for _round in 0..2 {
+        for (i, (_, f)) in variants.iter().enumerate() {
+            let ms = time_graph(g, iters, || f(&mut x, &mut outs, &mut h2))?;
+            t[i].push(ms * 100.0);
+        }
+    }
+    for ((name, _), v) in variants.iter().zip(&t) {
+        println!("| {name} | {:.2} | {:.2} |", v[0], v[1]);
+    }
+    Ok(())
+}
+
 fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
     let mut md = String::from("\n### Per-op times (8B drafter shapes, CUDA graph of 1 op replayed; GB/s = weight or K/V bytes / time)\n\n| op | rows | ms | GB/s | % of copy bw |\n|---|---:|---:|---:|---:|\n");
     let shapes = [
@@ -1037,6 +1234,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         return Ok(());
+    }
+    if a.norm_chain {
+        g.set_a8_pdl(a.a8_pdl != "off");
+        return norm_chain(&g, a.iters);
     }
     if a.ops_only {
         let bw = copy_bandwidth(&g)?;
@@ -1309,6 +1510,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         prefetch: [usize; 5],
         skip: String,
         fast_attn: bool,
+        q8norm: bool,
+        q8epi: bool,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1324,6 +1527,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 prefetch: parse_prefetch(&a.l2_prefetch)?,
                 skip: String::new(),
                 fast_attn: false,
+                q8norm: false,
+                q8epi: false,
             };
             for opt in it {
                 if opt == "noef" {
@@ -1338,6 +1543,10 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.prefetch = parse_prefetch(n)?;
                 } else if opt == "fa" {
                     cfg.fast_attn = true;
+                } else if opt == "q8n" {
+                    cfg.q8norm = true;
+                } else if opt == "q8e" {
+                    cfg.q8epi = true;
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
@@ -1436,6 +1645,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
                     m.fast_attn = c.fast_attn;
+                    m.q8norm = c.q8norm;
+                    m.q8epi = c.q8epi;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }

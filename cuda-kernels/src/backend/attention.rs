@@ -298,6 +298,9 @@ impl Cuda {
         Ok(())
     }
 
+    /// The attention op; `q8 = Some((token groups, padded blocks))`: the split combine also
+    /// writes the Q8_0A8 activation into the scratch (returns whether it did).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_op(
         &self,
         q: &CudaBuf,
@@ -305,8 +308,9 @@ impl Cuda {
         v: &CudaBuf,
         p: &AttnParams,
         fast: bool,
+        q8: Option<(usize, usize)>,
         out: &mut CudaBuf,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let op = if fast { "attention_fast" } else { "attention" };
         if p.n_heads == 0
             || p.n_kv_heads == 0
@@ -326,7 +330,7 @@ impl Cuda {
         check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
         check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
         if p.n_q == 0 {
-            return Ok(());
+            return Ok(false);
         }
         if p.window == Some(0) {
             return Err(BackendError::Invalid {
@@ -485,11 +489,31 @@ impl Cuda {
                     .i32(ns)
                     .i64(rt)
                     .i32(di)
-                    .dptr_mut(&mut out.data, st);
-                let c = cfg((rows_total as u32, 1, 1), d.min(256) as u32, 0);
+                    .dptr_mut(&mut out.data, st)
+                    .i32(h);
+                // The Q8_0A8 activation too (one warp per 32 values of a row): padding tokens
+                // up to nt * 8 get blocks of their own.
+                let q8 = q8.filter(|&(nt, _)| d.is_multiple_of(32) && d <= 256 && p.n_q <= nt * 8);
+                let blocks = match q8 {
+                    Some((nt, kbp)) => {
+                        let Scratch { a8_q, a8_d, .. } = &mut *s;
+                        a.i32(nt as i32)
+                            .i32(i32_of(op, "n_heads * head_dim", kbp)?)
+                            .dptr_mut(a8_q.as_mut().ok_or_else(internal)?, st)
+                            .dptr_mut(a8_d.as_mut().ok_or_else(internal)?, st);
+                        nt * 8 * p.n_heads
+                    }
+                    None => {
+                        a.i32(0).i32(0).u64(0).u64(0);
+                        rows_total
+                    }
+                };
+                let c = cfg((blocks as u32, 1, 1), d.min(256) as u32, 0);
                 // SAFETY: attn_combine's parameters in order (ws_o, ws_ml, n_split, rows_total,
-                // D, out).
+                // D, out, H, NT, KBp, xq, xd); with xq the scratch holds the activation of
+                // nt * 8 tokens x kbp blocks (attention_q8 ensured it).
                 unsafe { a.launch(st, &fc, c, pdl) }?;
+                return Ok(q8.is_some());
             }
             _ => {
                 if d > 512 {
@@ -516,7 +540,7 @@ impl Cuda {
                     .map_err(dev)?;
             }
         }
-        Ok(())
+        Ok(false)
     }
 }
 
