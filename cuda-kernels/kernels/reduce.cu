@@ -1,6 +1,7 @@
 // Argmax over long rows and the DSpark Markov chain, both kept on the device.
 
 // Stage 1: grid (n_chunks, rows). Partial winners per chunk of a row.
+#define AM_PART_BATCH 16
 extern "C" __global__ void argmax_partial(const float *x, long long row0, int cols, int chunk, float *pv, u32 *pi) {
     __shared__ float rv[32];
     __shared__ u32 ri[32];
@@ -9,9 +10,21 @@ extern "C" __global__ void argmax_partial(const float *x, long long row0, int co
     const int c0 = blockIdx.x * chunk, c1 = min(cols, c0 + chunk);
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
-    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-        float v = xr[c];
-        if (am_better(v, (u32)c, bv, bi)) { bv = v; bi = (u32)c; }
+    // Batches of AM_PART_BATCH loads per thread issued before any compare (one round trip
+    // per batch, not per value; past the chunk: NaN, which never wins). am_better orders the
+    // candidates totally, so the winner does not depend on the order they are visited in.
+    for (int c = c0 + threadIdx.x; c < c1; c += AM_PART_BATCH * blockDim.x) {
+        float v[AM_PART_BATCH];
+#pragma unroll
+        for (int u = 0; u < AM_PART_BATCH; ++u) {
+            const int cc = c + u * blockDim.x;
+            v[u] = cc < c1 ? xr[cc] : __int_as_float(0x7fc00000);
+        }
+#pragma unroll
+        for (int u = 0; u < AM_PART_BATCH; ++u) {
+            const u32 cc = (u32)(c + u * blockDim.x);
+            if (am_better(v[u], cc, bv, bi)) { bv = v[u]; bi = cc; }
+        }
     }
     block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) {

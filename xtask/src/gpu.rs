@@ -87,6 +87,11 @@ pub struct BenchArgs {
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
+    /// Q8_0A8: the quantizer launches of before instead of the producers writing the
+    /// quantized activation (rms_norm_q8, attention_q8) and the residual adds inside the o /
+    /// down projections (matmul_many_q8 / matmul_silu_mul_add); the same bits.
+    #[arg(long)]
+    no_a8_producers: bool,
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
@@ -99,8 +104,10 @@ pub struct BenchArgs {
     /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
     /// +pf=SPEC (L2 prefetch, as --l2-prefetch), +skip=LETTERS (timing ablation: launches
     /// left out, letters of nkqaogdl = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up,
-    /// down, lm_head; the step's results are then meaningless), +fa (the attention through
-    /// `attention_fast`).
+    /// down, lm_head; the step's results are then meaningless; n and a need +noq8n), +fa (the
+    /// attention through `attention_fast`), +q8n / +noq8n (the Q8_0A8 producers on / off,
+    /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
+    /// projections, plain norms and quantizers).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -439,6 +446,9 @@ impl Model {
         let a8 = fused && self.lm_head.format == WeightFormat::Q8_0A8;
         let q8n = self.q8norm && a8;
         let q8e = (self.q8epi || self.q8norm) && a8;
+        if q8n && (sk('n') || sk('a')) {
+            bail!("+skip=n / +skip=a leave the Q8_0A8 producers out: add +noq8n");
+        }
         if fused && nl > 0 && !sk('n') {
             if q8n {
                 g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?;
@@ -1308,6 +1318,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.fast_attn = fast;
             m.fused = !a.unfused;
+            m.q8norm = !a.no_a8_producers;
             m.prefetch = parse_prefetch(&a.l2_prefetch)?;
             let mut b = m.bufs(&g, s.block)?;
             for &ctx in &ctxs {
@@ -1527,7 +1538,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 prefetch: parse_prefetch(&a.l2_prefetch)?,
                 skip: String::new(),
                 fast_attn: false,
-                q8norm: false,
+                q8norm: !a.no_a8_producers,
                 q8epi: false,
             };
             for opt in it {
@@ -1545,6 +1556,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.fast_attn = true;
                 } else if opt == "q8n" {
                     cfg.q8norm = true;
+                } else if opt == "noq8n" {
+                    cfg.q8norm = false;
                 } else if opt == "q8e" {
                     cfg.q8epi = true;
                 } else if let Some(n) = opt.strip_prefix("skip=") {
