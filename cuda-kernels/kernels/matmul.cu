@@ -544,17 +544,12 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
              int ef, int accum) {                                                                                                        \
-        const int bx = blockIdx.x;                                                                                              \
-        if (bx < c1) {                                                                                                          \
-            const A8Mat m = {wq0, ws0, out0, n0, nullptr, accum};                                                                      \
-            a8_mma<NT, W, S>(m, bx, xq, xd, K, T, ef);                                                                          \
-        } else if (bx < c2) {                                                                                                   \
-            const A8Mat m = {wq1, ws1, out1, n1, nullptr, accum};                                                                      \
-            a8_mma<NT, W, S>(m, bx - c1, xq, xd, K, T, ef);                                                                     \
-        } else {                                                                                                                \
-            const A8Mat m = {wq2, ws2, out2, n2, nullptr, accum};                                                                      \
-            a8_mma<NT, W, S>(m, bx - c2, xq, xd, K, T, ef);                                                                     \
-        }                                                                                                                       \
+        /* One copy of the body: the matrix picked as a value (block-uniform). */                                             \
+        const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : 2;                                                         \
+        const A8Mat m = sel == 0 ? A8Mat{wq0, ws0, out0, n0, nullptr, accum}                                                    \
+                      : sel == 1 ? A8Mat{wq1, ws1, out1, n1, nullptr, accum}                                                    \
+                                 : A8Mat{wq2, ws2, out2, n2, nullptr, accum};                                                   \
+        a8_mma<NT, W, S>(m, bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), xq, xd, K, T, ef);                                         \
     }
 A8(a8_n1_w1, 1, 1, 12)
 A8(a8_n1_w2, 1, 2, 8)
@@ -575,9 +570,22 @@ A8(a8_n2_w4, 2, 4, 4)
 // acc_1 + ..., the contract's adds; two rounds of slots, whatever K). So the bits are
 // those of the whole-K kernel, with KS times its warps per tile: at N = 4096-5120 whole-K
 // runs one 4-warp block per SM, whose per-warp latency chain (not HBM) sets its time.
-template <int NT, int W, int KS, int S>
-__device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
-                                          int T, int ef, int rounds_apart) {
+// PAIR (the gate / up projections of a SwiGLU MLP, rounds_apart == 0): m is the gate, m1 the
+// up matrix (same N, a multiple of 32); a block's first W / 2 tile warps take gate tiles, the
+// others the up tiles of the same features, and instead of storing the two results the block
+// writes silu(gate) * up of its 16 W / 2 features as the down projection's Q8_0A8 activation
+// (xq2 / xd2, K = N padded to KBp2 blocks; a8_quant_x's arithmetic on silu_mul's output: the
+// same bytes). Needs NT * 8 <= the block's warps and 16 W / 2 a multiple of 32.
+struct A8Pair {
+    A8Mat up;
+    u32 *xq2;
+    float *xd2;
+    int KBp2;
+};
+
+template <int NT, int W, int KS, int S, bool PAIR = false>
+__device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
+                                          int T, int ef, int rounds_apart, const A8Pair pair = A8Pair{}) {
     extern __shared__ __align__(16) u8 a8_smem[];
     constexpr int SW = 32 * W * NT;  // threads per slice
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
@@ -597,8 +605,11 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     const int r0 = rounds_apart > 0 ? cta % rounds_apart : 0;
     const int grp = rounds_apart > 0 ? cta / rounds_apart : cta;
     const int nst = rounds_apart > 0 ? NS : (nch + KS - 1) / KS * NS;
+    constexpr int WH = PAIR ? W / 2 : W;  // tiles of one matrix per block
+    static_assert(!PAIR || (W % 2 == 0 && (16 * WH) % 32 == 0 && NT * 8 <= W * NT * KS), "paired gate / up blocks");
+    const A8Mat m = PAIR && tl >= WH ? pair.up : m_;  // a value: the pointers stay in registers
     const int N = m.N;
-    const int tile = grp * W + tl;
+    const int tile = grp * WH + tl % WH;
     const bool tile_ok = tile * 16 < N;
     const u32 s0 = smem_addr(a8_smem);
     float4 *part = (float4 *)(a8_smem + S * STAGE_B);  // [round parity][slice][W][NT][32 lanes]
@@ -645,7 +656,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     // The outputs' previous values (accum), by the lanes that store them: slice 0, K within
     // the block.
     float prev[4];
-    a8_prev(m, ks == 0 && rounds_apart == 0 && tile_ok ? T : 0, tile, j, g, t, prev);
+    a8_prev(m, !PAIR && ks == 0 && rounds_apart == 0 && tile_ok ? T : 0, tile, j, g, t, prev);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // Slice 0: add the chunk sums of round r (chunks r KS .. r KS + KS - 1) to tot, in chunk
@@ -708,6 +719,41 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
     cp_async_wait<0>();
     if (rounds_apart > 0) return;
     __syncthreads();
+    if constexpr (PAIR) {
+        // [matrix][token][16 WH features] in the (now idle) pipeline stages.
+        float *res = (float *)a8_smem;
+        if (ks == 0 && tile_ok) {
+            fold(nst / NS - 1);
+            const float r[4] = {tot.x, tot.y, tot.z, tot.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int f = (tl % WH) * 16 + g + (c >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (c & 1);
+                res[((tl / WH) * NT * 8 + tok) * 16 * WH + f] = r[c];
+            }
+        }
+        __syncthreads();
+        // One warp per token: its 32-feature blocks of silu(gate) * up (silu_mul's arithmetic),
+        // quantized as a8_quant_x does; tokens T .. NT*8-1 get zeros.
+        if (warp < NT * 8 && grp * WH * 16 < N) {
+            const int tok = warp;
+#pragma unroll
+            for (int qb = 0; qb < WH / 2; ++qb) {
+                const int f = qb * 32 + lane;
+                const float gv = res[tok * 16 * WH + f], uv = res[(NT * 8 + tok) * 16 * WH + f];
+                const float v = tok < T ? silu_f(gv) * uv : 0.0f;
+                a8_store_block(v, (grp * WH * 16 + qb * 32) / 32, tok, NT, pair.xq2, pair.xd2);
+            }
+            // The last group zeroes the padding blocks N/32 .. KBp2-1 of its token.
+            if ((grp + 1) * WH * 16 >= N && lane == 0) {
+                for (int b = N / 32; b < pair.KBp2; ++b) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) pair.xq2[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + (e >> 1)) * 2 + (e & 1)] = 0u;
+                    pair.xd2[(long long)b * NT * 8 + tok] = 0.0f;
+                }
+            }
+        }
+        return;
+    }
     if (ks != 0 || !tile_ok) return;
     fold(nst / NS - 1);
     const float r[4] = {tot.x, tot.y, tot.z, tot.w};
@@ -722,17 +768,12 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m, int cta, const u32 *__
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
              int ef, int rounds_apart, float *ws, long long wso1, long long wso2, int accum) {                                  \
-        const int bx = blockIdx.x;                                                                                              \
-        if (bx < c1) {                                                                                                          \
-            const A8Mat m = {wq0, ws0, out0, n0, ws, accum};                                                                           \
-            a8_ksplit<NT, W, KS, S>(m, bx, xq, xd, K, T, ef, rounds_apart);                                                     \
-        } else if (bx < c2) {                                                                                                   \
-            const A8Mat m = {wq1, ws1, out1, n1, ws + wso1, accum};                                                                    \
-            a8_ksplit<NT, W, KS, S>(m, bx - c1, xq, xd, K, T, ef, rounds_apart);                                                \
-        } else {                                                                                                                \
-            const A8Mat m = {wq2, ws2, out2, n2, ws + wso2, accum};                                                                    \
-            a8_ksplit<NT, W, KS, S>(m, bx - c2, xq, xd, K, T, ef, rounds_apart);                                                \
-        }                                                                                                                       \
+        /* One copy of the body: the matrix picked as a value (block-uniform). */                                             \
+        const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : 2;                                                         \
+        const A8Mat m = sel == 0 ? A8Mat{wq0, ws0, out0, n0, ws, accum}                                                         \
+                      : sel == 1 ? A8Mat{wq1, ws1, out1, n1, ws + wso1, accum}                                                  \
+                                 : A8Mat{wq2, ws2, out2, n2, ws + wso2, accum};                                                 \
+        a8_ksplit<NT, W, KS, S>(m, bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), xq, xd, K, T, ef, rounds_apart);                   \
     }
 A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)
 A8K(a8k_n1_w2_k2_s4, 1, 2, 2, 4)
@@ -748,6 +789,19 @@ A8K(a8k_n2_w2_k4_s2, 2, 2, 4, 2)
 A8K(a8k_n2_w4_k2_s3, 2, 4, 2, 3)
 A8K(a8k_n2_w4_k2_s2, 2, 4, 2, 2)
 A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
+
+// The paired gate / up launch (PAIR above): grid = ceil(N / (16 W / 2)) blocks, K within the
+// block; the down projection's activation in xq2 / xd2.
+#define A8KP(NAME, NT, W, KS, S)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                              \
+        NAME(const u8 *wq0, const u16 *ws0, const u8 *wq1, const u16 *ws1, int n, const u32 *xq, const float *xd, int K, int T,  \
+             int ef, u32 *xq2, float *xd2, int kbp2) {                                                                          \
+        const A8Mat m = {wq0, ws0, nullptr, n, nullptr, 0};                                                                     \
+        const A8Pair pr = {{wq1, ws1, nullptr, n, nullptr, 0}, xq2, xd2, kbp2};                                                 \
+        a8_ksplit<NT, W, KS, S, true>(m, blockIdx.x, xq, xd, K, T, ef, 0, pr);                                                 \
+    }
+A8KP(a8kp_n1_w4_k2_s2, 1, 4, 2, 2)
+A8KP(a8kp_n2_w4_k2_s2, 2, 4, 2, 2)
 
 
 

@@ -241,6 +241,10 @@ struct Scratch {
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
     a8_ws: Option<CudaSlice<f32>>,
+    /// The second activation slot: the down projection's, written by the paired gate / up
+    /// launch while it reads the first.
+    a8_q2: Option<CudaSlice<u32>>,
+    a8_d2: Option<CudaSlice<f32>>,
 }
 
 /// Threads of an `argmax_final` block over `n` partials: each loads up to 4 of them in one
@@ -281,9 +285,10 @@ pub struct Cuda {
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
-    /// The Q8_0A8 activation scratch holds `rms_norm_q8`'s output for (K, rows) (cleared by
-    /// the next quantizer launch).
-    a8_ready: Mutex<Option<(usize, usize)>>,
+    /// A Q8_0A8 activation from a producer (`rms_norm_q8`, `attention_q8`,
+    /// `matmul_gate_up_q8`) for (K, rows), in the first or the second (`true`) scratch slot;
+    /// cleared by the next quantizer launch.
+    a8_ready: Mutex<Option<(usize, usize, bool)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -393,6 +398,8 @@ impl Cuda {
                 a8_q: None,
                 a8_d: None,
                 a8_ws: None,
+                a8_q2: None,
+                a8_d2: None,
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
@@ -1075,19 +1082,36 @@ impl Cuda {
         // SplitApart: per matrix, the chunk sums [chunk][tile][token group][128].
         let groups: Vec<usize> = tiles.iter().map(|t| t.div_ceil(w)).collect();
         let ws_len: Vec<usize> = tiles.iter().map(|t| nch * t * nt * 128).collect();
+        let ready = *lock(&self.a8_ready);
+        // A producer's activation in the second slot (sized by it for this K and rows).
+        let second = x.is_none() && matches!(ready, Some((_, _, true)));
         let mut s = lock(&self.scratch);
-        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
-        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        if !second {
+            ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+            ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        }
         if rounds_apart > 0 {
             ensure(&self.stream, &mut s.a8_ws, ws_len.iter().sum()).map_err(dev)?;
         }
         let Scratch {
-            a8_q, a8_d, a8_ws, ..
+            a8_q,
+            a8_d,
+            a8_q2,
+            a8_d2,
+            a8_ws,
+            ..
         } = &mut *s;
-        let (xq, xd) = (
-            a8_q.as_mut().ok_or_else(internal)?,
-            a8_d.as_mut().ok_or_else(internal)?,
-        );
+        let (xq, xd) = if second {
+            (
+                a8_q2.as_mut().ok_or_else(internal)?,
+                a8_d2.as_mut().ok_or_else(internal)?,
+            )
+        } else {
+            (
+                a8_q.as_mut().ok_or_else(internal)?,
+                a8_d.as_mut().ok_or_else(internal)?,
+            )
+        };
         let (k_i, t_i) = (i32_of("matmul", "w.cols", k)?, rows as i32);
         let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
         let pdl = *lock(&self.a8_pdl);
@@ -1105,12 +1129,12 @@ impl Cuda {
                 self.launch_a8_quant(&fq, x, up, q, xq, xd)?;
             }
             None => {
-                let ready = *lock(&self.a8_ready);
-                if ready != Some((k, rows)) {
+                if ready.map(|(rk, rr, _)| (rk, rr)) != Some((k, rows)) {
                     return Err(BackendError::Invalid {
                         op: "matmul_many_q8",
                         msg: format!(
-                            "no Q8_0A8 activation of {rows} rows x {k} from rms_norm_q8 / attention_q8 (the scratch holds {ready:?})"
+                            "no Q8_0A8 activation of {rows} rows x {k} from rms_norm_q8 / attention_q8 / matmul_gate_up_q8 (the scratch holds {:?})",
+                            ready.map(|(rk, rr, _)| (rk, rr))
                         ),
                     });
                 }
@@ -1363,7 +1387,7 @@ impl Cuda {
         // SAFETY: rms_norm_q8's parameters in order (x, w, T, row0, dim, eps, C, NT, KBp, xq,
         // xd); the scratch holds kbp * nt * 64 codes words and kbp * nt * 8 scales.
         unsafe { a.launch(st, &f, cfg((grid, 1, 1), threads as u32, 0), pdl) }?;
-        *lock(&self.a8_ready) = Some((dim, rows));
+        *lock(&self.a8_ready) = Some((dim, rows, false));
         Ok(())
     }
 
@@ -1447,7 +1471,7 @@ impl Cuda {
             let xv = out.data.slice(0..p.n_q * kdim);
             self.launch_a8_quant(&fq, &xv, None, qz, xq, xd)?;
         }
-        *lock(&self.a8_ready) = Some((kdim, p.n_q));
+        *lock(&self.a8_ready) = Some((kdim, p.n_q, false));
         Ok(())
     }
 
@@ -1493,6 +1517,111 @@ impl Cuda {
             });
         }
         self.matmul_a8(None, None, rows, k, &mut mats, accumulate)
+    }
+
+    /// The SwiGLU gate / up projections of the activation the last [`Cuda::rms_norm_q8`] wrote
+    /// (K = `wg.cols`, `rows` rows), written as the down projection's Q8_0A8 activation of
+    /// silu(gate) * up (K = `wg.rows`) for the next [`Cuda::matmul_many_q8`]: one launch, no
+    /// f32 gate / up and no quantizer launch; the bytes the down projection's own quantizer
+    /// writes from `matmul_many` + `silu_mul` (the gate and up results bit for bit those of
+    /// `matmul_many`). A block computes 32 features of both matrices (4 tiles, 2 k-slices,
+    /// 2 stages).
+    pub fn matmul_gate_up_q8(
+        &self,
+        rows: usize,
+        wg: &Weight<Self>,
+        wu: &Weight<Self>,
+    ) -> Result<()> {
+        let (k, n) = (wg.cols, wg.rows);
+        let (CudaWeightBuf::Q8A8 { qs: gq, d: gd }, CudaWeightBuf::Q8A8 { qs: uq, d: ud }) =
+            (&wg.buf, &wu.buf)
+        else {
+            return Err(BackendError::Invalid {
+                op: "matmul_gate_up_q8",
+                msg: format!(
+                    "needs Q8_0A8 weights, found {:?} / {:?}",
+                    wg.format, wu.format
+                ),
+            });
+        };
+        if wu.rows != n || wu.cols != k || n == 0 || !n.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op: "matmul_gate_up_q8",
+                msg: format!(
+                    "gate {n} x {k} and up {} x {} must have one shape with rows % 32 == 0",
+                    wu.rows, wu.cols
+                ),
+            });
+        }
+        let ready = *lock(&self.a8_ready);
+        if ready != Some((k, rows, false)) {
+            return Err(BackendError::Invalid {
+                op: "matmul_gate_up_q8",
+                msg: format!(
+                    "no Q8_0A8 activation of {rows} rows x {k} from rms_norm_q8 (the scratch holds {ready:?})"
+                ),
+            });
+        }
+        let nt = if rows > 8 { 2 } else { 1 };
+        let (kbp, kbp2) = (a8_kbp(k), a8_kbp(n));
+        let (w, ks, st_n) = (4usize, 2usize, 2usize);
+        let smem = a8k_smem_bytes(nt, w, ks, st_n);
+        if smem > self.smem.block {
+            return Err(BackendError::Invalid {
+                op: "matmul_gate_up_q8",
+                msg: format!(
+                    "needs {smem} bytes of shared memory per thread block, the device allows {}",
+                    self.smem.block
+                ),
+            });
+        }
+        let kern = if nt == 1 {
+            Kernel::A8KPN1W4K2S2
+        } else {
+            Kernel::A8KPN2W4K2S2
+        };
+        let f = self.func_smem(kern, smem)?;
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        ensure(&self.stream, &mut s.a8_q2, kbp2 * nt * 64).map_err(dev)?;
+        ensure(&self.stream, &mut s.a8_d2, kbp2 * nt * 8).map_err(dev)?;
+        let Scratch {
+            a8_q,
+            a8_d,
+            a8_q2,
+            a8_d2,
+            ..
+        } = &mut *s;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(gq, st)
+            .dptr(gd, st)
+            .dptr(uq, st)
+            .dptr(ud, st)
+            .i32(i32_of("matmul_gate_up_q8", "w.rows", n)?)
+            .dptr(a8_q.as_ref().ok_or_else(internal)?, st)
+            .dptr(a8_d.as_ref().ok_or_else(internal)?, st)
+            .i32(i32_of("matmul_gate_up_q8", "w.cols", k)?)
+            .i32(rows as i32)
+            .i32(i32::from(*lock(&self.a8_evict_first)))
+            .dptr_mut(a8_q2.as_mut().ok_or_else(internal)?, st)
+            .dptr_mut(a8_d2.as_mut().ok_or_else(internal)?, st)
+            .i32(i32_of("matmul_gate_up_q8", "w.rows", kbp2)?);
+        let grid = n.div_ceil(16 * w / 2) as u32;
+        let pdl = *lock(&self.a8_pdl);
+        // SAFETY: the parameters of A8KP in matmul.cu in order (wq0, ws0, wq1, ws1, n, xq, xd,
+        // K, T, ef, xq2, xd2, kbp2); the second slot holds kbp2 * nt blocks of nt * 8 tokens.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg((grid, 1, 1), (32 * w * nt * ks) as u32, smem as u32),
+                pdl,
+            )
+        }?;
+        *lock(&self.a8_ready) = Some((n, rows, true));
+        Ok(())
     }
 
     /// `h += x W^T` for Q8_0A8 weights (the residual add inside the matmul's store): the bits

@@ -594,6 +594,51 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
             }
         }
     }
+    // matmul_gate_up_q8 + matmul_many_q8 (down, accumulate) == matmul_many (gate, up) +
+    // matmul_silu_mul + add_assign: one and several feature groups, a padded last block of
+    // the down activation (992 = 31 blocks), 1-16 rows.
+    for &(d, inter) in &[(96usize, 64usize), (416, 992), (4096, 12288)] {
+        let mk = |r: &mut StdRng, n: usize, k: usize| {
+            let wv = rand_vec(r, n * k, 1.0);
+            let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+            g.upload_weight(&hw).expect("w")
+        };
+        let (wg, wu, wd) = (
+            mk(&mut r, inter, d),
+            mk(&mut r, inter, d),
+            mk(&mut r, d, inter),
+        );
+        let nw = g.upload(&rand_vec(&mut r, d, 1.0)).expect("norm w");
+        for rows in [1usize, 9, 16] {
+            let h = g.upload(&spread_x(&mut r, rows, d)).expect("h");
+            let h0 = rand_vec(&mut r, rows * d, 1.0);
+            let mut xn = poisoned(&g, rows * d);
+            g.rms_norm(&h, &nw, d, eps, &mut xn).expect("rms_norm");
+            let (mut gate, mut up) = (poisoned(&g, rows * inter), poisoned(&g, rows * inter));
+            g.matmul_many(&xn, rows, &[&wg, &wu], &mut [&mut gate, &mut up])
+                .expect("gate/up");
+            let mut act = poisoned(&g, rows * inter);
+            let mut o = poisoned(&g, rows * d);
+            g.matmul_silu_mul(&gate, &up, &mut act, rows, &wd, &mut o)
+                .expect("down");
+            let mut want = g.upload(&h0).expect("h0");
+            g.add_assign(&mut want, 0, &o, rows * d).expect("add");
+            let mut got = g.upload(&h0).expect("h0");
+            g.rms_norm_q8(&h, 0, rows, &nw, d, eps)
+                .expect("rms_norm_q8");
+            g.matmul_gate_up_q8(rows, &wg, &wu).expect("gate_up_q8");
+            g.matmul_many_q8(rows, &[&wd], &mut [&mut got], true)
+                .expect("down_q8");
+            assert_bits(
+                &format!("matmul_gate_up_q8 d={d} inter={inter} rows={rows}"),
+                &g.download(&got).expect("dl"),
+                &g.download(&want).expect("dl"),
+                d,
+            );
+            // Without a fresh normed activation: an error.
+            assert!(g.matmul_gate_up_q8(rows, &wg, &wu).is_err());
+        }
+    }
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
     // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding
     // tokens) and the quantizer after the generic kernel (head dim 48).
@@ -656,7 +701,7 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
         );
     }
     g.set_a8_kernel(A8Kernel::Auto);
-    eprintln!("EXACT rms_norm_q8 + matmul_many_q8, matmul_add and matmul_silu_mul_add == the separate ops under every kernel choice; attention_q8 + matmul_many_q8 == attention + matmul_add");
+    eprintln!("EXACT rms_norm_q8 + matmul_many_q8, matmul_add and matmul_silu_mul_add == the separate ops under every kernel choice; matmul_gate_up_q8 + down == the separate ops; attention_q8 + matmul_many_q8 == attention + matmul_add");
 }
 
 #[test]

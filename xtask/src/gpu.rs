@@ -107,7 +107,8 @@ pub struct BenchArgs {
     /// down, lm_head; the step's results are then meaningless; n and a need +noq8n), +fa (the
     /// attention through `attention_fast`), +q8n / +noq8n (the Q8_0A8 producers on / off,
     /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
-    /// projections, plain norms and quantizers).
+    /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
+    /// `matmul_many_q8` and the SiLU product in the down projection's quantizer).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -214,6 +215,9 @@ struct Model {
     /// Q8_0A8 only: the o / down projections add into the residual stream, the norms are
     /// plain `rms_norm` (implied by `q8norm`).
     q8epi: bool,
+    /// With `q8norm`: gate / up as one paired launch that writes the down projection's
+    /// activation (`Cuda::matmul_gate_up_q8`).
+    q8pair: bool,
     rope: RopeSpec,
 }
 
@@ -333,6 +337,7 @@ impl Model {
             fast_attn: false,
             q8norm: false,
             q8epi: false,
+            q8pair: true,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -542,14 +547,22 @@ impl Model {
                 } else {
                     g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
                 }
+                // With the paired gate / up launch the SiLU product is quantized in its
+                // epilogue (the down projection's activation; no f32 gate / up).
+                let paired = q8n && self.q8pair && !sk('g');
                 if sk('g') {
+                } else if paired {
+                    g.matmul_gate_up_q8(rows, &l.wg, &l.wu)?;
                 } else if q8n {
                     g.matmul_many_q8(rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up], false)?;
                 } else {
                     g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
                 }
                 self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
-                if !sk('d') {
+                if sk('d') {
+                } else if paired {
+                    g.matmul_many_q8(rows, &[&l.wd], &mut [&mut b.h], true)?;
+                } else {
                     g.matmul_silu_mul_add(&b.gate, &b.up, rows, &l.wd, &mut b.h)?;
                 }
             } else if fused {
@@ -1523,6 +1536,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         fast_attn: bool,
         q8norm: bool,
         q8epi: bool,
+        q8pair: bool,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1540,6 +1554,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 fast_attn: false,
                 q8norm: !a.no_a8_producers,
                 q8epi: false,
+                q8pair: true,
             };
             for opt in it {
                 if opt == "noef" {
@@ -1560,6 +1575,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.q8norm = false;
                 } else if opt == "q8e" {
                     cfg.q8epi = true;
+                } else if opt == "nopair" {
+                    cfg.q8pair = false;
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
@@ -1660,6 +1677,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     m.fast_attn = c.fast_attn;
                     m.q8norm = c.q8norm;
                     m.q8epi = c.q8epi;
+                    m.q8pair = c.q8pair;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }
