@@ -281,10 +281,14 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
     const bool col = tid < D;
     // Every partial slot is written (o = 0, l = 0 for a split the row cannot see), so these
     // loads need no condition; a dead split's o is multiplied by nothing (selected away).
+    // (Each unrolled loop over the first ATT_CMB_PRE splits stops at n_split: a block-uniform
+    // branch instead of the dead splits' predicated-off code.)
     float pre[ATT_CMB_PRE];
 #pragma unroll
-    for (int s = 0; s < ATT_CMB_PRE; ++s)
-        pre[s] = col && s < n_split ? ws_o[((long long)s * rows_total + row) * D + tid] : 0.0f;
+    for (int s = 0; s < ATT_CMB_PRE; ++s) {
+        if (s >= n_split) break;
+        pre[s] = col ? ws_o[((long long)s * rows_total + row) * D + tid] : 0.0f;
+    }
     // (m, l) of the first tile into shared memory; the maximum over every split.
     float mx = NEG_INF;
     for (int s = tid; s < n_split; s += nth) {
@@ -325,12 +329,11 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
             if (s0 == 0) {
 #pragma unroll
                 for (int u = 0; u < ATT_CMB_PRE; ++u) {
-                    if (u < ns) {
-                        const float l = l_s[u], w = w_s[u];
-                        const bool live = l > 0.0f;
-                        acc = live ? fmaf(pre[u], w, acc) : acc;
-                        L = live ? fmaf(l, w, L) : L;
-                    }
+                    if (u >= ns) break;
+                    const float l = l_s[u], w = w_s[u];
+                    const bool live = l > 0.0f;
+                    acc = live ? fmaf(pre[u], w, acc) : acc;
+                    L = live ? fmaf(l, w, L) : L;
                 }
                 s = min(ns, ATT_CMB_PRE);
             }

@@ -9,10 +9,19 @@ extern "C" __global__ void fill_f32(float *x, long long n, float v) {
 #define RMS_MAXV 32
 // 1 / sqrt(mean(v^2) + eps) of a row already in registers (zeros past dim): the arithmetic of
 // rms_norm, shared with the fused kernels below so that they give the same bits.
+// Only the first nv = rms_slots(dim) register slots hold values: the loops below stop there
+// (a block-uniform branch) instead of running all RMS_MAXV slots predicated off (a head-dim
+// row in one slot executed the code of 32); the dead slots added exact zeros before (fma(0, 0,
+// ss) == ss for ss >= 0), so the bits are unchanged.
+__device__ __forceinline__ int rms_slots(int dim) { return min(RMS_MAXV, (dim + (int)blockDim.x - 1) / (int)blockDim.x); }
 __device__ __forceinline__ float rms_inv_of(const float (&v)[RMS_MAXV], int dim, float eps, float *red) {
+    const int nv = rms_slots(dim);
     float ss = 0.0f;
 #pragma unroll
-    for (int u = 0; u < RMS_MAXV; ++u) ss = fmaf(v[u], v[u], ss);
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
+        ss = fmaf(v[u], v[u], ss);
+    }
     ss = block_sum(ss, red);
     return 1.0f / sqrtf(ss / (float)dim + eps);
 }
@@ -27,9 +36,11 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
     const long long row = blockIdx.x;
     const float *xr = x + row * dim;
     if (dim <= RMS_MAXV * (int)blockDim.x) {
+        const int nv = rms_slots(dim);
         float v[RMS_MAXV], wv[RMS_MAXV];
 #pragma unroll
         for (int u = 0; u < RMS_MAXV; ++u) {
+            if (u >= nv) break;
             const int i = threadIdx.x + u * blockDim.x;
             v[u] = i < dim ? xr[i] : 0.0f;
             wv[u] = i < dim ? w[i] : 0.0f;
@@ -37,6 +48,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
         const float inv = rms_inv_of(v, dim, eps, red);
 #pragma unroll
         for (int u = 0; u < RMS_MAXV; ++u) {
+            if (u >= nv) break;
             const int i = threadIdx.x + u * blockDim.x;
             if (i < dim) out[row * dim + i] = wv[u] * (v[u] * inv);
         }
@@ -59,21 +71,33 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__re
     const long long row = blockIdx.x;
     float *hr = h + row * dim;
     const float *orow = o + row * dim;
-    float v[RMS_MAXV], wv[RMS_MAXV];
+    const int nv = rms_slots(dim);
+    float v[RMS_MAXV], ov[RMS_MAXV], wv[RMS_MAXV];
+    // Loads only in this loop (an add here would wait for each slot's loads in turn: with the
+    // slot branches the compiler no longer moves the adds after all the loads).
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
-        v[u] = i < dim ? hr[i] + orow[i] : 0.0f;
+        v[u] = i < dim ? hr[i] : 0.0f;
+        ov[u] = i < dim ? orow[i] : 0.0f;
         wv[u] = i < dim ? w[i] : 0.0f;
     }
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
+        v[u] = v[u] + ov[u];
+    }
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
         if (i < dim) hr[i] = v[u];
     }
     const float inv = rms_inv_of(v, dim, eps, red);
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
         if (i < dim) out[row * dim + i] = wv[u] * (v[u] * inv);
     }
@@ -96,9 +120,11 @@ extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float 
     const int c = blockIdx.x % C, tok = blockIdx.x / C, nth = blockDim.x, warp = threadIdx.x >> 5;
     const bool live = tok < T;
     const float *xr = x + (row0 + tok) * (long long)dim;
+    const int nv = rms_slots(dim);
     float v[RMS_MAXV], wv[RMS_MAXV];
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
         const int i = threadIdx.x + u * nth;
         v[u] = live && i < dim ? xr[i] : 0.0f;
         wv[u] = i < dim ? w[i] : 0.0f;
@@ -112,6 +138,7 @@ extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float 
         float xv = 0.0f, wq = 0.0f;
 #pragma unroll
         for (int u = 0; u < RMS_MAXV; ++u) {
+            if (u >= nv) break;
             xv = u == uu ? v[u] : xv;
             wq = u == uu ? wv[u] : wq;
         }
@@ -151,9 +178,11 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
     // The V copy first and the norm weights loaded with the row: no load waits behind a store.
     if (!isq)
         for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
+    const int nv = rms_slots(hd);
     float vv[RMS_MAXV], wv[RMS_MAXV];
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
         vv[u] = i < hd ? src[i] : 0.0f;
         wv[u] = i < hd ? w[i] : 0.0f;
@@ -161,6 +190,7 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
     const float inv = rms_inv_of(vv, hd, eps, red);
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
         if (i < hd) ys[i] = wv[u] * (vv[u] * inv);
     }
