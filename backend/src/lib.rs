@@ -361,6 +361,22 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// The rest of a pre-norm layer after its attention, over the first `rows` rows of the
+    /// residual stream `h`: `h += attn W_o^T`, `xn = rms_norm(h, post_norm)`, `h += (silu(xn
+    /// W_gate^T) * (xn W_up^T)) W_down^T` ([`layer_tail_ops`]: `matmul`, `add_rms_norm`,
+    /// `matmul_many`, `matmul_silu_mul`, `add_assign`). An override gives the same bits and may
+    /// leave the scratch buffers unwritten.
+    fn layer_tail(
+        &self,
+        attn: &Self::Buf,
+        rows: usize,
+        h: &mut Self::Buf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        layer_tail_ops(self, attn, rows, h, w, s)
+    }
+
     /// The SwiGLU down projection: `silu_mul(gate, up, act)` then `matmul(act, rows, w, out)`.
     /// An override may leave `act` unwritten.
     fn matmul_silu_mul(
@@ -375,4 +391,58 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.silu_mul(gate, up, act)?;
         self.matmul(act, rows, w, out)
     }
+}
+
+/// A layer's weights after its attention (see [`Backend::layer_tail`]).
+pub struct LayerTail<'a, B: Backend> {
+    /// o projection `[hidden, heads * head_dim]`.
+    pub wo: &'a Weight<B>,
+    /// The RMSNorm weight before the MLP `[hidden]`.
+    pub post_norm: &'a B::Buf,
+    /// Its epsilon.
+    pub eps: f32,
+    /// SwiGLU gate `[intermediate, hidden]`.
+    pub w_gate: &'a Weight<B>,
+    /// SwiGLU up `[intermediate, hidden]`.
+    pub w_up: &'a Weight<B>,
+    /// Down projection `[hidden, intermediate]`.
+    pub w_down: &'a Weight<B>,
+}
+
+/// Scratch of [`Backend::layer_tail`] (an override may leave it unwritten): `o` and `xn`
+/// `[rows, hidden]`, `gate`, `up` and `act` `[rows, intermediate]`.
+pub struct TailScratch<'a, B: Backend> {
+    /// The o projection's and the down projection's outputs.
+    pub o: &'a mut B::Buf,
+    /// The normed rows.
+    pub xn: &'a mut B::Buf,
+    /// The gate projection.
+    pub gate: &'a mut B::Buf,
+    /// The up projection.
+    pub up: &'a mut B::Buf,
+    /// silu(gate) * up.
+    pub act: &'a mut B::Buf,
+}
+
+/// [`Backend::layer_tail`] as the separate ops (the trait's default; an override that cannot
+/// take a call runs this).
+pub fn layer_tail_ops<B: Backend>(
+    be: &B,
+    attn: &B::Buf,
+    rows: usize,
+    h: &mut B::Buf,
+    w: &LayerTail<'_, B>,
+    s: TailScratch<'_, B>,
+) -> Result<()> {
+    let d = w.wo.rows;
+    be.matmul(attn, rows, w.wo, s.o)?;
+    be.add_rms_norm(h, s.o, w.post_norm, rows, d, w.eps, s.xn)?;
+    be.matmul_many(
+        s.xn,
+        rows,
+        &[w.w_gate, w.w_up],
+        &mut [&mut *s.gate, &mut *s.up],
+    )?;
+    be.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
+    be.add_assign(h, 0, s.o, rows * d)
 }

@@ -9,8 +9,8 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
-    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, RopeSpec, Weight,
-    WeightFormat,
+    layer_tail_ops, AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight,
+    LayerTail, RopeSpec, TailScratch, Weight, WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -245,6 +245,63 @@ struct Scratch {
     /// launch while it reads the first.
     a8_q2: Option<CudaSlice<u32>>,
     a8_d2: Option<CudaSlice<f32>>,
+    /// Per activation slot: a counter bumped by every launch that writes it, and the (K,
+    /// rows) it holds; an [`A8Act`] names the generation it was written as.
+    a8_gen: [u64; 2],
+    a8_shape: [Option<(usize, usize)>; 2],
+}
+
+/// A Q8_0A8 activation written on the device by a producer ([`Cuda::rms_norm_q8`],
+/// [`Cuda::attention_q8`], [`Cuda::matmul_gate_up_q8`]) for the projections that read it
+/// ([`Cuda::matmul_many_q8`]). It stays valid until the next launch that writes its scratch
+/// slot (any Q8_0A8 quantizer or producer on this backend); a projection of a stale one is an
+/// error, never a read of other data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct A8Act {
+    k: usize,
+    rows: usize,
+    slot: usize,
+    generation: u64,
+}
+
+impl A8Act {
+    /// Row length (K of the projections that read it).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Rows (tokens).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+impl Scratch {
+    /// Record a write of activation slot `slot` holding (k, rows); its token.
+    fn a8_written(&mut self, slot: usize, k: usize, rows: usize) -> A8Act {
+        self.a8_gen[slot] += 1;
+        self.a8_shape[slot] = Some((k, rows));
+        A8Act {
+            k,
+            rows,
+            slot,
+            generation: self.a8_gen[slot],
+        }
+    }
+    /// Whether `act` is still what its slot holds.
+    fn a8_current(&self, act: &A8Act) -> bool {
+        self.a8_gen.get(act.slot) == Some(&act.generation)
+            && self.a8_shape[act.slot] == Some((act.k, act.rows))
+    }
+}
+
+fn stale(op: &'static str, act: &A8Act) -> BackendError {
+    BackendError::Invalid {
+        op,
+        msg: format!(
+            "the Q8_0A8 activation ({} rows x {}) was overwritten by a later launch on this backend",
+            act.rows, act.k
+        ),
+    }
 }
 
 /// Threads of an `argmax_final` block over `n` partials: each loads up to 4 of them in one
@@ -285,10 +342,6 @@ pub struct Cuda {
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
-    /// A Q8_0A8 activation from a producer (`rms_norm_q8`, `attention_q8`,
-    /// `matmul_gate_up_q8`) for (K, rows), in the first or the second (`true`) scratch slot;
-    /// cleared by the next quantizer launch.
-    a8_ready: Mutex<Option<(usize, usize, bool)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -400,6 +453,8 @@ impl Cuda {
                 a8_ws: None,
                 a8_q2: None,
                 a8_d2: None,
+                a8_gen: [0; 2],
+                a8_shape: [None; 2],
             }),
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
@@ -408,7 +463,6 @@ impl Cuda {
             a8_pdl: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
-            a8_ready: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
         })
     }
@@ -890,7 +944,9 @@ impl Cuda {
                 n,
                 out: out.slice_mut(0..rows * n),
             }];
-            return self.matmul_a8(Some(x), None, rows, k, &mut mats, false);
+            return self
+                .matmul_a8(Some(x), None, None, rows, k, &mut mats, false)
+                .map(|_| ());
         }
         match mma_kernel {
             Some(kern) if k.is_multiple_of(32) => {
@@ -967,15 +1023,19 @@ impl Cuda {
     /// output rows N, output view). The kernel and its launch shape come from (N, K, SM count)
     /// only, and every choice gives the contract's bits (per-chunk chains, chunk sums added in
     /// order).
+    /// Q8_0A8 matmuls of x (quantized first, or silu(x) * up) or of a producer's activation
+    /// (`x` None, `act` Some). Ok(false): `act` was stale, nothing launched.
+    #[allow(clippy::too_many_arguments)]
     fn matmul_a8(
         &self,
         x: Option<&cudarc::driver::CudaView<'_, f32>>,
         up: Option<&cudarc::driver::CudaView<'_, f32>>,
+        act: Option<&A8Act>,
         rows: usize,
         k: usize,
         mats: &mut [A8Launch<'_, '_>],
         accumulate: bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         if !k.is_multiple_of(32) {
             return Err(BackendError::Invalid {
                 op: "matmul",
@@ -1082,10 +1142,21 @@ impl Cuda {
         // SplitApart: per matrix, the chunk sums [chunk][tile][token group][128].
         let groups: Vec<usize> = tiles.iter().map(|t| t.div_ceil(w)).collect();
         let ws_len: Vec<usize> = tiles.iter().map(|t| nch * t * nt * 128).collect();
-        let ready = *lock(&self.a8_ready);
+        let act = if x.is_some() { None } else { act };
+        if x.is_none() && act.is_none_or(|a| (a.k, a.rows) != (k, rows)) {
+            return Err(BackendError::Invalid {
+                op: "matmul_many_q8",
+                msg: format!("needs the Q8_0A8 activation of {rows} rows x {k}, found {act:?}"),
+            });
+        }
         // A producer's activation in the second slot (sized by it for this K and rows).
-        let second = x.is_none() && matches!(ready, Some((_, _, true)));
+        let second = act.is_some_and(|a| a.slot == 1);
         let mut s = lock(&self.scratch);
+        if let Some(a) = act {
+            if !s.a8_current(a) {
+                return Ok(false);
+            }
+        }
         if !second {
             ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
             ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
@@ -1116,29 +1187,15 @@ impl Cuda {
         let (nt_i, kbp_i) = (nt as i32, i32_of("matmul", "w.cols", kbp)?);
         let pdl = *lock(&self.a8_pdl);
         let st = &*self.stream;
-        match x {
-            Some(x) => {
-                *lock(&self.a8_ready) = None;
-                let q = A8Quant {
-                    t: t_i,
-                    k: k_i,
-                    nt: nt_i,
-                    kbp: kbp_i,
-                    pdl,
-                };
-                self.launch_a8_quant(&fq, x, up, q, xq, xd)?;
-            }
-            None => {
-                if ready.map(|(rk, rr, _)| (rk, rr)) != Some((k, rows)) {
-                    return Err(BackendError::Invalid {
-                        op: "matmul_many_q8",
-                        msg: format!(
-                            "no Q8_0A8 activation of {rows} rows x {k} from rms_norm_q8 / attention_q8 / matmul_gate_up_q8 (the scratch holds {:?})",
-                            ready.map(|(rk, rr, _)| (rk, rr))
-                        ),
-                    });
-                }
-            }
+        if let Some(x) = x {
+            let q = A8Quant {
+                t: t_i,
+                k: k_i,
+                nt: nt_i,
+                kbp: kbp_i,
+                pdl,
+            };
+            self.launch_a8_quant(&fq, x, up, q, xq, xd)?;
         }
         let mut ns = [0i32; 3];
         for (slot, m) in ns.iter_mut().zip(mats.iter()) {
@@ -1221,7 +1278,11 @@ impl Cuda {
                 .arg(&acc_i);
             unsafe { b.launch(grid_1d(total, 256)) }.map_err(dev)?;
         }
-        Ok(())
+        if x.is_some() {
+            // The quantizer wrote slot 0: any earlier activation token of it is stale.
+            s.a8_written(0, k, rows);
+        }
+        Ok(true)
     }
 
     /// Per-head q/k RMSNorm + RoPE + K/V cache write in one launch: `q = rope(rms_norm(q0,
@@ -1324,11 +1385,11 @@ impl Cuda {
     }
 
     /// RMSNorm of rows `row0 .. row0 + rows` of `x` (width `dim`, a multiple of 32; `rows`
-    /// <= 16) written straight as the Q8_0A8 activation that the next
-    /// [`Cuda::matmul_many_q8`] of K = `dim` reads: the bytes the matmul's own quantizer
-    /// would write from `rms_norm`'s output (same sum of squares, same block size), with no
-    /// f32 output and no quantizer launch. Each row is spread over several thread blocks,
-    /// each summing the whole row's squares in `rms_norm`'s order.
+    /// <= 16) written straight as a Q8_0A8 activation for [`Cuda::matmul_many_q8`] (K =
+    /// `dim`): the bytes a matmul's own quantizer would write from `rms_norm`'s output (same
+    /// sum of squares, same block size), with no f32 output and no quantizer launch. Each row
+    /// is spread over several thread blocks, each summing the whole row's squares in
+    /// `rms_norm`'s order.
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_q8(
         &self,
@@ -1338,7 +1399,7 @@ impl Cuda {
         w: &CudaBuf,
         dim: usize,
         eps: f32,
-    ) -> Result<()> {
+    ) -> Result<A8Act> {
         check("rms_norm_q8", "x", (row0 + rows) * dim, x.len)?;
         check("rms_norm_q8", "w", dim, w.len)?;
         let threads = norm_threads(dim) as usize;
@@ -1387,8 +1448,7 @@ impl Cuda {
         // SAFETY: rms_norm_q8's parameters in order (x, w, T, row0, dim, eps, C, NT, KBp, xq,
         // xd); the scratch holds kbp * nt * 64 codes words and kbp * nt * 8 scales.
         unsafe { a.launch(st, &f, cfg((grid, 1, 1), threads as u32, 0), pdl) }?;
-        *lock(&self.a8_ready) = Some((dim, rows, false));
-        Ok(())
+        Ok(s.a8_written(0, dim, rows))
     }
 
     /// The activation quantizer `a8_quant_x`: x (or silu(x) * up) into the scratch layout.
@@ -1433,7 +1493,7 @@ impl Cuda {
         p: &AttnParams,
         fast: bool,
         out: &mut CudaBuf,
-    ) -> Result<()> {
+    ) -> Result<A8Act> {
         let kdim = p.n_heads * p.head_dim;
         if p.n_q == 0 || p.n_q > SKINNY_ROWS || !kdim.is_multiple_of(32) {
             return Err(BackendError::Invalid {
@@ -1451,11 +1511,14 @@ impl Cuda {
             ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
             ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
         }
-        *lock(&self.a8_ready) = None;
-        let combined = self.attention_op(q, k, v, p, fast, Some((nt, kbp)), out)?;
-        if !combined {
+        if let Some(act) = self.attention_op(q, k, v, p, fast, Some((nt, kbp)), out)? {
+            return Ok(act);
+        }
+        {
             let fq = self.func(Kernel::A8QuantX)?;
             let mut s = lock(&self.scratch);
+            ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
+            ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
             let Scratch { a8_q, a8_d, .. } = &mut *s;
             let (xq, xd) = (
                 a8_q.as_mut().ok_or_else(internal)?,
@@ -1470,23 +1533,37 @@ impl Cuda {
             };
             let xv = out.data.slice(0..p.n_q * kdim);
             self.launch_a8_quant(&fq, &xv, None, qz, xq, xd)?;
+            Ok(s.a8_written(0, kdim, p.n_q))
         }
-        *lock(&self.a8_ready) = Some((kdim, p.n_q, false));
-        Ok(())
     }
 
     /// `outs[i] = x W_i^T` (or `outs[i] += x W_i^T` with `accumulate`) for Q8_0A8 weights of
-    /// one K, where x is the activation the last [`Cuda::rms_norm_q8`] wrote for this K and
-    /// row count (an error otherwise): the bits of `matmul_many` on `rms_norm`'s output
-    /// (followed by `add_assign` with `accumulate`), without the quantizer launch.
+    /// K = `act.k()`, x the producer's activation `act` (an error if a later launch has
+    /// overwritten it): the bits of `matmul_many` on the producer's f32 output (followed by
+    /// `add_assign` with `accumulate`), without the quantizer launch.
     pub fn matmul_many_q8(
         &self,
-        rows: usize,
+        act: &A8Act,
         ws: &[&Weight<Self>],
         outs: &mut [&mut CudaBuf],
         accumulate: bool,
     ) -> Result<()> {
-        let k = ws.first().map_or(0, |w| w.cols);
+        if !self.matmul_many_q8_if_current(act, ws, outs, accumulate)? {
+            return Err(stale("matmul_many_q8", act));
+        }
+        Ok(())
+    }
+
+    /// [`Cuda::matmul_many_q8`]; Ok(false) (nothing launched) for a stale activation.
+    fn matmul_many_q8_if_current(
+        &self,
+        act: &A8Act,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+        accumulate: bool,
+    ) -> Result<bool> {
+        let rows = act.rows;
+        let k = act.k;
         if ws.len() != outs.len() || !(1..=3).contains(&ws.len()) {
             return Err(BackendError::Invalid {
                 op: "matmul_many_q8",
@@ -1516,7 +1593,7 @@ impl Cuda {
                 out: o.data.slice_mut(0..rows * w.rows),
             });
         }
-        self.matmul_a8(None, None, rows, k, &mut mats, accumulate)
+        self.matmul_a8(None, None, Some(act), rows, k, &mut mats, accumulate)
     }
 
     /// The SwiGLU gate / up projections of the activation the last [`Cuda::rms_norm_q8`] wrote
@@ -1528,11 +1605,22 @@ impl Cuda {
     /// 2 stages).
     pub fn matmul_gate_up_q8(
         &self,
-        rows: usize,
+        act: &A8Act,
         wg: &Weight<Self>,
         wu: &Weight<Self>,
-    ) -> Result<()> {
-        let (k, n) = (wg.cols, wg.rows);
+    ) -> Result<A8Act> {
+        self.matmul_gate_up_q8_if_current(act, wg, wu)?
+            .ok_or_else(|| stale("matmul_gate_up_q8", act))
+    }
+
+    /// [`Cuda::matmul_gate_up_q8`]; Ok(None) (nothing launched) for a stale activation.
+    fn matmul_gate_up_q8_if_current(
+        &self,
+        act: &A8Act,
+        wg: &Weight<Self>,
+        wu: &Weight<Self>,
+    ) -> Result<Option<A8Act>> {
+        let (k, n, rows) = (wg.cols, wg.rows, act.rows);
         let (CudaWeightBuf::Q8A8 { qs: gq, d: gd }, CudaWeightBuf::Q8A8 { qs: uq, d: ud }) =
             (&wg.buf, &wu.buf)
         else {
@@ -1553,12 +1641,11 @@ impl Cuda {
                 ),
             });
         }
-        let ready = *lock(&self.a8_ready);
-        if ready != Some((k, rows, false)) {
+        if act.k != k || act.slot != 0 {
             return Err(BackendError::Invalid {
                 op: "matmul_gate_up_q8",
                 msg: format!(
-                    "no Q8_0A8 activation of {rows} rows x {k} from rms_norm_q8 (the scratch holds {ready:?})"
+                    "needs a first-slot activation of K = {k} (from rms_norm_q8), found {act:?}"
                 ),
             });
         }
@@ -1582,6 +1669,9 @@ impl Cuda {
         };
         let f = self.func_smem(kern, smem)?;
         let mut s = lock(&self.scratch);
+        if !s.a8_current(act) {
+            return Ok(None);
+        }
         ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_q2, kbp2 * nt * 64).map_err(dev)?;
@@ -1620,8 +1710,7 @@ impl Cuda {
                 pdl,
             )
         }?;
-        *lock(&self.a8_ready) = Some((n, rows, true));
-        Ok(())
+        Ok(Some(s.a8_written(1, n, rows)))
     }
 
     /// `h += x W^T` for Q8_0A8 weights (the residual add inside the matmul's store): the bits
@@ -1678,7 +1767,7 @@ impl Cuda {
                 n,
                 out: h.data.slice_mut(r0 * n..(r0 + t) * n),
             }];
-            self.matmul_a8(Some(&xv), uv.as_ref(), t, k, &mut mats, true)?;
+            self.matmul_a8(Some(&xv), uv.as_ref(), None, t, k, &mut mats, true)?;
             r0 += t;
         }
         Ok(())
@@ -2102,7 +2191,7 @@ impl Backend for Cuda {
                     out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
                 });
             }
-            self.matmul_a8(Some(&xv), None, t, k, &mut mats, false)?;
+            self.matmul_a8(Some(&xv), None, None, t, k, &mut mats, false)?;
             r0 += t;
         }
         Ok(())
@@ -2140,10 +2229,61 @@ impl Backend for Cuda {
                 n,
                 out: out.data.slice_mut(r0 * n..(r0 + t) * n),
             }];
-            self.matmul_a8(Some(&gv), Some(&uv), t, k, &mut mats, false)?;
+            self.matmul_a8(Some(&gv), Some(&uv), None, t, k, &mut mats, false)?;
             r0 += t;
         }
         Ok(())
+    }
+
+    /// The layer tail with [`WeightFormat::Q8_0A8`] weights and 1-16 rows: the o projection
+    /// adds into `h` in its store ([`Cuda::matmul_add`]), the norm writes the gate / up
+    /// projections' activation ([`Cuda::rms_norm_q8`]), one paired launch computes gate and
+    /// up and writes the down projection's activation of silu(gate) * up
+    /// ([`Cuda::matmul_gate_up_q8`]), and the down projection adds into `h`: 4 launches + 1
+    /// quantizer instead of 7, no scratch written, the bits of the separate ops. Anything
+    /// else runs the separate ops.
+    fn layer_tail(
+        &self,
+        attn: &CudaBuf,
+        rows: usize,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        let (d, inter) = (w.wo.rows, w.w_gate.rows);
+        let a8 = |x: &Weight<Self>| matches!(x.buf, CudaWeightBuf::Q8A8 { .. });
+        let fused = [w.wo, w.w_gate, w.w_up, w.w_down].into_iter().all(a8)
+            && (1..=SKINNY_ROWS).contains(&rows)
+            && d.is_multiple_of(32)
+            && d <= 32 * norm_threads(d) as usize
+            && inter.is_multiple_of(32)
+            && w.w_gate.cols == d
+            && (w.w_up.rows, w.w_up.cols) == (inter, d)
+            && (w.w_down.rows, w.w_down.cols) == (d, inter)
+            && w.post_norm.len >= d
+            && h.len >= rows * d;
+        if !fused {
+            return layer_tail_ops(self, attn, rows, h, w, s);
+        }
+        self.matmul_add(attn, rows, w.wo, h)?;
+        // Another thread's Q8_0A8 launch on this backend between two of these launches makes
+        // an activation stale (the check and the launch are atomic): the rest then runs as
+        // the separate ops, on the same h, with the same bits.
+        let act = self.rms_norm_q8(h, 0, rows, w.post_norm, d, w.eps)?;
+        if let Some(act2) = self.matmul_gate_up_q8_if_current(&act, w.w_gate, w.w_up)? {
+            if self.matmul_many_q8_if_current(&act2, &[w.w_down], &mut [h], true)? {
+                return Ok(());
+            }
+        }
+        self.rms_norm(h, w.post_norm, d, w.eps, s.xn)?;
+        self.matmul_many(
+            s.xn,
+            rows,
+            &[w.w_gate, w.w_up],
+            &mut [&mut *s.gate, &mut *s.up],
+        )?;
+        self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
+        self.add_assign(h, 0, s.o, rows * d)
     }
 
     /// Residual add fused with the following RMSNorm: `h += o` (the first `rows * dim`

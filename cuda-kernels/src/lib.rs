@@ -14,5 +14,7 @@ mod backend;
 mod error;
 pub mod registry;
 
-pub use backend::{A8Kernel, AttnKernel, Cuda, CudaBuf, CudaOptions, CudaWeightBuf, SKINNY_ROWS};
+pub use backend::{
+    A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf, CudaOptions, CudaWeightBuf, SKINNY_ROWS,
+};
 pub use error::CudaError;

@@ -530,9 +530,11 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                 g.matmul_many(&xrows, rows, &ws, &mut refs).expect("many");
                 let mut got: Vec<_> = ns.iter().map(|&n| poisoned(&g, rows * n)).collect();
                 let mut refs: Vec<_> = got.iter_mut().collect();
-                g.rms_norm_q8(&h, row0, rows, &nw, dim, eps)
+                let act = g
+                    .rms_norm_q8(&h, row0, rows, &nw, dim, eps)
                     .expect("rms_norm_q8");
-                g.matmul_many_q8(rows, &ws, &mut refs, false)
+                assert_eq!((act.k(), act.rows()), (dim, rows));
+                g.matmul_many_q8(&act, &ws, &mut refs, false)
                     .expect("many_q8");
                 for i in 0..ns.len() {
                     assert_bits(
@@ -544,15 +546,39 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                 }
             }
         }
-        // Another quantizer launch in between: the activation is gone, an error, not a
-        // stale read.
+        // A later launch writing the activation's slot (a quantizer, another producer): the
+        // activation is stale, an error, not a read of other data; a weight of another K: an
+        // error.
         let h = g.upload(&spread_x(&mut r, 4, dim)).expect("h");
-        g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
+        let act = g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
         let mut o = poisoned(&g, 4 * ns[0]);
         g.matmul(&h, 4, &wgs[0], &mut o).expect("matmul");
-        assert!(g.matmul_many_q8(4, &ws[..1], &mut [&mut o], false).is_err());
-        g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
-        assert!(g.matmul_many_q8(3, &ws[..1], &mut [&mut o], false).is_err());
+        assert!(g
+            .matmul_many_q8(&act, &ws[..1], &mut [&mut o], false)
+            .is_err());
+        let act = g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
+        let newer = g.rms_norm_q8(&h, 0, 4, &nw, dim, eps).expect("rms_norm_q8");
+        assert!(g
+            .matmul_many_q8(&act, &ws[..1], &mut [&mut o], false)
+            .is_err());
+        g.matmul_many_q8(&newer, &ws[..1], &mut [&mut o], false)
+            .expect("current");
+        let other_k = g
+            .upload_weight(
+                &HostWeight::from_f32(
+                    "w",
+                    32,
+                    dim + 32,
+                    &vec![0.5; 32 * (dim + 32)],
+                    WeightFormat::Q8_0A8,
+                )
+                .expect("encode"),
+            )
+            .expect("w");
+        let mut o2 = poisoned(&g, 4 * 32);
+        assert!(g
+            .matmul_many_q8(&newer, &[&other_k], &mut [&mut o2], false)
+            .is_err());
     }
     // matmul_add == matmul + add_assign and matmul_silu_mul_add == matmul_silu_mul +
     // add_assign: one chunk, several, several rounds across blocks (SplitApart: a8_sum adds).
@@ -624,10 +650,11 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
             let mut want = g.upload(&h0).expect("h0");
             g.add_assign(&mut want, 0, &o, rows * d).expect("add");
             let mut got = g.upload(&h0).expect("h0");
-            g.rms_norm_q8(&h, 0, rows, &nw, d, eps)
+            let act = g
+                .rms_norm_q8(&h, 0, rows, &nw, d, eps)
                 .expect("rms_norm_q8");
-            g.matmul_gate_up_q8(rows, &wg, &wu).expect("gate_up_q8");
-            g.matmul_many_q8(rows, &[&wd], &mut [&mut got], true)
+            let act2 = g.matmul_gate_up_q8(&act, &wg, &wu).expect("gate_up_q8");
+            g.matmul_many_q8(&act2, &[&wd], &mut [&mut got], true)
                 .expect("down_q8");
             assert_bits(
                 &format!("matmul_gate_up_q8 d={d} inter={inter} rows={rows}"),
@@ -635,8 +662,8 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                 &g.download(&want).expect("dl"),
                 d,
             );
-            // Without a fresh normed activation: an error.
-            assert!(g.matmul_gate_up_q8(rows, &wg, &wu).is_err());
+            // The down activation as gate / up's input (second slot, K = inter): an error.
+            assert!(g.matmul_gate_up_q8(&act2, &wg, &wu).is_err());
         }
     }
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
@@ -681,10 +708,11 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
         let mut want = g.upload(&h0).expect("h");
         g.matmul_add(&att, n_q, &wo, &mut want).expect("matmul_add");
         let mut att2 = poisoned(&g, n_q * kdim);
-        g.attention_q8(&q, &kc, &vc, &p, fast, &mut att2)
+        let act = g
+            .attention_q8(&q, &kc, &vc, &p, fast, &mut att2)
             .expect("attention_q8");
         let mut got = g.upload(&h0).expect("h");
-        g.matmul_many_q8(n_q, &[&wo], &mut [&mut got], true)
+        g.matmul_many_q8(&act, &[&wo], &mut [&mut got], true)
             .expect("many_q8");
         let what = format!("attention_q8 n_q={n_q} d={d} causal={causal} fast={fast}");
         assert_bits(
@@ -702,6 +730,76 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
     }
     g.set_a8_kernel(A8Kernel::Auto);
     eprintln!("EXACT rms_norm_q8 + matmul_many_q8, matmul_add and matmul_silu_mul_add == the separate ops under every kernel choice; matmul_gate_up_q8 + down == the separate ops; attention_q8 + matmul_many_q8 == attention + matmul_add");
+}
+
+#[test]
+fn a8_layer_tail_equals_the_separate_ops_bit_for_bit() {
+    if gpu("a8_layer_tail_equals_the_separate_ops_bit_for_bit").is_none() {
+        return;
+    }
+    // A private backend (the shared one runs the other tests' launches concurrently).
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let mut r = rng("a8_layer_tail_equals_the_separate_ops_bit_for_bit");
+    use dflash_backend::{layer_tail_ops, LayerTail, TailScratch};
+    // (hidden, heads * head_dim, intermediate): the shipped drafter's size class and the 8B's.
+    for &(d, kq, inter) in &[(256usize, 256usize, 768usize), (4096, 4096, 12288)] {
+        let mut mk = |n: usize, k: usize| {
+            let wv = rand_vec(&mut r, n * k, 1.0);
+            let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
+            g.upload_weight(&hw).expect("w")
+        };
+        let (wo, wg, wu, wd) = (mk(d, kq), mk(inter, d), mk(inter, d), mk(d, inter));
+        let ln = g.upload(&rand_vec(&mut r, d, 1.0)).expect("ln");
+        let tail = LayerTail {
+            wo: &wo,
+            post_norm: &ln,
+            eps: 1e-6,
+            w_gate: &wg,
+            w_up: &wu,
+            w_down: &wd,
+        };
+        for rows in [1usize, 9, 16] {
+            let attn = g.upload(&spread_x(&mut r, rows, kq)).expect("attn");
+            let h0 = rand_vec(&mut r, rows * d, 1.0);
+            let mut outs = Vec::new();
+            for fused in [false, true] {
+                let mut h = g.upload(&h0).expect("h");
+                let (mut o, mut xn) = (poisoned(g, rows * d), poisoned(g, rows * d));
+                let (mut gt, mut up, mut act) = (
+                    poisoned(g, rows * inter),
+                    poisoned(g, rows * inter),
+                    poisoned(g, rows * inter),
+                );
+                let s = TailScratch {
+                    o: &mut o,
+                    xn: &mut xn,
+                    gate: &mut gt,
+                    up: &mut up,
+                    act: &mut act,
+                };
+                if fused {
+                    g.layer_tail(&attn, rows, &mut h, &tail, s)
+                        .expect("layer_tail");
+                    // The fused launches ran (the separate ops would have written xn).
+                    let xv = g.download(&xn).expect("dl");
+                    assert!(
+                        xv.iter().all(|v| v.is_nan()),
+                        "layer_tail fell back to the separate ops"
+                    );
+                } else {
+                    layer_tail_ops(g, &attn, rows, &mut h, &tail, s).expect("ops");
+                }
+                outs.push(g.download(&h).expect("dl"));
+            }
+            assert_bits(
+                &format!("layer_tail d={d} rows={rows}"),
+                &outs[1],
+                &outs[0],
+                d,
+            );
+        }
+    }
+    eprintln!("EXACT layer_tail (Q8_0A8: residual stores, normed activation, paired gate/up) == the separate ops");
 }
 
 #[test]

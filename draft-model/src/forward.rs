@@ -13,7 +13,7 @@
 //! target features are known, so at the start of a round `kv.len() == start`, the position of
 //! the anchor (the last committed token, whose features are not yet known).
 
-use dflash_backend::{AttnParams, Backend, Weight};
+use dflash_backend::{AttnParams, Backend, LayerTail, TailScratch, Weight};
 use dflash_kv::{DraftKv, KvShape};
 
 use crate::config::{LayerKind, RowLayout};
@@ -449,16 +449,24 @@ impl<B: Backend> Drafter<B> {
         be.rope(&mut s.q, rows, c.num_attention_heads, hd, pos0, rope)?;
         be.rope(&mut s.k, b, c.num_key_value_heads, hd, pos0, rope)?;
         attend(li, rows, &s.q, &s.k, &s.v, &mut s.attn)?;
-        be.matmul(&s.attn, rows, &l.wo, &mut s.o)?;
-        be.add_rms_norm(&mut s.x, &s.o, &l.ln_post, rows, d, eps, &mut s.xn)?;
-        be.matmul_many(
-            &s.xn,
-            rows,
-            &[&l.w_gate, &l.w_up],
-            &mut [&mut s.g, &mut s.u],
-        )?;
-        be.matmul_silu_mul(&s.g, &s.u, &mut s.a, rows, &l.w_down, &mut s.o)?;
-        be.add_assign(&mut s.x, 0, &s.o, rows * d)?;
+        // o projection + residual, post-norm, SwiGLU MLP + residual (the backend may run it
+        // as fewer launches, with the same bits).
+        let tail = LayerTail {
+            wo: &l.wo,
+            post_norm: &l.ln_post,
+            eps,
+            w_gate: &l.w_gate,
+            w_up: &l.w_up,
+            w_down: &l.w_down,
+        };
+        let scratch = TailScratch {
+            o: &mut s.o,
+            xn: &mut s.xn,
+            gate: &mut s.g,
+            up: &mut s.u,
+            act: &mut s.a,
+        };
+        be.layer_tail(&s.attn, rows, &mut s.x, &tail, scratch)?;
         Ok(())
     }
 

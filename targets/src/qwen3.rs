@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
+use dflash_backend::{AttnParams, Backend, LayerTail, RopeSpec, TailScratch, Weight, WeightFormat};
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
 use crate::checkpoint::Checkpoint;
@@ -600,11 +600,22 @@ impl<B: Backend> Qwen3Dense<B> {
                 scale: (hd as f32).powf(-0.5),
             };
             be.attention(&*qn, &self.k_cache[li], &self.v_cache[li], &p, att)?;
-            be.matmul(&*att, t, &layer.wo, o)?;
-            be.add_rms_norm(x, &*o, &layer.post_norm, t, d, c.rms_eps, h)?;
-            be.matmul_many(&*h, t, &[&layer.wg, &layer.wu], &mut [&mut *g, &mut *u])?;
-            be.matmul_silu_mul(&*g, &*u, a, t, &layer.wd, o)?;
-            be.add_assign(x, 0, &*o, t * d)?;
+            let tail = LayerTail {
+                wo: &layer.wo,
+                post_norm: &layer.post_norm,
+                eps: c.rms_eps,
+                w_gate: &layer.wg,
+                w_up: &layer.wu,
+                w_down: &layer.wd,
+            };
+            let scratch = TailScratch {
+                o: &mut *o,
+                xn: &mut *h,
+                gate: &mut *g,
+                up: &mut *u,
+                act: &mut *a,
+            };
+            be.layer_tail(&*att, t, x, &tail, scratch)?;
             write_taps(be, li as i32, &*x, &mut tap_buf)?;
         }
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);

@@ -18,7 +18,7 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
-use dflash_cuda_kernels::{A8Kernel, AttnKernel, Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -454,9 +454,12 @@ impl Model {
         if q8n && (sk('n') || sk('a')) {
             bail!("+skip=n / +skip=a leave the Q8_0A8 producers out: add +noq8n");
         }
+        // The activation the last Q8_0A8 producer wrote (q8n).
+        let mut act: Option<A8Act> = None;
+        let need = |a: &Option<A8Act>| a.ok_or_else(|| anyhow!("no Q8_0A8 activation written"));
         if fused && nl > 0 && !sk('n') {
             if q8n {
-                g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?;
+                act = Some(g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?);
             } else {
                 g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
             }
@@ -474,7 +477,7 @@ impl Model {
             if sk('k') {
             } else if q8n {
                 g.matmul_many_q8(
-                    rows,
+                    &need(&act)?,
                     &[&l.wq, &l.wk, &l.wv],
                     &mut [&mut b.q0, &mut b.k0, &mut b.v],
                     false,
@@ -521,7 +524,7 @@ impl Model {
             if sk('a') {
             } else if q8n {
                 // The split combine also writes the o projection's quantized activation.
-                g.attention_q8(&b.q, &l.kc, &l.vc, &p, self.fast_attn, &mut b.attn)?;
+                act = Some(g.attention_q8(&b.q, &l.kc, &l.vc, &p, self.fast_attn, &mut b.attn)?);
             } else if self.fast_attn {
                 g.attention_fast(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             } else {
@@ -529,7 +532,7 @@ impl Model {
             }
             if sk('o') {
             } else if q8n && !sk('a') {
-                g.matmul_many_q8(rows, &[&l.wo], &mut [&mut b.h], true)?;
+                g.matmul_many_q8(&need(&act)?, &[&l.wo], &mut [&mut b.h], true)?;
             } else if q8e {
                 g.matmul_add(&b.attn, rows, &l.wo, &mut b.h)?;
             } else {
@@ -543,7 +546,7 @@ impl Model {
                 // launches fewer).
                 if sk('n') {
                 } else if q8n {
-                    g.rms_norm_q8(&b.h, 0, rows, &l.ln2, s.hidden, eps)?;
+                    act = Some(g.rms_norm_q8(&b.h, 0, rows, &l.ln2, s.hidden, eps)?);
                 } else {
                     g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
                 }
@@ -552,16 +555,21 @@ impl Model {
                 let paired = q8n && self.q8pair && !sk('g');
                 if sk('g') {
                 } else if paired {
-                    g.matmul_gate_up_q8(rows, &l.wg, &l.wu)?;
+                    act = Some(g.matmul_gate_up_q8(&need(&act)?, &l.wg, &l.wu)?);
                 } else if q8n {
-                    g.matmul_many_q8(rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up], false)?;
+                    g.matmul_many_q8(
+                        &need(&act)?,
+                        &[&l.wg, &l.wu],
+                        &mut [&mut b.gate, &mut b.up],
+                        false,
+                    )?;
                 } else {
                     g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
                 }
                 self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
                 if sk('d') {
                 } else if paired {
-                    g.matmul_many_q8(rows, &[&l.wd], &mut [&mut b.h], true)?;
+                    g.matmul_many_q8(&need(&act)?, &[&l.wd], &mut [&mut b.h], true)?;
                 } else {
                     g.matmul_silu_mul_add(&b.gate, &b.up, rows, &l.wd, &mut b.h)?;
                 }
@@ -599,7 +607,7 @@ impl Model {
                 } else {
                     (lm_from, rows - lm_from)
                 };
-                g.rms_norm_q8(&b.h, r0, n, next_norm, s.hidden, eps)?;
+                act = Some(g.rms_norm_q8(&b.h, r0, n, next_norm, s.hidden, eps)?);
             } else if q8e {
                 g.rms_norm(&b.h, next_norm, s.hidden, eps, &mut b.x)?;
             } else if fused {
@@ -612,7 +620,7 @@ impl Model {
         let n = rows - lm_from;
         if q8n && nl > 0 {
             if !sk('l') {
-                g.matmul_many_q8(n, &[&self.lm_head], &mut [&mut b.logits], false)?;
+                g.matmul_many_q8(&need(&act)?, &[&self.lm_head], &mut [&mut b.logits], false)?;
             }
         } else {
             g.copy(&b.x, lm_from * s.hidden, &mut b.xl, 0, n * s.hidden)?;
@@ -958,11 +966,11 @@ fn norm_chain(g: &Cuda, iters: usize) -> Result<()> {
         (
             "q/k/v of a ready activation x10",
             Box::new(|_: &mut CudaBuf, outs: &mut [CudaBuf], _: &mut CudaBuf| {
-                g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
+                let act = g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
                 for c in &copies {
                     let wr: Vec<&Weight<Cuda>> = c.iter().collect();
                     let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
-                    g.matmul_many_q8(rows, &wr, &mut refs, false)?;
+                    g.matmul_many_q8(&act, &wr, &mut refs, false)?;
                 }
                 Ok(())
             }),
@@ -995,10 +1003,10 @@ fn norm_chain(g: &Cuda, iters: usize) -> Result<()> {
             "(rms_norm_q8 + q/k/v) x10",
             Box::new(|_: &mut CudaBuf, outs: &mut [CudaBuf], _: &mut CudaBuf| {
                 for c in &copies {
-                    g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
+                    let act = g.rms_norm_q8(&h, 0, rows, &nw, k, eps)?;
                     let wr: Vec<&Weight<Cuda>> = c.iter().collect();
                     let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
-                    g.matmul_many_q8(rows, &wr, &mut refs, false)?;
+                    g.matmul_many_q8(&act, &wr, &mut refs, false)?;
                 }
                 Ok(())
             }),

@@ -3,8 +3,8 @@
 //! kernel for other head dims, and the ordered combine of the splits (kernels/attention.cu).
 
 use super::{
-    cfg, check, ensure, i32_of, internal, lock, AttnParams, BackendError, Cuda, CudaBuf, Kernel,
-    PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
+    cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
+    Kernel, PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
 };
 use crate::error::dev;
 
@@ -299,7 +299,7 @@ impl Cuda {
     }
 
     /// The attention op; `q8 = Some((token groups, padded blocks))`: the split combine also
-    /// writes the Q8_0A8 activation into the scratch (returns whether it did).
+    /// writes the Q8_0A8 activation into the first scratch slot (returns its token if it did).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_op(
         &self,
@@ -310,7 +310,7 @@ impl Cuda {
         fast: bool,
         q8: Option<(usize, usize)>,
         out: &mut CudaBuf,
-    ) -> Result<bool> {
+    ) -> Result<Option<A8Act>> {
         let op = if fast { "attention_fast" } else { "attention" };
         if p.n_heads == 0
             || p.n_kv_heads == 0
@@ -330,7 +330,7 @@ impl Cuda {
         check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
         check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
         if p.n_q == 0 {
-            return Ok(false);
+            return Ok(None);
         }
         if p.window == Some(0) {
             return Err(BackendError::Invalid {
@@ -513,7 +513,7 @@ impl Cuda {
                 // D, out, H, NT, KBp, xq, xd); with xq the scratch holds the activation of
                 // nt * 8 tokens x kbp blocks (attention_q8 ensured it).
                 unsafe { a.launch(st, &fc, c, pdl) }?;
-                return Ok(q8.is_some());
+                return Ok(q8.map(|_| s.a8_written(0, p.n_heads * d, p.n_q)));
             }
             _ => {
                 if d > 512 {
@@ -540,7 +540,7 @@ impl Cuda {
                     .map_err(dev)?;
             }
         }
-        Ok(false)
+        Ok(None)
     }
 }
 
