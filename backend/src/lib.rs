@@ -377,6 +377,25 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer_tail_ops(self, attn, rows, h, w, s)
     }
 
+    /// A pre-norm layer's projections: `rms_norm(x, w, dim, eps, xn)` (every row of `x`) then
+    /// `matmul_many(xn, rows, ws, outs)`. An override gives the same bits and may leave `xn`
+    /// unwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul_many(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        dim: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        rows: usize,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut Self::Buf],
+    ) -> Result<()> {
+        self.rms_norm(x, w, dim, eps, xn)?;
+        self.matmul_many(xn, rows, ws, outs)
+    }
+
     /// The SwiGLU down projection: `silu_mul(gate, up, act)` then `matmul(act, rows, w, out)`.
     /// An override may leave `act` unwritten.
     fn matmul_silu_mul(

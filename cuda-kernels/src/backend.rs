@@ -287,6 +287,21 @@ impl Scratch {
             generation: self.a8_gen[slot],
         }
     }
+    /// The first activation slot, grown to `kbp` blocks of `nt` token groups if smaller.
+    fn a8_first(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        kbp: usize,
+        nt: usize,
+    ) -> Result<(&mut CudaSlice<u32>, &mut CudaSlice<f32>)> {
+        ensure(stream, &mut self.a8_q, kbp * nt * 64).map_err(dev)?;
+        ensure(stream, &mut self.a8_d, kbp * nt * 8).map_err(dev)?;
+        Ok((
+            self.a8_q.as_mut().ok_or_else(internal)?,
+            self.a8_d.as_mut().ok_or_else(internal)?,
+        ))
+    }
+
     /// Whether `act` is still what its slot holds.
     fn a8_current(&self, act: &A8Act) -> bool {
         self.a8_gen.get(act.slot) == Some(&act.generation)
@@ -1423,13 +1438,7 @@ impl Cuda {
         let blocks_per_row = dim.div_ceil(threads).min(8);
         let f = self.func(Kernel::RmsNormQ8)?;
         let mut s = lock(&self.scratch);
-        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
-        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-        let Scratch { a8_q, a8_d, .. } = &mut *s;
-        let (xq, xd) = (
-            a8_q.as_mut().ok_or_else(internal)?,
-            a8_d.as_mut().ok_or_else(internal)?,
-        );
+        let (xq, xd) = s.a8_first(&self.stream, kbp, nt)?;
         let st = &*self.stream;
         let mut a = RawArgs::default();
         a.dptr(&x.data, st)
@@ -1506,24 +1515,13 @@ impl Cuda {
         }
         let nt = if p.n_q > 8 { 2 } else { 1 };
         let kbp = a8_kbp(kdim);
-        {
-            let mut s = lock(&self.scratch);
-            ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
-            ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-        }
         if let Some(act) = self.attention_op(q, k, v, p, fast, Some((nt, kbp)), out)? {
             return Ok(act);
         }
         {
             let fq = self.func(Kernel::A8QuantX)?;
             let mut s = lock(&self.scratch);
-            ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
-            ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
-            let Scratch { a8_q, a8_d, .. } = &mut *s;
-            let (xq, xd) = (
-                a8_q.as_mut().ok_or_else(internal)?,
-                a8_d.as_mut().ok_or_else(internal)?,
-            );
+            let (xq, xd) = s.a8_first(&self.stream, kbp, nt)?;
             let qz = A8Quant {
                 t: p.n_q as i32,
                 k: i32_of("attention_q8", "n_heads * head_dim", kdim)?,
@@ -2233,6 +2231,43 @@ impl Backend for Cuda {
             r0 += t;
         }
         Ok(())
+    }
+
+    /// With [`WeightFormat::Q8_0A8`] weights (1-3 of one K = `dim`), 1-16 rows and `x`
+    /// exactly `rows` rows: the norm writes the projections' activation
+    /// ([`Cuda::rms_norm_q8`]), then one launch for the matrices (no quantizer, `xn` not
+    /// written); the bits of the separate ops. Anything else runs the separate ops.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul_many(
+        &self,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        xn: &mut CudaBuf,
+        rows: usize,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+    ) -> Result<()> {
+        let fused = (1..=3).contains(&ws.len())
+            && ws.len() == outs.len()
+            && ws.iter().all(|m| {
+                m.cols == dim && m.rows > 0 && matches!(m.buf, CudaWeightBuf::Q8A8 { .. })
+            })
+            && (1..=SKINNY_ROWS).contains(&rows)
+            && x.len == rows * dim
+            && dim.is_multiple_of(32)
+            && dim <= 32 * norm_threads(dim) as usize
+            && w.len >= dim;
+        if fused {
+            let act = self.rms_norm_q8(x, 0, rows, w, dim, eps)?;
+            // Another thread's launch in between: the separate ops below.
+            if self.matmul_many_q8_if_current(&act, ws, outs, false)? {
+                return Ok(());
+            }
+        }
+        self.rms_norm(x, w, dim, eps, xn)?;
+        self.matmul_many(xn, rows, ws, outs)
     }
 
     /// The layer tail with [`WeightFormat::Q8_0A8`] weights and 1-16 rows: the o projection

@@ -733,13 +733,13 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
 }
 
 #[test]
-fn a8_layer_tail_equals_the_separate_ops_bit_for_bit() {
-    if gpu("a8_layer_tail_equals_the_separate_ops_bit_for_bit").is_none() {
+fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
+    if gpu("a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit").is_none() {
         return;
     }
     // A private backend (the shared one runs the other tests' launches concurrently).
     let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
-    let mut r = rng("a8_layer_tail_equals_the_separate_ops_bit_for_bit");
+    let mut r = rng("a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit");
     use dflash_backend::{layer_tail_ops, LayerTail, TailScratch};
     // (hidden, heads * head_dim, intermediate): the shipped drafter's size class and the 8B's.
     for &(d, kq, inter) in &[(256usize, 256usize, 768usize), (4096, 4096, 12288)] {
@@ -797,9 +797,31 @@ fn a8_layer_tail_equals_the_separate_ops_bit_for_bit() {
                 &outs[0],
                 d,
             );
+            // norm_matmul_many (the q/k/v of a layer) == rms_norm + matmul_many, xn unwritten.
+            let x = g.upload(&spread_x(&mut r, rows, d)).expect("x");
+            let ws = [&wg, &wu];
+            let mut want = [poisoned(g, rows * inter), poisoned(g, rows * inter)];
+            let mut xn = poisoned(g, rows * d);
+            g.rms_norm(&x, &ln, d, 1e-6, &mut xn).expect("rms_norm");
+            let [w0, w1] = &mut want;
+            g.matmul_many(&xn, rows, &ws, &mut [w0, w1]).expect("many");
+            let mut got = [poisoned(g, rows * inter), poisoned(g, rows * inter)];
+            let mut xn2 = poisoned(g, rows * d);
+            let [g0, g1] = &mut got;
+            g.norm_matmul_many(&x, &ln, d, 1e-6, &mut xn2, rows, &ws, &mut [g0, g1])
+                .expect("norm_matmul_many");
+            assert!(g.download(&xn2).expect("dl").iter().all(|v| v.is_nan()));
+            for i in 0..2 {
+                assert_bits(
+                    &format!("norm_matmul_many d={d} rows={rows} matrix {i}"),
+                    &g.download(&got[i]).expect("dl"),
+                    &g.download(&want[i]).expect("dl"),
+                    inter,
+                );
+            }
         }
     }
-    eprintln!("EXACT layer_tail (Q8_0A8: residual stores, normed activation, paired gate/up) == the separate ops");
+    eprintln!("EXACT layer_tail (Q8_0A8: residual stores, normed activation, paired gate/up) and norm_matmul_many == the separate ops");
 }
 
 #[test]

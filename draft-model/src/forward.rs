@@ -428,18 +428,22 @@ impl<B: Backend> Drafter<B> {
                 "layer {li}: {rows} query rows for a block of {b}"
             )));
         }
-        be.rms_norm(&s.x, &l.ln_in, d, eps, &mut s.xn)?;
-        // The backend's fused sequences (one quantization of x and one launch for several
-        // matrices, the residual add with the next norm, SiLU inside the down projection where
-        // the backend has them): the bits of the separate ops.
+        // The backend's fused sequences (the norm writing the projections' input, one launch
+        // for several matrices, the layer tail below, where the backend has them): the bits
+        // of the separate ops.
         if rows == b {
-            be.matmul_many(
-                &s.xn,
+            be.norm_matmul_many(
+                &s.x,
+                &l.ln_in,
+                d,
+                eps,
+                &mut s.xn,
                 b,
                 &[&l.wq, &l.wk, &l.wv],
                 &mut [&mut s.q0, &mut s.k0, &mut s.v],
             )?;
         } else {
+            be.rms_norm(&s.x, &l.ln_in, d, eps, &mut s.xn)?;
             be.matmul(&s.xn, rows, &l.wq, &mut s.q0)?;
             be.matmul_many(&s.xn, b, &[&l.wk, &l.wv], &mut [&mut s.k0, &mut s.v])?;
         }

@@ -573,10 +573,13 @@ impl<B: Backend> Qwen3Dense<B> {
         write_taps(be, -1, x, &mut tap_buf)?;
 
         for (li, layer) in self.w.layers.iter().enumerate() {
-            be.rms_norm(&*x, &layer.in_norm, d, c.rms_eps, h)?;
             // The backend's fused sequences (the bits of the separate ops).
-            be.matmul_many(
-                &*h,
+            be.norm_matmul_many(
+                &*x,
+                &layer.in_norm,
+                d,
+                c.rms_eps,
+                h,
                 t,
                 &[&layer.wq, &layer.wk, &layer.wv],
                 &mut [&mut *q, &mut *k, &mut *v],

@@ -496,11 +496,11 @@ impl Cuda {
                 let q8 = q8.filter(|&(nt, _)| d.is_multiple_of(32) && d <= 256 && p.n_q <= nt * 8);
                 let blocks = match q8 {
                     Some((nt, kbp)) => {
-                        let Scratch { a8_q, a8_d, .. } = &mut *s;
+                        let (xq, xd) = s.a8_first(&self.stream, kbp, nt)?;
                         a.i32(nt as i32)
                             .i32(i32_of(op, "n_heads * head_dim", kbp)?)
-                            .dptr_mut(a8_q.as_mut().ok_or_else(internal)?, st)
-                            .dptr_mut(a8_d.as_mut().ok_or_else(internal)?, st);
+                            .dptr_mut(xq, st)
+                            .dptr_mut(xd, st);
                         nt * 8 * p.n_heads
                     }
                     None => {
@@ -511,7 +511,7 @@ impl Cuda {
                 let c = cfg((blocks as u32, 1, 1), d.min(256) as u32, 0);
                 // SAFETY: attn_combine's parameters in order (ws_o, ws_ml, n_split, rows_total,
                 // D, out, H, NT, KBp, xq, xd); with xq the scratch holds the activation of
-                // nt * 8 tokens x kbp blocks (attention_q8 ensured it).
+                // nt * 8 tokens x kbp blocks (a8_first sized it).
                 unsafe { a.launch(st, &fc, c, pdl) }?;
                 return Ok(q8.map(|_| s.a8_written(0, p.n_heads * d, p.n_q)));
             }
