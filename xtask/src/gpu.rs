@@ -108,7 +108,8 @@ pub struct BenchArgs {
     /// attention through `attention_fast`), +q8n / +noq8n (the Q8_0A8 producers on / off,
     /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
     /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
-    /// `matmul_many_q8` and the SiLU product in the down projection's quantizer).
+    /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
+    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -218,6 +219,10 @@ struct Model {
     /// With `q8norm`: gate / up as one paired launch that writes the down projection's
     /// activation (`Cuda::matmul_gate_up_q8`).
     q8pair: bool,
+    /// Q8_0A8 kernel per projection (q/k/v, o, gate/up, down; None = `base_kernel`), a sweep
+    /// knob (every choice gives the same bits).
+    proj_kernels: [Option<A8Kernel>; 4],
+    base_kernel: A8Kernel,
     rope: RopeSpec,
 }
 
@@ -338,6 +343,8 @@ impl Model {
             q8norm: false,
             q8epi: false,
             q8pair: true,
+            proj_kernels: [None; 4],
+            base_kernel: A8Kernel::Auto,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -457,6 +464,8 @@ impl Model {
         // The activation the last Q8_0A8 producer wrote (q8n).
         let mut act: Option<A8Act> = None;
         let need = |a: &Option<A8Act>| a.ok_or_else(|| anyhow!("no Q8_0A8 activation written"));
+        let (pk, bk) = (self.proj_kernels, self.base_kernel);
+        let kern = |i: usize| g.set_a8_kernel(pk[i].unwrap_or(bk));
         if fused && nl > 0 && !sk('n') {
             if q8n {
                 act = Some(g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?);
@@ -474,6 +483,7 @@ impl Model {
             }
             // q/k/v (and gate/up below) through `matmul_many`: for Q8_0A8 one quantization of
             // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
+            kern(0);
             if sk('k') {
             } else if q8n {
                 g.matmul_many_q8(
@@ -530,6 +540,7 @@ impl Model {
             } else {
                 g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             }
+            kern(1);
             if sk('o') {
             } else if q8n && !sk('a') {
                 g.matmul_many_q8(&need(&act)?, &[&l.wo], &mut [&mut b.h], true)?;
@@ -553,6 +564,7 @@ impl Model {
                 // With the paired gate / up launch the SiLU product is quantized in its
                 // epilogue (the down projection's activation; no f32 gate / up).
                 let paired = q8n && self.q8pair && !sk('g');
+                kern(2);
                 if sk('g') {
                 } else if paired {
                     act = Some(g.matmul_gate_up_q8(&need(&act)?, &l.wg, &l.wu)?);
@@ -567,6 +579,7 @@ impl Model {
                     g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
                 }
                 self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
+                kern(3);
                 if sk('d') {
                 } else if paired {
                     g.matmul_many_q8(&need(&act)?, &[&l.wd], &mut [&mut b.h], true)?;
@@ -618,6 +631,7 @@ impl Model {
             g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
         }
         let n = rows - lm_from;
+        g.set_a8_kernel(bk);
         if q8n && nl > 0 {
             if !sk('l') {
                 g.matmul_many_q8(&need(&act)?, &[&self.lm_head], &mut [&mut b.logits], false)?;
@@ -1337,6 +1351,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
         for &(f, fast) in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
+            m.base_kernel = a8k;
             m.fast_attn = fast;
             m.fused = !a.unfused;
             m.q8norm = !a.no_a8_producers;
@@ -1545,6 +1560,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         q8norm: bool,
         q8epi: bool,
         q8pair: bool,
+        proj_kernels: [Option<A8Kernel>; 4],
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -1563,6 +1579,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 q8norm: !a.no_a8_producers,
                 q8epi: false,
                 q8pair: true,
+                proj_kernels: [None; 4],
             };
             for opt in it {
                 if opt == "noef" {
@@ -1585,6 +1602,15 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.q8epi = true;
                 } else if opt == "nopair" {
                     cfg.q8pair = false;
+                } else if let Some((which, k)) = opt
+                    .split_once('=')
+                    .filter(|(w, _)| ["qkv", "o", "gu", "down"].contains(w))
+                {
+                    let i = ["qkv", "o", "gu", "down"]
+                        .iter()
+                        .position(|w| *w == which)
+                        .unwrap_or(0);
+                    cfg.proj_kernels[i] = Some(parse_a8_kernel(k)?);
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
@@ -1686,6 +1712,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     m.q8norm = c.q8norm;
                     m.q8epi = c.q8epi;
                     m.q8pair = c.q8pair;
+                    m.proj_kernels = c.proj_kernels;
+                    m.base_kernel = c.kernel;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
                 }
