@@ -1648,7 +1648,7 @@ impl Cuda {
             });
         }
         let nt = if rows > 8 { 2 } else { 1 };
-        let (kbp, kbp2) = (a8_kbp(k), a8_kbp(n));
+        let kbp2 = a8_kbp(n);
         let (w, ks, st_n) = (4usize, 2usize, 2usize);
         let smem = a8k_smem_bytes(nt, w, ks, st_n);
         if smem > self.smem.block {
@@ -1670,8 +1670,7 @@ impl Cuda {
         if !s.a8_current(act) {
             return Ok(None);
         }
-        ensure(&self.stream, &mut s.a8_q, kbp * nt * 64).map_err(dev)?;
-        ensure(&self.stream, &mut s.a8_d, kbp * nt * 8).map_err(dev)?;
+        // The first slot holds `act` (current: written at this size); only the second grows.
         ensure(&self.stream, &mut s.a8_q2, kbp2 * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d2, kbp2 * nt * 8).map_err(dev)?;
         let Scratch {
