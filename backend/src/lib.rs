@@ -396,6 +396,29 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.matmul_many(xn, rows, ws, outs)
     }
 
+    /// A layer's per-head q/k RMSNorm and RoPE with the rows' K and V written to a cache
+    /// ([`qk_norm_rope_kv_ops`]: `rms_norm` x 2, `rope` x 2, `copy` x 2): `q` rows
+    /// `0..q_rows` = `rope(rms_norm(q0, q_norm))`; cache rows `row0..row0 + kv_rows` of `kc`
+    /// = `rope(rms_norm(k0, k_norm))` and of `vc` = `v`; row `r` at position `pos0 + r`. Rows
+    /// are `n_heads * head_dim` (q) and `n_kv_heads * head_dim` (k, v, caches) wide;
+    /// `q_rows <= kv_rows`. An override gives the same bits and may leave `k_tmp` and the rows
+    /// of `q` past `q_rows` unwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv(
+        &self,
+        q0: &Self::Buf,
+        k0: &Self::Buf,
+        v: &Self::Buf,
+        q_rows: usize,
+        kv_rows: usize,
+        p: &QkNormRope<'_, Self>,
+        q: &mut Self::Buf,
+        k_tmp: &mut Self::Buf,
+        cache: KvCacheRows<'_, Self>,
+    ) -> Result<()> {
+        qk_norm_rope_kv_ops(self, q0, k0, v, q_rows, kv_rows, p, q, k_tmp, cache)
+    }
+
     /// The SwiGLU down projection: `silu_mul(gate, up, act)` then `matmul(act, rows, w, out)`.
     /// An override may leave `act` unwritten.
     fn matmul_silu_mul(
@@ -410,6 +433,59 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.silu_mul(gate, up, act)?;
         self.matmul(act, rows, w, out)
     }
+}
+
+/// A layer's per-head norms and rotation (see [`Backend::qk_norm_rope_kv`]).
+pub struct QkNormRope<'a, B: Backend> {
+    /// The q RMSNorm weight `[head_dim]`.
+    pub q_norm: &'a B::Buf,
+    /// The k RMSNorm weight `[head_dim]`.
+    pub k_norm: &'a B::Buf,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    /// Position of row 0.
+    pub pos0: usize,
+    pub rope: &'a RopeSpec,
+}
+
+/// Where [`Backend::qk_norm_rope_kv`] writes K and V: rows `row0..` of the two caches.
+pub struct KvCacheRows<'a, B: Backend> {
+    pub k: &'a mut B::Buf,
+    pub v: &'a mut B::Buf,
+    pub row0: usize,
+}
+
+/// [`Backend::qk_norm_rope_kv`] as the separate ops (the trait's default): `rms_norm(q0 -> q)`
+/// and `rms_norm(k0 -> k_tmp)` (every row of the buffers), `rope` of `q_rows` / `kv_rows`
+/// rows, then `copy` of `k_tmp` and `v` into the caches.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_kv_ops<B: Backend>(
+    be: &B,
+    q0: &B::Buf,
+    k0: &B::Buf,
+    v: &B::Buf,
+    q_rows: usize,
+    kv_rows: usize,
+    p: &QkNormRope<'_, B>,
+    q: &mut B::Buf,
+    k_tmp: &mut B::Buf,
+    cache: KvCacheRows<'_, B>,
+) -> Result<()> {
+    if q_rows > kv_rows {
+        return Err(BackendError::Invalid {
+            op: "qk_norm_rope_kv",
+            msg: format!("{q_rows} q rows for {kv_rows} k / v rows"),
+        });
+    }
+    let (hd, kvw) = (p.head_dim, p.n_kv_heads * p.head_dim);
+    be.rms_norm(q0, p.q_norm, hd, p.eps, q)?;
+    be.rms_norm(k0, p.k_norm, hd, p.eps, k_tmp)?;
+    be.rope(q, q_rows, p.n_heads, hd, p.pos0, p.rope)?;
+    be.rope(k_tmp, kv_rows, p.n_kv_heads, hd, p.pos0, p.rope)?;
+    be.copy(k_tmp, 0, cache.k, cache.row0 * kvw, kv_rows * kvw)?;
+    be.copy(v, 0, cache.v, cache.row0 * kvw, kv_rows * kvw)
 }
 
 /// A layer's weights after its attention (see [`Backend::layer_tail`]).

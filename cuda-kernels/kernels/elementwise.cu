@@ -157,12 +157,14 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f
 
 // Fused per-head q/k RMSNorm + NeoX RoPE + K/V cache write, one block per (row, head) of
 // q (n_heads) then k (n_kv heads); block size = rms_norm's for head_dim, head_dim <=
-// min(1024, RMS_MAXV * blockDim). q -> q_out; k -> kc (already offset to the first cache
-// row); the k blocks also copy v's head row into vc. Same bits as rms_norm + rope + copy.
+// min(1024, RMS_MAXV * blockDim). q -> q_out (rows < q_rows only); k -> kc (already offset to
+// the first cache row); the k blocks also copy v's head row into vc. Same bits as rms_norm +
+// rope + copy.
 extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const float *__restrict__ k0, const float *__restrict__ v,
                                            const float *__restrict__ qn, const float *__restrict__ kn, float *__restrict__ q_out,
                                            float *__restrict__ kc, float *__restrict__ vc, int n_heads, int n_kv, int hd, int half_rot,
-                                           long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps) {
+                                           long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps,
+                                           int q_rows) {
     griddep_launch();  // the attention split kernel may launch (it waits for this grid)
     griddep_wait();    // a programmatic dependent launch: q0 / k0 / v first
     __shared__ float red[32];
@@ -171,6 +173,7 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
     const long long r = blockIdx.x / nh;
     const int hh = blockIdx.x % nh;
     const bool isq = hh < n_heads;
+    if (isq && r >= q_rows) return;  // q rows past q_rows are not wanted (block-uniform)
     const long long off = isq ? (r * n_heads + hh) * hd : (r * n_kv + (hh - n_heads)) * hd;
     const float *src = (isq ? q0 : k0) + off;
     const float *w = isq ? qn : kn;

@@ -9,8 +9,8 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
-    layer_tail_ops, AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight,
-    LayerTail, RopeSpec, TailScratch, Weight, WeightFormat,
+    layer_tail_ops, qk_norm_rope_kv_ops, AttnParams, Backend, BackendError, DeltaParams, HostData,
+    HostWeight, KvCacheRows, LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -1325,22 +1325,62 @@ impl Cuda {
         vc: &mut CudaBuf,
         cache_row0: usize,
     ) -> Result<()> {
+        let heads = (n_heads, n_kv_heads, head_dim);
+        let (q_out, caches) = (q, (kc, vc, cache_row0));
+        self.qk_norm_rope_kv_in(
+            (q0, k0, v),
+            (qn, kn),
+            (rows, rows),
+            heads,
+            eps,
+            pos0,
+            spec,
+            q_out,
+            caches,
+        )
+    }
+
+    /// Whether the fused `qk_norm_rope_kv` kernel takes this head shape (else the separate
+    /// ops run).
+    fn qk_fused_fits(head_dim: usize, rot_half: usize) -> bool {
+        head_dim > 0
+            && 2 * rot_half <= head_dim
+            && head_dim <= 1024
+            && head_dim <= 32 * norm_threads(head_dim) as usize
+    }
+
+    /// [`Cuda::qk_norm_rope_kv`] with `q_rows <= kv_rows` rows of q.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv_in(
+        &self,
+        (q0, k0, v): (&CudaBuf, &CudaBuf, &CudaBuf),
+        (qn, kn): (&CudaBuf, &CudaBuf),
+        (q_rows, rows): (usize, usize),
+        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+        eps: f32,
+        pos0: usize,
+        spec: &RopeSpec,
+        q: &mut CudaBuf,
+        (kc, vc, cache_row0): (&mut CudaBuf, &mut CudaBuf, usize),
+    ) -> Result<()> {
+        if q_rows > rows {
+            return Err(BackendError::Invalid {
+                op: "qk_norm_rope_kv",
+                msg: format!("{q_rows} q rows for {rows} k / v rows"),
+            });
+        }
         let (qw, kvw) = (n_heads * head_dim, n_kv_heads * head_dim);
-        check("qk_norm_rope_kv", "q0", rows * qw, q0.len)?;
+        check("qk_norm_rope_kv", "q0", q_rows * qw, q0.len)?;
         check("qk_norm_rope_kv", "k0", rows * kvw, k0.len)?;
         check("qk_norm_rope_kv", "v", rows * kvw, v.len)?;
         check("qk_norm_rope_kv", "qn", head_dim, qn.len)?;
         check("qk_norm_rope_kv", "kn", head_dim, kn.len)?;
-        check("qk_norm_rope_kv", "q", rows * qw, q.len)?;
+        check("qk_norm_rope_kv", "q", q_rows * qw, q.len)?;
         check("qk_norm_rope_kv", "kc", (cache_row0 + rows) * kvw, kc.len)?;
         check("qk_norm_rope_kv", "vc", (cache_row0 + rows) * kvw, vc.len)?;
         let half = spec.inv_freq.len();
         let threads = norm_threads(head_dim);
-        if head_dim == 0
-            || 2 * half > head_dim
-            || head_dim > 1024
-            || head_dim > 32 * threads as usize
-        {
+        if !Self::qk_fused_fits(head_dim, half) {
             return Err(BackendError::Invalid {
                 op: "qk_norm_rope_kv",
                 msg: format!(
@@ -1391,11 +1431,12 @@ impl Cuda {
             .i64(p0)
             .dptr(freqs, st)
             .f32(sc)
-            .f32(eps);
+            .f32(eps)
+            .i32(q_rows as i32);
         let blocks = rows * (n_heads + n_kv_heads);
         let pdl = *lock(&self.a8_pdl);
         // SAFETY: qk_norm_rope_kv's parameters in order (q0, k0, v, qn, kn, q_out, kc, vc,
-        // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps).
+        // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps, q_rows).
         unsafe { a.launch(st, &f, cfg((blocks as u32, 1, 1), threads, 0), pdl) }
     }
 
@@ -2237,6 +2278,35 @@ impl Backend for Cuda {
     /// ([`Cuda::rms_norm_q8`]), then one launch for the matrices (no quantizer, `xn` not
     /// written); the bits of the separate ops. Anything else runs the separate ops.
     #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv(
+        &self,
+        q0: &CudaBuf,
+        k0: &CudaBuf,
+        v: &CudaBuf,
+        q_rows: usize,
+        kv_rows: usize,
+        p: &QkNormRope<'_, Self>,
+        q: &mut CudaBuf,
+        k_tmp: &mut CudaBuf,
+        cache: KvCacheRows<'_, Self>,
+    ) -> Result<()> {
+        // One launch (the bits of the separate ops, which run for head shapes it does not take).
+        if !Self::qk_fused_fits(p.head_dim, p.rope.inv_freq.len()) {
+            return qk_norm_rope_kv_ops(self, q0, k0, v, q_rows, kv_rows, p, q, k_tmp, cache);
+        }
+        self.qk_norm_rope_kv_in(
+            (q0, k0, v),
+            (p.q_norm, p.k_norm),
+            (q_rows, kv_rows),
+            (p.n_heads, p.n_kv_heads, p.head_dim),
+            p.eps,
+            p.pos0,
+            p.rope,
+            q,
+            (cache.k, cache.v, cache.row0),
+        )
+    }
+
     fn norm_matmul_many(
         &self,
         x: &CudaBuf,

@@ -15,7 +15,9 @@ mod common;
 
 use common::{gpu, poisoned, rand_vec, report, rng};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{AttnParams, Backend, DeltaParams, HostWeight, RopeSpec, WeightFormat};
+use dflash_backend::{
+    AttnParams, Backend, DeltaParams, HostWeight, KvCacheRows, QkNormRope, RopeSpec, WeightFormat,
+};
 use rand::Rng;
 
 const FORMATS: [WeightFormat; 5] = [
@@ -915,8 +917,65 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
             &g.download(&vcf).expect("dl"),
             &g.download(&vcs).expect("dl"),
         );
+        // The trait method (what the drafter and the targets call), with fewer q rows than
+        // k / v rows (the drafter's last layer): its q rows, K and V caches the same bits.
+        let q_rows = rows.div_ceil(2);
+        let p = QkNormRope {
+            q_norm: &qn,
+            k_norm: &kn,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            eps,
+            pos0,
+            rope: &spec,
+        };
+        let mut qt = poisoned(g, rows * qw);
+        let mut kt = poisoned(g, rows * kvw);
+        let (mut kct, mut vct) = (g.upload(&kc0).expect("kc"), g.upload(&vc0).expect("vc"));
+        let cache = KvCacheRows {
+            k: &mut kct,
+            v: &mut vct,
+            row0,
+        };
+        Backend::qk_norm_rope_kv(g, &q0, &k0, &v, q_rows, rows, &p, &mut qt, &mut kt, cache)
+            .expect("trait");
+        assert_same_bits(
+            &format!("{what} trait q ({q_rows} rows)"),
+            &g.download(&qt).expect("dl")[..q_rows * qw],
+            &g.download(&qs).expect("dl")[..q_rows * qw],
+        );
+        assert_same_bits(
+            &format!("{what} trait k cache"),
+            &g.download(&kct).expect("dl"),
+            &g.download(&kcs).expect("dl"),
+        );
+        assert_same_bits(
+            &format!("{what} trait v cache"),
+            &g.download(&vct).expect("dl"),
+            &g.download(&vcs).expect("dl"),
+        );
+        // More q rows than k / v rows: an error, nothing written.
+        let cache = KvCacheRows {
+            k: &mut kct,
+            v: &mut vct,
+            row0,
+        };
+        assert!(Backend::qk_norm_rope_kv(
+            g,
+            &q0,
+            &k0,
+            &v,
+            rows + 1,
+            rows,
+            &p,
+            &mut qt,
+            &mut kt,
+            cache
+        )
+        .is_err());
     }
-    eprintln!("EXACT qk_norm_rope_kv == rms_norm x2 + rope x2 + copy x2");
+    eprintln!("EXACT qk_norm_rope_kv (and Backend::qk_norm_rope_kv with fewer q rows) == rms_norm x2 + rope x2 + copy x2");
     // SiLU * up into the down projection.
     for f in [WeightFormat::Q8_0A8, WeightFormat::Q8_0, WeightFormat::Bf16] {
         for &(n, k) in &[(4096usize, 12288usize), (300, 416)] {

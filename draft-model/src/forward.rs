@@ -13,7 +13,9 @@
 //! target features are known, so at the start of a round `kv.len() == start`, the position of
 //! the anchor (the last committed token, whose features are not yet known).
 
-use dflash_backend::{AttnParams, Backend, LayerTail, TailScratch, Weight};
+use dflash_backend::{
+    AttnParams, Backend, KvCacheRows, LayerTail, QkNormRope, TailScratch, Weight,
+};
 use dflash_kv::{DraftKv, KvShape};
 
 use crate::config::{LayerKind, RowLayout};
@@ -402,8 +404,9 @@ impl<B: Backend> Drafter<B> {
     }
 
     /// One layer over the block rows `s.x` (`[b, hidden]`, in place). `attend` receives the
-    /// normed + roped Q (its first `rows` rows) and K and V of all `b` block rows and writes the
-    /// attention output of the `rows` queries.
+    /// scratch with the projections `s.q0` (its first `rows` rows), `s.k0` and `s.v` (all `b`
+    /// block rows), normalises and rotates them (with [`Drafter::qk_norm_rope`]), places K and V
+    /// and writes the attention output of the `rows` queries to `s.attn`.
     ///
     /// Only the first `rows` rows (`1..=b`) are carried through the query side, the o
     /// projection and the MLP; K and V still cover the whole block. The last layer of a draft
@@ -417,12 +420,11 @@ impl<B: Backend> Drafter<B> {
         li: usize,
         s: &mut Scratch<B>,
         rows: usize,
-        pos0: usize,
-        attend: &mut dyn FnMut(usize, usize, &B::Buf, &B::Buf, &B::Buf, &mut B::Buf) -> Result<()>,
+        attend: &mut dyn FnMut(usize, usize, &mut Scratch<B>) -> Result<()>,
     ) -> Result<()> {
         let c = &self.cfg;
         let l: &DraftLayer<B> = &self.layers[li];
-        let (d, hd, eps, b) = (c.hidden_size, c.head_dim, c.rms_norm_eps, s.b);
+        let (d, eps, b) = (c.hidden_size, c.rms_norm_eps, s.b);
         if rows == 0 || rows > b {
             return Err(DraftError::Invalid(format!(
                 "layer {li}: {rows} query rows for a block of {b}"
@@ -447,12 +449,7 @@ impl<B: Backend> Drafter<B> {
             be.matmul(&s.xn, rows, &l.wq, &mut s.q0)?;
             be.matmul_many(&s.xn, b, &[&l.wk, &l.wv], &mut [&mut s.k0, &mut s.v])?;
         }
-        be.rms_norm(&s.q0, &l.q_norm, hd, eps, &mut s.q)?;
-        be.rms_norm(&s.k0, &l.k_norm, hd, eps, &mut s.k)?;
-        let rope = &self.ropes[li];
-        be.rope(&mut s.q, rows, c.num_attention_heads, hd, pos0, rope)?;
-        be.rope(&mut s.k, b, c.num_key_value_heads, hd, pos0, rope)?;
-        attend(li, rows, &s.q, &s.k, &s.v, &mut s.attn)?;
+        attend(li, rows, s)?;
         // o projection + residual, post-norm, SwiGLU MLP + residual (the backend may run it
         // as fewer launches, with the same bits).
         let tail = LayerTail {
@@ -472,6 +469,22 @@ impl<B: Backend> Drafter<B> {
         };
         be.layer_tail(&s.attn, rows, &mut s.x, &tail, scratch)?;
         Ok(())
+    }
+
+    /// Layer `li`'s per-head q/k norms and RoPE for block rows at positions `pos0..`
+    /// ([`Backend::qk_norm_rope_kv`]).
+    fn qk_norm_rope(&self, li: usize, pos0: usize) -> QkNormRope<'_, B> {
+        let (c, l) = (&self.cfg, &self.layers[li]);
+        QkNormRope {
+            q_norm: &l.q_norm,
+            k_norm: &l.k_norm,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            eps: c.rms_norm_eps,
+            pos0,
+            rope: &self.ropes[li],
+        }
     }
 
     fn final_norm(&self, be: &B, s: &mut Scratch<B>) -> Result<()> {
@@ -556,21 +569,19 @@ impl<B: Backend> Drafter<B> {
         self.embed_block(be, lend, tokens, emb_scale, &mut s.x)?;
         let n_layers = self.layers.len();
         for li in 0..n_layers {
-            let mut attend = |li: usize,
-                              n_q: usize,
-                              q: &B::Buf,
-                              k: &B::Buf,
-                              v: &B::Buf,
-                              out: &mut B::Buf|
-             -> Result<()> {
-                kv.write_block(be, li, k, v, b)?;
+            let mut attend = |li: usize, n_q: usize, s: &mut Scratch<B>| -> Result<()> {
+                // The block's K and V straight into the cache after the context.
+                let (kc, vc, row0) = kv.block_rows_mut(li, b)?;
+                let cache = KvCacheRows { k: kc, v: vc, row0 };
+                let qk = self.qk_norm_rope(li, start);
+                be.qk_norm_rope_kv(&s.q0, &s.k0, &s.v, n_q, b, &qk, &mut s.q, &mut s.k, cache)?;
                 let (kb, vb) = kv.layer(li)?;
                 let p = attn_params(self, li, n_q, n_ctx + b, start, kv_pos0);
-                self.attention(be, q, kb, vb, &p, out)?;
+                self.attention(be, &s.q, kb, vb, &p, &mut s.attn)?;
                 Ok(())
             };
             let rows = if li + 1 == n_layers { out_rows } else { b };
-            self.block_layer(be, li, s, rows, start, &mut attend)?;
+            self.block_layer(be, li, s, rows, &mut attend)?;
         }
         self.final_norm(be, s)
     }
@@ -600,24 +611,24 @@ impl<B: Backend> Drafter<B> {
         let mut layer_outs = Vec::new();
         for li in 0..self.layers.len() {
             let (kc, vc) = self.ctx_kv(be, li, &feats, ctx, 0)?;
-            let mut attend = |li: usize,
-                              n_q: usize,
-                              q: &B::Buf,
-                              k: &B::Buf,
-                              v: &B::Buf,
-                              out: &mut B::Buf|
-             -> Result<()> {
+            let mut attend = |li: usize, n_q: usize, s: &mut Scratch<B>| -> Result<()> {
+                // [context K / V ; the block's], the block's written by the norm + RoPE op.
                 let mut ka = be.zeros((ctx + b) * kvd)?;
                 let mut va = be.zeros((ctx + b) * kvd)?;
                 be.copy(&kc, 0, &mut ka, 0, ctx * kvd)?;
                 be.copy(&vc, 0, &mut va, 0, ctx * kvd)?;
-                be.copy(k, 0, &mut ka, ctx * kvd, b * kvd)?;
-                be.copy(v, 0, &mut va, ctx * kvd, b * kvd)?;
+                let cache = KvCacheRows {
+                    k: &mut ka,
+                    v: &mut va,
+                    row0: ctx,
+                };
+                let qk = self.qk_norm_rope(li, ctx);
+                be.qk_norm_rope_kv(&s.q0, &s.k0, &s.v, n_q, b, &qk, &mut s.q, &mut s.k, cache)?;
                 let p = attn_params(self, li, n_q, ctx + b, ctx, 0);
-                self.attention(be, q, &ka, &va, &p, out)?;
+                self.attention(be, &s.q, &ka, &va, &p, &mut s.attn)?;
                 Ok(())
             };
-            self.block_layer(be, li, &mut s, b, ctx, &mut attend)?;
+            self.block_layer(be, li, &mut s, b, &mut attend)?;
             if trace {
                 layer_outs.push(be.download(&s.x)?);
             }

@@ -281,6 +281,27 @@ impl<B: Backend> DraftKv<B> {
         Ok(())
     }
 
+    /// The buffers [`write_block`](Self::write_block) writes, for a writer that produces the
+    /// rows itself (a fused norm + RoPE + cache-write op): `layer`'s K and V caches and the
+    /// first block row (`len()`), after the same checks; write rows `row0..row0 + b`.
+    pub fn block_rows_mut(
+        &mut self,
+        layer: usize,
+        b: usize,
+    ) -> Result<(&mut B::Buf, &mut B::Buf, usize)> {
+        let layer = self.layer_index(layer)?;
+        if b > self.shape.block {
+            return Err(KvError::Block {
+                rows: b,
+                block: self.shape.block,
+            });
+        }
+        let row0 = self.len;
+        let l = &mut self.layers[layer];
+        l.staged = 0;
+        Ok((&mut l.k, &mut l.v, row0))
+    }
+
     /// Keep the first `n` context rows (rollback). Rows written but not committed are dropped.
     pub fn crop(&mut self, n: usize) -> Result<()> {
         if n > self.len {

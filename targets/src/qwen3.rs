@@ -3,7 +3,10 @@
 
 use std::sync::Arc;
 
-use dflash_backend::{AttnParams, Backend, LayerTail, RopeSpec, TailScratch, Weight, WeightFormat};
+use dflash_backend::{
+    AttnParams, Backend, KvCacheRows, LayerTail, QkNormRope, RopeSpec, TailScratch, Weight,
+    WeightFormat,
+};
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
 use crate::checkpoint::Checkpoint;
@@ -537,7 +540,6 @@ impl<B: Backend> Qwen3Dense<B> {
         let c = &self.w.cfg;
         let t = tokens.len();
         let (d, hd) = (c.hidden, c.head_dim);
-        let kvw = c.n_kv_heads * hd;
         check_forward_input(tokens, start, self.cap, c.vocab, taps, c.n_layers)?;
         let nt = taps.len();
         let mut tap_buf = if nt > 0 {
@@ -584,12 +586,24 @@ impl<B: Backend> Qwen3Dense<B> {
                 &[&layer.wq, &layer.wk, &layer.wv],
                 &mut [&mut *q, &mut *k, &mut *v],
             )?;
-            be.rms_norm(&*q, &layer.q_norm, hd, c.rms_eps, qn)?;
-            be.rms_norm(&*k, &layer.k_norm, hd, c.rms_eps, kn)?;
-            be.rope(qn, t, c.n_heads, hd, start, &c.rope)?;
-            be.rope(kn, t, c.n_kv_heads, hd, start, &c.rope)?;
-            be.copy(&*kn, 0, &mut self.k_cache[li], start * kvw, t * kvw)?;
-            be.copy(&*v, 0, &mut self.v_cache[li], start * kvw, t * kvw)?;
+            // Per-head norms + RoPE, K and V into the caches at `start` (one launch where the
+            // backend fuses it; `kn` is its scratch).
+            let qk = QkNormRope {
+                q_norm: &layer.q_norm,
+                k_norm: &layer.k_norm,
+                n_heads: c.n_heads,
+                n_kv_heads: c.n_kv_heads,
+                head_dim: hd,
+                eps: c.rms_eps,
+                pos0: start,
+                rope: &c.rope,
+            };
+            let cache = KvCacheRows {
+                k: &mut self.k_cache[li],
+                v: &mut self.v_cache[li],
+                row0: start,
+            };
+            be.qk_norm_rope_kv(&*q, &*k, &*v, t, t, &qk, qn, kn, cache)?;
             let p = AttnParams {
                 n_q: t,
                 n_kv: start + t,

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use dflash_backend::{AttnParams, Backend, DeltaParams, Weight};
+use dflash_backend::{AttnParams, Backend, DeltaParams, KvCacheRows, QkNormRope, Weight};
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
 use super::config::{HybridConfig, LayerKind, MoeConfig};
@@ -331,12 +331,24 @@ impl<B: Backend> HybridTarget<B> {
                     be.matmul(&h, t, &fw.v, &mut v)?;
                     let mut qn = be.zeros(t * qw)?;
                     let mut kn = be.zeros(t * kvw)?;
-                    be.rms_norm(&q, &fw.q_norm, hd, eps, &mut qn)?;
-                    be.rms_norm(&k, &fw.k_norm, hd, eps, &mut kn)?;
-                    be.rope(&mut qn, t, nh, hd, start, &c.rope)?;
-                    be.rope(&mut kn, t, nkv, hd, start, &c.rope)?;
-                    be.copy(&kn, 0, kc, start * kvw, t * kvw)?;
-                    be.copy(&v, 0, vc, start * kvw, t * kvw)?;
+                    // Per-head norms + RoPE, K and V into the caches at `start` (one launch
+                    // where the backend fuses it).
+                    let qk = QkNormRope {
+                        q_norm: &fw.q_norm,
+                        k_norm: &fw.k_norm,
+                        n_heads: nh,
+                        n_kv_heads: nkv,
+                        head_dim: hd,
+                        eps,
+                        pos0: start,
+                        rope: &c.rope,
+                    };
+                    let cache = KvCacheRows {
+                        k: kc,
+                        v: vc,
+                        row0: start,
+                    };
+                    be.qk_norm_rope_kv(&q, &k, &v, t, t, &qk, &mut qn, &mut kn, cache)?;
                     let p = AttnParams {
                         n_q: t,
                         n_kv: start + t,
