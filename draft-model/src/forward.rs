@@ -320,6 +320,17 @@ impl<B: Backend> Drafter<B> {
         self.check_kv(kv)?;
         self.check_taps(be, taps, rows)?;
         let w = self.cfg.n_taps() * self.cfg.hidden_size;
+        // Per layer: the k / v projections in one call, then K normed + roped and V written
+        // straight into the cache ([`Backend::qk_norm_rope_kv`] with no q rows): the bits of
+        // `ctx_kv` + `append`. Scratch shared by the layers and chunks.
+        let kvd = self.cfg.kv_dim();
+        let cap = rows.min(INGEST_CHUNK);
+        let (mut k0, mut v, mut k_tmp) = (
+            be.zeros(cap * kvd)?,
+            be.zeros(cap * kvd)?,
+            be.zeros(cap * kvd)?,
+        );
+        let (q0, mut q) = (be.zeros(0)?, be.zeros(0)?);
         let mut done = 0;
         while done < rows {
             let n = (rows - done).min(INGEST_CHUNK);
@@ -332,9 +343,12 @@ impl<B: Backend> Drafter<B> {
             };
             kv.ensure_room(n)?;
             let feats = self.ctx_features(be, chunk.as_ref().unwrap_or(taps), n)?;
-            for layer in 0..self.layers.len() {
-                let (k, v) = self.ctx_kv(be, layer, &feats, n, pos0 + done)?;
-                kv.append(be, layer, &k, &v, n)?;
+            for (layer, l) in self.layers.iter().enumerate() {
+                be.matmul_many(&feats, n, &[&l.wk, &l.wv], &mut [&mut k0, &mut v])?;
+                let (kc, vc, row0) = kv.append_rows_mut(layer, n)?;
+                let cache = KvCacheRows { k: kc, v: vc, row0 };
+                let qk = self.qk_norm_rope(layer, pos0 + done);
+                be.qk_norm_rope_kv(&q0, &k0, &v, 0, n, &qk, &mut q, &mut k_tmp, cache)?;
             }
             kv.commit(n)?;
             done += n;

@@ -240,6 +240,23 @@ impl<B: Backend> DraftKv<B> {
         Ok(())
     }
 
+    /// The buffers [`append`](Self::append) writes, for a writer that produces the rows
+    /// itself (a fused norm + RoPE + cache-write op): `layer`'s K and V caches and the first
+    /// row (`len()`), after the same checks; write rows `row0..row0 + t`, then
+    /// [`commit`](Self::commit).
+    pub fn append_rows_mut(
+        &mut self,
+        layer: usize,
+        t: usize,
+    ) -> Result<(&mut B::Buf, &mut B::Buf, usize)> {
+        let layer = self.layer_index(layer)?;
+        self.ensure_room(t)?;
+        let row0 = self.len;
+        let l = &mut self.layers[layer];
+        l.staged = t;
+        Ok((&mut l.k, &mut l.v, row0))
+    }
+
     /// Make the `t` rows appended to every layer part of the context (`len += t`).
     pub fn commit(&mut self, t: usize) -> Result<()> {
         self.ensure_room(t)?;
