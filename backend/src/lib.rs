@@ -398,8 +398,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// A layer's per-head q/k RMSNorm and RoPE with the rows' K and V written to a cache
     /// ([`qk_norm_rope_kv_ops`]: `rms_norm` x 2, `rope` x 2, `copy` x 2): `q` rows
-    /// `0..q_rows` = `rope(rms_norm(q0, q_norm))`; cache rows `row0..row0 + kv_rows` of `kc`
-    /// = `rope(rms_norm(k0, k_norm))` and of `vc` = `v`; row `r` at position `pos0 + r`. Rows
+    /// `0..q_rows` = `rope(rms_norm(q0, q_norm))`; rows `row0..row0 + kv_rows` of `cache.k`
+    /// = `rope(rms_norm(k0, k_norm))` and of `cache.v` = `v`; row `r` at position `pos0 + r`. Rows
     /// are `n_heads * head_dim` (q) and `n_kv_heads * head_dim` (k, v, caches) wide;
     /// `q_rows <= kv_rows`. An override gives the same bits and may leave `k_tmp` and the rows
     /// of `q` past `q_rows` unwritten.

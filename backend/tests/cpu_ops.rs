@@ -295,6 +295,100 @@ proptest! {
 
 // ------------------------------------------------------------------------------- attention
 
+#[test]
+fn qk_norm_rope_kv_places_normed_rotated_rows_in_the_caches() {
+    // The layer op against the oracle: q rows 0..q_rows normed per head and rotated at
+    // pos0.., the kv_rows K rows likewise into the K cache from row0, V copied from row0;
+    // the other cache rows untouched; more q rows than k / v rows an error.
+    use dflash_backend::{KvCacheRows, QkNormRope};
+    let mut rng = StdRng::seed_from_u64(17);
+    let (nh, nkv, hd, eps) = (4usize, 2usize, 8usize, 1e-6f32);
+    let (qw, kvw) = (nh * hd, nkv * hd);
+    let spec = RopeSpec {
+        inv_freq: vec![1.0, 0.1, 0.01],
+        attention_scaling: 1.1,
+    };
+    for (q_rows, kv_rows, row0, pos0) in [
+        (5usize, 5usize, 0usize, 0usize),
+        (2, 5, 7, 30),
+        (0, 3, 2, 9),
+    ] {
+        let q0 = rand_vec(&mut rng, kv_rows * qw, 3.0);
+        let k0 = rand_vec(&mut rng, kv_rows * kvw, 3.0);
+        let v = rand_vec(&mut rng, kv_rows * kvw, 3.0);
+        let (qn, kn) = (rand_vec(&mut rng, hd, 1.5), rand_vec(&mut rng, hd, 1.5));
+        let cap = row0 + kv_rows + 2;
+        let (kc0, vc0) = (
+            rand_vec(&mut rng, cap * kvw, 1.0),
+            rand_vec(&mut rng, cap * kvw, 1.0),
+        );
+        let to32 = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<f32>>();
+        let mut want_q = to32(naive_rms(&q0, &qn, eps));
+        naive_rope(&mut want_q, q_rows, nh, hd, pos0, &spec);
+        let mut want_k = to32(naive_rms(&k0, &kn, eps));
+        naive_rope(&mut want_k, kv_rows, nkv, hd, pos0, &spec);
+        for be in backends() {
+            let p = QkNormRope {
+                q_norm: &qn,
+                k_norm: &kn,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                eps,
+                pos0,
+                rope: &spec,
+            };
+            let (mut q, mut k_tmp) = (vec![0.0f32; kv_rows * qw], vec![0.0f32; kv_rows * kvw]);
+            let (mut kc, mut vc) = (kc0.clone(), vc0.clone());
+            let cache = KvCacheRows {
+                k: &mut kc,
+                v: &mut vc,
+                row0,
+            };
+            be.qk_norm_rope_kv(&q0, &k0, &v, q_rows, kv_rows, &p, &mut q, &mut k_tmp, cache)
+                .unwrap();
+            for i in 0..q_rows * qw {
+                assert!(
+                    close(q[i], want_q[i] as f64, 1.0, 1e-5),
+                    "q {i}: {} vs {}",
+                    q[i],
+                    want_q[i]
+                );
+            }
+            let (a, b) = (row0 * kvw, (row0 + kv_rows) * kvw);
+            for i in 0..kv_rows * kvw {
+                assert!(
+                    close(kc[a + i], want_k[i] as f64, 1.0, 1e-5),
+                    "k {i}: {} vs {}",
+                    kc[a + i],
+                    want_k[i]
+                );
+            }
+            assert_eq!(&vc[a..b], &v[..]);
+            assert_eq!((&kc[..a], &kc[b..]), (&kc0[..a], &kc0[b..]));
+            assert_eq!((&vc[..a], &vc[b..]), (&vc0[..a], &vc0[b..]));
+            let cache = KvCacheRows {
+                k: &mut kc,
+                v: &mut vc,
+                row0,
+            };
+            assert!(be
+                .qk_norm_rope_kv(
+                    &q0,
+                    &k0,
+                    &v,
+                    kv_rows + 1,
+                    kv_rows,
+                    &p,
+                    &mut q,
+                    &mut k_tmp,
+                    cache
+                )
+                .is_err());
+        }
+    }
+}
+
 fn naive_attention(q: &[f32], k: &[f32], v: &[f32], p: &AttnParams) -> Vec<f64> {
     let hd = p.head_dim;
     let mut out = vec![0.0f64; p.n_q * p.n_heads * hd];

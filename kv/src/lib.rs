@@ -233,11 +233,18 @@ impl<B: Backend> DraftKv<B> {
         v_rows: &B::Buf,
         t: usize,
     ) -> Result<()> {
-        let layer = self.layer_index(layer)?;
-        self.ensure_room(t)?;
+        let layer = self.check_append(layer, t)?;
         self.write_at_len(be, layer, k_rows, v_rows, t)?;
         self.layers[layer].staged = t;
         Ok(())
+    }
+
+    /// The layer index of `t` rows appended to `layer`, after the checks (the layer exists,
+    /// the rows fit).
+    fn check_append(&self, layer: usize, t: usize) -> Result<usize> {
+        let layer = self.layer_index(layer)?;
+        self.ensure_room(t)?;
+        Ok(layer)
     }
 
     /// The buffers [`append`](Self::append) writes, for a writer that produces the rows
@@ -249,8 +256,7 @@ impl<B: Backend> DraftKv<B> {
         layer: usize,
         t: usize,
     ) -> Result<(&mut B::Buf, &mut B::Buf, usize)> {
-        let layer = self.layer_index(layer)?;
-        self.ensure_room(t)?;
+        let layer = self.check_append(layer, t)?;
         let row0 = self.len;
         let l = &mut self.layers[layer];
         l.staged = t;
@@ -286,6 +292,15 @@ impl<B: Backend> DraftKv<B> {
         v_rows: &B::Buf,
         b: usize,
     ) -> Result<()> {
+        let layer = self.check_block(layer, b)?;
+        self.write_at_len(be, layer, k_rows, v_rows, b)?;
+        self.layers[layer].staged = 0;
+        Ok(())
+    }
+
+    /// The layer index of `b` block rows of `layer`, after the checks (the layer exists,
+    /// `b <= block()`).
+    fn check_block(&self, layer: usize, b: usize) -> Result<usize> {
         let layer = self.layer_index(layer)?;
         if b > self.shape.block {
             return Err(KvError::Block {
@@ -293,9 +308,7 @@ impl<B: Backend> DraftKv<B> {
                 block: self.shape.block,
             });
         }
-        self.write_at_len(be, layer, k_rows, v_rows, b)?;
-        self.layers[layer].staged = 0;
-        Ok(())
+        Ok(layer)
     }
 
     /// The buffers [`write_block`](Self::write_block) writes, for a writer that produces the
@@ -306,13 +319,7 @@ impl<B: Backend> DraftKv<B> {
         layer: usize,
         b: usize,
     ) -> Result<(&mut B::Buf, &mut B::Buf, usize)> {
-        let layer = self.layer_index(layer)?;
-        if b > self.shape.block {
-            return Err(KvError::Block {
-                rows: b,
-                block: self.shape.block,
-            });
-        }
+        let layer = self.check_block(layer, b)?;
         let row0 = self.len;
         let l = &mut self.layers[layer];
         l.staged = 0;

@@ -88,6 +88,65 @@ fn block_rows_are_transient() {
 }
 
 #[test]
+fn row_accessors_write_where_append_and_write_block_do() {
+    // A writer that fills the rows itself (the fused norm + RoPE + cache-write op) through
+    // append_rows_mut / block_rows_mut leaves the cache as append / write_block do, with the
+    // same checks.
+    let be = Cpu::default();
+    let (mut a, mut b) = (
+        DraftKv::new(&be, shape(6)).unwrap(),
+        DraftKv::new(&be, shape(6)).unwrap(),
+    );
+    let w = a.row_width();
+    for (first, t) in [(0usize, 3usize), (3, 3)] {
+        for layer in 0..2 {
+            let (kr, vr) = (
+                rows(1.0 + layer as f32, first, t, w),
+                rows(-1.0, first, t, w),
+            );
+            a.append(&be, layer, &kr, &vr, t).unwrap();
+            let (k, v, row0) = b.append_rows_mut(layer, t).unwrap();
+            assert_eq!(row0, first);
+            be.copy(&kr, 0, k, row0 * w, t * w).unwrap();
+            be.copy(&vr, 0, v, row0 * w, t * w).unwrap();
+        }
+        a.commit(t).unwrap();
+        b.commit(t).unwrap();
+    }
+    // Full: one more row is an overflow either way; a block still fits after the context.
+    assert!(matches!(
+        b.append_rows_mut(0, 1),
+        Err(KvError::Overflow { .. })
+    ));
+    assert!(matches!(
+        b.block_rows_mut(0, 5),
+        Err(KvError::Block { rows: 5, block: 4 })
+    ));
+    assert!(b.block_rows_mut(2, 1).is_err());
+    let blk = rows(9.0, 6, 4, w);
+    a.write_block(&be, 1, &blk, &blk, 4).unwrap();
+    let (k, v, row0) = b.block_rows_mut(1, 4).unwrap();
+    assert_eq!(row0, 6);
+    be.copy(&blk, 0, k, row0 * w, 4 * w).unwrap();
+    be.copy(&blk, 0, v, row0 * w, 4 * w).unwrap();
+    for layer in 0..2 {
+        assert_eq!(
+            a.layer(layer).unwrap(),
+            b.layer(layer).unwrap(),
+            "layer {layer}"
+        );
+    }
+    assert_eq!((a.len(), b.len()), (6, 6));
+    // Block rows stay uncommitted.
+    b.crop(4).unwrap();
+    b.block_rows_mut(0, 2).unwrap();
+    assert!(matches!(
+        b.commit(2),
+        Err(KvError::NotWritten { needed: 2, .. })
+    ));
+}
+
+#[test]
 fn overflow_crop_and_layer_errors() {
     let be = Cpu::default();
     let mut kv = DraftKv::new(&be, shape(5)).unwrap();
