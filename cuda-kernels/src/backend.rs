@@ -1300,46 +1300,6 @@ impl Cuda {
         Ok(true)
     }
 
-    /// Per-head q/k RMSNorm + RoPE + K/V cache write in one launch: `q = rope(rms_norm(q0,
-    /// qn))`, `kc[row0..] = rope(rms_norm(k0, kn))`, `vc[row0..] = v`, positions `pos0 +
-    /// row`; the bits of `rms_norm` x 2 + `rope` x 2 + `copy` x 2 (same arithmetic, same
-    /// block size). Cache rows are `n_kv_heads * head_dim` wide; `cache_row0` is the first
-    /// row written.
-    #[allow(clippy::too_many_arguments)]
-    pub fn qk_norm_rope_kv(
-        &self,
-        q0: &CudaBuf,
-        k0: &CudaBuf,
-        v: &CudaBuf,
-        qn: &CudaBuf,
-        kn: &CudaBuf,
-        rows: usize,
-        n_heads: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        eps: f32,
-        pos0: usize,
-        spec: &RopeSpec,
-        q: &mut CudaBuf,
-        kc: &mut CudaBuf,
-        vc: &mut CudaBuf,
-        cache_row0: usize,
-    ) -> Result<()> {
-        let heads = (n_heads, n_kv_heads, head_dim);
-        let (q_out, caches) = (q, (kc, vc, cache_row0));
-        self.qk_norm_rope_kv_in(
-            (q0, k0, v),
-            (qn, kn),
-            (rows, rows),
-            heads,
-            eps,
-            pos0,
-            spec,
-            q_out,
-            caches,
-        )
-    }
-
     /// Whether the fused `qk_norm_rope_kv` kernel takes this head shape (else the separate
     /// ops run).
     fn qk_fused_fits(head_dim: usize, rot_half: usize) -> bool {
@@ -1349,20 +1309,25 @@ impl Cuda {
             && head_dim <= 32 * norm_threads(head_dim) as usize
     }
 
-    /// [`Cuda::qk_norm_rope_kv`] with `q_rows <= kv_rows` rows of q.
+    /// [`Backend::qk_norm_rope_kv`] in one launch (`qk_norm_rope_kv` in elementwise.cu): the
+    /// bits of `rms_norm` x 2 + `rope` x 2 + `copy` x 2 (same arithmetic, same block size); the
+    /// bench step calls it too. `k_tmp` is not written.
     #[allow(clippy::too_many_arguments)]
-    fn qk_norm_rope_kv_in(
+    fn qk_norm_rope_kv_fused(
         &self,
-        (q0, k0, v): (&CudaBuf, &CudaBuf, &CudaBuf),
-        (qn, kn): (&CudaBuf, &CudaBuf),
-        (q_rows, rows): (usize, usize),
-        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
-        eps: f32,
-        pos0: usize,
-        spec: &RopeSpec,
+        q0: &CudaBuf,
+        k0: &CudaBuf,
+        v: &CudaBuf,
+        q_rows: usize,
+        rows: usize,
+        p: &QkNormRope<'_, Self>,
         q: &mut CudaBuf,
-        (kc, vc, cache_row0): (&mut CudaBuf, &mut CudaBuf, usize),
+        cache: KvCacheRows<'_, Self>,
     ) -> Result<()> {
+        let (qn, kn, n_heads, n_kv_heads, head_dim) =
+            (p.q_norm, p.k_norm, p.n_heads, p.n_kv_heads, p.head_dim);
+        let (eps, pos0, spec) = (p.eps, p.pos0, p.rope);
+        let (kc, vc, cache_row0) = (cache.k, cache.v, cache.row0);
         if q_rows > rows {
             return Err(BackendError::Invalid {
                 op: "qk_norm_rope_kv",
@@ -2294,17 +2259,7 @@ impl Backend for Cuda {
         if !Self::qk_fused_fits(p.head_dim, p.rope.inv_freq.len()) {
             return qk_norm_rope_kv_ops(self, q0, k0, v, q_rows, kv_rows, p, q, k_tmp, cache);
         }
-        self.qk_norm_rope_kv_in(
-            (q0, k0, v),
-            (p.q_norm, p.k_norm),
-            (q_rows, kv_rows),
-            (p.n_heads, p.n_kv_heads, p.head_dim),
-            p.eps,
-            p.pos0,
-            p.rope,
-            q,
-            (cache.k, cache.v, cache.row0),
-        )
+        self.qk_norm_rope_kv_fused(q0, k0, v, q_rows, kv_rows, p, q, cache)
     }
 
     fn norm_matmul_many(

@@ -884,11 +884,24 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
         let mut qf = poisoned(g, rows * qw);
         let mut kcf = g.upload(&kc0).expect("kc");
         let mut vcf = g.upload(&vc0).expect("vc");
-        g.qk_norm_rope_kv(
-            &q0, &k0, &v, &qn, &kn, rows, nh, nkv, hd, eps, pos0, &spec, &mut qf, &mut kcf,
-            &mut vcf, row0,
-        )
-        .expect("fused");
+        let p = QkNormRope {
+            q_norm: &qn,
+            k_norm: &kn,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            eps,
+            pos0,
+            rope: &spec,
+        };
+        let mut kf = poisoned(g, rows * kvw);
+        let cache = KvCacheRows {
+            k: &mut kcf,
+            v: &mut vcf,
+            row0,
+        };
+        Backend::qk_norm_rope_kv(g, &q0, &k0, &v, rows, rows, &p, &mut qf, &mut kf, cache)
+            .expect("fused");
         let mut qs = poisoned(g, rows * qw);
         let mut ks = poisoned(g, rows * kvw);
         let mut kcs = g.upload(&kc0).expect("kc");
@@ -917,19 +930,9 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
             &g.download(&vcf).expect("dl"),
             &g.download(&vcs).expect("dl"),
         );
-        // The trait method (what the drafter and the targets call), with fewer q rows than
-        // k / v rows (the drafter's last layer): its q rows, K and V caches the same bits.
+        // Fewer q rows than k / v rows (the drafter's last layer, its ingest with none): its
+        // q rows, K and V caches the same bits.
         let q_rows = rows.div_ceil(2);
-        let p = QkNormRope {
-            q_norm: &qn,
-            k_norm: &kn,
-            n_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: hd,
-            eps,
-            pos0,
-            rope: &spec,
-        };
         let mut qt = poisoned(g, rows * qw);
         let mut kt = poisoned(g, rows * kvw);
         let (mut kct, mut vct) = (g.upload(&kc0).expect("kc"), g.upload(&vc0).expect("vc"));
@@ -975,7 +978,7 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
         )
         .is_err());
     }
-    eprintln!("EXACT qk_norm_rope_kv (and Backend::qk_norm_rope_kv with fewer q rows) == rms_norm x2 + rope x2 + copy x2");
+    eprintln!("EXACT qk_norm_rope_kv (all q rows and fewer) == rms_norm x2 + rope x2 + copy x2");
     // SiLU * up into the down projection.
     for f in [WeightFormat::Q8_0A8, WeightFormat::Q8_0, WeightFormat::Bf16] {
         for &(n, k) in &[(4096usize, 12288usize), (300, 416)] {

@@ -17,7 +17,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
-use dflash_backend::{AttnParams, Backend, RopeSpec, Weight, WeightFormat};
+use dflash_backend::{
+    AttnParams, Backend, KvCacheRows, QkNormRope, RopeSpec, Weight, WeightFormat,
+};
 use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
@@ -506,9 +508,23 @@ impl Model {
             if sk('q') {
             } else if fused {
                 // q/k RMSNorm + RoPE + K/V cache write: one launch, the bits of the 6 below.
+                let qk = QkNormRope {
+                    q_norm: &l.qn,
+                    k_norm: &l.kn,
+                    n_heads: s.heads,
+                    n_kv_heads: s.kv_heads,
+                    head_dim: hd,
+                    eps,
+                    pos0: ctx,
+                    rope: &self.rope,
+                };
+                let cache = KvCacheRows {
+                    k: &mut l.kc,
+                    v: &mut l.vc,
+                    row0: ctx,
+                };
                 g.qk_norm_rope_kv(
-                    &b.q0, &b.k0, &b.v, &l.qn, &l.kn, rows, s.heads, s.kv_heads, hd, eps, ctx,
-                    &self.rope, &mut b.q, &mut l.kc, &mut l.vc, ctx,
+                    &b.q0, &b.k0, &b.v, rows, rows, &qk, &mut b.q, &mut b.k, cache,
                 )?;
             } else {
                 g.rms_norm(&b.q0, &l.qn, hd, eps, &mut b.q)?;
