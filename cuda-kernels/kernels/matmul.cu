@@ -606,7 +606,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     const int grp = rounds_apart > 0 ? cta / rounds_apart : cta;
     const int nst = rounds_apart > 0 ? NS : (nch + KS - 1) / KS * NS;
     constexpr int WH = PAIR ? W / 2 : W;  // tiles of one matrix per block
-    static_assert(!PAIR || (W % 2 == 0 && (16 * WH) % 32 == 0 && NT * 8 <= W * NT * KS), "paired gate / up blocks");
+    static_assert(!PAIR || (W % 2 == 0 && (16 * WH) % 32 == 0), "paired gate / up blocks");
     const A8Mat m = PAIR && tl >= WH ? pair.up : m_;  // a value: the pointers stay in registers
     const int N = m.N;
     const int tile = grp * WH + tl % WH;
@@ -732,10 +732,10 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
             }
         }
         __syncthreads();
-        // One warp per token: its 32-feature blocks of silu(gate) * up (silu_mul's arithmetic),
-        // quantized as a8_quant_x does; tokens T .. NT*8-1 get zeros.
-        if (warp < NT * 8 && grp * WH * 16 < N) {
-            const int tok = warp;
+        // One warp per token (tokens warp, warp + warps, ...): its 32-feature blocks of
+        // silu(gate) * up (silu_mul's arithmetic), quantized as a8_quant_x does; tokens
+        // T .. NT*8-1 get zeros.
+        for (int tok = warp; tok < NT * 8 && grp * WH * 16 < N; tok += W * NT * KS) {
 #pragma unroll
             for (int qb = 0; qb < WH / 2; ++qb) {
                 const int f = qb * 32 + lane;
@@ -776,6 +776,8 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         a8_ksplit<NT, W, KS, S>(m, bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), xq, xd, K, T, ef, rounds_apart);                   \
     }
 A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)
+A8K(a8k_n1_w1_k2_s4, 1, 1, 2, 4)
+A8K(a8k_n1_w1_k2_s3, 1, 1, 2, 3)
 A8K(a8k_n1_w2_k2_s4, 1, 2, 2, 4)
 A8K(a8k_n1_w2_k4_s3, 1, 2, 4, 3)
 A8K(a8k_n1_w2_k4_s2, 1, 2, 4, 2)
@@ -783,6 +785,8 @@ A8K(a8k_n1_w4_k2_s3, 1, 4, 2, 3)
 A8K(a8k_n1_w4_k2_s2, 1, 4, 2, 2)
 A8K(a8k_n1_w4_k4_s2, 1, 4, 4, 2)
 A8K(a8k_n2_w1_k4_s3, 2, 1, 4, 3)
+A8K(a8k_n2_w1_k2_s4, 2, 1, 2, 4)
+A8K(a8k_n2_w1_k2_s3, 2, 1, 2, 3)
 A8K(a8k_n2_w2_k2_s4, 2, 2, 2, 4)
 A8K(a8k_n2_w2_k4_s3, 2, 2, 4, 3)
 A8K(a8k_n2_w2_k4_s2, 2, 2, 4, 2)
@@ -802,6 +806,10 @@ A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
     }
 A8KP(a8kp_n1_w4_k2_s2, 1, 4, 2, 2)
 A8KP(a8kp_n2_w4_k2_s2, 2, 4, 2, 2)
+A8KP(a8kp_n1_w4_k1_s2, 1, 4, 1, 2)
+A8KP(a8kp_n2_w4_k1_s2, 2, 4, 1, 2)
+A8KP(a8kp_n1_w4_k1_s3, 1, 4, 1, 3)
+A8KP(a8kp_n2_w4_k1_s3, 2, 4, 1, 3)
 
 
 

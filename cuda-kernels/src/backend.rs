@@ -76,8 +76,9 @@ pub enum A8Kernel {
     WholeK,
     /// Whole-K with K split over the warps of a block: `(w, ks, s)` = `w` tiles x `ks`
     /// slices, slice `i` running chunks `i, i + ks, ...`, the chunk sums added in order in
-    /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (2, 2, 4), (2, 4, 3),
-    /// (2, 4, 2), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other runs whole-K.
+    /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (1, 2, 4), (1, 2, 3),
+    /// (2, 2, 4), (2, 4, 3), (2, 4, 2), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other runs
+    /// whole-K.
     Split(u8, u8, u8),
     /// As [`A8Kernel::Split`], with K also split across thread blocks: a block runs one
     /// round (`ks` chunks) of one tile group and writes its chunk sums to a workspace; a second
@@ -91,6 +92,8 @@ pub enum A8Kernel {
 fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
     Some(match (nt, w, ks, s) {
         (1, 1, 4, 3) => Kernel::A8KN1W1K4S3,
+        (1, 1, 2, 4) => Kernel::A8KN1W1K2S4,
+        (1, 1, 2, 3) => Kernel::A8KN1W1K2S3,
         (1, 2, 2, 4) => Kernel::A8KN1W2K2S4,
         (1, 2, 4, 3) => Kernel::A8KN1W2K4S3,
         (1, 2, 4, 2) => Kernel::A8KN1W2K4S2,
@@ -98,12 +101,28 @@ fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
         (1, 4, 2, 2) => Kernel::A8KN1W4K2S2,
         (1, 4, 4, 2) => Kernel::A8KN1W4K4S2,
         (2, 1, 4, 3) => Kernel::A8KN2W1K4S3,
+        (2, 1, 2, 4) => Kernel::A8KN2W1K2S4,
+        (2, 1, 2, 3) => Kernel::A8KN2W1K2S3,
         (2, 2, 2, 4) => Kernel::A8KN2W2K2S4,
         (2, 2, 4, 3) => Kernel::A8KN2W2K4S3,
         (2, 2, 4, 2) => Kernel::A8KN2W2K4S2,
         (2, 4, 2, 3) => Kernel::A8KN2W4K2S3,
         (2, 4, 2, 2) => Kernel::A8KN2W4K2S2,
         (2, 4, 4, 2) => Kernel::A8KN2W4K4S2,
+        _ => return None,
+    })
+}
+
+/// The paired gate / up kernels (`A8KP(...)` in matmul.cu: 2 gate + 2 up tiles per block) for
+/// `nt` token groups, `ks` k-slices and an `s`-stage pipeline.
+fn a8kp_kernel(nt: usize, ks: usize, s: usize) -> Option<Kernel> {
+    Some(match (nt, ks, s) {
+        (1, 2, 2) => Kernel::A8KPN1W4K2S2,
+        (2, 2, 2) => Kernel::A8KPN2W4K2S2,
+        (1, 1, 2) => Kernel::A8KPN1W4K1S2,
+        (2, 1, 2) => Kernel::A8KPN2W4K1S2,
+        (1, 1, 3) => Kernel::A8KPN1W4K1S3,
+        (2, 1, 3) => Kernel::A8KPN2W4K1S3,
         _ => return None,
     })
 }
@@ -353,6 +372,7 @@ pub struct Cuda {
     blas: Mutex<Option<CudaBlas>>,
     smem_set: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
+    a8_pair: Mutex<(u8, u8)>,
     a8_pdl: Mutex<bool>,
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
@@ -475,6 +495,7 @@ impl Cuda {
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
+            a8_pair: Mutex::new((1, 3)),
             a8_pdl: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
@@ -500,6 +521,25 @@ impl Cuda {
     /// this is for benchmarks and tests.
     pub fn set_a8_kernel(&self, k: A8Kernel) {
         *lock(&self.a8_kernel) = k;
+    }
+    /// Pick the paired gate / up kernel of [`Cuda::matmul_gate_up_q8`]: `(ks, stages)`, k-slices
+    /// per block and pipeline stages, one of (1, 3) (the default), (1, 2), (2, 2). The same
+    /// bits whichever runs; for benchmarks and tests. An unknown pair is an error.
+    ///
+    /// The default: 8-warp blocks, 3 per SM, so the 8B shape's 384 blocks run in one wave
+    /// (2 x 2 gave 16-warp blocks, 2 per SM: 1.45 waves). The q8_0a8 step (graph ms, 8B ctx
+    /// 512 / 8192, 27B 512 / 8192, H200, 11:40 lease, two rounds), (2, 2) -> (1, 3): 0.655 /
+    /// 0.813 / 1.102 / 1.219 -> 0.645 / 0.800 / 1.087 / 1.201; (1, 2) (4 per SM): 0.677 /
+    /// 0.833 / 1.084 / 1.198.
+    pub fn set_a8_pair_kernel(&self, ks: u8, stages: u8) -> Result<()> {
+        if a8kp_kernel(1, ks.into(), stages.into()).is_none() {
+            return Err(BackendError::Invalid {
+                op: "set_a8_pair_kernel",
+                msg: format!("no paired kernel with {ks} k-slices and {stages} stages"),
+            });
+        }
+        *lock(&self.a8_pair) = (ks, stages);
+        Ok(())
     }
     /// Launch the Q8_0A8 quantizer and matmul kernels, `add_rms_norm`, `qk_norm_rope_kv` and
     /// the attention split and combine kernels with programmatic dependent launch (default
@@ -1089,7 +1129,11 @@ impl Cuda {
             //   K split across blocks (one round each, then `a8_sum`) balances the SMs: 27B
             //   down 54.4 -> 37.6 (1 x 4: 43.4);
             // * in between (the fused q/k/v, 384 tiles): 2 tiles x 2 slices, 4 stages: 8B
-            //   22.8 -> 13.5, 27B 23.8 -> 16.7.
+            //   22.8 -> 13.5, 27B 23.8 -> 16.7; since the ninth session 1 tile x 2 slices, 3
+            //   stages (4-warp blocks, 3 per SM: the 384 blocks in one wave where 2 x 2 x 4
+            //   left 72 SMs one block): the q8_0a8 step (graph ms, 8B ctx 512 / 8192, 27B
+            //   512 / 8192, 11:40 lease, two rounds) 0.655 / 0.813 / 1.102 / 1.219 ->
+            //   0.646 / 0.803 / 1.095 / 1.208.
             A8Kernel::Auto if nch < 3 => A8Kernel::WholeK,
             A8Kernel::Auto => {
                 let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
@@ -1102,7 +1146,7 @@ impl Cuda {
                         A8Kernel::Split(1, 4, 3)
                     }
                 } else {
-                    A8Kernel::Split(2, 2, 4)
+                    A8Kernel::Split(1, 2, 3)
                 }
             }
             m => m,
@@ -1655,7 +1699,8 @@ impl Cuda {
         }
         let nt = if rows > 8 { 2 } else { 1 };
         let kbp2 = a8_kbp(n);
-        let (w, ks, st_n) = (4usize, 2usize, 2usize);
+        let (ks, st_n) = *lock(&self.a8_pair);
+        let (w, ks, st_n) = (4usize, usize::from(ks), usize::from(st_n));
         let smem = a8k_smem_bytes(nt, w, ks, st_n);
         if smem > self.smem.block {
             return Err(BackendError::Invalid {
@@ -1666,11 +1711,7 @@ impl Cuda {
                 ),
             });
         }
-        let kern = if nt == 1 {
-            Kernel::A8KPN1W4K2S2
-        } else {
-            Kernel::A8KPN2W4K2S2
-        };
+        let kern = a8kp_kernel(nt, ks, st_n).ok_or_else(internal)?;
         let f = self.func_smem(kern, smem)?;
         let mut s = lock(&self.scratch);
         if !s.a8_current(act) {

@@ -351,6 +351,8 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
     let kernels = [
         A8Kernel::WholeK,
         A8Kernel::Split(1, 4, 3),
+        A8Kernel::Split(1, 2, 4),
+        A8Kernel::Split(1, 2, 3),
         A8Kernel::Split(2, 2, 4),
         A8Kernel::Split(2, 4, 3),
         A8Kernel::Split(2, 4, 2),
@@ -358,6 +360,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
         A8Kernel::Split(4, 2, 2),
         A8Kernel::Split(4, 4, 2),
         A8Kernel::SplitApart(1, 4, 3),
+        A8Kernel::SplitApart(1, 2, 4),
         A8Kernel::SplitApart(2, 2, 4),
         A8Kernel::SplitApart(4, 2, 2),
         A8Kernel::Auto,
@@ -649,23 +652,31 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                 .expect("down");
             let mut want = g.upload(&h0).expect("h0");
             g.add_assign(&mut want, 0, &o, rows * d).expect("add");
-            let mut got = g.upload(&h0).expect("h0");
-            let act = g
-                .rms_norm_q8(&h, 0, rows, &nw, d, eps)
-                .expect("rms_norm_q8");
-            let act2 = g.matmul_gate_up_q8(&act, &wg, &wu).expect("gate_up_q8");
-            g.matmul_many_q8(&act2, &[&wd], &mut [&mut got], true)
-                .expect("down_q8");
-            assert_bits(
-                &format!("matmul_gate_up_q8 d={d} inter={inter} rows={rows}"),
-                &g.download(&got).expect("dl"),
-                &g.download(&want).expect("dl"),
-                d,
-            );
-            // The down activation as gate / up's input (second slot, K = inter): an error.
-            assert!(g.matmul_gate_up_q8(&act2, &wg, &wu).is_err());
+            // Every paired kernel (k-slices, stages): the same bits.
+            for (ks, st) in [(2u8, 2u8), (1, 2), (1, 3)] {
+                g.set_a8_pair_kernel(ks, st).expect("pair kernel");
+                let mut got = g.upload(&h0).expect("h0");
+                let act = g
+                    .rms_norm_q8(&h, 0, rows, &nw, d, eps)
+                    .expect("rms_norm_q8");
+                let act2 = g.matmul_gate_up_q8(&act, &wg, &wu).expect("gate_up_q8");
+                g.matmul_many_q8(&act2, &[&wd], &mut [&mut got], true)
+                    .expect("down_q8");
+                assert_bits(
+                    &format!(
+                        "matmul_gate_up_q8 ({ks} slices, {st} stages) d={d} inter={inter} rows={rows}"
+                    ),
+                    &g.download(&got).expect("dl"),
+                    &g.download(&want).expect("dl"),
+                    d,
+                );
+                // The down activation as gate / up's input (second slot, K = inter): an error.
+                assert!(g.matmul_gate_up_q8(&act2, &wg, &wu).is_err());
+            }
         }
     }
+    g.set_a8_pair_kernel(1, 3).expect("pair kernel");
+    assert!(g.set_a8_pair_kernel(3, 2).is_err());
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
     // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding
     // tokens) and the quantizer after the generic kernel (head dim 48).

@@ -111,7 +111,8 @@ pub struct BenchArgs {
     /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
     /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
     /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
-    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name).
+    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +gp=kKSsS
+    /// (the paired gate / up kernel: k-slices, stages).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -1576,6 +1577,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         q8norm: bool,
         q8epi: bool,
         q8pair: bool,
+        pair_kernel: (u8, u8),
         proj_kernels: [Option<A8Kernel>; 4],
     }
     let configs: Vec<Config> = list
@@ -1595,6 +1597,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 q8norm: !a.no_a8_producers,
                 q8epi: false,
                 q8pair: true,
+                pair_kernel: (1, 3),
                 proj_kernels: [None; 4],
             };
             for opt in it {
@@ -1618,6 +1621,12 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.q8epi = true;
                 } else if opt == "nopair" {
                     cfg.q8pair = false;
+                } else if let Some(n) = opt.strip_prefix("gp=k") {
+                    // The paired gate / up kernel: gp=kKSsS (k-slices, stages), e.g. gp=k1s3.
+                    let (ks, st) = n
+                        .split_once('s')
+                        .ok_or_else(|| anyhow!("--a8-sweep: gp=kKSsS, found {opt}"))?;
+                    cfg.pair_kernel = (ks.parse()?, st.parse()?);
                 } else if let Some((which, k)) = opt
                     .split_once('=')
                     .filter(|(w, _)| ["qkv", "o", "gu", "down"].contains(w))
@@ -1720,6 +1729,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_a8_kernel(c.kernel);
                     g.set_a8_evict_first(c.evict_first);
                     g.set_a8_pdl(c.pdl);
+                    g.set_a8_pair_kernel(c.pair_kernel.0, c.pair_kernel.1)?;
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
                     m.prefetch = c.prefetch;
@@ -1745,6 +1755,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_a8_kernel(A8Kernel::Auto);
     g.set_a8_evict_first(true);
     g.set_a8_pdl(true);
+    g.set_a8_pair_kernel(1, 3)?;
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
     Ok(())
