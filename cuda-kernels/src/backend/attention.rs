@@ -10,10 +10,15 @@ use crate::error::dev;
 
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
-/// Non-causal attention over at most this many keys splits them by 128 (automatic split):
-/// the drafter's block attention over a short context, where 256-key splits leave the GPU
-/// part idle (8 kv heads, 64 query rows, 528 keys: 96 blocks for 132 SMs on the H200; the
-/// 8B draft step at ctx 512 0.806 -> 0.783 ms, at 8192 128 would cost 1.073 -> 1.219 ms).
+/// Non-causal attention over at most this many keys splits them into about 4 (automatic
+/// split): a quarter of the span rounded up to 64 keys, at least 128. The drafter's block
+/// attention over a short context: 256-key splits left the GPU part idle (8 kv heads, 64
+/// query rows, 528 keys: 96 blocks for 132 SMs on the H200; the 8B draft step at ctx 512
+/// 0.806 -> 0.783 ms with 128, which at 8192 would cost 1.073 -> 1.219 ms); since the ninth
+/// session a quarter of the span, where 128 gave one-stage blocks over 2 chunks and too many
+/// blocks for one wave of 3-stage blocks (q8_0a8 step, graph ms, 8B / 27B, 11:59 lease, two
+/// rounds; 128 -> the rule): 256 keys (ctx 240) 128 either way, 0.609 / 1.048; 528 keys
+/// 0.631 / 1.071 -> 0.626 / 1.062 (192); 1016 keys 0.649 / 1.088 -> 0.645 / 1.072 (256).
 pub(super) const SHORT_NONCAUSAL_KV: usize = 1024;
 /// Non-causal attention over a visible span (`n_kv`, or the window when smaller) of more than
 /// this many keys splits it so that all splits of all kv heads run in one wave, one block each
@@ -31,7 +36,7 @@ pub(super) fn split_keys_auto(p: &AttnParams, num_sms: usize) -> (usize, bool) {
     let span = p.window.map_or(p.n_kv, |w| w.min(p.n_kv));
     match () {
         _ if p.causal => (ATT_SPLIT, false),
-        _ if span <= SHORT_NONCAUSAL_KV => (ATT_SPLIT / 2, false),
+        _ if span <= SHORT_NONCAUSAL_KV => (span.div_ceil(4).next_multiple_of(64).max(128), false),
         _ if span > WAVE_NONCAUSAL_KV => {
             let n = (num_sms / p.n_kv_heads.max(1)).saturating_sub(1).max(1);
             (span.div_ceil(n).next_multiple_of(64).max(ATT_SPLIT), true)
@@ -572,8 +577,11 @@ mod tests {
                 );
             }
             let auto = |n_kv, window| split_keys_auto(&p(n_q, n_kv, false, window), 132);
-            assert_eq!(auto(528, None), (128, false));
-            assert_eq!(auto(1024, None), (128, false));
+            assert_eq!(auto(16, None), (128, false));
+            assert_eq!(auto(256, None), (128, false));
+            assert_eq!(auto(528, None), (192, false));
+            assert_eq!(auto(1016, None), (256, false));
+            assert_eq!(auto(1024, None), (256, false));
             assert_eq!(auto(2048, None), (256, false));
             assert_eq!(auto(8208, Some(2048)), (256, false));
             assert_eq!(auto(8208, Some(512)), (128, false));
