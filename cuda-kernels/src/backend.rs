@@ -363,6 +363,8 @@ pub struct Cuda {
     stream: Arc<CudaStream>,
     /// A second stream for [`Cuda::l2_prefetch`] hints only (they run beside the ops).
     pf_stream: Arc<CudaStream>,
+    /// A third stream for [`Cuda::timeline_mark`] marks only.
+    tl_stream: Arc<CudaStream>,
     reg: Registry,
     num_sms: usize,
     smem: SmemLimits,
@@ -451,6 +453,7 @@ impl Cuda {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let pf_stream = ctx.new_stream()?;
+        let tl_stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = arch_for(major, minor)?;
         let num_sms = ctx
@@ -469,6 +472,7 @@ impl Cuda {
             ctx,
             stream,
             pf_stream,
+            tl_stream,
             num_sms,
             smem,
             opts,
@@ -632,6 +636,36 @@ impl Cuda {
     /// before a graph capture of the op stream ends; otherwise harmless).
     pub fn l2_prefetch_join(&self) -> Result<()> {
         self.stream.join(&self.pf_stream).map_err(dev)
+    }
+
+    /// A timeline mark for benchmarks: record `ev` (an event with timing) when everything
+    /// queued on the op stream so far has finished, from a stream of its own (forked from the
+    /// op stream), so no later op waits for it. Inside a graph capture the record becomes an
+    /// event-record node of the graph (`CU_EVENT_RECORD_EXTERNAL`), run by the front end
+    /// without a multiprocessor; the marks of one capture run in order. Call
+    /// [`Cuda::timeline_join`] before ending a graph capture. Changes no result.
+    pub fn timeline_mark(&self, ev: &cudarc::driver::CudaEvent) -> Result<()> {
+        self.tl_stream.join(&self.stream).map_err(dev)?;
+        let capturing = self.tl_stream.capture_status().map_err(dev)?
+            == drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+        let flags = if capturing {
+            drv_sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL
+        } else {
+            drv_sys::CUevent_record_flags_enum::CU_EVENT_RECORD_DEFAULT
+        };
+        self.ctx.bind_to_thread().map_err(dev)?;
+        // SAFETY: a live event of this backend's context and a live stream.
+        unsafe {
+            drv_sys::cuEventRecordWithFlags(ev.cu_event(), self.tl_stream.cu_stream(), flags as u32)
+        }
+        .result()
+        .map_err(dev)
+    }
+
+    /// Make the op stream wait for the [`Cuda::timeline_mark`] marks issued so far (required
+    /// before a graph capture of the op stream ends; otherwise harmless).
+    pub fn timeline_join(&self) -> Result<()> {
+        self.stream.join(&self.tl_stream).map_err(dev)
     }
 
     fn func(&self, k: Kernel) -> Result<CudaFunction> {

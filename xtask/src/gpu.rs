@@ -97,6 +97,12 @@ pub struct BenchArgs {
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
+    /// Only the timeline of the q8_0a8 + fast-attention step (the --shapes and --ctx given):
+    /// an event recorded after each op of a graph replay (an event-record node on a side
+    /// stream per op, so no op waits for it), median over --iters replays: us from the
+    /// previous mark, per op and summed per kind of op; then exit.
+    #[arg(long)]
+    timeline: bool,
     /// Only the norm -> projection chain timings (us per instance; 10 distinct q/k/v weight
     /// copies per graph), then exit.
     #[arg(long)]
@@ -227,6 +233,30 @@ struct Model {
     proj_kernels: [Option<A8Kernel>; 4],
     base_kernel: A8Kernel,
     rope: RopeSpec,
+    /// Timeline marks after each op (`--timeline`): none by default.
+    timeline: Option<Timeline>,
+}
+
+/// `Cuda::timeline_mark` events of one step: one after each op, by name.
+struct Timeline {
+    events: Vec<cudarc::driver::CudaEvent>,
+    names: Vec<String>,
+}
+
+impl Timeline {
+    /// Mark `*n` (named `name`) after everything queued so far.
+    fn mark(&mut self, g: &Cuda, n: &mut usize, name: impl FnOnce() -> String) -> Result<()> {
+        if self.events.len() <= *n {
+            let ev = g
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            self.events.push(ev);
+            self.names.push(name());
+        }
+        g.timeline_mark(&self.events[*n])?;
+        *n += 1;
+        Ok(())
+    }
 }
 
 /// Where the step hints the L2 to fetch the weights coming next (each right after a
@@ -348,6 +378,7 @@ impl Model {
             q8pair: true,
             proj_kernels: [None; 4],
             base_kernel: A8Kernel::Auto,
+            timeline: None,
             rope: RopeSpec {
                 inv_freq,
                 attention_scaling: 1.0,
@@ -453,7 +484,17 @@ impl Model {
     ) -> Result<()> {
         let s = self.s.clone();
         let (hd, eps) = (s.head_dim, 1e-6f32);
+        let mut tl = self.timeline.take();
+        let mut tn = 0usize;
+        let mut mark = |name: &dyn Fn() -> String| -> Result<()> {
+            match tl.as_mut() {
+                Some(t) => t.mark(g, &mut tn, name),
+                None => Ok(()),
+            }
+        };
+        mark(&|| "start".into())?;
         g.gather_rows_dev(&self.embed, &b.ids, rows, &mut b.h)?;
+        mark(&|| "gather".into())?;
         let fused = self.fused;
         let nl = self.layers.len();
         let skip = self.skip.clone();
@@ -475,6 +516,7 @@ impl Model {
             } else {
                 g.rms_norm(&b.h, &self.layers[0].ln1, s.hidden, eps, &mut b.x)?;
             }
+            mark(&|| "L0 norm".into())?;
         }
         let mut cur = (0usize, 0.0f64);
         self.prefetch_at(g, &mut cur, PfPoint::A, 0)?;
@@ -503,6 +545,7 @@ impl Model {
                     &mut [&mut b.q0, &mut b.k0, &mut b.v],
                 )?;
             }
+            mark(&|| format!("L{li} q/k/v"))?;
             self.prefetch_at(g, &mut cur, PfPoint::B, w0 + 3)?;
             let kvw = s.kv_heads * hd;
             let l = &mut self.layers[li];
@@ -535,6 +578,7 @@ impl Model {
                 g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
                 g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
             }
+            mark(&|| format!("L{li} qk norm+rope+kv"))?;
             let l = &self.layers[li];
             let p = AttnParams {
                 n_q: rows,
@@ -557,6 +601,7 @@ impl Model {
             } else {
                 g.attention(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             }
+            mark(&|| format!("L{li} attention"))?;
             kern(1);
             if sk('o') {
             } else if q8n && !sk('a') {
@@ -566,6 +611,7 @@ impl Model {
             } else {
                 g.matmul(&b.attn, rows, &l.wo, &mut b.o)?;
             }
+            mark(&|| format!("L{li} o"))?;
             self.prefetch_at(g, &mut cur, PfPoint::C, w0 + 4)?;
             let next_norm = self.layers.get(li + 1).map_or(&self.norm, |n| &n.ln1);
             if q8e {
@@ -578,6 +624,7 @@ impl Model {
                 } else {
                     g.rms_norm(&b.h, &l.ln2, s.hidden, eps, &mut b.x)?;
                 }
+                mark(&|| format!("L{li} norm2"))?;
                 // With the paired gate / up launch the SiLU product is quantized in its
                 // epilogue (the down projection's activation; no f32 gate / up).
                 let paired = q8n && self.q8pair && !sk('g');
@@ -595,6 +642,7 @@ impl Model {
                 } else {
                     g.matmul_many(&b.x, rows, &[&l.wg, &l.wu], &mut [&mut b.gate, &mut b.up])?;
                 }
+                mark(&|| format!("L{li} gate/up"))?;
                 self.prefetch_at(g, &mut cur, PfPoint::D, w0 + 6)?;
                 kern(3);
                 if sk('d') {
@@ -603,6 +651,7 @@ impl Model {
                 } else {
                     g.matmul_silu_mul_add(&b.gate, &b.up, rows, &l.wd, &mut b.h)?;
                 }
+                mark(&|| format!("L{li} down"))?;
             } else if fused {
                 // Residual add + the next RMSNorm in one launch (same bits as the two ops);
                 // SiLU * up inside the down projection's x quantizer (Q8_0A8).
@@ -643,6 +692,13 @@ impl Model {
             } else if fused {
                 g.add_assign(&mut b.h, 0, &b.o, rows * s.hidden)?;
             }
+            mark(&|| {
+                if li + 1 < nl {
+                    format!("L{} norm", li + 1)
+                } else {
+                    "final norm".into()
+                }
+            })?;
         }
         if !fused || nl == 0 {
             g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
@@ -659,15 +715,21 @@ impl Model {
                 g.matmul(&b.xl, n, &self.lm_head, &mut b.logits)?;
             }
         }
+        mark(&|| "lm_head".into())?;
         match &self.markov {
             Some((w1, w2)) => {
                 g.markov_chain_dev(&mut b.logits, n, s.vocab, &mut b.prev, &mut b.toks, w1, w2)?
             }
             None => g.argmax_rows_dev(&b.logits, 0, n, s.vocab, &mut b.toks)?,
         }
+        mark(&|| "argmax".into())?;
         if self.prefetch.iter().any(|&b| b > 0) {
             g.l2_prefetch_join()?;
         }
+        if tl.is_some() {
+            g.timeline_join()?;
+        }
+        self.timeline = tl;
         Ok(())
     }
 }
@@ -1332,6 +1394,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(list) = &a.a8_sweep {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);
     }
+    if a.timeline {
+        return timeline(&g, &a, &shapes, &ctxs);
+    }
     let bw = copy_bandwidth(&g)?;
     let mut md = String::new();
     let date = Command::new("date")
@@ -1758,6 +1823,96 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_a8_pair_kernel(1, 3)?;
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
+    Ok(())
+}
+
+/// The q8_0a8 + fast-attention step's timeline (see `BenchArgs::timeline`): for each shape
+/// and context, the step's graph time without and with the marks, then per op the median us
+/// since the previous mark and the same summed per kind of op (the name without its layer).
+fn timeline(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
+    let bw = copy_bandwidth(g)?;
+    for s in shapes {
+        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+        let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
+        m.prefetch = parse_prefetch(&a.l2_prefetch)?;
+        m.fast_attn = true;
+        m.q8norm = !a.no_a8_producers;
+        let mut b = m.bufs(g, s.block)?;
+        for &ctx in ctxs {
+            m.timeline = None;
+            let plain = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)
+                .context("the step without marks")?;
+            m.timeline = Some(Timeline {
+                events: Vec::new(),
+                names: Vec::new(),
+            });
+            let marked = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)
+                .context("the step with marks")?;
+            if let Some(e) = &marked.graph_err {
+                bail!("the marked step's graph: {e}");
+            }
+            // Replays of one captured step, the marks read back after each.
+            let st = g.stream().clone();
+            st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            let r = m.forward(g, &mut b, s.block, ctx, false, 1);
+            let gr = st.end_capture(CUgraphInstantiate_flags(0));
+            r?;
+            let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+            let tl = m.timeline.take().ok_or_else(|| anyhow!("no timeline"))?;
+            let n = tl.names.len();
+            let mut deltas = vec![Vec::new(); n];
+            for it in 0..a.iters + 3 {
+                gr.launch()?;
+                st.synchronize()?;
+                if it >= 3 {
+                    // deltas[0]: first to last mark; deltas[i]: mark i - 1 to mark i.
+                    deltas[0].push(tl.events[0].elapsed_ms(&tl.events[n - 1])? as f64 * 1e3);
+                    for (i, (pair, d)) in tl.events.windows(2).zip(&mut deltas[1..]).enumerate() {
+                        let ms = pair[0]
+                            .elapsed_ms(&pair[1])
+                            .with_context(|| format!("elapsed time to mark {}", i + 1))?;
+                        d.push(ms as f64 * 1e3);
+                    }
+                }
+            }
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(|x, y| x.total_cmp(y));
+                v[v.len() / 2]
+            };
+            let meds: Vec<f64> = deltas.iter_mut().map(med).collect();
+            println!(
+                "\n### {} ctx {ctx}: step {:.4} ms (graph), {:.4} ms with the marks; first to last mark {:.1} us (median); copy bandwidth {:.0} GB/s\n",
+                s.name,
+                plain.graph.unwrap_or(f64::NAN),
+                marked.graph.unwrap_or(f64::NAN),
+                meds[0],
+                bw / 1e9
+            );
+            println!("| op (ends at the mark) | us since the previous mark |\n|---|---:|");
+            for (name, us) in tl.names.iter().zip(&meds).skip(1) {
+                println!("| {name} | {us:.1} |");
+            }
+            // Per kind: the name without its "L<i> " prefix.
+            let mut kinds: Vec<(String, f64, usize)> = Vec::new();
+            for (name, &us) in tl.names.iter().zip(&meds).skip(1) {
+                let k = match name.split_once(' ') {
+                    Some((l, rest)) if l.starts_with('L') => rest.to_string(),
+                    _ => name.clone(),
+                };
+                match kinds.iter_mut().find(|(kk, _, _)| *kk == k) {
+                    Some(e) => {
+                        e.1 += us;
+                        e.2 += 1;
+                    }
+                    None => kinds.push((k, us, 1)),
+                }
+            }
+            println!("\n| kind | count | us (sum of medians) |\n|---|---:|---:|");
+            for (k, us, c) in &kinds {
+                println!("| {k} | {c} | {us:.1} |");
+            }
+        }
+    }
     Ok(())
 }
 
