@@ -829,7 +829,9 @@ impl Cuda {
         let f = self.func(Kernel::GatherRows)?;
         let fmt = table.buf.fmt_code();
         let cols = i32_of("gather_rows", "cols", table.cols)?;
-        let c = cfg((n as u32, 1, 1), 256, 0);
+        // 256 threads x GATHER_PER (4) columns per block (GATHER_COLS in elementwise.cu).
+        let pieces = i32_of("gather_rows", "column pieces", table.cols.div_ceil(1024))?;
+        let c = cfg((n as u32, pieces.max(1) as u32, 1), 256, 0);
         let mut b = self.stream.launch_builder(&f);
         b.arg(&fmt);
         match &table.buf {
