@@ -776,7 +776,6 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         a8_ksplit<NT, W, KS, S>(m, bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), xq, xd, K, T, ef, rounds_apart);                   \
     }
 A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)
-A8K(a8k_n1_w1_k2_s4, 1, 1, 2, 4)
 A8K(a8k_n1_w1_k2_s3, 1, 1, 2, 3)
 A8K(a8k_n1_w2_k2_s4, 1, 2, 2, 4)
 A8K(a8k_n1_w2_k4_s3, 1, 2, 4, 3)
@@ -785,7 +784,6 @@ A8K(a8k_n1_w4_k2_s3, 1, 4, 2, 3)
 A8K(a8k_n1_w4_k2_s2, 1, 4, 2, 2)
 A8K(a8k_n1_w4_k4_s2, 1, 4, 4, 2)
 A8K(a8k_n2_w1_k4_s3, 2, 1, 4, 3)
-A8K(a8k_n2_w1_k2_s4, 2, 1, 2, 4)
 A8K(a8k_n2_w1_k2_s3, 2, 1, 2, 3)
 A8K(a8k_n2_w2_k2_s4, 2, 2, 2, 4)
 A8K(a8k_n2_w2_k4_s3, 2, 2, 4, 3)
@@ -806,8 +804,6 @@ A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
     }
 A8KP(a8kp_n1_w4_k2_s2, 1, 4, 2, 2)
 A8KP(a8kp_n2_w4_k2_s2, 2, 4, 2, 2)
-A8KP(a8kp_n1_w4_k1_s2, 1, 4, 1, 2)
-A8KP(a8kp_n2_w4_k1_s2, 2, 4, 1, 2)
 A8KP(a8kp_n1_w4_k1_s3, 1, 4, 1, 3)
 A8KP(a8kp_n2_w4_k1_s3, 2, 4, 1, 3)
 

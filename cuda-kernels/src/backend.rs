@@ -76,7 +76,7 @@ pub enum A8Kernel {
     WholeK,
     /// Whole-K with K split over the warps of a block: `(w, ks, s)` = `w` tiles x `ks`
     /// slices, slice `i` running chunks `i, i + ks, ...`, the chunk sums added in order in
-    /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (1, 2, 4), (1, 2, 3),
+    /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (1, 2, 3),
     /// (2, 2, 4), (2, 4, 3), (2, 4, 2), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other runs
     /// whole-K.
     Split(u8, u8, u8),
@@ -92,7 +92,6 @@ pub enum A8Kernel {
 fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
     Some(match (nt, w, ks, s) {
         (1, 1, 4, 3) => Kernel::A8KN1W1K4S3,
-        (1, 1, 2, 4) => Kernel::A8KN1W1K2S4,
         (1, 1, 2, 3) => Kernel::A8KN1W1K2S3,
         (1, 2, 2, 4) => Kernel::A8KN1W2K2S4,
         (1, 2, 4, 3) => Kernel::A8KN1W2K4S3,
@@ -101,7 +100,6 @@ fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
         (1, 4, 2, 2) => Kernel::A8KN1W4K2S2,
         (1, 4, 4, 2) => Kernel::A8KN1W4K4S2,
         (2, 1, 4, 3) => Kernel::A8KN2W1K4S3,
-        (2, 1, 2, 4) => Kernel::A8KN2W1K2S4,
         (2, 1, 2, 3) => Kernel::A8KN2W1K2S3,
         (2, 2, 2, 4) => Kernel::A8KN2W2K2S4,
         (2, 2, 4, 3) => Kernel::A8KN2W2K4S3,
@@ -119,8 +117,6 @@ fn a8kp_kernel(nt: usize, ks: usize, s: usize) -> Option<Kernel> {
     Some(match (nt, ks, s) {
         (1, 2, 2) => Kernel::A8KPN1W4K2S2,
         (2, 2, 2) => Kernel::A8KPN2W4K2S2,
-        (1, 1, 2) => Kernel::A8KPN1W4K1S2,
-        (2, 1, 2) => Kernel::A8KPN2W4K1S2,
         (1, 1, 3) => Kernel::A8KPN1W4K1S3,
         (2, 1, 3) => Kernel::A8KPN2W4K1S3,
         _ => return None,
@@ -527,14 +523,14 @@ impl Cuda {
         *lock(&self.a8_kernel) = k;
     }
     /// Pick the paired gate / up kernel of [`Cuda::matmul_gate_up_q8`]: `(ks, stages)`, k-slices
-    /// per block and pipeline stages, one of (1, 3) (the default), (1, 2), (2, 2). The same
+    /// per block and pipeline stages: (1, 3) (the default) or (2, 2). The same
     /// bits whichever runs; for benchmarks and tests. An unknown pair is an error.
     ///
     /// The default: 8-warp blocks, 3 per SM, so the 8B shape's 384 blocks run in one wave
     /// (2 x 2 gave 16-warp blocks, 2 per SM: 1.45 waves). The q8_0a8 step (graph ms, 8B ctx
     /// 512 / 8192, 27B 512 / 8192, H200, 11:40 lease, two rounds), (2, 2) -> (1, 3): 0.655 /
-    /// 0.813 / 1.102 / 1.219 -> 0.645 / 0.800 / 1.087 / 1.201; (1, 2) (4 per SM): 0.677 /
-    /// 0.833 / 1.084 / 1.198.
+    /// 0.813 / 1.102 / 1.219 -> 0.645 / 0.800 / 1.087 / 1.201; (1, 2) (4 per SM, measured
+    /// and removed): 0.677 / 0.833 / 1.084 / 1.198.
     pub fn set_a8_pair_kernel(&self, ks: u8, stages: u8) -> Result<()> {
         if a8kp_kernel(1, ks.into(), stages.into()).is_none() {
             return Err(BackendError::Invalid {
