@@ -81,10 +81,12 @@ pub struct BenchArgs {
     /// L2 prefetch of the coming weights during the step, MB per prefetch point: e.g.
     /// `A24B40C24D16E24` (A after the down projection: the next q/k/v; B after q/k/v: o,
     /// then gate/up; C after o: gate/up; D after gate/up: down; E after the last down: the
-    /// lm_head); empty = none. Changes no result. Default B32C16 (H200, q8_0a8 step, one
-    /// lease: 8B 0.750 -> 0.721 ms at ctx 512, 1.055 -> 1.050 at 8192; 27B 1.167 -> 1.159,
-    /// 1.363 -> 1.359; prefetching more, or at A / D / E, measured slower).
-    #[arg(long, default_value = "B32C16")]
+    /// lm_head); empty = none. Changes no result. Default none: B32C16 paid off with the
+    /// kernels of the fourth session (8B 0.750 -> 0.721 ms at ctx 512); with the tenth
+    /// session's tree it costs time (H200, one lease, two rounds, q8_0a8 + fast attention,
+    /// B32C16 -> none: 8B 0.618 -> 0.616 ms at ctx 512, 0.778 -> 0.766 at 8192; 27B 1.064 ->
+    /// 1.053, 1.179 -> 1.169; A16 / B16 / C16 / D16 alone: within the spread of none or slower).
+    #[arg(long, default_value = "")]
     l2_prefetch: String,
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
