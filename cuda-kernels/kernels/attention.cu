@@ -463,6 +463,99 @@ __device__ __forceinline__ void mma_3xtf32(float c[4], const u32 ah[4], const u3
     mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
 }
 
+// The end of a tensor-core split kernel: merge the key warps' online-softmax states (o, m, l of
+// this lane's rows g / g+8; l already summed over the quad) and write the split's partial.
+template <int D, int KW, bool PERM>
+__device__ __forceinline__ void attn_tc_store(float (&o)[D / 8][4], float m_a, float m_b, float l_a, float l_b, float *sm, int rw,
+                                              int kw, int lane, int t, int ra, int rb, bool va, bool vb, int G, int hk, int H,
+                                              int n_q, int split, float *__restrict__ ws_o, float *__restrict__ ws_ml) {
+    constexpr int NO = D / 8, NC = D / 32;
+    // Merge the key warps' states in order kw = 0, 1, ... (through shared memory): every key warp
+    // saves its state, then key warp kw merges the output column groups c = kw, kw + KW, ... of
+    // its row warp (each output value gets the same operations, in the same order, as one warp
+    // merging all of them; the row maxima and sums are recomputed by each, identically) and
+    // writes that part of the split's partial.
+    constexpr int SW = NO * 4 + 4;  // floats per lane of one saved state
+    if (KW > 1) {
+        __syncthreads();  // every warp is done with the K / V stages
+        float *dst = sm + (size_t)((rw * KW + kw) * SW) * 32 + lane;
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) dst[(n * 4 + r) * 32] = o[n][r];
+        dst[(NO * 4) * 32] = m_a;
+        dst[(NO * 4 + 1) * 32] = m_b;
+        dst[(NO * 4 + 2) * 32] = l_a;
+        dst[(NO * 4 + 3) * 32] = l_b;
+        __syncthreads();
+        if (kw >= NC) return;
+    }
+    const long long rows_total = (long long)n_q * H;
+    for (int c = kw; c < NC; c += KW) {
+        float oc[4][4];  // n-tiles 4c .. 4c+3
+        float ma = m_a, mb = m_b, la = l_a, lb = l_b;
+        if constexpr (KW > 1) {
+            const float *s0 = sm + (size_t)((rw * KW) * SW) * 32 + lane;
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) oc[e][r] = s0[((4 * c + e) * 4 + r) * 32];
+            ma = s0[(NO * 4) * 32];
+            mb = s0[(NO * 4 + 1) * 32];
+            la = s0[(NO * 4 + 2) * 32];
+            lb = s0[(NO * 4 + 3) * 32];
+            for (int w = 1; w < KW; ++w) {
+                const float *src = sm + (size_t)((rw * KW + w) * SW) * 32 + lane;
+                const float msa = src[(NO * 4) * 32], msb = src[(NO * 4 + 1) * 32];
+                const float lsa = src[(NO * 4 + 2) * 32], lsb = src[(NO * 4 + 3) * 32];
+                const float Ma = fmaxf(ma, msa), Mb = fmaxf(mb, msb);
+                const float fa = ma == NEG_INF ? 0.0f : expf(ma - Ma), fsa = msa == NEG_INF ? 0.0f : expf(msa - Ma);
+                const float fb = mb == NEG_INF ? 0.0f : expf(mb - Mb), fsb = msb == NEG_INF ? 0.0f : expf(msb - Mb);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = 4 * c + e;
+                    oc[e][0] = __fmaf_rn(oc[e][0], fa, __fmul_rn(src[(n * 4) * 32], fsa));
+                    oc[e][1] = __fmaf_rn(oc[e][1], fa, __fmul_rn(src[(n * 4 + 1) * 32], fsa));
+                    oc[e][2] = __fmaf_rn(oc[e][2], fb, __fmul_rn(src[(n * 4 + 2) * 32], fsb));
+                    oc[e][3] = __fmaf_rn(oc[e][3], fb, __fmul_rn(src[(n * 4 + 3) * 32], fsb));
+                }
+                la = __fmaf_rn(la, fa, __fmul_rn(lsa, fsa));
+                lb = __fmaf_rn(lb, fb, __fmul_rn(lsb, fsb));
+                ma = Ma;
+                mb = Mb;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) oc[e][r] = o[4 * c + e][r];
+        }
+        // The split's partial. PERM (the tf32 kernels' P V layout): rows g / g+8 hold d = 32c +
+        // 8t .. +7; else n-tile n holds d = 8n + 2t, 8n + 2t + 1.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int qr = half ? rb : ra;
+            if (!(half ? vb : va)) continue;
+            const int i = qr / G, h = hk * G + qr % G;
+            const long long row = (long long)split * rows_total + (long long)i * H + h;
+            const int r0 = half * 2;
+            if constexpr (PERM) {
+                float *dst = ws_o + row * D + 8 * t + 32 * c;
+                *(float4 *)dst = make_float4(oc[0][r0], oc[1][r0], oc[2][r0], oc[3][r0]);
+                *(float4 *)(dst + 4) = make_float4(oc[0][r0 + 1], oc[1][r0 + 1], oc[2][r0 + 1], oc[3][r0 + 1]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    *(float2 *)(ws_o + row * D + 32 * c + 8 * e + 2 * t) = make_float2(oc[e][r0], oc[e][r0 + 1]);
+            }
+            if (t == 0 && c == 0) {
+                ws_ml[row * 2] = half ? mb : ma;
+                ws_ml[row * 2 + 1] = half ? lb : la;
+            }
+        }
+    }
+}
+
 // FPV: P V on the CUDA cores instead (exact f32 FMA chains; each lane owns d = lane + 32c of all 16
 // rows of its warp): the tensor cores then only run S = Q K^T, and the FMAs issue while they do.
 // P and the rescale factors go through a per-warp shared tile (P transposed, pitch ATT_PTP).
@@ -847,84 +940,245 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         return;
     }
 
-    // Merge the key warps' states in order kw = 0, 1, ... (through shared memory): every key warp
-    // saves its state, then key warp kw merges the output column groups c = kw, kw + KW, ... of
-    // its row warp (each output value gets the same operations, in the same order, as one warp
-    // merging all of them; the row maxima and sums are recomputed by each, identically) and
-    // writes that part of the split's partial.
-    constexpr int SW = NO * 4 + 4;  // floats per lane of one saved state
-    if (KW > 1) {
-        __syncthreads();  // every warp is done with the K / V stages
-        float *dst = sm + (size_t)((rw * KW + kw) * SW) * 32 + lane;
-#pragma unroll
-        for (int n = 0; n < NO; ++n)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) dst[(n * 4 + r) * 32] = o[n][r];
-        dst[(NO * 4) * 32] = m_a;
-        dst[(NO * 4 + 1) * 32] = m_b;
-        dst[(NO * 4 + 2) * 32] = l_a;
-        dst[(NO * 4 + 3) * 32] = l_b;
-        __syncthreads();
-        if (kw >= NC) return;
-    }
-    const long long rows_total = (long long)n_q * H;
-    for (int c = kw; c < NC; c += KW) {
-        float oc[4][4];  // n-tiles 4c .. 4c+3
-        float ma = m_a, mb = m_b, la = l_a, lb = l_b;
-        if constexpr (KW > 1) {
-            const float *s0 = sm + (size_t)((rw * KW) * SW) * 32 + lane;
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) oc[e][r] = s0[((4 * c + e) * 4 + r) * 32];
-            ma = s0[(NO * 4) * 32];
-            mb = s0[(NO * 4 + 1) * 32];
-            la = s0[(NO * 4 + 2) * 32];
-            lb = s0[(NO * 4 + 3) * 32];
-            for (int w = 1; w < KW; ++w) {
-                const float *src = sm + (size_t)((rw * KW + w) * SW) * 32 + lane;
-                const float msa = src[(NO * 4) * 32], msb = src[(NO * 4 + 1) * 32];
-                const float lsa = src[(NO * 4 + 2) * 32], lsb = src[(NO * 4 + 3) * 32];
-                const float Ma = fmaxf(ma, msa), Mb = fmaxf(mb, msb);
-                const float fa = ma == NEG_INF ? 0.0f : expf(ma - Ma), fsa = msa == NEG_INF ? 0.0f : expf(msa - Ma);
-                const float fb = mb == NEG_INF ? 0.0f : expf(mb - Mb), fsb = msb == NEG_INF ? 0.0f : expf(msb - Mb);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int n = 4 * c + e;
-                    oc[e][0] = __fmaf_rn(oc[e][0], fa, __fmul_rn(src[(n * 4) * 32], fsa));
-                    oc[e][1] = __fmaf_rn(oc[e][1], fa, __fmul_rn(src[(n * 4 + 1) * 32], fsa));
-                    oc[e][2] = __fmaf_rn(oc[e][2], fb, __fmul_rn(src[(n * 4 + 2) * 32], fsb));
-                    oc[e][3] = __fmaf_rn(oc[e][3], fb, __fmul_rn(src[(n * 4 + 3) * 32], fsb));
-                }
-                la = __fmaf_rn(la, fa, __fmul_rn(lsa, fsa));
-                lb = __fmaf_rn(lb, fb, __fmul_rn(lsb, fsb));
-                ma = Ma;
-                mb = Mb;
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) oc[e][r] = o[4 * c + e][r];
-        }
-        // The split's partial: rows g / g+8 hold d = 32c + 8t .. +7.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int qr = half ? rb : ra;
-            if (!(half ? vb : va)) continue;
-            const int i = qr / G, h = hk * G + qr % G;
-            const long long row = (long long)split * rows_total + (long long)i * H + h;
-            float *dst = ws_o + row * D + 8 * t + 32 * c;
-            const int r0 = half * 2;
-            *(float4 *)dst = make_float4(oc[0][r0], oc[1][r0], oc[2][r0], oc[3][r0]);
-            *(float4 *)(dst + 4) = make_float4(oc[0][r0 + 1], oc[1][r0 + 1], oc[2][r0 + 1], oc[3][r0 + 1]);
-            if (t == 0 && c == 0) {
-                ws_ml[row * 2] = half ? mb : ma;
-                ws_ml[row * 2 + 1] = half ? lb : la;
-            }
-        }
-    }
+    attn_tc_store<D, KW, true>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, split, ws_o, ws_ml);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Tensor-core attention with f16 operands (the fast op, `attention_fast`, for head dims 32 / 64 /
+// 128 with 4 key warps): the grid, the split, the chunks of CK = 64 keys, the masks, the online
+// softmax, the merges and the partials of attn_tc_impl (so the same per-row determinism), with
+// Q, K, V and P rounded to f16 (round to nearest, saturating at +-65504: relative error below
+// 2^-11 each, against the 1xTF32 kernels' truncation below 2^-10) into mma.m16n8k16 f16 with f32
+// accumulation. K / V chunks land as f32 in nst (1-3) staging slots through cp.async, are
+// converted once per chunk into f16 tiles (every warp then reads half the bytes the f32 kernels
+// read, with ldmatrix), and nst chunks stay in flight while one is computed (the f32 kernels: nst
+// - 1 beside the 2-3 padded f32 stages that fill the shared memory at 64 query rows).
+// Fragments (g = lane / 4, t = lane % 4): S = Q K^T, A = Q rows x 16 d, B = K rows (keys) x 16 d
+// (ldmatrix, not transposed); P V, A = P straight from the S accumulator (k = the warp's 16
+// keys), B = V rows x 8 d (ldmatrix.trans); output n-tile n holds d = 8n + 2t, +1.
+__device__ __forceinline__ u32 h2_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 &r0, u32 &r1, u32 &r2, u32 &r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32 &r0, u32 &r1, u32 &r2, u32 &r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma_h16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait_n() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <int D, int KW>
+__device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
+                                              long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
+                                              int split_keys, int nst) {
+    constexpr int CK = 16 * KW;  // keys per chunk
+    constexpr int PH = D + 8;    // halves per row of the f16 tiles (ldmatrix rows conflict-free)
+    constexpr int NO = D / 8;    // output n-tiles
+    constexpr int C4 = D / 4;
+    griddep_launch();  // the combine may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: q and the cache first
+    extern __shared__ __align__(16) float sm[];
+    const int nth = blockDim.x;
+    const int RW = nth / (32 * KW);
+    const int ROWS = 16 * RW;
+    u16 *Qh = (u16 *)sm;         // [ROWS][PH]
+    u16 *Kh = Qh + ROWS * PH;    // [CK][PH]
+    u16 *Vh = Kh + CK * PH;      // [CK][PH]
+    float *St = (float *)(Vh + CK * PH);  // [nst][K, V][CK][D] f32 staging
+
+    const int G = H / Hkv;
+    const int QR = n_q * G;
+    const int hk = blockIdx.z;
+    const int split = blockIdx.y;
+    const int qr0 = blockIdx.x * ROWS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int rw = warp / KW, kw = warp % KW;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = qr0 + rw * 16 + g, rb = ra + 8;
+    const bool va = ra < QR, vb = rb < QR;
+    const long long qpa = q_pos0 + (va ? ra / G : 0), qpb = q_pos0 + (vb ? rb / G : 0);
+
+    // Chunks of this split that some row of the block can see (as attn_tc_impl).
+    const long long jbase = (long long)split * split_keys;
+    int c_begin = 0, c_end = 0;
+    {
+        const int last = min(qr0 + ROWS, QR) - 1;
+        long long jlo = jbase, jhi = min((long long)n_kv, jbase + split_keys);
+        if (last >= qr0) {
+            if (window >= 0) jlo = max(jlo, q_pos0 + qr0 / G - window + 1 - kv_pos0);
+            if (causal) jhi = min(jhi, q_pos0 + last / G - kv_pos0 + 1);
+        } else {
+            jhi = jlo;
+        }
+        if (jhi > jlo) {
+            c_begin = (int)((jlo - jbase) / CK);
+            c_end = (int)((jhi - jbase + CK - 1) / CK);
+        }
+    }
+    const int nch = c_end - c_begin;
+    const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
+
+    // Staging copies: thread tid takes column d4c of rows kk0, kk0 + RSTEP, ... (nth % C4 == 0).
+    const int RSTEP = nth / C4, kk0 = tid / C4, d4c = (tid % C4) * 4;
+    const long long gstep = (long long)RSTEP * Hkv * D;
+    auto load_chunk = [&](int c, int slot) {
+        const long long j0 = jbase + (long long)c * CK;
+        float *kd = St + (size_t)slot * 2 * CK * D + d4c, *vd = kd + CK * D;
+        const long long off0 = ((j0 + kk0) * Hkv + hk) * D + d4c;
+        const float *ks = k + off0, *vs = v + off0;
+        for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
+            if (j0 + kk < n_kv) {
+                cp_async16(kd + kk * D, ks);
+                cp_async16(vd + kk * D, vs);
+            } else {
+                *(float4 *)(kd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
+                *(float4 *)(vd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    };
+    // Q in f16, once (plain loads: q was written by the previous kernel).
+    for (int c = tid; c < ROWS * C4; c += nth) {
+        const int r = c / C4, d4 = (c % C4) * 4;
+        const int qr = qr0 + r;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (qr < QR) x = *(const float4 *)(q + ((long long)(qr / G) * H + hk * G + qr % G) * D + d4);
+        *(uint2 *)(Qh + r * PH + d4) = make_uint2(h2_pack(x.x, x.y), h2_pack(x.z, x.w));
+    }
+    for (int p = 0; p < nst; ++p) {
+        if (p < nch) load_chunk(c_begin + p, p);
+        cp_async_commit();
+    }
+
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const u32 q_addr = (u32)__cvta_generic_to_shared(Qh + (rw * 16 + (lane & 15)) * PH + (lane >> 4) * 8);
+    const u32 k_addr = (u32)__cvta_generic_to_shared(Kh + (kw * 16 + (lane & 7) + ((lane >> 4) << 3)) * PH + ((lane >> 3) & 1) * 8);
+    const u32 v_addr = (u32)__cvta_generic_to_shared(Vh + (kw * 16 + (lane & 15)) * PH + (lane >> 4) * 8);
+
+    for (int ci = 0; ci < nch; ++ci) {
+        const int slot = ci % nst;
+        if (nst == 3) cp_async_wait_n<2>();
+        else if (nst == 2) cp_async_wait_n<1>();
+        else cp_async_wait_n<0>();
+        __syncthreads();  // chunk ci staged; every warp is done with chunk ci - 1's f16 tiles
+        {
+            const float *ks = St + (size_t)slot * 2 * CK * D, *vs = ks + CK * D;
+            for (int c = tid; c < CK * C4; c += nth) {
+                const int kk = c / C4, d4 = (c % C4) * 4;
+                const float4 a = *(const float4 *)(ks + kk * D + d4), b = *(const float4 *)(vs + kk * D + d4);
+                *(uint2 *)(Kh + kk * PH + d4) = make_uint2(h2_pack(a.x, a.y), h2_pack(a.z, a.w));
+                *(uint2 *)(Vh + kk * PH + d4) = make_uint2(h2_pack(b.x, b.y), h2_pack(b.z, b.w));
+            }
+        }
+        __syncthreads();  // the f16 tiles are ready, the staging slot is free
+        if (ci + nst < nch) load_chunk(c_begin + ci + nst, slot);
+        cp_async_commit();
+
+        // S = Q K^T for the warp's 16 keys (2 n-tiles).
+        float s[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            u32 a0, a1, a2, a3, b0, b1, b2, b3;
+            ldsm_x4(q_addr + ks * 32, a0, a1, a2, a3);
+            ldsm_x4(k_addr + ks * 32, b0, b1, b2, b3);
+            mma_h16(s[0], a0, a1, a2, a3, b0, b1);
+            mma_h16(s[1], a0, a1, a2, a3, b2, b3);
+        }
+        // Scale and mask; online softmax per row (as attn_tc_impl).
+        const long long j0 = jbase + (long long)(c_begin + ci) * CK;
+        const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
+                          (window < 0 || qpos_hi < kv_pos0 + j0 + window);
+        if (full) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
+        } else {
+            const long long jw = j0 + kw * 16;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const long long j = jw + nt * 8 + 2 * t + e;
+                    const long long kpos = kv_pos0 + j;
+                    s[nt][e] = va && att_visible(j, n_kv, kpos, qpa, causal, window) ? s[nt][e] * scale : NEG_INF;
+                    s[nt][2 + e] = vb && att_visible(j, n_kv, kpos, qpb, causal, window) ? s[nt][2 + e] * scale : NEG_INF;
+                }
+        }
+        float mxa = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+        float mxb = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
+        const float ala = m_a == NEG_INF ? 1.0f : expf(m_a - mna);
+        const float alb = m_b == NEG_INF ? 1.0f : expf(m_b - mnb);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - mna);
+                s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : expf(s[nt][2 + e] - mnb);
+            }
+        l_a = __fmaf_rn(l_a, ala, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
+        l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
+        m_a = mna;
+        m_b = mnb;
+        if (__any_sync(0xffffffffu, ala != 1.0f || alb != 1.0f)) {  // x * 1 == x: skipping is exact
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                o[n][0] *= ala;
+                o[n][1] *= ala;
+                o[n][2] *= alb;
+                o[n][3] *= alb;
+            }
+        }
+        // O += P V: P (rows x the warp's 16 keys) from the S accumulator.
+        const u32 p0 = h2_pack(s[0][0], s[0][1]), p1 = h2_pack(s[0][2], s[0][3]);
+        const u32 p2 = h2_pack(s[1][0], s[1][1]), p3 = h2_pack(s[1][2], s[1][3]);
+#pragma unroll
+        for (int np = 0; np < NO / 2; ++np) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(v_addr + np * 32, b0, b1, b2, b3);
+            mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
+            mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+        }
+    }
+    cp_async_wait_all();
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    attn_tc_store<D, KW, false>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, split, ws_o, ws_ml);
+}
+
+#define ATTN_H16(D)                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(512, 1) attn_h16_d##D##_kw4(                                                         \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
+        attn_h16_impl<D, 4>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst);         \
+    }
+ATTN_H16(32)
+ATTN_H16(64)
+ATTN_H16(128)
 
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \

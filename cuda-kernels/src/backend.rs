@@ -375,6 +375,7 @@ pub struct Cuda {
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
+    attn_fast_f16: Mutex<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -500,6 +501,7 @@ impl Cuda {
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
+            attn_fast_f16: Mutex::new(true),
         })
     }
 

@@ -1406,16 +1406,20 @@ fn attention_graph_replays() {
     eprintln!("attention: graph replays == eager bit for bit, match the CPU");
 }
 
-/// `attention_fast` (the drafter's reduced-precision op: the 1xTF32 tensor-core kernel for head
-/// dims 32 / 64 / 128, the exact op otherwise) against the CPU within the TF32 bound, not the
-/// bits of the exact op where the 1xTF32 kernel runs (so it is the kernel measured), the exact
-/// op's bits where it does not, and rows deterministic (a row alone == the row of the block;
-/// causal decode == verify).
+/// `attention_fast` (the drafter's reduced-precision op: for head dims 32 / 64 / 128 the f16
+/// tensor-core kernel over non-causal spans of more than 2048 keys, else and with
+/// `set_attn_fast_f16(false)` the 1xTF32 one; the exact op for other head dims)
+/// against the CPU within the f16 / TF32 bound, not the bits of the exact op where a reduced
+/// kernel runs (so it is the kernel measured), the exact op's bits where it does not, the two
+/// reduced kernels not each other's bits, and rows deterministic (a row alone == the row of the
+/// block; causal decode == verify).
 #[test]
 fn attention_fast_against_cpu_and_per_row() {
-    let Some(g) = gpu("attention_fast_against_cpu_and_per_row") else {
+    if gpu("attention_fast_against_cpu_and_per_row").is_none() {
         return;
-    };
+    }
+    // A private backend: the f16 / 1xTF32 choice is per backend.
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     let cpu = Cpu::new();
     let mut r = rng("attention_fast_against_cpu_and_per_row");
     // (context, head dim, window, causal)
@@ -1424,7 +1428,9 @@ fn attention_fast_against_cpu_and_per_row() {
         (8192, 128, None, false),
         (8192, 128, Some(2048usize), false),
         (2000, 64, None, false),
+        (4000, 64, None, false),
         (300, 32, None, false),
+        (3000, 32, None, false),
         (4000, 128, None, true),
         (700, 48, None, false),
     ] {
@@ -1452,31 +1458,50 @@ fn attention_fast_against_cpu_and_per_row() {
             g.upload(&k).unwrap(),
             g.upload(&v).unwrap(),
         );
-        let mut fast = poisoned(g, oc.len());
-        g.attention_fast(&qg, &kg, &vg, &p, &mut fast).unwrap();
-        let fast = g.download(&fast).unwrap();
         let mut exact = poisoned(g, oc.len());
         g.attention(&qg, &kg, &vg, &p, &mut exact).unwrap();
         let exact = g.download(&exact).unwrap();
-        let what = format!("attention_fast ctx={ctx} d={hd} win={win:?} causal={causal}");
-        // Operands rounded to tf32 (relative 2^-11 each): scores off by ~1e-3 of their
-        // size, outputs by ~1e-3 of the largest value.
-        report(&what, &fast, &oc, 4e-3);
-        let differs = fast
-            .iter()
-            .zip(&exact)
-            .any(|(a, b)| a.to_bits() != b.to_bits());
-        if matches!(hd, 32 | 64 | 128) {
-            assert!(
-                differs,
-                "{what}: the same bits as the exact op (the 1xTF32 kernel did not run)"
+        let mut outs = Vec::new();
+        for f16 in [true, false] {
+            g.set_attn_fast_f16(f16);
+            let mut fast = poisoned(g, oc.len());
+            g.attention_fast(&qg, &kg, &vg, &p, &mut fast).unwrap();
+            let fast = g.download(&fast).unwrap();
+            let what = format!(
+                "attention_fast ({}) ctx={ctx} d={hd} win={win:?} causal={causal}",
+                if f16 { "f16" } else { "1xTF32" }
             );
-        } else {
-            assert_same_bits(&format!("{what} (exact kernel)"), &fast, &exact);
+            // Operands rounded to f16 (relative 2^-11 each) or truncated to tf32 (2^-10):
+            // scores off by ~1e-3 of their size, outputs by ~1e-3 of the largest value.
+            report(&what, &fast, &oc, 4e-3);
+            let differs = fast
+                .iter()
+                .zip(&exact)
+                .any(|(a, b)| a.to_bits() != b.to_bits());
+            if matches!(hd, 32 | 64 | 128) {
+                assert!(
+                    differs,
+                    "{what}: the same bits as the exact op (the reduced kernel did not run)"
+                );
+            } else {
+                assert_same_bits(&format!("{what} (exact kernel)"), &fast, &exact);
+            }
+            assert_rows_alone_equal(g, &q, &kg, &vg, &p, &fast, true, &what);
+            outs.push(fast);
         }
-        assert_rows_alone_equal(g, &q, &kg, &vg, &p, &fast, true, &what);
+        g.set_attn_fast_f16(true);
+        let span = win.map_or(cap, |w| w.min(cap));
+        if matches!(hd, 32 | 64 | 128) && !causal && span > 2048 {
+            assert!(
+                outs[0]
+                    .iter()
+                    .zip(&outs[1])
+                    .any(|(a, b)| a.to_bits() != b.to_bits()),
+                "attention_fast ctx={ctx} d={hd}: f16 and 1xTF32 gave the same bits"
+            );
+        }
     }
-    eprintln!("attention_fast: within the TF32 bound of the CPU, rows deterministic");
+    eprintln!("attention_fast (f16 and 1xTF32): within bound of the CPU, rows deterministic");
 }
 
 /// The Markov chain on the device captured in a CUDA graph and replayed (the previous token

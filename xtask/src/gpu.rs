@@ -120,7 +120,8 @@ pub struct BenchArgs {
     /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
     /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
     /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +gp=kKSsS
-    /// (the paired gate / up kernel: k-slices, stages).
+    /// (the paired gate / up kernel: k-slices, stages), +x1 (the fast attention through the
+    /// 1xTF32 kernel instead of the f16 one).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -1644,6 +1645,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         q8norm: bool,
         q8epi: bool,
         q8pair: bool,
+        attn_f16: bool,
         pair_kernel: (u8, u8),
         proj_kernels: [Option<A8Kernel>; 4],
     }
@@ -1664,6 +1666,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 q8norm: !a.no_a8_producers,
                 q8epi: false,
                 q8pair: true,
+                attn_f16: true,
                 pair_kernel: (1, 3),
                 proj_kernels: [None; 4],
             };
@@ -1688,6 +1691,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.q8epi = true;
                 } else if opt == "nopair" {
                     cfg.q8pair = false;
+                } else if opt == "x1" {
+                    cfg.attn_f16 = false;
                 } else if let Some(n) = opt.strip_prefix("gp=k") {
                     // The paired gate / up kernel: gp=kKSsS (k-slices, stages), e.g. gp=k1s3.
                     let (ks, st) = n
@@ -1799,6 +1804,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_a8_pair_kernel(c.pair_kernel.0, c.pair_kernel.1)?;
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
+                    g.set_attn_fast_f16(c.attn_f16);
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
                     m.fast_attn = c.fast_attn;
@@ -1825,6 +1831,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_a8_pair_kernel(1, 3)?;
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
+    g.set_attn_fast_f16(true);
     Ok(())
 }
 

@@ -90,10 +90,36 @@ fn simt_smem_bytes(d: usize) -> usize {
     (16 * d + 64 * (d + 4) + 64 * d + 64 * 16 + 48) * 4 + 16 * 8 + 16 * 4
 }
 
+/// The shared-memory layout family of a tensor-core attention kernel: tf32 mma (exact or
+/// 1xTF32), tf32 with P V on the CUDA cores, f16 operands (`attn_h16_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TcFlavor {
+    Tf32,
+    Fpv,
+    H16,
+}
+
+impl TcFlavor {
+    fn of(fpv: bool) -> Self {
+        if fpv {
+            TcFlavor::Fpv
+        } else {
+            TcFlavor::Tf32
+        }
+    }
+}
+
 /// Shared memory of the tensor-core kernel: Q rows, `nst` pipeline stages of K / V chunks, or
-/// (after the loop, in the same space) the saved states of the key warps being merged.
-fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fpv: bool) -> usize {
+/// (after the loop, in the same space) the saved states of the key warps being merged. The f16
+/// kernel: Q, K and V tiles in f16 (rows of d + 8 halves) and `nst` f32 staging slots of
+/// unpadded K / V chunks.
+fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fl: TcFlavor) -> usize {
     let ck = 16 * kw;
+    let fpv = fl == TcFlavor::Fpv;
+    if fl == TcFlavor::H16 {
+        let main = (rw * 16 + 2 * ck) * (d + 8) * 2 + nst * 2 * ck * d * 4;
+        return main.max(rw * kw * (d / 2 + 4) * 32 * 4);
+    }
     let mut main = rw * 16 * (d + 16) + nst * ck * (d + 16) + nst * ck * (d + 4);
     let merge = if fpv {
         // Per warp: P^T (16 x ATT_PTP = 20) and 16 rescale factors.
@@ -114,10 +140,10 @@ fn tc_blocks_per_sm(
     kw: usize,
     rw: usize,
     nst: usize,
-    fpv: bool,
+    fl: TcFlavor,
     lim: SmemLimits,
 ) -> usize {
-    let smem = tc_smem_bytes(d, kw, rw, nst, fpv);
+    let smem = tc_smem_bytes(d, kw, rw, nst, fl);
     if smem > lim.block {
         return 0;
     }
@@ -134,13 +160,13 @@ fn tc_stages(
     d: usize,
     kw: usize,
     rw: usize,
-    fpv: bool,
+    fl: TcFlavor,
     blocks: usize,
     sms: usize,
     lim: SmemLimits,
 ) -> usize {
     let waves = |nst: usize| {
-        let per = tc_blocks_per_sm(d, kw, rw, nst, fpv, lim);
+        let per = tc_blocks_per_sm(d, kw, rw, nst, fl, lim);
         if per == 0 {
             usize::MAX
         } else {
@@ -148,8 +174,8 @@ fn tc_stages(
         }
     };
     let (per3, per2) = (
-        tc_blocks_per_sm(d, kw, rw, 3, fpv, lim),
-        tc_blocks_per_sm(d, kw, rw, 2, fpv, lim),
+        tc_blocks_per_sm(d, kw, rw, 3, fl, lim),
+        tc_blocks_per_sm(d, kw, rw, 2, fl, lim),
     );
     let deep = if per3 > 0 && per3 >= per2 {
         3
@@ -196,6 +222,16 @@ fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
     })
 }
 
+/// The f16 tensor-core kernel (`attention_fast`) for head dim `d` and `kw` key warps.
+fn h16_kernel(d: usize, kw: usize) -> Option<Kernel> {
+    Some(match (d, kw) {
+        (32, 4) => Kernel::AttnH16D32Kw4,
+        (64, 4) => Kernel::AttnH16D64Kw4,
+        (128, 4) => Kernel::AttnH16D128Kw4,
+        _ => return None,
+    })
+}
+
 fn simt_kernel(d: usize) -> Option<Kernel> {
     Some(match d {
         32 => Kernel::AttnSplitD32,
@@ -231,6 +267,15 @@ impl Cuda {
     /// bit for bit, always take 256.
     pub fn set_attn_split_auto(&self) {
         *lock(&self.attn_split) = None;
+    }
+
+    /// Whether [`Backend::attention_fast`] runs the f16 tensor-core kernel (the default: head
+    /// dims 32 / 64 / 128 with 4 key warps over a non-causal span of more than 2048 keys, the
+    /// calls the one-wave split rule takes; Q, K, V and P rounded to f16) or always the 1xTF32
+    /// twin of the exact kernel (`false`; a benchmark knob: each fixes its own bits, so set it
+    /// once, before any attention).
+    pub fn set_attn_fast_f16(&self, on: bool) {
+        *lock(&self.attn_fast_f16) = on;
     }
 
     /// Pick the attention kernel (default [`AttnKernel::Auto`]); see [`AttnKernel`].
@@ -291,12 +336,22 @@ impl Cuda {
                         let most = [1, 2, 4]
                             .iter()
                             .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
-                            .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, fpv))
+                            .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, TcFlavor::of(fpv)))
                             .filter(|&b| b <= self.smem.block)
                             .max()
                             .unwrap_or(0);
                         self.func_smem(k, most)?;
                     }
+                }
+                if let Some(k) = h16_kernel(d, kw) {
+                    let most = [1, 2, 4]
+                        .iter()
+                        .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
+                        .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, TcFlavor::H16))
+                        .filter(|&b| b <= self.smem.block)
+                        .max()
+                        .unwrap_or(0);
+                    self.func_smem(k, most)?;
                 }
             }
         }
@@ -381,11 +436,26 @@ impl Cuda {
         let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
             Some((kw, rw, fpv, stages))
                 if tc_kernel(d, kw, fpv, false).is_some()
-                    && tc_smem_bytes(d, kw, 1, 1, fpv) <= lim.block =>
+                    && tc_smem_bytes(d, kw, 1, 1, TcFlavor::of(fpv)) <= lim.block =>
             {
-                // The fast op takes the 1xTF32 twin of the exact kernel where there is one
-                // (not for P V on the CUDA cores); the shared memory and grid are the same.
-                let kern = tc_kernel(d, kw, fpv, fast)
+                // The fast op takes the f16 kernel over the long non-causal spans the one-wave
+                // rule splits (4 key warps, P V on the tensor cores; unless
+                // `set_attn_fast_f16(false)`), else the 1xTF32 twin of the exact kernel (not for
+                // P V on the CUDA cores); the grid is the same. H200, q8_0a8 step (one lease, two
+                // rounds, 1xTF32 -> f16 everywhere): 8B 0.772 -> 0.741 ms at ctx 8192, 27B 1.187
+                // -> 1.170; but 0.621 -> 0.627 and 1.059 -> 1.068 at ctx 512 (one row warp per
+                // block: 2 staging slots where the f32 kernel keeps 3 chunks in flight). A
+                // function of the span, never of the query rows (per-row determinism).
+                let h16 = h16_kernel(d, kw)
+                    .filter(|_| fast && !fpv && one_wave && *lock(&self.attn_fast_f16))
+                    .filter(|_| tc_smem_bytes(d, kw, 1, 1, TcFlavor::H16) <= lim.block);
+                let fl = if h16.is_some() {
+                    TcFlavor::H16
+                } else {
+                    TcFlavor::of(fpv)
+                };
+                let kern = h16
+                    .or_else(|| tc_kernel(d, kw, fpv, fast))
                     .or_else(|| tc_kernel(d, kw, fpv, false))
                     .ok_or_else(internal)?;
                 let rw = if rw > 0 {
@@ -400,7 +470,7 @@ impl Cuda {
                         && (qr <= 16 * (rw / 2)
                             || (!one_wave
                                 && n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms)
-                            || tc_smem_bytes(d, kw, rw, 1, fpv) > lim.block)
+                            || tc_smem_bytes(d, kw, rw, 1, fl) > lim.block)
                     {
                         rw /= 2;
                     }
@@ -408,14 +478,14 @@ impl Cuda {
                 };
                 let blocks = n_split * p.n_kv_heads * qr.div_ceil(16 * rw);
                 let nst = match stages {
-                    0 => tc_stages(d, kw, rw, fpv, blocks, self.num_sms, lim),
-                    n if tc_smem_bytes(d, kw, rw, n, fpv) <= lim.block => n,
-                    _ => tc_stages(d, kw, rw, fpv, blocks, self.num_sms, lim),
+                    0 => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
+                    n if tc_smem_bytes(d, kw, rw, n, fl) <= lim.block => n,
+                    _ => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
                 };
                 Some((
                     kern,
                     (32 * kw * rw) as u32,
-                    tc_smem_bytes(d, kw, rw, nst, fpv),
+                    tc_smem_bytes(d, kw, rw, nst, fl),
                     16 * rw,
                     nst as i32,
                 ))
@@ -625,15 +695,15 @@ mod tests {
             for d in [32, 64, 128] {
                 for kw in [2, 4] {
                     for rw in [1, 2, 4] {
-                        for fpv in [false, true] {
-                            if tc_smem_bytes(d, kw, rw, 1, fpv) > lim.block {
+                        for fl in [TcFlavor::Tf32, TcFlavor::Fpv, TcFlavor::H16] {
+                            if tc_smem_bytes(d, kw, rw, 1, fl) > lim.block {
                                 continue;
                             }
                             for blocks in [1, 96, 264, 528, 5000] {
-                                let nst = tc_stages(d, kw, rw, fpv, blocks, 132, lim);
+                                let nst = tc_stages(d, kw, rw, fl, blocks, 132, lim);
                                 assert!(
-                                    tc_smem_bytes(d, kw, rw, nst, fpv) <= lim.block,
-                                    "d {d} kw {kw} rw {rw} fpv {fpv} limit {}",
+                                    tc_smem_bytes(d, kw, rw, nst, fl) <= lim.block,
+                                    "d {d} kw {kw} rw {rw} {fl:?} limit {}",
                                     lim.block
                                 );
                             }
@@ -646,25 +716,34 @@ mod tests {
         for d in [32, 64, 128] {
             for kw in [2, 4] {
                 assert!(
-                    tc_smem_bytes(d, kw, 1, 1, false) <= 99 * 1024,
+                    tc_smem_bytes(d, kw, 1, 1, TcFlavor::of(false)) <= 99 * 1024,
                     "d {d} kw {kw}"
                 );
             }
         }
         let h = SmemLimits::SM90;
-        assert_eq!(tc_smem_bytes(128, 4, 4, 2, false), 44544 * 4);
+        assert_eq!(tc_smem_bytes(128, 4, 4, 2, TcFlavor::of(false)), 44544 * 4);
         // d 128, 4 key warps: one row warp, a grid that fits one wave either way: 3 stages;
         // 264 blocks (decode at ctx 8192): 1 stage, two blocks per multiprocessor, one wave.
-        assert_eq!(tc_stages(128, 4, 1, false, 96, 132, h), 3);
-        assert_eq!(tc_blocks_per_sm(128, 4, 1, 1, false, h), 2);
-        assert_eq!(tc_stages(128, 4, 1, false, 264, 132, h), 1);
+        assert_eq!(tc_stages(128, 4, 1, TcFlavor::of(false), 96, 132, h), 3);
+        assert_eq!(tc_blocks_per_sm(128, 4, 1, 1, TcFlavor::of(false), h), 2);
+        assert_eq!(tc_stages(128, 4, 1, TcFlavor::of(false), 264, 132, h), 1);
         // 4 row warps (512 threads: one block per multiprocessor by registers): 2 stages (3
         // would not fit).
-        assert_eq!(tc_stages(128, 4, 4, false, 264, 132, h), 2);
+        assert_eq!(tc_stages(128, 4, 4, TcFlavor::of(false), 264, 132, h), 2);
         // 2 key warps x 4 row warps: two blocks per multiprocessor with 1 or 2 stages: 2.
-        assert_eq!(tc_stages(128, 2, 4, false, 264, 132, h), 2);
+        assert_eq!(tc_stages(128, 2, 4, TcFlavor::of(false), 264, 132, h), 2);
         // 2 row warps (ctx 2048, 16 queries: 144 blocks): 3 stages (fit, one block per
         // multiprocessor either way), not 1 (measured 36.8 us vs 39.6).
-        assert_eq!(tc_stages(128, 4, 2, false, 144, 132, h), 3);
+        assert_eq!(tc_stages(128, 4, 2, TcFlavor::of(false), 144, 132, h), 3);
+        // The f16 kernel, d 128: 64 query rows (the one-wave rule at ctx 8192) take 2 staging
+        // slots (3 would not fit), one row warp (ctx 512) 2 as well (Q 16 rows + K / V tiles
+        // 34816 bytes + 2 x 65536).
+        assert_eq!(tc_stages(128, 4, 4, TcFlavor::H16, 120, 132, h), 2);
+        assert_eq!(
+            tc_smem_bytes(128, 4, 1, 2, TcFlavor::H16),
+            144 * 136 * 2 + 2 * 65536
+        );
+        assert_eq!(tc_stages(128, 4, 1, TcFlavor::H16, 96, 132, h), 2);
     }
 }
