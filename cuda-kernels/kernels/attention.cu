@@ -463,6 +463,88 @@ __device__ __forceinline__ void mma_3xtf32(float c[4], const u32 ah[4], const u3
     mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
 }
 
+// The chunks [c_begin, c_end) of a split (first key jbase) that some row qr0 .. of a block can
+// see (the others are exact no-ops): the window's and the causal mask's bounds of the block's
+// first and last real rows.
+__device__ __forceinline__ void att_chunk_range(long long jbase, int split_keys, int n_kv, int qr0, int ROWS, int QR, int G,
+                                                long long q_pos0, long long kv_pos0, int causal, long long window, int CK,
+                                                int &c_begin, int &c_end) {
+    c_begin = 0;
+    c_end = 0;
+    const int last = min(qr0 + ROWS, QR) - 1;
+    long long jlo = jbase, jhi = min((long long)n_kv, jbase + split_keys);  // [jlo, jhi)
+    if (last >= qr0) {
+        if (window >= 0) jlo = max(jlo, q_pos0 + qr0 / G - window + 1 - kv_pos0);
+        if (causal) jhi = min(jhi, q_pos0 + last / G - kv_pos0 + 1);
+    } else {
+        jhi = jlo;
+    }
+    if (jhi > jlo) {
+        c_begin = (int)((jlo - jbase) / CK);
+        c_end = (int)((jhi - jbase + CK - 1) / CK);
+    }
+}
+
+// A tensor-core warp's scores of its 16 keys (key 8 nt + n of n-tile nt, from key jw; this
+// lane's rows g / g+8: va / vb real, at query positions qpa / qpb): scaled, masked unless the
+// whole chunk is visible (`full`), then one online-softmax step per row (quad shuffles: lanes 4g
+// .. 4g+3 hold row g): s becomes p, (m, l) are updated, (ala, alb) rescale the running output.
+__device__ __forceinline__ void att_softmax16(float (&s)[2][4], bool full, long long jw, int t, bool va, bool vb, long long qpa,
+                                              long long qpb, int n_kv, long long kv_pos0, int causal, long long window, float scale,
+                                              float &m_a, float &m_b, float &l_a, float &l_b, float &ala, float &alb) {
+    if (full) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const long long j = jw + nt * 8 + 2 * t + e;
+                const long long kpos = kv_pos0 + j;
+                s[nt][e] = va && att_visible(j, n_kv, kpos, qpa, causal, window) ? s[nt][e] * scale : NEG_INF;
+                s[nt][2 + e] = vb && att_visible(j, n_kv, kpos, qpb, causal, window) ? s[nt][2 + e] * scale : NEG_INF;
+            }
+    }
+    float mxa = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+    float mxb = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+    const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
+    ala = m_a == NEG_INF ? 1.0f : expf(m_a - mna);
+    alb = m_b == NEG_INF ? 1.0f : expf(m_b - mnb);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - mna);
+            s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : expf(s[nt][2 + e] - mnb);
+        }
+    l_a = __fmaf_rn(l_a, ala, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
+    l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
+    m_a = mna;
+    m_b = mnb;
+}
+
+// The running output of rows g / g+8 times (ala, alb), skipped when the whole warp's factors are
+// 1 (x * 1 == x: exact).
+template <int NO>
+__device__ __forceinline__ void att_rescale(float (&o)[NO][4], float ala, float alb) {
+    if (__any_sync(0xffffffffu, ala != 1.0f || alb != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            o[n][0] *= ala;
+            o[n][1] *= ala;
+            o[n][2] *= alb;
+            o[n][3] *= alb;
+        }
+    }
+}
+
 // The end of a tensor-core split kernel: merge the key warps' online-softmax states (o, m, l of
 // this lane's rows g / g+8; l already summed over the quad) and write the split's partial.
 template <int D, int KW, bool PERM>
@@ -606,21 +688,8 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
 
     // Chunks of this split that some row of the block can see (the others are exact no-ops).
     const long long jbase = (long long)split * split_keys;
-    int c_begin = 0, c_end = 0;
-    {
-        const int last = min(qr0 + ROWS, QR) - 1;
-        long long jlo = jbase, jhi = min((long long)n_kv, jbase + split_keys);  // [jlo, jhi)
-        if (last >= qr0) {
-            if (window >= 0) jlo = max(jlo, q_pos0 + qr0 / G - window + 1 - kv_pos0);
-            if (causal) jhi = min(jhi, q_pos0 + last / G - kv_pos0 + 1);
-        } else {
-            jhi = jlo;
-        }
-        if (jhi > jlo) {
-            c_begin = (int)((jlo - jbase) / CK);
-            c_end = (int)((jhi - jbase + CK - 1) / CK);
-        }
-    }
+    int c_begin, c_end;
+    att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
     const int nch = c_end - c_begin;
     // Query positions of the block's first and last real rows.
     const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
@@ -738,43 +807,8 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         // never written, so they may keep their scores of a zero query).
         const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
                           (window < 0 || qpos_hi < kv_pos0 + j0 + window);
-        if (full) {
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
-        } else {
-            const long long jw = j0 + kw * 16;
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const long long j = jw + nt * 8 + 2 * t + e;
-                    const long long kpos = kv_pos0 + j;
-                    s[nt][e] = va && att_visible(j, n_kv, kpos, qpa, causal, window) ? s[nt][e] * scale : NEG_INF;
-                    s[nt][2 + e] = vb && att_visible(j, n_kv, kpos, qpb, causal, window) ? s[nt][2 + e] * scale : NEG_INF;
-                }
-        }
-        float mxa = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-        float mxb = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-        const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
-        const float ala = m_a == NEG_INF ? 1.0f : expf(m_a - mna);
-        const float alb = m_b == NEG_INF ? 1.0f : expf(m_b - mnb);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - mna);
-                s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : expf(s[nt][2 + e] - mnb);
-            }
-        l_a = __fmaf_rn(l_a, ala, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
-        l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
-        m_a = mna;
-        m_b = mnb;
+        float ala, alb;
+        att_softmax16(s, full, j0 + kw * 16, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale, m_a, m_b, l_a, l_b, ala, alb);
         if constexpr (FPV) {
             __syncwarp();  // the previous chunk's reads of PT / AL are done
 #pragma unroll
@@ -826,15 +860,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
             }
             continue;
         }
-        if (__any_sync(0xffffffffu, ala != 1.0f || alb != 1.0f)) {  // x * 1 == x: skipping is exact
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                o[n][0] *= ala;
-                o[n][1] *= ala;
-                o[n][2] *= alb;
-                o[n][3] *= alb;
-            }
-        }
+        att_rescale(o, ala, alb);
         // O += P V.
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
@@ -1013,21 +1039,8 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
 
     // Chunks of this split that some row of the block can see (as attn_tc_impl).
     const long long jbase = (long long)split * split_keys;
-    int c_begin = 0, c_end = 0;
-    {
-        const int last = min(qr0 + ROWS, QR) - 1;
-        long long jlo = jbase, jhi = min((long long)n_kv, jbase + split_keys);
-        if (last >= qr0) {
-            if (window >= 0) jlo = max(jlo, q_pos0 + qr0 / G - window + 1 - kv_pos0);
-            if (causal) jhi = min(jhi, q_pos0 + last / G - kv_pos0 + 1);
-        } else {
-            jhi = jlo;
-        }
-        if (jhi > jlo) {
-            c_begin = (int)((jlo - jbase) / CK);
-            c_end = (int)((jhi - jbase + CK - 1) / CK);
-        }
-    }
+    int c_begin, c_end;
+    att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
     const int nch = c_end - c_begin;
     const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
 
@@ -1105,52 +1118,9 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
         const long long j0 = jbase + (long long)(c_begin + ci) * CK;
         const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
                           (window < 0 || qpos_hi < kv_pos0 + j0 + window);
-        if (full) {
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[nt][e] *= scale;
-        } else {
-            const long long jw = j0 + kw * 16;
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const long long j = jw + nt * 8 + 2 * t + e;
-                    const long long kpos = kv_pos0 + j;
-                    s[nt][e] = va && att_visible(j, n_kv, kpos, qpa, causal, window) ? s[nt][e] * scale : NEG_INF;
-                    s[nt][2 + e] = vb && att_visible(j, n_kv, kpos, qpb, causal, window) ? s[nt][2 + e] * scale : NEG_INF;
-                }
-        }
-        float mxa = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-        float mxb = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-        const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
-        const float ala = m_a == NEG_INF ? 1.0f : expf(m_a - mna);
-        const float alb = m_b == NEG_INF ? 1.0f : expf(m_b - mnb);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - mna);
-                s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : expf(s[nt][2 + e] - mnb);
-            }
-        l_a = __fmaf_rn(l_a, ala, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
-        l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
-        m_a = mna;
-        m_b = mnb;
-        if (__any_sync(0xffffffffu, ala != 1.0f || alb != 1.0f)) {  // x * 1 == x: skipping is exact
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                o[n][0] *= ala;
-                o[n][1] *= ala;
-                o[n][2] *= alb;
-                o[n][3] *= alb;
-            }
-        }
+        float ala, alb;
+        att_softmax16(s, full, j0 + kw * 16, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale, m_a, m_b, l_a, l_b, ala, alb);
+        att_rescale(o, ala, alb);
         // O += P V: P (rows x the warp's 16 keys) from the S accumulator.
         const u32 p0 = h2_pack(s[0][0], s[0][1]), p1 = h2_pack(s[0][2], s[0][3]);
         const u32 p2 = h2_pack(s[1][0], s[1][1]), p3 = h2_pack(s[1][2], s[1][3]);
