@@ -326,6 +326,16 @@ impl Cuda {
 
     /// Raise the shared-memory limits of the attention kernels to their largest launch.
     pub(super) fn attention_warm_up(&self) -> Result<()> {
+        // The largest launch of a tensor-core kernel that fits the device.
+        let most = |d: usize, kw: usize, fl: TcFlavor| {
+            [1, 2, 4]
+                .iter()
+                .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
+                .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, fl))
+                .filter(|&b| b <= self.smem.block)
+                .max()
+                .unwrap_or(0)
+        };
         for d in [32, 64, 128, 256] {
             if let Some(k) = simt_kernel(d).filter(|_| simt_smem_bytes(d) <= self.smem.block) {
                 self.func_smem(k, simt_smem_bytes(d))?;
@@ -333,25 +343,11 @@ impl Cuda {
             for kw in [2, 4] {
                 for (fpv, x1) in [(false, false), (true, false), (false, true)] {
                     if let Some(k) = tc_kernel(d, kw, fpv, x1) {
-                        let most = [1, 2, 4]
-                            .iter()
-                            .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
-                            .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, TcFlavor::of(fpv)))
-                            .filter(|&b| b <= self.smem.block)
-                            .max()
-                            .unwrap_or(0);
-                        self.func_smem(k, most)?;
+                        self.func_smem(k, most(d, kw, TcFlavor::of(fpv)))?;
                     }
                 }
                 if let Some(k) = h16_kernel(d, kw) {
-                    let most = [1, 2, 4]
-                        .iter()
-                        .flat_map(|&rw| (1..=3).map(move |nst| (rw, nst)))
-                        .map(|(rw, nst)| tc_smem_bytes(d, kw, rw, nst, TcFlavor::H16))
-                        .filter(|&b| b <= self.smem.block)
-                        .max()
-                        .unwrap_or(0);
-                    self.func_smem(k, most)?;
+                    self.func_smem(k, most(d, kw, TcFlavor::H16))?;
                 }
             }
         }
