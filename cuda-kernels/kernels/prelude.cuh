@@ -196,8 +196,8 @@ __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x));
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Programmatic dependent launch (sm_90): the Q8_0A8 kernels, add_rms_norm, qk_norm_rope_kv,
-// the attention split kernels and the combine, the Markov steps and argmax_final (for a Q8_0A8
-// W2) may be launched while the previous kernel on
+// the attention split kernels and the combine, the Markov steps, argmax_partial and argmax_final
+// may be launched while the previous kernel on
 // the stream still runs; griddep_wait() blocks until that kernel has finished and its writes
 // are visible (a no-op for a normal launch; every such kernel calls it before reading
 // anything, in every block, so none completes before its predecessor), griddep_launch() lets

@@ -5,6 +5,8 @@
 extern "C" __global__ void argmax_partial(const float *x, long long row0, int cols, int chunk, float *pv, u32 *pi) {
     __shared__ float rv[32];
     __shared__ u32 ri[32];
+    griddep_launch();  // argmax_final may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: the logits first
     const long long row = row0 + blockIdx.y;
     const float *xr = x + row * cols;
     const int c0 = blockIdx.x * chunk, c1 = min(cols, c0 + chunk);

@@ -875,17 +875,35 @@ impl Cuda {
             ARGMAX_CHUNK as i32,
             nch as i32,
         );
-        let mut b = self.stream.launch_builder(&f1);
-        b.arg(&x.data)
-            .arg(&row0)
-            .arg(&cols_i)
-            .arg(&chunk)
-            .arg(&mut *am_v)
-            .arg(&mut *am_i);
-        unsafe { b.launch(cfg((nch as u32, rows as u32, 1), 256, 0)) }.map_err(dev)?;
-        let mut b = self.stream.launch_builder(&f2);
-        b.arg(&*am_v).arg(&*am_i).arg(&nch_i).arg(out).arg(&0u64);
-        unsafe { b.launch(cfg((rows as u32, 1, 1), am_final_threads(nch), 0)) }.map_err(dev)?;
+        // Programmatic dependent launches (with the Q8_0A8 ones, `set_a8_pdl`): both kernels
+        // wait for their inputs first thing.
+        let pdl = *lock(&self.a8_pdl);
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(&x.data, st)
+            .i64(row0)
+            .i32(cols_i)
+            .i32(chunk)
+            .dptr_mut(&mut *am_v, st)
+            .dptr_mut(&mut *am_i, st);
+        // SAFETY: argmax_partial's parameters in order (x, row0, cols, chunk, pv, pi); the
+        // partials hold rows * nch values.
+        unsafe { a.launch(st, &f1, cfg((nch as u32, rows as u32, 1), 256, 0), pdl) }?;
+        let mut a = RawArgs::default();
+        a.dptr(&*am_v, st)
+            .dptr(&*am_i, st)
+            .i32(nch_i)
+            .dptr_mut(out, st)
+            .u64(0);
+        // SAFETY: argmax_final's parameters in order (pv, pi, n_chunks, out, prev = null).
+        unsafe {
+            a.launch(
+                st,
+                &f2,
+                cfg((rows as u32, 1, 1), am_final_threads(nch), 0),
+                pdl,
+            )
+        }?;
         Ok(())
     }
 
