@@ -240,21 +240,30 @@ extern "C" __global__ void markov_step_v(int fmt1, const void *__restrict__ w1q,
 // (fma into the row's sum, blocks in order), then the 4 lanes of a row added with shuffles.
 // Another summation order than markov_step's (within f32 rounding); the argmax rule is the
 // same (am_better: order-free). Same parameters as markov_step (fmt2 must be FMT_Q8A8, rank a
-// multiple of 32, chunk a multiple of 16).
+// multiple of 32, chunk a multiple of 16). At most 5 blocks of 256 threads per multiprocessor
+// by registers (48): the 8B vocabulary's 594 blocks in one wave on 132 SMs (52 registers and
+// 4 per SM before: 1.13 waves); the first tile's W2 is copied in before the dependency wait.
 __device__ __forceinline__ float dot4_i8(u32 c, float4 e) {
     float s = (float)(signed char)(c & 0xffu) * e.x;
     s = fmaf((float)(signed char)((c >> 8) & 0xffu), e.y, s);
     s = fmaf((float)(signed char)((c >> 16) & 0xffu), e.z, s);
     return fmaf((float)(signed char)(c >> 24), e.w, s);
 }
-extern "C" __global__ void markov_step_a8(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
-                                          const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
-                                          const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
-                                          u32 *__restrict__ pi) {
+__device__ __forceinline__ void cp_async16_cg(void *s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(s)), "l"(g) : "memory");
+}
+// The W2 blocks of its first tile that a warp copies into shared memory before the grid
+// dependency wait (W2 does not depend on the step before): blocks 0 .. MARKOV_PRE-1.
+#define MARKOV_PRE 8
+extern "C" __global__ void __launch_bounds__(256, 5)
+    markov_step_a8(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2, const void *__restrict__ w2q,
+                   const u16 *__restrict__ w2d, int rank, int vocab, const u32 *__restrict__ prev, float *__restrict__ logits,
+                   int chunk, float *__restrict__ pv, u32 *__restrict__ pi) {
+    // Dynamic shared memory: emb (rank floats), then per warp MARKOV_PRE blocks of codes (512
+    // bytes each), then per warp MARKOV_PRE x 8 scale words.
     extern __shared__ __align__(16) float emb[];
     __shared__ float rv[32];
     __shared__ u32 ri[32];
-    markov_load_emb(fmt1, w1q, w1d, prev, rank, emb);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kb = rank >> 5;
@@ -262,23 +271,46 @@ extern "C" __global__ void markov_step_a8(int fmt1, const void *__restrict__ w1q
     const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
     const uint4 *wq4 = (const uint4 *)w2q;
     const u32 *wd2 = (const u32 *)w2d;
+    uint4 *pre_c = (uint4 *)(emb + rank) + warp * MARKOV_PRE * 32;
+    u32 *pre_s = (u32 *)((uint4 *)(emb + rank) + nw * MARKOV_PRE * 32) + warp * MARKOV_PRE * 8;
+    const int tile0 = (o0 >> 4) + warp;
+    if ((tile0 << 4) < o1) {
+#pragma unroll
+        for (int b = 0; b < MARKOV_PRE; ++b) {
+            if (b >= kb) break;
+            const long long pb = (long long)tile0 * kbp + b;
+            cp_async16_cg(pre_c + b * 32 + lane, wq4 + pb * 32 + lane);
+            if (lane < 2) cp_async16_cg(pre_s + b * 8 + 4 * lane, wd2 + pb * 8 + 4 * lane);
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    markov_load_emb(fmt1, w1q, w1d, prev, rank, emb);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncwarp();
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
-    for (int tile = (o0 >> 4) + warp; (tile << 4) < o1; tile += nw) {
+    for (int tile = tile0; (tile << 4) < o1; tile += nw) {
         float a0 = 0.0f, a1 = 0.0f;  // rows 16 tile + g, + 8
         const long long pb0 = (long long)tile * kbp;
         const int r0 = (tile << 4) + g, r1 = r0 + 8;
         // The two logits in flight with the W2 loads (not a round trip after the dots).
         const float l0 = r0 < o1 ? logits[r0] : 0.0f, l1 = r1 < o1 ? logits[r1] : 0.0f;
-#pragma unroll 8
-        for (int b = 0; b < kb; ++b) {
-            const uint4 c = wq4[(pb0 + b) * 32 + lane];
-            const u32 sc = wd2[(pb0 + b) * 8 + g];
+        // Block b's update of the rows' sums (blocks in order).
+        auto step = [&](int b, const uint4 &c, u32 sc) {
             const float4 e0 = *(const float4 *)(emb + b * 32 + 4 * t);
             const float4 e1 = *(const float4 *)(emb + b * 32 + 16 + 4 * t);
             a0 = fmaf(dot4_i8(c.x, e0) + dot4_i8(c.z, e1), f16_to_f32((u16)(sc & 0xffffu)), a0);
             a1 = fmaf(dot4_i8(c.y, e0) + dot4_i8(c.w, e1), f16_to_f32((u16)(sc >> 16)), a1);
+        };
+        int b = 0;
+        if (tile == tile0) {
+#pragma unroll
+            for (int u = 0; u < MARKOV_PRE; ++u)
+                if (u < kb) step(u, pre_c[u * 32 + lane], pre_s[u * 8 + g]);
+            b = MARKOV_PRE;
         }
+#pragma unroll 8
+        for (; b < kb; ++b) step(b, wq4[(pb0 + b) * 32 + lane], wd2[(pb0 + b) * 8 + g]);
         a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
         a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
         a0 += __shfl_xor_sync(0xffffffffu, a0, 2);

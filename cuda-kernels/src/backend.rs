@@ -976,7 +976,11 @@ impl Cuda {
         // normally (the kernels' griddep instructions are then no-ops).
         let pdl = *lock(&self.a8_pdl) && a8;
         let st = &*self.stream;
-        let (threads_f, smem1) = (am_final_threads(nb), (w1.cols * 4) as u32);
+        // markov_step_a8: emb, then per warp (8) the first tile's MARKOV_PRE (8) blocks of
+        // codes (512 bytes) and scales (32 bytes), copied before the grid dependency wait.
+        let smem1 = w1.cols * 4 + if a8 { 8 * 8 * (512 + 32) } else { 0 };
+        let (threads_f, smem1) = (am_final_threads(nb), smem1 as u32);
+
         for k in 0..n {
             let mut row = logits.data.slice_mut(k * vocab..(k + 1) * vocab);
             let mut a = RawArgs::default();
@@ -992,7 +996,7 @@ impl Cuda {
                 .dptr_mut(&mut *am_v, st)
                 .dptr_mut(&mut *am_i, st);
             // SAFETY: markov_step* parameters in order (fmt1, w1 q, w1 d, fmt2, w2 q, w2 d,
-            // rank, vocab, prev, logits, chunk, pv, pi).
+            // rank, vocab, prev, logits, chunk, pv, pi.
             unsafe { a.launch(st, &f1, cfg((nb as u32, 1, 1), 256, smem1), pdl) }?;
             let mut tk = toks.slice_mut(k..k + 1);
             let mut a = RawArgs::default();

@@ -121,7 +121,7 @@ pub struct BenchArgs {
     /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
     /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +gp=kKSsS
     /// (the paired gate / up kernel: k-slices, stages), +x1 (the fast attention through the
-    /// 1xTF32 kernel instead of the f16 one).
+    /// 1xTF32 kernel instead of the f16 one); with --markov the sweep's step is the DSpark step).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -1793,6 +1793,14 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
         m.fused = !a.unfused;
         m.prefetch = parse_prefetch(&a.l2_prefetch)?;
+        if a.markov {
+            // The DSpark step: the same Markov weights as the main table's q8_0a8 rows.
+            let f = WeightFormat::Q8_0A8;
+            m.markov = Some((
+                g.random_weight("w1", s.vocab, 256, f, 77, 1.0)?,
+                g.random_weight("w2", s.vocab, 256, f, 78, 1.0 / 16.0)?,
+            ));
+        }
         let mut b = m.bufs(g, s.block)?;
         for &ctx in ctxs {
             let mut t = vec![Vec::new(); configs.len()];
