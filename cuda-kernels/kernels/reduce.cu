@@ -243,11 +243,18 @@ extern "C" __global__ void markov_step_v(int fmt1, const void *__restrict__ w1q,
 // multiple of 32, chunk a multiple of 16). At most 5 blocks of 256 threads per multiprocessor
 // by registers (48): the 8B vocabulary's 594 blocks in one wave on 132 SMs (52 registers and
 // 4 per SM before: 1.13 waves); the first tile's W2 is copied in before the dependency wait.
+// The 4 int8 codes of c as exact floats without the int-to-float converter (a quarter-rate unit:
+// 38.9M conversions per step at the 8B vocabulary, rank 256, were most of a step's time): the
+// code + 128 as the low byte of 2^23's bit pattern (one byte permute), minus 2^23 + 128.
+__device__ __forceinline__ float i8_at(u32 cu, int j) {
+    return __uint_as_float(__byte_perm(cu, 0x4B000000u, 0x7650u + (u32)j)) - 8388736.0f;
+}
 __device__ __forceinline__ float dot4_i8(u32 c, float4 e) {
-    float s = (float)(signed char)(c & 0xffu) * e.x;
-    s = fmaf((float)(signed char)((c >> 8) & 0xffu), e.y, s);
-    s = fmaf((float)(signed char)((c >> 16) & 0xffu), e.z, s);
-    return fmaf((float)(signed char)(c >> 24), e.w, s);
+    const u32 cu = c ^ 0x80808080u;  // each code + 128, as unsigned bytes
+    float s = i8_at(cu, 0) * e.x;
+    s = fmaf(i8_at(cu, 1), e.y, s);
+    s = fmaf(i8_at(cu, 2), e.z, s);
+    return fmaf(i8_at(cu, 3), e.w, s);
 }
 __device__ __forceinline__ void cp_async16_cg(void *s, const void *g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(s)), "l"(g) : "memory");
@@ -328,4 +335,179 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     }
     block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
+}
+
+// The whole Q8_0A8 Markov chain in one persistent launch (cooperative: every block resident,
+// one per multiprocessor): n steps, each the bits of markov_step_a8 + argmax_final. Block b owns
+// the contiguous tiles [b T / B, (b + 1) T / B) of W2 (T 16-row tiles, B blocks); its first `kt`
+// tiles are copied into shared memory once and read from there at every step, the others
+// stream from global memory (each warp's first such tile loaded into registers before the
+// step's barrier: it does not depend on the step). Per step: every block reduces the step
+// before's B partial winners itself (am_better: the same winner in any order, so every block
+// gets the token argmax_final would), loads W1[token], runs its tiles (markov_step_a8's
+// per-row arithmetic: the same logits bits), writes its partial winner into slot k % 2 of
+// pv / pi, and the grid meets at a barrier (bar: [arrivals, generation], zero at rest).
+// toks[k] = the token of step k; prev[0] = the starting token, then the last. Dynamic shared
+// memory: emb (rank floats), then kt tiles of kb blocks: codes (512 bytes) then scales (32).
+__device__ __forceinline__ void markov_grid_barrier(u32 *bar, u32 nblocks) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile u32 *gen = bar + 1;
+        const u32 g = *gen;
+        __threadfence();
+        if (atomicAdd(bar, 1u) == nblocks - 1) {
+            bar[0] = 0u;
+            __threadfence();
+            *gen = g + 1u;
+        } else {
+            while (*gen == g) {
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+    markov_chain_a8p(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, const void *__restrict__ w2q,
+                     const u16 *__restrict__ w2d, int rank, int vocab, int n, u32 *__restrict__ prev, float *__restrict__ logits,
+                     u32 *__restrict__ toks, float *pv, u32 *pi, u32 *bar, int kt) {
+    extern __shared__ __align__(16) float emb[];
+    __shared__ float rv[32];
+    __shared__ u32 ri[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kb = rank >> 5;
+    const long long kbp = (long long)((kb + A8_KC - 1) / A8_KC) * A8_KC;
+    const int B = gridDim.x, T = (vocab + 15) >> 4;
+    const int t_lo = (int)((long long)blockIdx.x * T / B), t_hi = (int)((long long)(blockIdx.x + 1) * T / B);
+    const int ns = min(kt, t_hi - t_lo);  // tiles kept in shared memory
+    const uint4 *wq4 = (const uint4 *)w2q;
+    const u32 *wd2 = (const u32 *)w2d;
+    uint4 *sc4 = (uint4 *)(emb + rank);               // [ns][kb][32]
+    u32 *ss = (u32 *)(sc4 + (size_t)ns * kb * 32);    // [ns][kb][8]
+    // The kept tiles, once.
+    for (int e = threadIdx.x; e < ns * kb * 34; e += blockDim.x) {
+        const int tb = e / 34, j = e % 34;  // (tile, block) and 16-byte piece: 32 of codes, 2 of scales
+        const long long pb = (long long)(t_lo + tb / kb) * kbp + tb % kb;
+        if (j < 32) cp_async16_cg(sc4 + (size_t)tb * 32 + j, wq4 + pb * 32 + j);
+        else cp_async16_cg(ss + (size_t)tb * 8 + 4 * (j - 32), wd2 + pb * 8 + 4 * (j - 32));
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    griddep_wait();  // the logits and prev first
+    u32 p = *prev;
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    for (int k = 0; k < n; ++k) {
+        // This warp's first streamed tile, in registers before the barrier.
+        const int gt0 = t_lo + ns + warp;
+        uint4 pc[MARKOV_PRE];
+        u32 pcs[MARKOV_PRE];
+#pragma unroll
+        for (int b = 0; b < MARKOV_PRE; ++b) {
+            const bool ok = b < kb && gt0 < t_hi;
+            const long long pb = (long long)gt0 * kbp + b;
+            pc[b] = ok ? wq4[pb * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
+            pcs[b] = ok ? wd2[pb * 8 + g] : 0u;
+        }
+        if (k > 0) {
+            markov_grid_barrier(bar, (u32)B);
+            // The step before's winner from its B partials (slot (k - 1) % 2).
+            const float *pvk = pv + (size_t)((k - 1) & 1) * B;
+            const u32 *pik = pi + (size_t)((k - 1) & 1) * B;
+            float bv = 0.0f;
+            u32 bi = ARGMAX_NONE;
+            for (int c = threadIdx.x; c < B; c += blockDim.x) {
+                const float v = __ldcg(pvk + c);
+                const u32 i = __ldcg(pik + c);
+                if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
+            }
+            block_argmax(bv, bi, rv, ri);
+            p = bi == ARGMAX_NONE ? 0u : bi;
+            if (blockIdx.x == 0 && threadIdx.x == 0) toks[k - 1] = p;
+        }
+        for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
+        __syncthreads();
+        float *lk = logits + (size_t)k * vocab;
+        float bv = 0.0f;
+        u32 bi = ARGMAX_NONE;
+        // One tile in markov_step_a8's arithmetic: blk per block (in order) into the sums of
+        // rows 16 tile + g / + 8, then fin (the quad sums, the logits, this thread's winner).
+        auto blk = [&](int b, const uint4 &c, u32 sc, float &a0, float &a1) {
+            const float4 e0 = *(const float4 *)(emb + b * 32 + 4 * t);
+            const float4 e1 = *(const float4 *)(emb + b * 32 + 16 + 4 * t);
+            a0 = fmaf(dot4_i8(c.x, e0) + dot4_i8(c.z, e1), f16_to_f32((u16)(sc & 0xffffu)), a0);
+            a1 = fmaf(dot4_i8(c.y, e0) + dot4_i8(c.w, e1), f16_to_f32((u16)(sc >> 16)), a1);
+        };
+        auto fin = [&](int tile, float a0, float a1, float l0, float l1) {
+            const int r0 = (tile << 4) + g, r1 = r0 + 8;
+            a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
+            a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
+            a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
+            a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
+            if (r0 < vocab) {
+                const float v = l0 + a0;
+                if (t == 0) lk[r0] = v;
+                if (am_better(v, (u32)r0, bv, bi)) { bv = v; bi = (u32)r0; }
+            }
+            if (r1 < vocab) {
+                const float v = l1 + a1;
+                if (t == 0) lk[r1] = v;
+                if (am_better(v, (u32)r1, bv, bi)) { bv = v; bi = (u32)r1; }
+            }
+        };
+        // The logits of a tile's two rows of this lane (loaded ahead of the dots).
+        auto lg = [&](int tile, float &l0, float &l1) {
+            const int r0 = (tile << 4) + g, r1 = r0 + 8;
+            l0 = r0 < vocab ? lk[r0] : 0.0f;
+            l1 = r1 < vocab ? lk[r1] : 0.0f;
+        };
+        for (int st = warp; st < ns; st += nw) {
+            const uint4 *cw = sc4 + (size_t)st * kb * 32;
+            const u32 *cs = ss + (size_t)st * kb * 8;
+            float a0 = 0.0f, a1 = 0.0f, l0, l1;
+            lg(t_lo + st, l0, l1);
+#pragma unroll 8
+            for (int b = 0; b < kb; ++b) blk(b, cw[b * 32 + lane], cs[b * 8 + g], a0, a1);
+            fin(t_lo + st, a0, a1, l0, l1);
+        }
+        for (int gt = gt0; gt < t_hi; gt += nw) {
+            const long long pb0 = (long long)gt * kbp;
+            float a0 = 0.0f, a1 = 0.0f, l0, l1;
+            lg(gt, l0, l1);
+            if (gt == gt0 && kb <= MARKOV_PRE) {
+#pragma unroll
+                for (int b = 0; b < MARKOV_PRE; ++b)
+                    if (b < kb) blk(b, pc[b], pcs[b], a0, a1);
+            } else {
+#pragma unroll 8
+                for (int b = 0; b < kb; ++b) blk(b, wq4[(pb0 + b) * 32 + lane], wd2[(pb0 + b) * 8 + g], a0, a1);
+            }
+            fin(gt, a0, a1, l0, l1);
+        }
+        block_argmax(bv, bi, rv, ri);
+        if (threadIdx.x == 0) {
+            pv[(size_t)(k & 1) * B + blockIdx.x] = bv;
+            pi[(size_t)(k & 1) * B + blockIdx.x] = bi;
+        }
+    }
+    // The last step's winner.
+    if (n > 0) {
+        markov_grid_barrier(bar, (u32)B);
+        if (blockIdx.x == 0) {
+            const float *pvk = pv + (size_t)((n - 1) & 1) * B;
+            const u32 *pik = pi + (size_t)((n - 1) & 1) * B;
+            float bv = 0.0f;
+            u32 bi = ARGMAX_NONE;
+            for (int c = threadIdx.x; c < B; c += blockDim.x) {
+                const float v = __ldcg(pvk + c);
+                const u32 i = __ldcg(pik + c);
+                if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
+            }
+            block_argmax(bv, bi, rv, ri);
+            if (threadIdx.x == 0) {
+                const u32 r = bi == ARGMAX_NONE ? 0u : bi;
+                toks[n - 1] = r;
+                *prev = r;
+            }
+        }
+    }
 }

@@ -249,6 +249,8 @@ struct Scratch {
     att_ml: Option<CudaSlice<f32>>,
     am_v: Option<CudaSlice<f32>>,
     am_i: Option<CudaSlice<u32>>,
+    /// The persistent Markov chain's grid barrier: [arrivals, generation], zero at rest.
+    mk_bar: Option<CudaSlice<u32>>,
     ids: Option<CudaSlice<u32>>,
     toks: Option<CudaSlice<u32>>,
     x_hi: Option<CudaSlice<u16>>,
@@ -376,6 +378,7 @@ pub struct Cuda {
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
+    markov_persistent: Mutex<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -480,6 +483,7 @@ impl Cuda {
                 att_ml: None,
                 am_v: None,
                 am_i: None,
+                mk_bar: None,
                 ids: None,
                 toks: None,
                 x_hi: None,
@@ -502,6 +506,7 @@ impl Cuda {
             attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
+            markov_persistent: Mutex::new(true),
         })
     }
 
@@ -907,6 +912,14 @@ impl Cuda {
         Ok(())
     }
 
+    /// Whether the Markov chain over a Q8_0A8 W2 runs as one persistent cooperative launch
+    /// (the default: one block per multiprocessor keeps the head of its W2 rows in shared
+    /// memory for every step, the steps meet at a grid barrier) or as two launches per step
+    /// (`false`). The same bits either way; a benchmark knob.
+    pub fn set_markov_persistent(&self, on: bool) {
+        *lock(&self.markov_persistent) = on;
+    }
+
     /// The Markov chain with the previous token and the results on the device
     /// (graph-capturable): `prev[0]` is the starting token and ends as the last draft;
     /// `toks[0..n]` receives the drafts. Two launches per step (programmatic dependent
@@ -938,7 +951,13 @@ impl Cuda {
         let vocab_i = i32_of("markov_chain", "vocab", vocab)?;
         // Q8_0A8 W2 (rank a multiple of 32, as the format requires): one warp per 16-row tile,
         // 256 rows per block; other formats: 4 rows per warp iteration, 1024 rows per block.
+        check("markov_chain", "prev", 1, prev.len())?;
         let a8 = matches!(w2.buf, CudaWeightBuf::Q8A8 { .. });
+        if a8 && n > 0 && *lock(&self.markov_persistent) {
+            if let Some(kt) = self.markov_persistent_tiles(vocab, w2.cols)? {
+                return self.markov_chain_persistent(logits, n, vocab, prev, toks, w1, w2, kt);
+            }
+        }
         let chunk_rows = if a8 { MARKOV_CHUNK_A8 } else { MARKOV_CHUNK };
         let nb = vocab.div_ceil(chunk_rows);
         let mut s = lock(&self.scratch);
@@ -1009,6 +1028,78 @@ impl Cuda {
             unsafe { a.launch(st, &f2, cfg((1, 1, 1), threads_f, 0), pdl) }?;
         }
         Ok(())
+    }
+
+    /// W2 tiles per block the persistent Markov chain keeps in shared memory (its dynamic
+    /// shared memory: `rank` floats + tiles x rank / 32 x 544 bytes), or None where its one
+    /// 512-thread block per multiprocessor does not fit (then the step kernels run).
+    fn markov_persistent_tiles(&self, vocab: usize, rank: usize) -> Result<Option<usize>> {
+        let kb = rank / 32;
+        let per_block = (vocab.div_ceil(16)).div_ceil(self.num_sms.max(1));
+        // 256 bytes of static shared memory (the block reduction) and 1 KiB the driver reserves.
+        let room = self.smem.block.saturating_sub(rank * 4 + 256 + 1024);
+        if kb == 0 || self.smem.block < rank * 4 + 2048 {
+            return Ok(None);
+        }
+        let kt = (room / (kb * 544)).min(per_block);
+        let f = self.func_smem(Kernel::MarkovChainA8P, rank * 4 + kt * kb * 544)?;
+        // Every block resident at once (the cooperative launch would fail otherwise).
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(512, rank * 4 + kt * kb * 544, None)
+            .map_err(dev)?;
+        Ok((per_sm >= 1).then_some(kt))
+    }
+
+    /// The Q8_0A8 Markov chain as one cooperative launch (`markov_chain_a8p`): `kt` W2 tiles
+    /// per block in shared memory.
+    #[allow(clippy::too_many_arguments)]
+    fn markov_chain_persistent(
+        &self,
+        logits: &mut CudaBuf,
+        n: usize,
+        vocab: usize,
+        prev: &mut CudaSlice<u32>,
+        toks: &mut CudaSlice<u32>,
+        w1: &Weight<Self>,
+        w2: &Weight<Self>,
+        kt: usize,
+    ) -> Result<()> {
+        let rank = w1.cols;
+        let smem = rank * 4 + kt * (rank / 32) * 544;
+        let f = self.func_smem(Kernel::MarkovChainA8P, smem)?;
+        let b = self.num_sms;
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.am_v, 2 * b).map_err(dev)?;
+        ensure(&self.stream, &mut s.am_i, 2 * b).map_err(dev)?;
+        ensure(&self.stream, &mut s.mk_bar, 2).map_err(dev)?;
+        let Scratch {
+            am_v, am_i, mk_bar, ..
+        } = &mut *s;
+        let (am_v, am_i, bar) = (
+            am_v.as_mut().ok_or_else(internal)?,
+            am_i.as_mut().ok_or_else(internal)?,
+            mk_bar.as_mut().ok_or_else(internal)?,
+        );
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.i32(w1.buf.fmt_code());
+        raw_weight(&mut a, &w1.buf, st);
+        raw_weight(&mut a, &w2.buf, st);
+        a.i32(i32_of("markov_chain", "rank", rank)?)
+            .i32(i32_of("markov_chain", "vocab", vocab)?)
+            .i32(i32_of("markov_chain", "n", n)?)
+            .dptr_mut(&mut *prev, st)
+            .dptr_mut(&mut logits.data, st)
+            .dptr_mut(&mut *toks, st)
+            .dptr_mut(&mut *am_v, st)
+            .dptr_mut(&mut *am_i, st)
+            .dptr_mut(&mut *bar, st)
+            .i32(kt as i32);
+        // SAFETY: markov_chain_a8p's parameters in order (fmt1, w1 q, w1 d, w2 q, w2 d, rank,
+        // vocab, n, prev, logits, toks, pv, pi, bar, kt); pv / pi hold 2 x num_sms values, bar
+        // 2 zeroed words; a cooperative launch of num_sms blocks (one per multiprocessor fits:
+        // markov_persistent_tiles checked the occupancy).
+        unsafe { a.launch_attrs(st, &f, cfg((b as u32, 1, 1), 512, smem as u32), false, true) }
     }
 
     /// The skinny (<= 16 rows) matmul on the tensor cores or the SIMT kernel.
@@ -2080,17 +2171,43 @@ impl RawArgs {
         c: LaunchConfig,
         pdl: bool,
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_attrs(st, f, c, pdl, false) }
+    }
+
+    /// [`RawArgs::launch`], optionally as a cooperative launch (`coop`: every block resident
+    /// at once, or the launch fails with an error; for kernels with a grid barrier).
+    ///
+    /// # Safety
+    /// The parameters must match `f`'s signature in number, order and size.
+    unsafe fn launch_attrs(
+        &mut self,
+        st: &CudaStream,
+        f: &CudaFunction,
+        c: LaunchConfig,
+        pdl: bool,
+        coop: bool,
+    ) -> Result<()> {
         st.context().bind_to_thread().map_err(dev)?;
         let mut params: Vec<*mut std::ffi::c_void> = self
             .0
             .iter_mut()
             .map(|b| b as *mut u64 as *mut std::ffi::c_void)
             .collect();
-        // SAFETY: a plain C struct; every field is set below or valid as zero.
-        let mut attr: drv_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id =
-            drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: plain C structs; every field is set below or valid as zero.
+        let mut attrs: [drv_sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if pdl {
+            attrs[n].id =
+                drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if coop {
+            attrs[n].id = drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
+            n += 1;
+        }
         let lc = drv_sys::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -2100,11 +2217,15 @@ impl RawArgs {
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
             hStream: st.cu_stream(),
-            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: u32::from(pdl),
+            attrs: if n > 0 {
+                attrs.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: n as u32,
         };
         // SAFETY: `params` points at live values matching the kernel's parameters (caller),
-        // `lc` and `attr` outlive the call.
+        // `lc` and `attrs` outlive the call.
         unsafe {
             drv_sys::cuLaunchKernelEx(
                 &lc,

@@ -98,6 +98,7 @@ kernels! {
     MarkovStep => (Reduce, "markov_step"),
     MarkovStepA8 => (Reduce, "markov_step_a8"),
     MarkovStepV => (Reduce, "markov_step_v"),
+    MarkovChainA8P => (Reduce, "markov_chain_a8p"),
     SkinnyBf16N1 => (Matmul, "skinny_bf16_n1"),
     SkinnyBf16N2 => (Matmul, "skinny_bf16_n2"),
     SkinnyQ8N1 => (Matmul, "skinny_q8_0_n1"),

@@ -752,6 +752,45 @@ fn markov_chain_on_device() {
     }
 }
 
+/// The persistent Q8_0A8 Markov chain (one cooperative launch, the default) gives the tokens and
+/// the logits bits of the step kernels (`set_markov_persistent(false)`): W2 tiles kept in shared
+/// memory and streamed (the 8B vocabulary), more blocks per row than the streamed tiles' register
+/// prefetch holds (rank 320), and more multiprocessors than tiles (vocabulary 40).
+#[test]
+fn markov_chain_persistent_equals_the_step_kernels_bit_for_bit() {
+    if gpu("markov_chain_persistent_equals_the_step_kernels_bit_for_bit").is_none() {
+        return;
+    }
+    let mut r = rng("markov_chain_persistent_equals_the_step_kernels_bit_for_bit");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    for (vocab, rank, n) in [
+        (151936usize, 256usize, 15usize),
+        (120000, 320, 4),
+        (4000, 64, 3),
+        (40, 32, 2),
+    ] {
+        let w1v = rand_vec(&mut r, vocab * rank, 1.0);
+        let w2v = rand_vec(&mut r, vocab * rank, 0.2);
+        let h1 =
+            HostWeight::from_f32("markov_w1", vocab, rank, &w1v, WeightFormat::Q8_0A8).unwrap();
+        let h2 =
+            HostWeight::from_f32("markov_w2", vocab, rank, &w2v, WeightFormat::Q8_0A8).unwrap();
+        let (w1, w2) = (g.upload_weight(&h1).unwrap(), g.upload_weight(&h2).unwrap());
+        let logits = rand_vec(&mut r, n * vocab, 4.0);
+        let mut out = Vec::new();
+        for persistent in [false, true] {
+            g.set_markov_persistent(persistent);
+            let mut lg = g.upload(&logits).unwrap();
+            let toks = g.markov_chain(&mut lg, n, vocab, 17, &w1, &w2).unwrap();
+            out.push((toks, g.download(&lg).unwrap()));
+        }
+        let what = format!("vocab {vocab} rank {rank} n {n}");
+        assert_eq!(out[1].0, out[0].0, "{what}: tokens");
+        assert_same_bits(&what, &out[1].1, &out[0].1);
+    }
+    eprintln!("EXACT the persistent Markov chain == the step kernels (tokens and logits)");
+}
+
 fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if let Some(i) = got

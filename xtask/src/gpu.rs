@@ -121,7 +121,8 @@ pub struct BenchArgs {
     /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
     /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +gp=kKSsS
     /// (the paired gate / up kernel: k-slices, stages), +x1 (the fast attention through the
-    /// 1xTF32 kernel instead of the f16 one); with --markov the sweep's step is the DSpark step).
+    /// 1xTF32 kernel instead of the f16 one), +mksteps (the Markov chain as two launches per
+    /// step, not one persistent launch); with --markov the sweep's step is the DSpark step).
     #[arg(long)]
     a8_sweep: Option<String>,
     /// Write the markdown report here (it is printed either way).
@@ -1646,6 +1647,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         q8epi: bool,
         q8pair: bool,
         attn_f16: bool,
+        markov_persistent: bool,
         pair_kernel: (u8, u8),
         proj_kernels: [Option<A8Kernel>; 4],
     }
@@ -1667,6 +1669,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 q8epi: false,
                 q8pair: true,
                 attn_f16: true,
+                markov_persistent: true,
                 pair_kernel: (1, 3),
                 proj_kernels: [None; 4],
             };
@@ -1693,6 +1696,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.q8pair = false;
                 } else if opt == "x1" {
                     cfg.attn_f16 = false;
+                } else if opt == "mksteps" {
+                    cfg.markov_persistent = false;
                 } else if let Some(n) = opt.strip_prefix("gp=k") {
                     // The paired gate / up kernel: gp=kKSsS (k-slices, stages), e.g. gp=k1s3.
                     let (ks, st) = n
@@ -1813,6 +1818,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
                     g.set_attn_fast_f16(c.attn_f16);
+                    g.set_markov_persistent(c.markov_persistent);
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
                     m.fast_attn = c.fast_attn;
@@ -1840,6 +1846,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
     g.set_attn_fast_f16(true);
+    g.set_markov_persistent(true);
     Ok(())
 }
 
