@@ -234,30 +234,68 @@ extern "C" __global__ void markov_step_v(int fmt1, const void *__restrict__ w1q,
 // One Markov step for a Q8_0A8 W2 (the mma fragment layout of WeightFormat::Q8_0A8): one warp
 // per 16-row tile. Lane L reads the tile's 16 bytes of each 32-value block (the warp reads
 // 512 contiguous bytes per block: coalesced, where a row-wise kernel gathers single codes of
-// the fragment layout: 8B DSpark step 3.25 ms with such a kernel, most of it the chain) and
-// owns rows g = L / 4 and g + 8 at k = 4t .. 4t+3 and 16+4t .. 19+4t of every block (t = L % 4):
-// per row and block the exact int8 x f32 products (in k order), times the block's scale
-// (fma into the row's sum, blocks in order), then the 4 lanes of a row added with shuffles.
-// Another summation order than markov_step's (within f32 rounding); the argmax rule is the
-// same (am_better: order-free). Same parameters as markov_step (fmt2 must be FMT_Q8A8, rank a
-// multiple of 32, chunk a multiple of 16). At most 5 blocks of 256 threads per multiprocessor
-// by registers (48): the 8B vocabulary's 594 blocks in one wave on 132 SMs (52 registers and
-// 4 per SM before: 1.13 waves); the first tile's W2 is copied in before the dependency wait.
-// The 4 int8 codes of c as exact floats without the int-to-float converter (a quarter-rate unit:
-// 38.9M conversions per step at the 8B vocabulary, rank 256, were most of a step's time): the
-// code + 128 as the low byte of 2^23's bit pattern (one byte permute), minus 2^23 + 128.
-__device__ __forceinline__ float i8_at(u32 cu, int j) {
-    return __uint_as_float(__byte_perm(cu, 0x4B000000u, 0x7650u + (u32)j)) - 8388736.0f;
-}
-__device__ __forceinline__ float dot4_i8(u32 c, float4 e) {
-    const u32 cu = c ^ 0x80808080u;  // each code + 128, as unsigned bytes
-    float s = i8_at(cu, 0) * e.x;
-    s = fmaf(i8_at(cu, 1), e.y, s);
-    s = fmaf(i8_at(cu, 2), e.z, s);
-    return fmaf(i8_at(cu, 3), e.w, s);
-}
+// the fragment layout: 8B DSpark step 3.25 ms with such a kernel, most of it the chain), and
+// the block's products run on the f16 tensor cores (markov_blk); per row the blocks' sums are
+// scaled and added in block order. Another summation order than markov_step's (within f32
+// rounding); the argmax rule is the same (am_better: order-free). Same parameters as
+// markov_step (fmt2 must be FMT_Q8A8, rank a multiple of 32, chunk a multiple of 16). At most 5
+// blocks of 256 threads per multiprocessor by registers (48): the 8B vocabulary's 594 blocks in
+// one wave on 132 SMs; the first tile's W2 is copied in before the dependency wait.
 __device__ __forceinline__ void cp_async16_cg(void *s, const void *g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(s)), "l"(g) : "memory");
+}
+
+// The Q8_0A8 Markov tiles on the f16 tensor cores (mma m16n8k16, f32 accumulation). Per 32-value
+// block of a 16-row tile: A = the tile's int8 codes as exact f16 (a byte permute into 1024 + code
+// + 128, minus 1152), two k16 halves; B = emb split into f16 hi = f16(e) (column 0) and lo =
+// f16(e - hi) (column 1), the other columns zero; so lane t = 0 of each quad gets the block's
+// row sums of hi and lo products (exact int8 x f16 products, f32 accumulation), which it adds
+// and scales into the row's sum (blocks in order). emb's hi + lo is within 2^-22 of e, so the
+// logits are within f32 rounding of the exact dot (the CPU backend's order differs anyway).
+// The k order inside a block is permuted alike in A and B: lane (g, t)'s 4 codes of row g at k =
+// 4t .. 4t+3 (+16 for the second half) are the mma's k = 2t, 2t+1, 2t+8, 2t+9.
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Codes j, j + 1 (j = 0 or 2) of the word c ^ 0x80808080 as an exact f16 pair.
+__device__ __forceinline__ u32 i8x2_h2(u32 cu, u32 sel) {
+    const u32 x = __byte_perm(cu, 0x64646464u, sel);
+    u32 r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x64806480u));
+    return r;
+}
+// The B fragments of emb (rank floats): frag[(b * 2 + half) * 32 + lane] for every block b and
+// k16 half; every thread of the block takes part, a __syncthreads must follow.
+__device__ __forceinline__ void markov_emb_frag(const float *emb, int kb, uint2 *frag) {
+    for (int i = threadIdx.x; i < kb * 64; i += blockDim.x) {
+        const int ln = i & 31, half = (i >> 5) & 1, b = i >> 6, gg = ln >> 2, tt = ln & 3;
+        uint2 f = make_uint2(0u, 0u);
+        if (gg < 2) {
+            const float4 e = *(const float4 *)(emb + b * 32 + 16 * half + 4 * tt);
+            const float v[4] = {e.x, e.y, e.z, e.w};
+            u32 h[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u16 hi = f32_to_f16_bits(v[j]);
+                h[j] = gg == 0 ? hi : f32_to_f16_bits(v[j] - f16_to_f32(hi));
+            }
+            f = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+        }
+        frag[i] = f;
+    }
+}
+// Block b of a tile: codes c (this lane's 16 bytes), scales sc (rows g / g + 8), into the row
+// sums a0 / a1 (meaningful on lanes t = 0; the others add zeros).
+__device__ __forceinline__ void markov_blk(const uint4 &c, u32 sc, const uint2 *frag, int b, int lane, float &a0, float &a1) {
+    const u32 ux = c.x ^ 0x80808080u, uy = c.y ^ 0x80808080u, uz = c.z ^ 0x80808080u, uw = c.w ^ 0x80808080u;
+    const uint2 f0 = frag[(b * 2) * 32 + lane], f1 = frag[(b * 2 + 1) * 32 + lane];
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_f16_16816(d, i8x2_h2(ux, 0x4140u), i8x2_h2(uy, 0x4140u), i8x2_h2(ux, 0x4342u), i8x2_h2(uy, 0x4342u), f0.x, f0.y);
+    mma_f16_16816(d, i8x2_h2(uz, 0x4140u), i8x2_h2(uw, 0x4140u), i8x2_h2(uz, 0x4342u), i8x2_h2(uw, 0x4342u), f1.x, f1.y);
+    a0 = fmaf(d[0] + d[1], f16_to_f32((u16)(sc & 0xffffu)), a0);
+    a1 = fmaf(d[2] + d[3], f16_to_f32((u16)(sc >> 16)), a1);
 }
 // The W2 blocks of its first tile that a warp copies into shared memory before the grid
 // dependency wait (W2 does not depend on the step before): blocks 0 .. MARKOV_PRE-1.
@@ -266,8 +304,8 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     markov_step_a8(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2, const void *__restrict__ w2q,
                    const u16 *__restrict__ w2d, int rank, int vocab, const u32 *__restrict__ prev, float *__restrict__ logits,
                    int chunk, float *__restrict__ pv, u32 *__restrict__ pi) {
-    // Dynamic shared memory: emb (rank floats), then per warp MARKOV_PRE blocks of codes (512
-    // bytes each), then per warp MARKOV_PRE x 8 scale words.
+    // Dynamic shared memory: emb (rank floats), emb's mma fragments (kb x 64 uint2), then per
+    // warp MARKOV_PRE blocks of codes (512 bytes each), then per warp MARKOV_PRE x 8 scale words.
     extern __shared__ __align__(16) float emb[];
     __shared__ float rv[32];
     __shared__ u32 ri[32];
@@ -278,8 +316,9 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
     const uint4 *wq4 = (const uint4 *)w2q;
     const u32 *wd2 = (const u32 *)w2d;
-    uint4 *pre_c = (uint4 *)(emb + rank) + warp * MARKOV_PRE * 32;
-    u32 *pre_s = (u32 *)((uint4 *)(emb + rank) + nw * MARKOV_PRE * 32) + warp * MARKOV_PRE * 8;
+    uint2 *frag = (uint2 *)(emb + rank);
+    uint4 *pre_c = (uint4 *)(frag + kb * 64) + warp * MARKOV_PRE * 32;
+    u32 *pre_s = (u32 *)((uint4 *)(frag + kb * 64) + nw * MARKOV_PRE * 32) + warp * MARKOV_PRE * 8;
     const int tile0 = (o0 >> 4) + warp;
     if ((tile0 << 4) < o1) {
 #pragma unroll
@@ -292,8 +331,9 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     markov_load_emb(fmt1, w1q, w1d, prev, rank, emb);
+    markov_emb_frag(emb, kb, frag);
     asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncwarp();
+    __syncthreads();
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
     for (int tile = tile0; (tile << 4) < o1; tile += nw) {
@@ -303,12 +343,7 @@ extern "C" __global__ void __launch_bounds__(256, 5)
         // The two logits in flight with the W2 loads (not a round trip after the dots).
         const float l0 = r0 < o1 ? logits[r0] : 0.0f, l1 = r1 < o1 ? logits[r1] : 0.0f;
         // Block b's update of the rows' sums (blocks in order).
-        auto step = [&](int b, const uint4 &c, u32 sc) {
-            const float4 e0 = *(const float4 *)(emb + b * 32 + 4 * t);
-            const float4 e1 = *(const float4 *)(emb + b * 32 + 16 + 4 * t);
-            a0 = fmaf(dot4_i8(c.x, e0) + dot4_i8(c.z, e1), f16_to_f32((u16)(sc & 0xffffu)), a0);
-            a1 = fmaf(dot4_i8(c.y, e0) + dot4_i8(c.w, e1), f16_to_f32((u16)(sc >> 16)), a1);
-        };
+        auto step = [&](int b, const uint4 &c, u32 sc) { markov_blk(c, sc, frag, b, lane, a0, a1); };
         int b = 0;
         if (tile == tile0) {
 #pragma unroll
@@ -383,7 +418,8 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     const int ns = min(kt, t_hi - t_lo);  // tiles kept in shared memory
     const uint4 *wq4 = (const uint4 *)w2q;
     const u32 *wd2 = (const u32 *)w2d;
-    uint4 *sc4 = (uint4 *)(emb + rank);               // [ns][kb][32]
+    uint2 *frag = (uint2 *)(emb + rank);              // [kb][2][32]
+    uint4 *sc4 = (uint4 *)(frag + kb * 64);           // [ns][kb][32]
     u32 *ss = (u32 *)(sc4 + (size_t)ns * kb * 32);    // [ns][kb][8]
     // The kept tiles, once.
     for (int e = threadIdx.x; e < ns * kb * 34; e += blockDim.x) {
@@ -426,17 +462,14 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         }
         for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
         __syncthreads();
+        markov_emb_frag(emb, kb, frag);
+        __syncthreads();
         float *lk = logits + (size_t)k * vocab;
         float bv = 0.0f;
         u32 bi = ARGMAX_NONE;
         // One tile in markov_step_a8's arithmetic: blk per block (in order) into the sums of
         // rows 16 tile + g / + 8, then fin (the quad sums, the logits, this thread's winner).
-        auto blk = [&](int b, const uint4 &c, u32 sc, float &a0, float &a1) {
-            const float4 e0 = *(const float4 *)(emb + b * 32 + 4 * t);
-            const float4 e1 = *(const float4 *)(emb + b * 32 + 16 + 4 * t);
-            a0 = fmaf(dot4_i8(c.x, e0) + dot4_i8(c.z, e1), f16_to_f32((u16)(sc & 0xffffu)), a0);
-            a1 = fmaf(dot4_i8(c.y, e0) + dot4_i8(c.w, e1), f16_to_f32((u16)(sc >> 16)), a1);
-        };
+        auto blk = [&](int b, const uint4 &c, u32 sc, float &a0, float &a1) { markov_blk(c, sc, frag, b, lane, a0, a1); };
         auto fin = [&](int tile, float a0, float a1, float l0, float l1) {
             const int r0 = (tile << 4) + g, r1 = r0 + 8;
             a0 += __shfl_xor_sync(0xffffffffu, a0, 1);

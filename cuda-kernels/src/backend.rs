@@ -339,6 +339,12 @@ fn stale(op: &'static str, act: &A8Act) -> BackendError {
 /// Threads of an `argmax_final` block over `n` partials: each loads up to 4 of them in one
 /// batch of round trips (a warp looping over 594 Markov partials, 19 dependent round trips,
 /// took 16 us in ncu), a multiple of 32, at most 1024.
+/// Dynamic shared memory of `markov_chain_a8p` keeping `kt` W2 tiles: emb (rank floats), its
+/// mma fragments (rank / 32 x 512 bytes), the tiles (rank / 32 blocks of 512 + 32 bytes each).
+fn markov_persistent_smem(rank: usize, kt: usize) -> usize {
+    rank * 4 + rank / 32 * 512 + kt * (rank / 32) * 544
+}
+
 fn am_final_threads(n: usize) -> u32 {
     (n.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
 }
@@ -973,13 +979,6 @@ impl Cuda {
         // loads: bf16 2.570 -> 2.349 / 3.390 -> 3.182, q4_0 2.949 -> 2.531 / 3.793 -> 3.320,
         // q8_0 2.692 -> 2.737 / 3.650 -> 3.876 (slower: it keeps the scalar kernel).
         let v = w2.cols.is_multiple_of(8) && !matches!(w2.buf, CudaWeightBuf::Q8_0 { .. });
-        let f1 = self.func(if a8 {
-            Kernel::MarkovStepA8
-        } else if v {
-            Kernel::MarkovStepV
-        } else {
-            Kernel::MarkovStep
-        })?;
         let f2 = self.func(Kernel::ArgmaxFinal)?;
         let (fmt1, fmt2, chunk, nb_i) = (
             w1.buf.fmt_code(),
@@ -995,9 +994,22 @@ impl Cuda {
         // normally (the kernels' griddep instructions are then no-ops).
         let pdl = *lock(&self.a8_pdl) && a8;
         let st = &*self.stream;
-        // markov_step_a8: emb, then per warp (8) the first tile's MARKOV_PRE (8) blocks of
-        // codes (512 bytes) and scales (32 bytes), copied before the grid dependency wait.
-        let smem1 = w1.cols * 4 + if a8 { 8 * 8 * (512 + 32) } else { 0 };
+        // markov_step_a8: emb, its mma fragments (rank / 32 x 512 bytes), then per warp (8) the
+        // first tile's MARKOV_PRE (8) blocks of codes (512 bytes) and scales (32 bytes), copied
+        // before the grid dependency wait.
+        let smem1 = w1.cols * 4
+            + if a8 {
+                w1.cols / 32 * 512 + 8 * 8 * (512 + 32)
+            } else {
+                0
+            };
+        let f1 = if a8 {
+            self.func_smem(Kernel::MarkovStepA8, smem1)?
+        } else if v {
+            self.func(Kernel::MarkovStepV)?
+        } else {
+            self.func(Kernel::MarkovStep)?
+        };
         let (threads_f, smem1) = (am_final_threads(nb), smem1 as u32);
 
         for k in 0..n {
@@ -1030,22 +1042,22 @@ impl Cuda {
         Ok(())
     }
 
-    /// W2 tiles per block the persistent Markov chain keeps in shared memory (its dynamic
-    /// shared memory: `rank` floats + tiles x rank / 32 x 544 bytes), or None where its one
-    /// 512-thread block per multiprocessor does not fit (then the step kernels run).
+    /// W2 tiles per block the persistent Markov chain keeps in shared memory, or None where
+    /// its one 512-thread block per multiprocessor does not fit (then the step kernels run).
     fn markov_persistent_tiles(&self, vocab: usize, rank: usize) -> Result<Option<usize>> {
         let kb = rank / 32;
         let per_block = (vocab.div_ceil(16)).div_ceil(self.num_sms.max(1));
         // 256 bytes of static shared memory (the block reduction) and 1 KiB the driver reserves.
-        let room = self.smem.block.saturating_sub(rank * 4 + 256 + 1024);
-        if kb == 0 || self.smem.block < rank * 4 + 2048 {
+        let fixed = markov_persistent_smem(rank, 0) + 256 + 1024;
+        if kb == 0 || self.smem.block < fixed {
             return Ok(None);
         }
-        let kt = (room / (kb * 544)).min(per_block);
-        let f = self.func_smem(Kernel::MarkovChainA8P, rank * 4 + kt * kb * 544)?;
+        let kt = ((self.smem.block - fixed) / (kb * 544)).min(per_block);
+        let smem = markov_persistent_smem(rank, kt);
+        let f = self.func_smem(Kernel::MarkovChainA8P, smem)?;
         // Every block resident at once (the cooperative launch would fail otherwise).
         let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(512, rank * 4 + kt * kb * 544, None)
+            .occupancy_max_active_blocks_per_multiprocessor(512, smem, None)
             .map_err(dev)?;
         Ok((per_sm >= 1).then_some(kt))
     }
@@ -1065,7 +1077,7 @@ impl Cuda {
         kt: usize,
     ) -> Result<()> {
         let rank = w1.cols;
-        let smem = rank * 4 + kt * (rank / 32) * 544;
+        let smem = markov_persistent_smem(rank, kt);
         let f = self.func_smem(Kernel::MarkovChainA8P, smem)?;
         let b = self.num_sms;
         let mut s = lock(&self.scratch);
