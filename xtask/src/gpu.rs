@@ -105,6 +105,12 @@ pub struct BenchArgs {
     /// previous mark, per op and summed per kind of op; then exit.
     #[arg(long)]
     timeline: bool,
+    /// Only the library drafter's step (`dflash_draft_model::Drafter::draft`: Q8_0A8, the fast
+    /// attention, random weights, a Q8_0A8 embedding and lm_head lent as the target's) at the
+    /// --shapes and --ctx given, beside this bench's own step of the same shape (eager and
+    /// graph), wall-clock ms per call including the host synchronization, then exit.
+    #[arg(long)]
+    library: bool,
     /// Only the norm -> projection chain timings (us per instance; 10 distinct q/k/v weight
     /// copies per graph), then exit.
     #[arg(long)]
@@ -736,6 +742,114 @@ impl Model {
         self.timeline = tl;
         Ok(())
     }
+}
+
+/// Median wall-clock milliseconds of `f` followed by a stream synchronization, over `iters`
+/// runs (after 3 warm-up runs).
+fn wall_ms(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let st = g.stream().clone();
+    for _ in 0..3 {
+        f()?;
+    }
+    st.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t0 = std::time::Instant::now();
+        f()?;
+        st.synchronize()?;
+        ts.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
+}
+
+/// `--library`: the library drafter's `draft()` at a bench shape beside the bench's own step.
+fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
+    use dflash_draft_model::random::random_tensor_map;
+    use dflash_draft_model::{
+        DraftConfig, DraftOptions, Drafter, LentWeights, LoadOptions, Precision,
+    };
+    println!("| shape | ctx | library draft() ms | bench step eager ms | bench step graph ms | library / bench graph |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for s in shapes {
+        // The z-lab layout of the shape: 5 target taps, layer types from the windows.
+        let taps = [1i64, 9, 17, 25, 33];
+        let types: Vec<&str> = s
+            .windows
+            .iter()
+            .map(|w| {
+                if w.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
+        let window = s.windows.iter().flatten().next().copied();
+        let cfg = DraftConfig::from_json_str(
+            &serde_json::json!({
+                "architectures": ["DFlashDraftModel"],
+                "hidden_size": s.hidden,
+                "num_hidden_layers": s.layers,
+                "num_attention_heads": s.heads,
+                "num_key_value_heads": s.kv_heads,
+                "head_dim": s.head_dim,
+                "intermediate_size": s.inter,
+                "vocab_size": s.vocab,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0,
+                "block_size": s.block,
+                "dflash_config": {"mask_token_id": s.vocab - 1, "target_layer_ids": taps},
+                "layer_types": types,
+                "sliding_window": window,
+            })
+            .to_string(),
+        )
+        .map_err(|e| anyhow!("{e:?}"))?;
+        let map = random_tensor_map(&cfg, 7);
+        let opts = LoadOptions {
+            precision: Precision::Q8_0A8,
+            fast_attention: true,
+            ..Default::default()
+        };
+        let dr = Drafter::from_tensors(g, cfg, &map, &opts)?;
+        drop(map);
+        let f = WeightFormat::Q8_0A8;
+        let lend = LentWeights::new(
+            g.random_weight("embed", s.vocab, s.hidden, f, 11, 1.0)?,
+            g.random_weight("lm_head", s.vocab, s.hidden, f, 12, 1.0 / 64.0)?,
+        )?;
+        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+        let mut m = Model::new(g, s, f, cap, false, 42)?;
+        m.fast_attn = true;
+        m.q8norm = !a.no_a8_producers;
+        let mut b = m.bufs(g, s.block)?;
+        for &ctx in ctxs {
+            let mut kv = dr.new_kv(g, ctx + s.block)?;
+            let feats: Vec<f32> = (0..ctx * taps.len() * s.hidden)
+                .map(|i| ((i % 251) as f32 - 125.0) / 125.0)
+                .collect();
+            let feats = g.upload(&feats)?;
+            dr.ingest(g, &mut kv, &feats, ctx, 0)?;
+            let o = DraftOptions {
+                markov: false,
+                ..Default::default()
+            };
+            let lib = wall_ms(g, a.iters, || {
+                dr.draft(g, &mut kv, &lend, 1, ctx, &o)?;
+                Ok(())
+            })?;
+            let eager = wall_ms(g, a.iters, || m.forward(g, &mut b, s.block, ctx, false, 1))?;
+            let t = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
+            let graph = t.graph.unwrap_or(f64::NAN);
+            println!(
+                "| {} | {ctx} | {lib:.3} | {eager:.3} | {graph:.3} | {:.2}x |",
+                s.name,
+                lib / graph
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Median milliseconds of `f` over `iters` runs, timed with device events.
@@ -1400,6 +1514,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     if a.timeline {
         return timeline(&g, &a, &shapes, &ctxs);
+    }
+    if a.library {
+        return library_step(&g, &a, &shapes, &ctxs);
     }
     let bw = copy_bandwidth(&g)?;
     let mut md = String::new();
