@@ -297,6 +297,26 @@ __device__ __forceinline__ void markov_blk(const uint4 &c, u32 sc, const uint2 *
     a0 = fmaf(d[0] + d[1], f16_to_f32((u16)(sc & 0xffffu)), a0);
     a1 = fmaf(d[2] + d[3], f16_to_f32((u16)(sc >> 16)), a1);
 }
+// The end of a Markov tile: the quad sums of rows r0 = 16 tile + g and r0 + 8 (a0 / a1), their
+// logits l + sum for rows below o1 (stored by lane t = 0) and this thread's running winner.
+__device__ __forceinline__ void markov_tile_end(float a0, float a1, float l0, float l1, int r0, int o1, int t, float *logits,
+                                                float &bv, u32 &bi) {
+    a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
+    a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
+    a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
+    a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
+    const int r1 = r0 + 8;
+    if (r0 < o1) {
+        const float v = l0 + a0;
+        if (t == 0) logits[r0] = v;
+        if (am_better(v, (u32)r0, bv, bi)) { bv = v; bi = (u32)r0; }
+    }
+    if (r1 < o1) {
+        const float v = l1 + a1;
+        if (t == 0) logits[r1] = v;
+        if (am_better(v, (u32)r1, bv, bi)) { bv = v; bi = (u32)r1; }
+    }
+}
 // The W2 blocks of its first tile that a warp copies into shared memory before the grid
 // dependency wait (W2 does not depend on the step before): blocks 0 .. MARKOV_PRE-1.
 #define MARKOV_PRE 8
@@ -353,20 +373,7 @@ extern "C" __global__ void __launch_bounds__(256, 5)
         }
 #pragma unroll 8
         for (; b < kb; ++b) step(b, wq4[(pb0 + b) * 32 + lane], wd2[(pb0 + b) * 8 + g]);
-        a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
-        a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
-        a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
-        a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
-        if (r0 < o1) {
-            const float v = l0 + a0;
-            if (t == 0) logits[r0] = v;
-            if (am_better(v, (u32)r0, bv, bi)) { bv = v; bi = (u32)r0; }
-        }
-        if (r1 < o1) {
-            const float v = l1 + a1;
-            if (t == 0) logits[r1] = v;
-            if (am_better(v, (u32)r1, bv, bi)) { bv = v; bi = (u32)r1; }
-        }
+        markov_tile_end(a0, a1, l0, l1, r0, o1, t, logits, bv, bi);
     }
     block_argmax(bv, bi, rv, ri);
     if (threadIdx.x == 0) { pv[blockIdx.x] = bv; pi[blockIdx.x] = bi; }
@@ -401,6 +408,19 @@ __device__ __forceinline__ void markov_grid_barrier(u32 *bar, u32 nblocks) {
         __threadfence();
     }
     __syncthreads();
+}
+// The winner among the B partial winners (pv, pi) of a step, as argmax_final picks it (0 where
+// there is none); every thread of the block calls it.
+__device__ __forceinline__ u32 markov_partials_winner(const float *pv, const u32 *pi, int B, float *rv, u32 *ri) {
+    float bv = 0.0f;
+    u32 bi = ARGMAX_NONE;
+    for (int c = threadIdx.x; c < B; c += blockDim.x) {
+        const float v = __ldcg(pv + c);
+        const u32 i = __ldcg(pi + c);
+        if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    block_argmax(bv, bi, rv, ri);
+    return bi == ARGMAX_NONE ? 0u : bi;
 }
 extern "C" __global__ void __launch_bounds__(512, 1)
     markov_chain_a8p(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, const void *__restrict__ w2q,
@@ -447,17 +467,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         if (k > 0) {
             markov_grid_barrier(bar, (u32)B);
             // The step before's winner from its B partials (slot (k - 1) % 2).
-            const float *pvk = pv + (size_t)((k - 1) & 1) * B;
-            const u32 *pik = pi + (size_t)((k - 1) & 1) * B;
-            float bv = 0.0f;
-            u32 bi = ARGMAX_NONE;
-            for (int c = threadIdx.x; c < B; c += blockDim.x) {
-                const float v = __ldcg(pvk + c);
-                const u32 i = __ldcg(pik + c);
-                if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
-            }
-            block_argmax(bv, bi, rv, ri);
-            p = bi == ARGMAX_NONE ? 0u : bi;
+            p = markov_partials_winner(pv + (size_t)((k - 1) & 1) * B, pi + (size_t)((k - 1) & 1) * B, B, rv, ri);
             if (blockIdx.x == 0 && threadIdx.x == 0) toks[k - 1] = p;
         }
         for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
@@ -468,24 +478,10 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         float bv = 0.0f;
         u32 bi = ARGMAX_NONE;
         // One tile in markov_step_a8's arithmetic: blk per block (in order) into the sums of
-        // rows 16 tile + g / + 8, then fin (the quad sums, the logits, this thread's winner).
+        // rows 16 tile + g / + 8, then fin (markov_tile_end).
         auto blk = [&](int b, const uint4 &c, u32 sc, float &a0, float &a1) { markov_blk(c, sc, frag, b, lane, a0, a1); };
         auto fin = [&](int tile, float a0, float a1, float l0, float l1) {
-            const int r0 = (tile << 4) + g, r1 = r0 + 8;
-            a0 += __shfl_xor_sync(0xffffffffu, a0, 1);
-            a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
-            a0 += __shfl_xor_sync(0xffffffffu, a0, 2);
-            a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
-            if (r0 < vocab) {
-                const float v = l0 + a0;
-                if (t == 0) lk[r0] = v;
-                if (am_better(v, (u32)r0, bv, bi)) { bv = v; bi = (u32)r0; }
-            }
-            if (r1 < vocab) {
-                const float v = l1 + a1;
-                if (t == 0) lk[r1] = v;
-                if (am_better(v, (u32)r1, bv, bi)) { bv = v; bi = (u32)r1; }
-            }
+            markov_tile_end(a0, a1, l0, l1, (tile << 4) + g, vocab, t, lk, bv, bi);
         };
         // The logits of a tile's two rows of this lane (loaded ahead of the dots).
         auto lg = [&](int tile, float &l0, float &l1) {
@@ -526,18 +522,8 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     if (n > 0) {
         markov_grid_barrier(bar, (u32)B);
         if (blockIdx.x == 0) {
-            const float *pvk = pv + (size_t)((n - 1) & 1) * B;
-            const u32 *pik = pi + (size_t)((n - 1) & 1) * B;
-            float bv = 0.0f;
-            u32 bi = ARGMAX_NONE;
-            for (int c = threadIdx.x; c < B; c += blockDim.x) {
-                const float v = __ldcg(pvk + c);
-                const u32 i = __ldcg(pik + c);
-                if (i != ARGMAX_NONE && am_better(v, i, bv, bi)) { bv = v; bi = i; }
-            }
-            block_argmax(bv, bi, rv, ri);
+            const u32 r = markov_partials_winner(pv + (size_t)((n - 1) & 1) * B, pi + (size_t)((n - 1) & 1) * B, B, rv, ri);
             if (threadIdx.x == 0) {
-                const u32 r = bi == ARGMAX_NONE ? 0u : bi;
                 toks[n - 1] = r;
                 *prev = r;
             }
