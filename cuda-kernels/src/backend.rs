@@ -336,15 +336,15 @@ fn stale(op: &'static str, act: &A8Act) -> BackendError {
     }
 }
 
-/// Threads of an `argmax_final` block over `n` partials: each loads up to 4 of them in one
-/// batch of round trips (a warp looping over 594 Markov partials, 19 dependent round trips,
-/// took 16 us in ncu), a multiple of 32, at most 1024.
 /// Dynamic shared memory of `markov_chain_a8p` keeping `kt` W2 tiles: emb (rank floats), its
 /// mma fragments (rank / 32 x 512 bytes), the tiles (rank / 32 blocks of 512 + 32 bytes each).
 fn markov_persistent_smem(rank: usize, kt: usize) -> usize {
     rank * 4 + rank / 32 * 512 + kt * (rank / 32) * 544
 }
 
+/// Threads of an `argmax_final` block over `n` partials: each loads up to 4 of them in one
+/// batch of round trips (a warp looping over 594 Markov partials, 19 dependent round trips,
+/// took 16 us in ncu), a multiple of 32, at most 1024.
 fn am_final_threads(n: usize) -> u32 {
     (n.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
 }
@@ -385,6 +385,8 @@ pub struct Cuda {
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
     markov_persistent: Mutex<bool>,
+    /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
+    markov_fit: Mutex<HashMap<(usize, usize), Option<usize>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -513,6 +515,7 @@ impl Cuda {
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
             markov_persistent: Mutex::new(true),
+            markov_fit: Mutex::new(HashMap::new()),
         })
     }
 
@@ -928,8 +931,9 @@ impl Cuda {
 
     /// The Markov chain with the previous token and the results on the device
     /// (graph-capturable): `prev[0]` is the starting token and ends as the last draft;
-    /// `toks[0..n]` receives the drafts. Two launches per step (programmatic dependent
-    /// launches for a Q8_0A8 W2).
+    /// `toks[0..n]` receives the drafts. A Q8_0A8 W2 runs the whole chain as one persistent
+    /// cooperative launch where it fits ([`Cuda::set_markov_persistent`]); otherwise two
+    /// launches per step (programmatic dependent launches for a Q8_0A8 W2).
     #[allow(clippy::too_many_arguments)]
     pub fn markov_chain_dev(
         &self,
@@ -955,9 +959,10 @@ impl Cuda {
         }
         let rank = i32_of("markov_chain", "rank", w1.cols)?;
         let vocab_i = i32_of("markov_chain", "vocab", vocab)?;
-        // Q8_0A8 W2 (rank a multiple of 32, as the format requires): one warp per 16-row tile,
-        // 256 rows per block; other formats: 4 rows per warp iteration, 1024 rows per block.
         check("markov_chain", "prev", 1, prev.len())?;
+        // Q8_0A8 W2 (rank a multiple of 32, as the format requires): the persistent chain, or
+        // one warp per 16-row tile, 256 rows per block; other formats: 4 rows per warp
+        // iteration, 1024 rows per block.
         let a8 = matches!(w2.buf, CudaWeightBuf::Q8A8 { .. });
         if a8 && n > 0 && *lock(&self.markov_persistent) {
             if let Some(kt) = self.markov_persistent_tiles(vocab, w2.cols)? {
@@ -1027,7 +1032,7 @@ impl Cuda {
                 .dptr_mut(&mut *am_v, st)
                 .dptr_mut(&mut *am_i, st);
             // SAFETY: markov_step* parameters in order (fmt1, w1 q, w1 d, fmt2, w2 q, w2 d,
-            // rank, vocab, prev, logits, chunk, pv, pi.
+            // rank, vocab, prev, logits, chunk, pv, pi).
             unsafe { a.launch(st, &f1, cfg((nb as u32, 1, 1), 256, smem1), pdl) }?;
             let mut tk = toks.slice_mut(k..k + 1);
             let mut a = RawArgs::default();
@@ -1045,6 +1050,15 @@ impl Cuda {
     /// W2 tiles per block the persistent Markov chain keeps in shared memory, or None where
     /// its one 512-thread block per multiprocessor does not fit (then the step kernels run).
     fn markov_persistent_tiles(&self, vocab: usize, rank: usize) -> Result<Option<usize>> {
+        if let Some(&kt) = lock(&self.markov_fit).get(&(vocab, rank)) {
+            return Ok(kt);
+        }
+        let kt = self.markov_fit_of(vocab, rank)?;
+        lock(&self.markov_fit).insert((vocab, rank), kt);
+        Ok(kt)
+    }
+
+    fn markov_fit_of(&self, vocab: usize, rank: usize) -> Result<Option<usize>> {
         let kb = rank / 32;
         let per_block = (vocab.div_ceil(16)).div_ceil(self.num_sms.max(1));
         // 256 bytes of static shared memory (the block reduction) and 1 KiB the driver reserves.
