@@ -209,6 +209,20 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()> {
         self.attention(q, k, v, p, out)
     }
+    /// [`Backend::attention_fast`] over K and V stored as [`KvStorage::F16`] (rows `0..n_kv`
+    /// read). A backend may feed the f16 values to f16 tensor cores as they are. The default
+    /// unpacks them into f32 buffers and runs [`Backend::attention_fast`]
+    /// ([`attention_fast_kv16_ops`]).
+    fn attention_fast_kv16(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        p: &AttnParams,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        attention_fast_kv16_ops(self, q, k, v, p, out)
+    }
 
     // ---------------------------------------------------------------- elementwise
     /// `out[i] = silu(gate[i]) · up[i]` for `i < len(gate)`; `up` and `out` must be at least as long.
@@ -290,6 +304,64 @@ pub trait Backend: Send + Sync + Sized + 'static {
         len: usize,
     ) -> Result<()> {
         self.copy2d(src, src_off, len, dst, dst_off, len, 1, len)
+    }
+
+    /// Store `src[0..n]` as f16 ([`f16_bits`]) into halves `h0..h0 + n` of `dst`
+    /// ([`KvStorage::F16`]'s layout); `h0` and `n` even. The default goes through the host.
+    fn f16_pack(&self, src: &Self::Buf, dst: &mut Self::Buf, h0: usize, n: usize) -> Result<()> {
+        check_f16_range("f16_pack", h0, n)?;
+        if self.len(src) < n {
+            return Err(BackendError::shape("f16_pack", "src", n, self.len(src)));
+        }
+        if self.len(dst) < (h0 + n) / 2 {
+            return Err(BackendError::shape(
+                "f16_pack",
+                "dst (f32 slots)",
+                (h0 + n) / 2,
+                self.len(dst),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let x = self.download(src)?;
+        let packed: Vec<f32> = x[..n]
+            .chunks_exact(2)
+            .map(|p| f32::from_bits(f16_bits(p[0]) as u32 | (f16_bits(p[1]) as u32) << 16))
+            .collect();
+        let tmp = self.upload(&packed)?;
+        self.copy(&tmp, 0, dst, h0 / 2, n / 2)
+    }
+
+    /// Halves `h0..h0 + n` of `src` ([`KvStorage::F16`]) as f32 (exact) into `dst[0..n]`;
+    /// `h0` and `n` even. The default goes through the host.
+    fn f16_unpack(&self, src: &Self::Buf, h0: usize, n: usize, dst: &mut Self::Buf) -> Result<()> {
+        check_f16_range("f16_unpack", h0, n)?;
+        let (slots, s0) = (n / 2, h0 / 2);
+        if self.len(src) < s0 + slots {
+            return Err(BackendError::shape(
+                "f16_unpack",
+                "src (f32 slots)",
+                s0 + slots,
+                self.len(src),
+            ));
+        }
+        if self.len(dst) < n {
+            return Err(BackendError::shape("f16_unpack", "dst", n, self.len(dst)));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let x = self.download(src)?;
+        let vals: Vec<f32> = x[s0..s0 + slots]
+            .iter()
+            .flat_map(|s| {
+                let b = s.to_bits();
+                [b as u16, (b >> 16) as u16].map(|h| half::f16::from_bits(h).to_f32())
+            })
+            .collect();
+        let tmp = self.upload(&vals)?;
+        self.copy(&tmp, 0, dst, 0, n)
     }
 
     /// Sequential (semi-autoregressive) Markov chain of a DSpark drafter, greedy:
@@ -450,11 +522,37 @@ pub struct QkNormRope<'a, B: Backend> {
     pub rope: &'a RopeSpec,
 }
 
-/// Where [`Backend::qk_norm_rope_kv`] writes K and V: rows `row0..` of the two caches.
+/// How a KV cache stores its values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvStorage {
+    /// One f32 per value: row `j`, kv head `h`, dim `d` at `(j * n_kv_heads + h) * head_dim + d`.
+    #[default]
+    F32,
+    /// f16 ([`Backend::f16_pack`]: round to nearest even, saturating at +-65504), two per f32
+    /// slot of the buffer: value `i` of that index is half `i`, the low half of slot `i / 2`
+    /// for even `i`. Half the memory and the bytes read; for attention that may run in reduced
+    /// precision ([`Backend::attention_fast_kv16`]: the drafter's). Rows must be an even
+    /// number of values.
+    F16,
+}
+
+impl KvStorage {
+    /// Buffer slots (f32) holding `n` values.
+    pub fn slots(self, n: usize) -> usize {
+        match self {
+            KvStorage::F32 => n,
+            KvStorage::F16 => n.div_ceil(2),
+        }
+    }
+}
+
+/// Where [`Backend::qk_norm_rope_kv`] writes K and V: rows `row0..` of the two caches, stored
+/// as `storage` says.
 pub struct KvCacheRows<'a, B: Backend> {
     pub k: &'a mut B::Buf,
     pub v: &'a mut B::Buf,
     pub row0: usize,
+    pub storage: KvStorage,
 }
 
 /// [`Backend::qk_norm_rope_kv`] as the separate ops (the trait's default): `rms_norm(q0 -> q)`
@@ -484,8 +582,64 @@ pub fn qk_norm_rope_kv_ops<B: Backend>(
     be.rms_norm(k0, p.k_norm, hd, p.eps, k_tmp)?;
     be.rope(q, q_rows, p.n_heads, hd, p.pos0, p.rope)?;
     be.rope(k_tmp, kv_rows, p.n_kv_heads, hd, p.pos0, p.rope)?;
-    be.copy(k_tmp, 0, cache.k, cache.row0 * kvw, kv_rows * kvw)?;
-    be.copy(v, 0, cache.v, cache.row0 * kvw, kv_rows * kvw)
+    match cache.storage {
+        KvStorage::F32 => {
+            be.copy(k_tmp, 0, cache.k, cache.row0 * kvw, kv_rows * kvw)?;
+            be.copy(v, 0, cache.v, cache.row0 * kvw, kv_rows * kvw)
+        }
+        KvStorage::F16 => {
+            check_f16_rows("qk_norm_rope_kv", kvw)?;
+            be.f16_pack(k_tmp, cache.k, cache.row0 * kvw, kv_rows * kvw)?;
+            be.f16_pack(v, cache.v, cache.row0 * kvw, kv_rows * kvw)
+        }
+    }
+}
+
+/// The half range of [`Backend::f16_pack`] / [`Backend::f16_unpack`]: whole f32 slots.
+pub fn check_f16_range(op: &'static str, h0: usize, n: usize) -> Result<()> {
+    if !h0.is_multiple_of(2) || !n.is_multiple_of(2) {
+        return Err(BackendError::Invalid {
+            op,
+            msg: format!("halves {h0}..{}: start and count must be even", h0 + n),
+        });
+    }
+    Ok(())
+}
+
+/// An f16 cache's rows must hold an even number of values (whole f32 slots per row).
+pub fn check_f16_rows(op: &'static str, row_width: usize) -> Result<()> {
+    if !row_width.is_multiple_of(2) {
+        return Err(BackendError::Invalid {
+            op,
+            msg: format!("f16 KV rows of {row_width} values: expected an even number"),
+        });
+    }
+    Ok(())
+}
+
+/// f32 values -> f16 bits as [`KvStorage::F16`] rounds them: round to nearest even,
+/// saturating at +-65504 (what CUDA's `cvt.rn.satfinite.f16x2.f32` gives); NaN stays NaN.
+pub fn f16_bits(x: f32) -> u16 {
+    half::f16::from_f32(x.clamp(-65504.0, 65504.0)).to_bits()
+}
+
+/// [`Backend::attention_fast_kv16`] as unpack + [`Backend::attention_fast`] (the trait's
+/// default): rows `0..n_kv` of the f16 caches into f32 buffers first.
+pub fn attention_fast_kv16_ops<B: Backend>(
+    be: &B,
+    q: &B::Buf,
+    k: &B::Buf,
+    v: &B::Buf,
+    p: &AttnParams,
+    out: &mut B::Buf,
+) -> Result<()> {
+    let kvw = p.n_kv_heads * p.head_dim;
+    check_f16_rows("attention_fast_kv16", kvw)?;
+    let n = p.n_kv * kvw;
+    let (mut kf, mut vf) = (be.zeros(n)?, be.zeros(n)?);
+    be.f16_unpack(k, 0, n, &mut kf)?;
+    be.f16_unpack(v, 0, n, &mut vf)?;
+    be.attention_fast(q, &kf, &vf, p, out)
 }
 
 /// A layer's weights after its attention (see [`Backend::layer_tail`]).

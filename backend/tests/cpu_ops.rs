@@ -300,7 +300,7 @@ fn qk_norm_rope_kv_places_normed_rotated_rows_in_the_caches() {
     // The layer op against the oracle: q rows 0..q_rows normed per head and rotated at
     // pos0.., the kv_rows K rows likewise into the K cache from row0, V copied from row0;
     // the other cache rows untouched; more q rows than k / v rows an error.
-    use dflash_backend::{KvCacheRows, QkNormRope};
+    use dflash_backend::{KvCacheRows, KvStorage, QkNormRope};
     let mut rng = StdRng::seed_from_u64(17);
     let (nh, nkv, hd, eps) = (4usize, 2usize, 8usize, 1e-6f32);
     let (qw, kvw) = (nh * hd, nkv * hd);
@@ -344,6 +344,7 @@ fn qk_norm_rope_kv_places_normed_rotated_rows_in_the_caches() {
                 k: &mut kc,
                 v: &mut vc,
                 row0,
+                storage: KvStorage::F32,
             };
             be.qk_norm_rope_kv(&q0, &k0, &v, q_rows, kv_rows, &p, &mut q, &mut k_tmp, cache)
                 .unwrap();
@@ -371,6 +372,7 @@ fn qk_norm_rope_kv_places_normed_rotated_rows_in_the_caches() {
                 k: &mut kc,
                 v: &mut vc,
                 row0,
+                storage: KvStorage::F32,
             };
             assert!(be
                 .qk_norm_rope_kv(

@@ -138,6 +138,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
     let eos = c.eos()?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let ctx_cap = c.ctx.unwrap_or(longest + a.max_new + 64);
+    let attn = c.draft_attention.on(a.device == crate::DeviceArg::Cuda);
     let mut pair = load_pair(
         be,
         &PairSpec {
@@ -145,7 +146,8 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
             draft_dir: c.draft_dir(),
             target_precision: c.target_format(),
             draft_precision: c.draft_precision(),
-            fast_attention: c.draft_attention == crate::DraftAttnArg::Fast,
+            fast_attention: attn.fast(),
+            kv_storage: attn.kv_storage(),
             ctx_cap,
             quiet: a.json,
         },
@@ -223,7 +225,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
                     c.draft_dir().display(),
                     c.draft_precision(),
                     c.draft_head,
-                    c.draft_attention,
+                    attn,
                     a.max_new,
                     c.verify_cap.map_or("block".to_string(), |v| v.to_string()),
                     !c.no_adaptive,
@@ -352,7 +354,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
             "verify_multiple": c.verify_multiple,
             "draft_precision": format!("{:?}", c.draft_precision()),
             "draft_head": format!("{:?}", c.draft_head),
-            "draft_attention": format!("{:?}", c.draft_attention),
+            "draft_attention": format!("{:?}", attn),
             "markov": !c.no_markov,
             "load_ms": pair.load_ms,
             "prompts": rows.len(),

@@ -18,8 +18,9 @@ pub const DEFAULT_DRAFT_PRECISION: PrecisionArg = PrecisionArg::Q8_0a8;
 /// Drafter lm_head unless `--draft-head` says otherwise.
 pub const DEFAULT_DRAFT_HEAD: DraftHeadArg = DraftHeadArg::Q8_0a8;
 /// Drafter attention unless `--draft-attention` says otherwise: the fast op (the same as the
-/// exact one on the CPU; 1xTF32 on CUDA, where the drafter's activations are int8 already).
-pub const DEFAULT_DRAFT_ATTENTION: DraftAttnArg = DraftAttnArg::Fast;
+/// exact one on the CPU; on CUDA, where the drafter's activations are int8 already, over an
+/// f16 draft KV cache: f16 tensor cores fed straight from it).
+pub const DEFAULT_DRAFT_ATTENTION: DraftAttnArg = DraftAttnArg::Auto;
 
 #[derive(Args)]
 pub struct CommonArgs {

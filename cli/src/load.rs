@@ -19,6 +19,8 @@ pub struct PairSpec {
     pub draft_precision: Precision,
     /// The drafter's attention through `Backend::attention_fast`.
     pub fast_attention: bool,
+    /// How the draft KV cache stores K and V (f16 needs `fast_attention`).
+    pub kv_storage: dflash_backend::KvStorage,
     /// Context capacity of the target (positions).
     pub ctx_cap: usize,
     /// No progress display.
@@ -85,6 +87,7 @@ pub fn load_pair<B: Backend>(be: &B, spec: &PairSpec) -> Result<Pair<B>> {
     let opts = DraftLoad {
         precision: spec.draft_precision,
         fast_attention: spec.fast_attention,
+        kv_storage: spec.kv_storage,
         ..DraftLoad::default()
     };
     let draft = DraftModel::<B>::load(be, &spec.draft_dir, &opts)

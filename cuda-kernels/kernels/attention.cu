@@ -982,11 +982,6 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
 // Fragments (g = lane / 4, t = lane % 4): S = Q K^T, A = Q rows x 16 d, B = K rows (keys) x 16 d
 // (ldmatrix, not transposed); P V, A = P straight from the S accumulator (k = the warp's 16
 // keys), B = V rows x 8 d (ldmatrix.trans); output n-tile n holds d = 8n + 2t, +1.
-__device__ __forceinline__ u32 h2_pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32 &r0, u32 &r1, u32 &r2, u32 &r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
@@ -1005,7 +1000,11 @@ __device__ __forceinline__ void cp_async_wait_n() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-template <int D, int KW>
+// KV16 (an f16 KV cache, `attention_fast_kv16`): k and v hold f16 (h2_pack of the f32 values,
+// so the tiles, and every bit after them, equal the f32 cache's), copied by cp.async straight
+// into nst stages of f16 tiles: no staging, no conversion, half the bytes, one block barrier per
+// chunk, and nst - 1 chunks in flight while one is computed (as attn_tc_impl).
+template <int D, int KW, bool KV16>
 __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                               float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                               long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
@@ -1014,6 +1013,8 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     constexpr int PH = D + 8;    // halves per row of the f16 tiles (ldmatrix rows conflict-free)
     constexpr int NO = D / 8;    // output n-tiles
     constexpr int C4 = D / 4;
+    constexpr int C8 = D / 8;    // KV16: 16-byte pieces per K / V row
+    constexpr u32 TILE_B = CK * PH * 2;  // bytes of one f16 K (or V) tile
     griddep_launch();  // the combine may launch (it waits for this grid)
     griddep_wait();    // a programmatic dependent launch: q and the cache first
     extern __shared__ __align__(16) float sm[];
@@ -1021,9 +1022,9 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     const int RW = nth / (32 * KW);
     const int ROWS = 16 * RW;
     u16 *Qh = (u16 *)sm;         // [ROWS][PH]
-    u16 *Kh = Qh + ROWS * PH;    // [CK][PH]
-    u16 *Vh = Kh + CK * PH;      // [CK][PH]
-    float *St = (float *)(Vh + CK * PH);  // [nst][K, V][CK][D] f32 staging
+    u16 *Kh = Qh + ROWS * PH;    // [CK][PH]; KV16: [nst][K, V][CK][PH]
+    u16 *Vh = Kh + CK * PH;      // [CK][PH] (not KV16)
+    float *St = (float *)(Vh + CK * PH);  // [nst][K, V][CK][D] f32 staging (not KV16)
 
     const int G = H / Hkv;
     const int QR = n_q * G;
@@ -1062,6 +1063,24 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
             }
         }
     };
+    // KV16: thread tid copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (nth % C8 == 0).
+    const int RS8 = nth / C8, kk8 = tid / C8, d8c = (tid % C8) * 8;
+    const long long gstep8 = (long long)RS8 * Hkv * D;
+    auto load_chunk16 = [&](int c, int slot) {
+        const long long j0 = jbase + (long long)c * CK;
+        u16 *kd = Kh + (size_t)slot * 2 * CK * PH + d8c, *vd = kd + CK * PH;
+        const long long off0 = ((j0 + kk8) * Hkv + hk) * D + d8c;
+        const u16 *ks = (const u16 *)k + off0, *vs = (const u16 *)v + off0;
+        for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8) {
+            if (j0 + kk < n_kv) {
+                cp_async16(kd + kk * PH, ks);
+                cp_async16(vd + kk * PH, vs);
+            } else {
+                *(uint4 *)(kd + kk * PH) = make_uint4(0u, 0u, 0u, 0u);
+                *(uint4 *)(vd + kk * PH) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
     // Q in f16, once (plain loads: q was written by the previous kernel).
     for (int c = tid; c < ROWS * C4; c += nth) {
         const int r = c / C4, d4 = (c % C4) * 4;
@@ -1070,9 +1089,16 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
         if (qr < QR) x = *(const float4 *)(q + ((long long)(qr / G) * H + hk * G + qr % G) * D + d4);
         *(uint2 *)(Qh + r * PH + d4) = make_uint2(h2_pack(x.x, x.y), h2_pack(x.z, x.w));
     }
-    for (int p = 0; p < nst; ++p) {
-        if (p < nch) load_chunk(c_begin + p, p);
-        cp_async_commit();
+    if constexpr (KV16) {
+        for (int p = 0; p < nst - 1; ++p) {
+            if (p < nch) load_chunk16(c_begin + p, p);
+            cp_async_commit();
+        }
+    } else {
+        for (int p = 0; p < nst; ++p) {
+            if (p < nch) load_chunk(c_begin + p, p);
+            cp_async_commit();
+        }
     }
 
     float o[NO][4];
@@ -1085,22 +1111,43 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
 
     for (int ci = 0; ci < nch; ++ci) {
         const int slot = ci % nst;
-        if (nst == 3) cp_async_wait_n<2>();
-        else if (nst == 2) cp_async_wait_n<1>();
-        else cp_async_wait_n<0>();
-        __syncthreads();  // chunk ci staged; every warp is done with chunk ci - 1's f16 tiles
-        {
-            const float *ks = St + (size_t)slot * 2 * CK * D, *vs = ks + CK * D;
-            for (int c = tid; c < CK * C4; c += nth) {
-                const int kk = c / C4, d4 = (c % C4) * 4;
-                const float4 a = *(const float4 *)(ks + kk * D + d4), b = *(const float4 *)(vs + kk * D + d4);
-                *(uint2 *)(Kh + kk * PH + d4) = make_uint2(h2_pack(a.x, a.y), h2_pack(a.z, a.w));
-                *(uint2 *)(Vh + kk * PH + d4) = make_uint2(h2_pack(b.x, b.y), h2_pack(b.z, b.w));
+        u32 kcur = k_addr, vcur = v_addr;  // this chunk's tiles
+        if constexpr (KV16) {
+            if (nst == 1) {
+                __syncthreads();  // every warp is done with the previous chunk's tiles
+                load_chunk16(c_begin + ci, 0);
+                cp_async_commit();
+                cp_async_wait_n<0>();
+                __syncthreads();
+            } else {
+                if (nst == 3) cp_async_wait_n<1>();
+                else cp_async_wait_n<0>();
+                __syncthreads();  // chunk ci landed; every warp is done with chunk ci - 1's stage
+                if (ci + nst - 1 < nch) load_chunk16(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
+                cp_async_commit();
             }
+            // Stage slot: K at slot * 2 tiles, V one tile after it (v_addr already is one tile
+            // after k's base).
+            kcur += (u32)slot * 2 * TILE_B;
+            vcur += (u32)slot * 2 * TILE_B;
+        } else {
+            if (nst == 3) cp_async_wait_n<2>();
+            else if (nst == 2) cp_async_wait_n<1>();
+            else cp_async_wait_n<0>();
+            __syncthreads();  // chunk ci staged; every warp is done with chunk ci - 1's f16 tiles
+            {
+                const float *ks = St + (size_t)slot * 2 * CK * D, *vs = ks + CK * D;
+                for (int c = tid; c < CK * C4; c += nth) {
+                    const int kk = c / C4, d4 = (c % C4) * 4;
+                    const float4 a = *(const float4 *)(ks + kk * D + d4), b = *(const float4 *)(vs + kk * D + d4);
+                    *(uint2 *)(Kh + kk * PH + d4) = make_uint2(h2_pack(a.x, a.y), h2_pack(a.z, a.w));
+                    *(uint2 *)(Vh + kk * PH + d4) = make_uint2(h2_pack(b.x, b.y), h2_pack(b.z, b.w));
+                }
+            }
+            __syncthreads();  // the f16 tiles are ready, the staging slot is free
+            if (ci + nst < nch) load_chunk(c_begin + ci + nst, slot);
+            cp_async_commit();
         }
-        __syncthreads();  // the f16 tiles are ready, the staging slot is free
-        if (ci + nst < nch) load_chunk(c_begin + ci + nst, slot);
-        cp_async_commit();
 
         // S = Q K^T for the warp's 16 keys (2 n-tiles).
         float s[2][4];
@@ -1110,7 +1157,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
         for (int ks = 0; ks < D / 16; ++ks) {
             u32 a0, a1, a2, a3, b0, b1, b2, b3;
             ldsm_x4(q_addr + ks * 32, a0, a1, a2, a3);
-            ldsm_x4(k_addr + ks * 32, b0, b1, b2, b3);
+            ldsm_x4(kcur + ks * 32, b0, b1, b2, b3);
             mma_h16(s[0], a0, a1, a2, a3, b0, b1);
             mma_h16(s[1], a0, a1, a2, a3, b2, b3);
         }
@@ -1127,7 +1174,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
 #pragma unroll
         for (int np = 0; np < NO / 2; ++np) {
             u32 b0, b1, b2, b3;
-            ldsm_x4_t(v_addr + np * 32, b0, b1, b2, b3);
+            ldsm_x4_t(vcur + np * 32, b0, b1, b2, b3);
             mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
             mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
         }
@@ -1144,11 +1191,22 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     extern "C" __global__ void __launch_bounds__(512, 1) attn_h16_d##D##_kw4(                                                         \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
         long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
-        attn_h16_impl<D, 4>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst);         \
+        attn_h16_impl<D, 4, false>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst);         \
     }
 ATTN_H16(32)
 ATTN_H16(64)
 ATTN_H16(128)
+
+// The f16-cache twin (`attention_fast_kv16`): k and v point at halves.
+#define ATTN_H16KV(D)                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(512, 1) attn_h16kv_d##D##_kw4(                                                       \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
+        attn_h16_impl<D, 4, true>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst);   \
+    }
+ATTN_H16KV(32)
+ATTN_H16KV(64)
+ATTN_H16KV(128)
 
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \

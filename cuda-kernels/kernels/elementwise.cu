@@ -159,12 +159,13 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f
 // q (n_heads) then k (n_kv heads); block size = rms_norm's for head_dim, head_dim <=
 // min(1024, RMS_MAXV * blockDim). q -> q_out (rows < q_rows only); k -> kc (already offset to
 // the first cache row); the k blocks also copy v's head row into vc. Same bits as rms_norm +
-// rope + copy.
+// rope + copy. kv16: the caches hold f16 (kc / vc point at halves; h_pack of the same f32
+// values: the bits of rms_norm + rope + copy + f16_pack).
 extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const float *__restrict__ k0, const float *__restrict__ v,
                                            const float *__restrict__ qn, const float *__restrict__ kn, float *__restrict__ q_out,
                                            float *__restrict__ kc, float *__restrict__ vc, int n_heads, int n_kv, int hd, int half_rot,
                                            long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps,
-                                           int q_rows) {
+                                           int q_rows, int kv16) {
     griddep_launch();  // the attention split kernel may launch (it waits for this grid)
     griddep_wait();    // a programmatic dependent launch: q0 / k0 / v first
     __shared__ float red[32];
@@ -177,10 +178,16 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
     const long long off = isq ? (r * n_heads + hh) * hd : (r * n_kv + (hh - n_heads)) * hd;
     const float *src = (isq ? q0 : k0) + off;
     const float *w = isq ? qn : kn;
-    float *dst = (isq ? q_out : kc) + off;
+    const bool h16 = kv16 && !isq;
+    float *dst = (isq ? q_out : kc) + (h16 ? 0 : off);
+    u16 *dsth = (u16 *)kc + off;
     // The V copy first and the norm weights loaded with the row: no load waits behind a store.
-    if (!isq)
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
+    if (!isq) {
+        if (h16)
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) ((u16 *)vc)[off + i] = h_pack(v[off + i]);
+        else
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
+    }
     const int nv = rms_slots(hd);
     float vv[RMS_MAXV], wv[RMS_MAXV];
 #pragma unroll
@@ -203,11 +210,34 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
         if (i < half_rot) {
             float o1, o2;
             rope_pair(ys[i], ys[i + half_rot], pos, inv_freq[i], attn_scale, o1, o2);
-            dst[i] = o1;
-            dst[i + half_rot] = o2;
+            if (h16) {
+                dsth[i] = h_pack(o1);
+                dsth[i + half_rot] = h_pack(o2);
+            } else {
+                dst[i] = o1;
+                dst[i + half_rot] = o2;
+            }
         } else if (i >= 2 * half_rot) {
-            dst[i] = ys[i];
+            if (h16) dsth[i] = h_pack(ys[i]);
+            else dst[i] = ys[i];
         }
+    }
+}
+
+// f32 -> f16 pairs (h2_pack: round to nearest even, saturating): dst[i] = halves of src[2i],
+// src[2i + 1] (the lower one in the low bits). The f16 KV cache's layout.
+extern "C" __global__ void f16_pack(const float *__restrict__ src, u32 *__restrict__ dst, long long npairs) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < npairs; i += (long long)gridDim.x * blockDim.x) {
+        const float2 x = ((const float2 *)src)[i];
+        dst[i] = h2_pack(x.x, x.y);
+    }
+}
+
+// f16 pairs -> f32 (exact): f16_pack's inverse up to the rounding.
+extern "C" __global__ void f16_unpack(const u32 *__restrict__ src, float *__restrict__ dst, long long npairs) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < npairs; i += (long long)gridDim.x * blockDim.x) {
+        const u32 h = src[i];
+        ((float2 *)dst)[i] = make_float2(f16_to_f32((u16)(h & 0xffffu)), f16_to_f32((u16)(h >> 16)));
     }
 }
 

@@ -27,6 +27,16 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
+// Two f32 -> packed f16x2 (round to nearest even, saturating at +-65504, NaN stays NaN); `lo`
+// lands in the low half: the f16 of the fast attention's operands and of an f16 KV cache.
+__device__ __forceinline__ u32 h2_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// One f32 -> f16 bits, as h2_pack.
+__device__ __forceinline__ u16 h_pack(float x) { return (u16)(h2_pack(x, 0.0f) & 0xffffu); }
+
 // Two f32 -> packed bf16x2 (round to nearest even); `lo` lands in the low half.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;

@@ -9,8 +9,9 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
-    layer_tail_ops, qk_norm_rope_kv_ops, AttnParams, Backend, BackendError, DeltaParams, HostData,
-    HostWeight, KvCacheRows, LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
+    attention_fast_kv16_ops, check_f16_range, check_f16_rows, layer_tail_ops, qk_norm_rope_kv_ops,
+    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, KvCacheRows, KvStorage,
+    LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -1545,6 +1546,7 @@ impl Cuda {
             (p.q_norm, p.k_norm, p.n_heads, p.n_kv_heads, p.head_dim);
         let (eps, pos0, spec) = (p.eps, p.pos0, p.rope);
         let (kc, vc, cache_row0) = (cache.k, cache.v, cache.row0);
+        let kv16 = cache.storage == KvStorage::F16;
         if q_rows > rows {
             return Err(BackendError::Invalid {
                 op: "qk_norm_rope_kv",
@@ -1558,8 +1560,16 @@ impl Cuda {
         check("qk_norm_rope_kv", "qn", head_dim, qn.len)?;
         check("qk_norm_rope_kv", "kn", head_dim, kn.len)?;
         check("qk_norm_rope_kv", "q", q_rows * qw, q.len)?;
-        check("qk_norm_rope_kv", "kc", (cache_row0 + rows) * kvw, kc.len)?;
-        check("qk_norm_rope_kv", "vc", (cache_row0 + rows) * kvw, vc.len)?;
+        if kv16 {
+            check_f16_rows("qk_norm_rope_kv", kvw)?;
+        }
+        // The cache rows in f32 slots (an f16 cache: half a row's values per row).
+        let (c0, c1) = (
+            cache.storage.slots(cache_row0 * kvw),
+            cache.storage.slots((cache_row0 + rows) * kvw),
+        );
+        check("qk_norm_rope_kv", "kc (f32 slots)", c1, kc.len)?;
+        check("qk_norm_rope_kv", "vc (f32 slots)", c1, vc.len)?;
         let half = spec.inv_freq.len();
         let threads = norm_threads(head_dim);
         if !Self::qk_fused_fits(head_dim, half) {
@@ -1590,12 +1600,8 @@ impl Cuda {
             pos0 as i64,
         );
         let sc = spec.attention_scaling;
-        let mut kcv = kc
-            .data
-            .slice_mut(cache_row0 * kvw..(cache_row0 + rows) * kvw);
-        let mut vcv = vc
-            .data
-            .slice_mut(cache_row0 * kvw..(cache_row0 + rows) * kvw);
+        let mut kcv = kc.data.slice_mut(c0..c1);
+        let mut vcv = vc.data.slice_mut(c0..c1);
         let st = &*self.stream;
         let mut a = RawArgs::default();
         a.dptr(&q0.data, st)
@@ -1614,11 +1620,12 @@ impl Cuda {
             .dptr(freqs, st)
             .f32(sc)
             .f32(eps)
-            .i32(q_rows as i32);
+            .i32(q_rows as i32)
+            .i32(kv16 as i32);
         let blocks = rows * (n_heads + n_kv_heads);
         let pdl = *lock(&self.a8_pdl);
         // SAFETY: qk_norm_rope_kv's parameters in order (q0, k0, v, qn, kn, q_out, kc, vc,
-        // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps, q_rows).
+        // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps, q_rows, kv16).
         unsafe { a.launch(st, &f, cfg((blocks as u32, 1, 1), threads, 0), pdl) }
     }
 
@@ -1716,7 +1723,9 @@ impl Cuda {
     /// into `out`, whose rows are also written as the Q8_0A8 activation that the next
     /// [`Cuda::matmul_many_q8`] of K = `n_heads * head_dim` reads (by the split combine where
     /// it runs, else by the quantizer after the attention): the bytes the o projection's own
-    /// quantizer would write from `out`.
+    /// quantizer would write from `out`. `kv`: how `k` and `v` are stored (an f16 cache takes
+    /// [`Backend::attention_fast_kv16`]'s kernels whatever `fast` says).
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_q8(
         &self,
         q: &CudaBuf,
@@ -1724,6 +1733,7 @@ impl Cuda {
         v: &CudaBuf,
         p: &AttnParams,
         fast: bool,
+        kv: KvStorage,
         out: &mut CudaBuf,
     ) -> Result<A8Act> {
         let kdim = p.n_heads * p.head_dim;
@@ -1738,7 +1748,10 @@ impl Cuda {
         }
         let nt = if p.n_q > 8 { 2 } else { 1 };
         let kbp = a8_kbp(kdim);
-        if let Some(act) = self.attention_op(q, k, v, p, fast, Some((nt, kbp)), out)? {
+        if kv == KvStorage::F16 && !self.kv16_kernel_fits(p) {
+            // The unpacking path, then the quantizer below.
+            attention_fast_kv16_ops(self, q, k, v, p, out)?;
+        } else if let Some(act) = self.attention_op(q, k, v, p, fast, kv, Some((nt, kbp)), out)? {
             return Ok(act);
         }
         {
@@ -2958,7 +2971,8 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, false, None, out).map(|_| ())
+        self.attention_op(q, k, v, p, false, KvStorage::F32, None, out)
+            .map(|_| ())
     }
 
     /// The 1xTF32 tensor-core kernel (one tf32 product per term; Q, K, V truncated and P
@@ -2971,7 +2985,63 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, true, None, out).map(|_| ())
+        self.attention_op(q, k, v, p, true, KvStorage::F32, None, out)
+            .map(|_| ())
+    }
+
+    /// The f16-cache tensor-core kernel (`attn_h16kv_*`: the f16 kernel's arithmetic with the
+    /// K / V tiles copied straight from the cache) for head dims 32 / 64 / 128, with the
+    /// automatic split and row-warp rules of the other kernels; other head dims unpack the
+    /// cache ([`attention_fast_kv16_ops`]).
+    fn attention_fast_kv16(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        if !self.kv16_kernel_fits(p) {
+            return attention_fast_kv16_ops(self, q, k, v, p, out);
+        }
+        self.attention_op(q, k, v, p, true, KvStorage::F16, None, out)
+            .map(|_| ())
+    }
+
+    fn f16_pack(&self, src: &CudaBuf, dst: &mut CudaBuf, h0: usize, n: usize) -> Result<()> {
+        check_f16_range("f16_pack", h0, n)?;
+        check("f16_pack", "src", n, src.len)?;
+        check("f16_pack", "dst (f32 slots)", (h0 + n) / 2, dst.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::F16Pack)?;
+        let pairs = n / 2;
+        let s = src.data.slice(0..n);
+        let mut d = dst.data.slice_mut(h0 / 2..h0 / 2 + pairs);
+        let np = pairs as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&s).arg(&mut d).arg(&np);
+        unsafe { b.launch(grid_1d(pairs, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn f16_unpack(&self, src: &CudaBuf, h0: usize, n: usize, dst: &mut CudaBuf) -> Result<()> {
+        check_f16_range("f16_unpack", h0, n)?;
+        check("f16_unpack", "src (f32 slots)", (h0 + n) / 2, src.len)?;
+        check("f16_unpack", "dst", n, dst.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.func(Kernel::F16Unpack)?;
+        let pairs = n / 2;
+        let s = src.data.slice(h0 / 2..h0 / 2 + pairs);
+        let mut d = dst.data.slice_mut(0..n);
+        let np = pairs as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&s).arg(&mut d).arg(&np);
+        unsafe { b.launch(grid_1d(pairs, 256)) }.map_err(dev)?;
+        Ok(())
     }
 
     fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf, out: &mut CudaBuf) -> Result<()> {

@@ -11,7 +11,7 @@ mod common;
 
 use common::{gpu, report, rng};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, WeightFormat};
+use dflash_backend::{Backend, KvStorage, WeightFormat};
 use dflash_cuda_kernels::Cuda;
 use dflash_draft_model::random::{random_tensor_map, tiny_config};
 use dflash_draft_model::{Drafter as DraftModel, LentWeights, LoadOptions as DraftLoad, Precision};
@@ -101,14 +101,16 @@ fn drafter_cuda_vs_cpu() {
     };
     let cpu = Cpu::new();
     let mut r = rng("drafter_cuda_vs_cpu");
-    // (hidden, window, Markov rank, precision, attention through attention_fast)
-    for &(hidden, window, markov, prec, fast) in &[
-        (128usize, None, 0usize, Precision::F32, false),
-        (128, Some(6usize), 32, Precision::Bf16, false),
-        (256, None, 32, Precision::Q8_0, false),
-        (256, Some(6), 0, Precision::Q4_0, false),
-        (256, None, 32, Precision::Q8_0A8, true),
-        (128, Some(6), 0, Precision::F32, true),
+    // (hidden, window, Markov rank, precision, attention through attention_fast, f16 cache)
+    for &(hidden, window, markov, prec, fast, kv16) in &[
+        (128usize, None, 0usize, Precision::F32, false, false),
+        (128, Some(6usize), 32, Precision::Bf16, false, false),
+        (256, None, 32, Precision::Q8_0, false, false),
+        (256, Some(6), 0, Precision::Q4_0, false, false),
+        (256, None, 32, Precision::Q8_0A8, true, false),
+        (128, Some(6), 0, Precision::F32, true, false),
+        (256, None, 32, Precision::Q8_0A8, true, true),
+        (128, Some(6), 0, Precision::F32, true, true),
     ] {
         let vocab = 300usize;
         let seed: u64 = r.random();
@@ -117,6 +119,7 @@ fn drafter_cuda_vs_cpu() {
         let opts = DraftLoad {
             precision: prec,
             fast_attention: fast,
+            kv_storage: if kv16 { KvStorage::F16 } else { KvStorage::F32 },
             ..DraftLoad::default()
         };
         let mc = DraftModel::<Cpu>::from_tensors(&cpu, dcfg.clone(), &tensors, &opts)
@@ -174,7 +177,7 @@ fn drafter_cuda_vs_cpu() {
         };
         report(
             &format!(
-                "drafter final hidden h={hidden} win={window:?} {prec:?} fast_attention={fast}"
+                "drafter final hidden h={hidden} win={window:?} {prec:?} fast_attention={fast} kv16={kv16}"
             ),
             &g.download(&fg.final_hidden).expect("dl"),
             &fc.final_hidden,
@@ -187,7 +190,7 @@ fn drafter_cuda_vs_cpu() {
             .draft_logits(g, &lg, &fg.final_hidden, 1, 15)
             .expect("cuda logits");
         report(
-            &format!("drafter draft logits h={hidden} {prec:?} markov_rank={markov} fast_attention={fast}"),
+            &format!("drafter draft logits h={hidden} {prec:?} markov_rank={markov} fast_attention={fast} kv16={kv16}"),
             &g.download(&dg).expect("dl"),
             &dc,
             t,
@@ -231,6 +234,7 @@ fn spec_stream_equals_greedy_on_cuda() {
         (128, WeightFormat::F32, Precision::F32, 32, Some(3), false),
         (256, WeightFormat::Bf16, Precision::Q8_0A8, 32, None, true),
     ];
+    // The last case's drafter with an f16 cache on every other repetition.
     for (ci, &(hidden, tfmt, prec, markov_rank, window, fast)) in cases.iter().enumerate() {
         for rep in 0..3 {
             let seed: u64 = r.random();
@@ -259,6 +263,11 @@ fn spec_stream_equals_greedy_on_cuda() {
                 &DraftLoad {
                     precision: prec,
                     fast_attention: fast,
+                    kv_storage: if fast && rep % 2 == 1 {
+                        KvStorage::F16
+                    } else {
+                        KvStorage::F32
+                    },
                     ..DraftLoad::default()
                 },
             )

@@ -678,23 +678,38 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
     assert!(g.set_a8_pair_kernel(1, 2).is_err());
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
     // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding
-    // tokens) and the quantizer after the generic kernel (head dim 48).
-    use dflash_backend::AttnParams;
+    // tokens) and the quantizer after the generic kernel (head dim 48); over an f16 cache
+    // (kv16) the same against attention_fast_kv16 (its own kernel at head dim 128, the
+    // unpacking path at 48).
+    use dflash_backend::{AttnParams, KvStorage};
     g.set_a8_kernel(A8Kernel::Auto);
-    for &(n_q, h, hkv, d, n_kv, causal, fast) in &[
-        (16usize, 32usize, 8usize, 128usize, 528usize, false, true),
-        (16, 32, 8, 128, 528, false, false),
-        (5, 16, 4, 64, 300, true, false),
-        (9, 32, 8, 48, 200, false, true),
-        (12, 4, 2, 256, 100, false, false),
+    for &(n_q, h, hkv, d, n_kv, causal, fast, kv16) in &[
+        (
+            16usize, 32usize, 8usize, 128usize, 528usize, false, true, false,
+        ),
+        (16, 32, 8, 128, 528, false, false, false),
+        (5, 16, 4, 64, 300, true, false, false),
+        (9, 32, 8, 48, 200, false, true, false),
+        (12, 4, 2, 256, 100, false, false, false),
+        (16, 32, 8, 128, 2600, false, true, true),
+        (7, 16, 4, 64, 300, true, true, true),
+        (9, 32, 8, 48, 200, false, true, true),
     ] {
         let kdim = h * d;
         let wv = rand_vec(&mut r, 640 * kdim, 1.0);
         let hw = HostWeight::from_f32("wo", 640, kdim, &wv, WeightFormat::Q8_0A8).expect("encode");
         let wo = g.upload_weight(&hw).expect("w");
         let q = g.upload(&rand_vec(&mut r, n_q * kdim, 1.0)).expect("q");
-        let kc = g.upload(&rand_vec(&mut r, n_kv * hkv * d, 1.0)).expect("k");
-        let vc = g.upload(&rand_vec(&mut r, n_kv * hkv * d, 1.0)).expect("v");
+        let mut kc = g.upload(&rand_vec(&mut r, n_kv * hkv * d, 1.0)).expect("k");
+        let mut vc = g.upload(&rand_vec(&mut r, n_kv * hkv * d, 1.0)).expect("v");
+        let kv = if kv16 { KvStorage::F16 } else { KvStorage::F32 };
+        if kv16 {
+            let n = n_kv * hkv * d;
+            let (mut k16, mut v16) = (g.zeros(n / 2).expect("k16"), g.zeros(n / 2).expect("v16"));
+            g.f16_pack(&kc, &mut k16, 0, n).expect("pack");
+            g.f16_pack(&vc, &mut v16, 0, n).expect("pack");
+            (kc, vc) = (k16, v16);
+        }
         let p = AttnParams {
             n_q,
             n_kv,
@@ -709,7 +724,10 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
         };
         let h0 = rand_vec(&mut r, n_q * 640, 1.0);
         let mut att = poisoned(&g, n_q * kdim);
-        if fast {
+        if kv16 {
+            g.attention_fast_kv16(&q, &kc, &vc, &p, &mut att)
+                .expect("attention");
+        } else if fast {
             g.attention_fast(&q, &kc, &vc, &p, &mut att)
                 .expect("attention");
         } else {
@@ -719,12 +737,12 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
         g.matmul_add(&att, n_q, &wo, &mut want).expect("matmul_add");
         let mut att2 = poisoned(&g, n_q * kdim);
         let act = g
-            .attention_q8(&q, &kc, &vc, &p, fast, &mut att2)
+            .attention_q8(&q, &kc, &vc, &p, fast, kv, &mut att2)
             .expect("attention_q8");
         let mut got = g.upload(&h0).expect("h");
         g.matmul_many_q8(&act, &[&wo], &mut [&mut got], true)
             .expect("many_q8");
-        let what = format!("attention_q8 n_q={n_q} d={d} causal={causal} fast={fast}");
+        let what = format!("attention_q8 n_q={n_q} d={d} causal={causal} fast={fast} kv16={kv16}");
         assert_bits(
             &what,
             &g.download(&att2).expect("dl"),

@@ -16,7 +16,8 @@ mod common;
 use common::{gpu, poisoned, rand_vec, report, rng};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{
-    AttnParams, Backend, DeltaParams, HostWeight, KvCacheRows, QkNormRope, RopeSpec, WeightFormat,
+    AttnParams, Backend, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope, RopeSpec,
+    WeightFormat,
 };
 use rand::Rng;
 
@@ -567,7 +568,7 @@ fn attention_is_per_row_deterministic() {
             &v,
             &p,
             &all,
-            false,
+            Op::Exact,
             &format!("ctx {ctx} hd {hd} causal {causal}"),
         );
         eprintln!("DETERMINISM attention ctx={ctx} hd={hd} win={win:?} causal={causal}: queries 0/7/15 alone bit-identical to the 16-query call");
@@ -811,9 +812,18 @@ fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
     }
 }
 
-/// Queries 0, 7 and 15 of the block `q` (the call `p`, whose output is `all`), each alone in a
+/// Which attention op a check calls.
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    Exact,
+    Fast,
+    /// `attention_fast_kv16` (k and v hold f16).
+    FastKv16,
+}
+
+/// Queries 0, 7 and 15 (the last, in fewer) of the block `q` (the call `p`, whose output is `all`), each alone in a
 /// 1-query call (causal: over the keys up to its own position, i.e. a decode), give the bits of
-/// their rows of `all`; through `attention_fast` when `fast`.
+/// their rows of `all`; through the op `op`.
 #[allow(clippy::too_many_arguments)]
 fn assert_rows_alone_equal(
     g: &dflash_cuda_kernels::Cuda,
@@ -822,11 +832,12 @@ fn assert_rows_alone_equal(
     v: &dflash_cuda_kernels::CudaBuf,
     p: &AttnParams,
     all: &[f32],
-    fast: bool,
+    op: Op,
     what: &str,
 ) {
     let w = p.n_heads * p.head_dim;
-    for i in [0usize, 7, 15] {
+    let last = p.n_q - 1;
+    for i in [0usize, 7.min(last), 15.min(last)] {
         let qi = g.upload(&q[i * w..(i + 1) * w]).unwrap();
         let pi = AttnParams {
             n_q: 1,
@@ -839,10 +850,10 @@ fn assert_rows_alone_equal(
             ..*p
         };
         let mut o = poisoned(g, w);
-        if fast {
-            g.attention_fast(&qi, k, v, &pi, &mut o).unwrap();
-        } else {
-            g.attention(&qi, k, v, &pi, &mut o).unwrap();
+        match op {
+            Op::Exact => g.attention(&qi, k, v, &pi, &mut o).unwrap(),
+            Op::Fast => g.attention_fast(&qi, k, v, &pi, &mut o).unwrap(),
+            Op::FastKv16 => g.attention_fast_kv16(&qi, k, v, &pi, &mut o).unwrap(),
         }
         assert_same_bits(
             &format!("{what}: query {i} alone vs the {}-query call", p.n_q),
@@ -938,6 +949,7 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
             k: &mut kcf,
             v: &mut vcf,
             row0,
+            storage: KvStorage::F32,
         };
         Backend::qk_norm_rope_kv(g, &q0, &k0, &v, rows, rows, &p, &mut qf, &mut kf, cache)
             .expect("fused");
@@ -979,6 +991,7 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
             k: &mut kct,
             v: &mut vct,
             row0,
+            storage: KvStorage::F32,
         };
         Backend::qk_norm_rope_kv(g, &q0, &k0, &v, q_rows, rows, &p, &mut qt, &mut kt, cache)
             .expect("trait");
@@ -997,11 +1010,46 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
             &g.download(&vct).expect("dl"),
             &g.download(&vcs).expect("dl"),
         );
+        // An f16 cache: the K / V rows of the f32 op, f16_pack'ed (the fused kernel's kv16
+        // writes, or the separate ops + f16_pack where it does not take the shape); the rows
+        // around them untouched.
+        let (mut k16, mut v16) = (
+            g.upload(&kc0[..cap * kvw / 2]).expect("kc16"),
+            g.upload(&vc0[..cap * kvw / 2]).expect("vc16"),
+        );
+        let (k16_0, v16_0) = (g.download(&k16).expect("dl"), g.download(&v16).expect("dl"));
+        let mut qh = poisoned(g, rows * qw);
+        let cache = KvCacheRows {
+            k: &mut k16,
+            v: &mut v16,
+            row0,
+            storage: KvStorage::F16,
+        };
+        Backend::qk_norm_rope_kv(g, &q0, &k0, &v, rows, rows, &p, &mut qh, &mut kt, cache)
+            .expect("f16 cache");
+        assert_same_bits(
+            &format!("{what} q (f16 cache)"),
+            &g.download(&qh).expect("dl"),
+            &g.download(&qs).expect("dl"),
+        );
+        for (name, got, f32c, c0) in [("k", &k16, &kcs, &k16_0), ("v", &v16, &vcs, &v16_0)] {
+            let mut want = g.upload(c0).expect("want");
+            let rows_f32 = g.download(f32c).expect("dl")[row0 * kvw..(row0 + rows) * kvw].to_vec();
+            let rows_f32 = g.upload(&rows_f32).expect("rows");
+            g.f16_pack(&rows_f32, &mut want, row0 * kvw, rows * kvw)
+                .expect("pack");
+            assert_same_bits(
+                &format!("{what} {name} cache (f16)"),
+                &g.download(got).expect("dl"),
+                &g.download(&want).expect("dl"),
+            );
+        }
         // More q rows than k / v rows: an error, nothing written.
         let cache = KvCacheRows {
             k: &mut kct,
             v: &mut vct,
             row0,
+            storage: KvStorage::F32,
         };
         assert!(Backend::qk_norm_rope_kv(
             g,
@@ -1017,7 +1065,7 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
         )
         .is_err());
     }
-    eprintln!("EXACT qk_norm_rope_kv (all q rows and fewer) == rms_norm x2 + rope x2 + copy x2");
+    eprintln!("EXACT qk_norm_rope_kv (all q rows and fewer, f32 and f16 caches) == rms_norm x2 + rope x2 + copy x2 (+ f16_pack)");
     // SiLU * up into the down projection.
     for f in [WeightFormat::Q8_0A8, WeightFormat::Q8_0, WeightFormat::Bf16] {
         for &(n, k) in &[(4096usize, 12288usize), (300, 416)] {
@@ -1114,7 +1162,7 @@ fn attention_other_split_sizes() {
             &v,
             &p,
             &all,
-            false,
+            Op::Exact,
             &format!("split {split}: decode vs verify"),
         );
         eprintln!("attention split {split}: matches the CPU; decode == verify bit for bit");
@@ -1367,7 +1415,7 @@ fn attention_kernel_choices() {
                 &v,
                 &p,
                 &all,
-                false,
+                Op::Exact,
                 &format!("{c:?} win {win:?}: decode vs verify"),
             );
         }
@@ -1525,7 +1573,7 @@ fn attention_fast_against_cpu_and_per_row() {
             } else {
                 assert_same_bits(&format!("{what} (exact kernel)"), &fast, &exact);
             }
-            assert_rows_alone_equal(g, &q, &kg, &vg, &p, &fast, true, &what);
+            assert_rows_alone_equal(g, &q, &kg, &vg, &p, &fast, Op::Fast, &what);
             outs.push(fast);
         }
         g.set_attn_fast_f16(true);
@@ -1541,6 +1589,183 @@ fn attention_fast_against_cpu_and_per_row() {
         }
     }
     eprintln!("attention_fast (f16 and 1xTF32): within bound of the CPU, rows deterministic");
+}
+
+/// `f16_pack` / `f16_unpack` (the f16 KV cache's codec) against the CPU bit for bit, on values
+/// that round up, down and to even, saturate, underflow to subnormals and zero, and NaN; at an
+/// offset into the destination.
+#[test]
+fn f16_pack_unpack_bit_for_bit() {
+    let Some(g) = gpu("f16_pack_unpack_bit_for_bit") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("f16_pack_unpack_bit_for_bit");
+    let mut x = rand_vec(&mut r, 4094, 3.0);
+    let special = [
+        65504.0f32,
+        65519.0,
+        65520.0,
+        1e9,
+        -1e9,
+        -65520.0,
+        6.0e-8,
+        3.0e-8,
+        2.9e-8,
+        1.0e-9,
+        -6.1e-5,
+        0.0,
+        -0.0,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        f32::NAN,
+    ];
+    x.extend_from_slice(&special);
+    let n = x.len();
+    let h0 = 6;
+    let mut want = vec![0.0f32; (h0 + n) / 2];
+    cpu.f16_pack(&x, &mut want, h0, n).unwrap();
+    // The CPU's packing is the documented rounding: f16_bits of each value.
+    for (i, &v) in x.iter().enumerate() {
+        let slot = want[(h0 + i) / 2].to_bits();
+        let half = if (h0 + i) % 2 == 0 {
+            slot & 0xffff
+        } else {
+            slot >> 16
+        } as u16;
+        let f = dflash_backend::f16_bits(v);
+        let is_nan = |b: u16| b & 0x7c00 == 0x7c00 && b & 0x3ff != 0;
+        assert!(
+            half == f || (is_nan(half) && is_nan(f)),
+            "{v}: {half:#x} vs {f:#x}"
+        );
+    }
+    let xg = g.upload(&x).unwrap();
+    let mut got = poisoned(g, (h0 + n) / 2);
+    g.fill(&mut got, 0.0).unwrap();
+    g.f16_pack(&xg, &mut got, h0, n).unwrap();
+    let got = g.download(&got).unwrap();
+    let nan16 = |b: u32| b & 0x7c00 == 0x7c00 && b & 0x3ff != 0;
+    for (i, (a, b)) in got.iter().zip(&want).enumerate().skip(h0 / 2) {
+        let (a, b) = (a.to_bits(), b.to_bits());
+        let same = |a: u32, b: u32| a == b || (nan16(a) && nan16(b));
+        assert!(
+            same(a & 0xffff, b & 0xffff) && same(a >> 16, b >> 16),
+            "f16_pack slot {i}: {a:#010x} vs the CPU's {b:#010x}"
+        );
+    }
+    // Unpacking is exact: the f16 values as f32.
+    let packed = g.upload(&want).unwrap();
+    let mut un = poisoned(g, n);
+    g.f16_unpack(&packed, h0, n, &mut un).unwrap();
+    let un = g.download(&un).unwrap();
+    let mut un_cpu = vec![0.0f32; n];
+    cpu.f16_unpack(&want, h0, n, &mut un_cpu).unwrap();
+    for (i, (a, b)) in un.iter().zip(&un_cpu).enumerate() {
+        assert!(
+            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+            "f16_unpack {i}: {a} vs the CPU's {b}"
+        );
+    }
+    assert!(g.f16_pack(&xg, &mut g.zeros(n).unwrap(), 1, 2).is_err());
+    eprintln!("EXACT f16_pack / f16_unpack == the CPU ({n} values)");
+}
+
+/// `attention_fast_kv16` over an f16 cache: against the CPU's exact attention over the same
+/// f16 values within the f16 bound (Q and P still rounded to f16), rows deterministic, the
+/// bits of `attention_fast` over the f32 cache where that runs the f16 kernel (non-causal
+/// spans over 2048 keys: the same tiles, the same arithmetic), and the unpacking path for a
+/// head dim without a kernel (48) equal to `attention_fast` over the unpacked cache.
+#[test]
+fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
+    let Some(g) = gpu("attention_fast_kv16_against_cpu_and_the_f32_cache") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("attention_fast_kv16_against_cpu_and_the_f32_cache");
+    // (context, head dim, window, causal, queries)
+    for &(ctx, hd, win, causal, nq) in &[
+        (240usize, 128usize, None, false, 16usize),
+        (512, 128, None, false, 16),
+        (1024, 128, None, false, 16),
+        (8192, 128, None, false, 16),
+        (8192, 128, Some(2048usize), false, 16),
+        (3000, 64, None, false, 16),
+        (300, 32, None, false, 16),
+        (3000, 32, None, false, 9),
+        (4000, 128, None, true, 16),
+        (600, 64, Some(256), true, 5),
+        (700, 48, None, false, 16),
+        (5000, 128, None, false, 1),
+    ] {
+        let (h, hkv) = (32usize, 8usize);
+        let cap = ctx + nq;
+        let q = rand_vec(&mut r, nq * h * hd, 1.5);
+        let k = rand_vec(&mut r, cap * hkv * hd, 1.5);
+        let v = rand_vec(&mut r, cap * hkv * hd, 1.0);
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal,
+            window: win,
+            scale: (hd as f32).powf(-0.5),
+        };
+        // The CPU reference over the cache's f16 values.
+        let round = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&v| half::f16::from_bits(dflash_backend::f16_bits(v)).to_f32())
+                .collect()
+        };
+        let (kr, vr) = (round(&k), round(&v));
+        let mut oc = vec![0.0; nq * h * hd];
+        cpu.attention(&q, &kr, &vr, &p, &mut oc).unwrap();
+        let n = cap * hkv * hd;
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let (mut k16, mut v16) = (g.zeros(n / 2).unwrap(), g.zeros(n / 2).unwrap());
+        g.f16_pack(&kg, &mut k16, 0, n).unwrap();
+        g.f16_pack(&vg, &mut v16, 0, n).unwrap();
+        let mut o16 = poisoned(g, oc.len());
+        g.attention_fast_kv16(&qg, &k16, &v16, &p, &mut o16)
+            .unwrap();
+        let o16 = g.download(&o16).unwrap();
+        let what =
+            format!("attention_fast_kv16 ctx={ctx} d={hd} win={win:?} causal={causal} nq={nq}");
+        // Q and P rounded to f16 (relative 2^-11 each), f32 accumulation.
+        report(&what, &o16, &oc, 4e-3);
+        if nq > 1 {
+            assert_rows_alone_equal(g, &q, &k16, &v16, &p, &o16, Op::FastKv16, &what);
+        }
+        let span = win.map_or(cap, |w| w.min(cap));
+        if matches!(hd, 32 | 64 | 128) && !causal && span > 2048 {
+            let mut of = poisoned(g, oc.len());
+            g.attention_fast(&qg, &kg, &vg, &p, &mut of).unwrap();
+            assert_same_bits(
+                &format!("{what} vs attention_fast over the f32 cache (the f16 kernel)"),
+                &o16,
+                &g.download(&of).unwrap(),
+            );
+        }
+        if hd == 48 {
+            let (kr, vr) = (g.upload(&kr).unwrap(), g.upload(&vr).unwrap());
+            let mut of = poisoned(g, oc.len());
+            g.attention_fast(&qg, &kr, &vr, &p, &mut of).unwrap();
+            assert_same_bits(
+                &format!("{what} vs attention_fast over the unpacked cache"),
+                &o16,
+                &g.download(&of).unwrap(),
+            );
+        }
+    }
+    eprintln!("attention_fast_kv16: within the f16 bound of the CPU, rows deterministic, the f32 cache's f16-kernel bits");
 }
 
 /// The Markov chain on the device captured in a CUDA graph and replayed (the previous token

@@ -14,7 +14,7 @@
 //! the anchor (the last committed token, whose features are not yet known).
 
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, LayerTail, QkNormRope, TailScratch, Weight,
+    AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, TailScratch, Weight,
 };
 use dflash_kv::{DraftKv, KvShape};
 
@@ -216,7 +216,11 @@ impl<B: Backend> Drafter<B> {
 
     /// A fresh draft KV cache for `capacity` context positions.
     pub fn new_kv(&self, be: &B, capacity: usize) -> Result<DraftKv<B>> {
-        Ok(DraftKv::new(be, self.kv_shape(capacity))?)
+        Ok(DraftKv::with_storage(
+            be,
+            self.kv_shape(capacity),
+            self.kv_storage,
+        )?)
     }
 
     /// Number of drafts a block of `block_len` rows yields in this drafter's layout.
@@ -345,8 +349,14 @@ impl<B: Backend> Drafter<B> {
             let feats = self.ctx_features(be, chunk.as_ref().unwrap_or(taps), n)?;
             for (layer, l) in self.layers.iter().enumerate() {
                 be.matmul_many(&feats, n, &[&l.wk, &l.wv], &mut [&mut k0, &mut v])?;
+                let storage = kv.storage();
                 let (kc, vc, row0) = kv.append_rows_mut(layer, n)?;
-                let cache = KvCacheRows { k: kc, v: vc, row0 };
+                let cache = KvCacheRows {
+                    k: kc,
+                    v: vc,
+                    row0,
+                    storage,
+                };
                 let qk = self.qk_norm_rope(layer, pos0 + done);
                 be.qk_norm_rope_kv(&q0, &k0, &v, 0, n, &qk, &mut q, &mut k_tmp, cache)?;
             }
@@ -377,6 +387,13 @@ impl<B: Backend> Drafter<B> {
                 self.cfg.block_size,
                 kv.block(),
             ));
+        }
+        if kv.storage() != self.kv_storage {
+            return Err(DraftError::Invalid(format!(
+                "draft KV cache stored as {:?}, the drafter was loaded for {:?} (make it with Drafter::new_kv)",
+                kv.storage(),
+                self.kv_storage
+            )));
         }
         Ok(())
     }
@@ -518,21 +535,24 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 
-    /// The drafter's attention: [`Backend::attention_fast`] when loaded with
-    /// [`crate::LoadOptions::fast_attention`], else the exact op.
+    /// The drafter's attention over K / V stored as `storage` says: an f16 cache through
+    /// [`Backend::attention_fast_kv16`], an f32 one through [`Backend::attention_fast`] when
+    /// loaded with [`crate::LoadOptions::fast_attention`], else the exact op.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         be: &B,
         q: &B::Buf,
         k: &B::Buf,
         v: &B::Buf,
+        storage: KvStorage,
         p: &AttnParams,
         out: &mut B::Buf,
     ) -> Result<()> {
-        if self.fast_attention {
-            be.attention_fast(q, k, v, p, out)?;
-        } else {
-            be.attention(q, k, v, p, out)?;
+        match storage {
+            KvStorage::F16 => be.attention_fast_kv16(q, k, v, p, out)?,
+            KvStorage::F32 if self.fast_attention => be.attention_fast(q, k, v, p, out)?,
+            KvStorage::F32 => be.attention(q, k, v, p, out)?,
         }
         Ok(())
     }
@@ -585,13 +605,19 @@ impl<B: Backend> Drafter<B> {
         for li in 0..n_layers {
             let mut attend = |li: usize, n_q: usize, s: &mut Scratch<B>| -> Result<()> {
                 // The block's K and V straight into the cache after the context.
+                let storage = kv.storage();
                 let (kc, vc, row0) = kv.block_rows_mut(li, b)?;
-                let cache = KvCacheRows { k: kc, v: vc, row0 };
+                let cache = KvCacheRows {
+                    k: kc,
+                    v: vc,
+                    row0,
+                    storage,
+                };
                 let qk = self.qk_norm_rope(li, start);
                 be.qk_norm_rope_kv(&s.q0, &s.k0, &s.v, n_q, b, &qk, &mut s.q, &mut s.k, cache)?;
                 let (kb, vb) = kv.layer(li)?;
                 let p = attn_params(self, li, n_q, n_ctx + b, start, kv_pos0);
-                self.attention(be, &s.q, kb, vb, &p, &mut s.attn)?;
+                self.attention(be, &s.q, kb, vb, storage, &p, &mut s.attn)?;
                 Ok(())
             };
             let rows = if li + 1 == n_layers { out_rows } else { b };
@@ -626,20 +652,31 @@ impl<B: Backend> Drafter<B> {
         for li in 0..self.layers.len() {
             let (kc, vc) = self.ctx_kv(be, li, &feats, ctx, 0)?;
             let mut attend = |li: usize, n_q: usize, s: &mut Scratch<B>| -> Result<()> {
-                // [context K / V ; the block's], the block's written by the norm + RoPE op.
-                let mut ka = be.zeros((ctx + b) * kvd)?;
-                let mut va = be.zeros((ctx + b) * kvd)?;
-                be.copy(&kc, 0, &mut ka, 0, ctx * kvd)?;
-                be.copy(&vc, 0, &mut va, 0, ctx * kvd)?;
+                // [context K / V ; the block's], the block's written by the norm + RoPE op,
+                // stored as the cache would store them.
+                let st = self.kv_storage;
+                let mut ka = be.zeros(st.slots((ctx + b) * kvd))?;
+                let mut va = be.zeros(st.slots((ctx + b) * kvd))?;
+                match st {
+                    KvStorage::F32 => {
+                        be.copy(&kc, 0, &mut ka, 0, ctx * kvd)?;
+                        be.copy(&vc, 0, &mut va, 0, ctx * kvd)?;
+                    }
+                    KvStorage::F16 => {
+                        be.f16_pack(&kc, &mut ka, 0, ctx * kvd)?;
+                        be.f16_pack(&vc, &mut va, 0, ctx * kvd)?;
+                    }
+                }
                 let cache = KvCacheRows {
                     k: &mut ka,
                     v: &mut va,
                     row0: ctx,
+                    storage: st,
                 };
                 let qk = self.qk_norm_rope(li, ctx);
                 be.qk_norm_rope_kv(&s.q0, &s.k0, &s.v, n_q, b, &qk, &mut s.q, &mut s.k, cache)?;
                 let p = attn_params(self, li, n_q, ctx + b, ctx, 0);
-                self.attention(be, &s.q, &ka, &va, &p, &mut s.attn)?;
+                self.attention(be, &s.q, &ka, &va, st, &p, &mut s.attn)?;
                 Ok(())
             };
             self.block_layer(be, li, &mut s, b, &mut attend)?;

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use dflash_backend::{Backend, HostData, HostWeight, RopeSpec, Weight, WeightFormat};
+use dflash_backend::{Backend, HostData, HostWeight, KvStorage, RopeSpec, Weight, WeightFormat};
 
 use crate::checkpoint::{SafetensorsCheckpoint, TensorData, TensorMap, TensorSource};
 use crate::config::{DraftConfig, RowLayout};
@@ -89,6 +89,12 @@ pub struct LoadOptions {
     /// exact op either way). The drafts may differ from the exact op's, never the committed
     /// tokens (the target verifies them).
     pub fast_attention: bool,
+    /// How [`Drafter::new_kv`] stores the draft KV cache: [`KvStorage::F16`] (needs
+    /// `fast_attention`) halves its memory and the bytes each step's attention reads
+    /// ([`Backend::attention_fast_kv16`]); K and V rounded to f16 once, when written, where the
+    /// f32 cache's fast kernels round them on every read (CUDA, spans over 2048 keys) or cut
+    /// them to tf32.
+    pub kv_storage: KvStorage,
 }
 
 /// One draft decoder layer.
@@ -150,6 +156,8 @@ pub struct Drafter<B: Backend> {
     pub ropes: Vec<RopeSpec>,
     /// The attention through [`Backend::attention_fast`] ([`LoadOptions::fast_attention`]).
     pub fast_attention: bool,
+    /// How the draft KV cache stores K and V ([`LoadOptions::kv_storage`]).
+    pub kv_storage: KvStorage,
     /// Activation buffers of the last cached block forward, reused by the next one of the
     /// same block length (no allocation per step; stable buffers for the GPU).
     pub(crate) scratch: std::sync::Mutex<Option<crate::forward::Scratch<B>>>,
@@ -381,6 +389,17 @@ impl<B: Backend> Drafter<B> {
         src: &dyn TensorSource,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        if opts.kv_storage == KvStorage::F16 && !opts.fast_attention {
+            return Err(DraftError::Invalid(
+                "an f16 draft KV cache (kv_storage F16) needs fast_attention: the exact attention reads f32".into(),
+            ));
+        }
+        if opts.kv_storage == KvStorage::F16 && !cfg.kv_dim().is_multiple_of(2) {
+            return Err(DraftError::Invalid(format!(
+                "an f16 draft KV cache needs an even kv width, the config has {}",
+                cfg.kv_dim()
+            )));
+        }
         let mut ld = Loader::new(src, opts.validate)?;
         let d = cfg.hidden_size;
         let (qd, kvd, hd, inter) = (
@@ -559,6 +578,7 @@ impl<B: Backend> Drafter<B> {
             mask_embedding,
             ropes,
             fast_attention: opts.fast_attention,
+            kv_storage: opts.kv_storage,
             scratch: std::sync::Mutex::new(None),
         })
     }

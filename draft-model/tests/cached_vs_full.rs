@@ -4,10 +4,11 @@
 //! contexts shorter and far longer than the sliding window and longer than one ingest chunk;
 //! a step asked for fewer drafts (last layer on fewer rows) gives the same first drafts bit
 //! for bit; a drafter loaded with `fast_attention` drafts the same on the CPU (its attention
-//! is the exact op there).
+//! is the exact op there); a drafter with an f16 cache equals its own uncached forward and
+//! refuses an f32 cache.
 
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, HostWeight, WeightFormat};
+use dflash_backend::{Backend, HostWeight, KvStorage, WeightFormat};
 use dflash_draft_model::random::{random_tensor_map, tiny_config};
 use dflash_draft_model::{DraftOptions, Drafter, LentWeights, LoadOptions, RowLayout};
 use proptest::prelude::*;
@@ -172,6 +173,38 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
         .draft(&be, &mut kv, &lend, anchor, c.ctx, &opts)
         .unwrap();
     prop_assert_eq!(&got_fast, &got);
+    // An f16 cache (`kv_storage: F16`; on the CPU `attention_fast_kv16` unpacks it and runs the
+    // exact op): the cached round equals the drafter's own uncached forward (both store K / V
+    // rounded to f16), and a cache of the other storage is refused.
+    let h_opts = LoadOptions {
+        fast_attention: true,
+        kv_storage: KvStorage::F16,
+        ..LoadOptions::default()
+    };
+    let h = Drafter::from_tensors(&be, dr.cfg.clone(), &map, &h_opts).unwrap();
+    prop_assert!(h.draft(&be, &mut kv, &lend, anchor, c.ctx, &opts).is_err());
+    let mut kv16 = h.new_kv(&be, c.ctx + extra).unwrap();
+    prop_assert_eq!(kv16.storage(), KvStorage::F16);
+    for win in bounds.windows(2) {
+        let (a, b) = (win[0], win[1]);
+        let piece = be.upload(&tap_vals[a * tw..b * tw]).unwrap();
+        h.ingest(&be, &mut kv16, &piece, b - a, a).unwrap();
+    }
+    let got16 = h
+        .draft(&be, &mut kv16, &lend, anchor, c.ctx, &opts)
+        .unwrap();
+    let full16 = h
+        .forward_full(&be, &lend, &taps_buf, c.ctx, &tokens, 1.0, false)
+        .unwrap();
+    let want16 = h
+        .drafts_from_hidden(&be, &lend, &full16.final_hidden, c.block_len, anchor, &opts)
+        .unwrap();
+    prop_assert_eq!(&got16.tokens, &want16.tokens);
+    let e = rel(
+        got16.logits.as_ref().unwrap(),
+        want16.logits.as_ref().unwrap(),
+    );
+    prop_assert!(e <= 1e-6, "f16 cache logits: {e}");
     // The drafter reuses its buffers across steps: a step of another block length, then the
     // same step again, gives bit-identical output.
     let other = DraftOptions {
@@ -300,4 +333,23 @@ fn window_bounds_what_sliding_layers_see() {
             assert_ne!(before, after, "the full layer must see every context row");
         }
     }
+}
+
+/// An f16 cache needs the fast attention (the exact op reads f32): asking for it without is an
+/// error at load, naming both options.
+#[test]
+fn f16_cache_needs_fast_attention() {
+    let be = Cpu::new();
+    let cfg = tiny_config(32, 1, 4, 2, 64, 8, &[0, 2], None, 0).unwrap();
+    let map = random_tensor_map(&cfg, 3);
+    let opts = LoadOptions {
+        kv_storage: KvStorage::F16,
+        ..LoadOptions::default()
+    };
+    let e = Drafter::from_tensors(&be, cfg, &map, &opts).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("fast_attention") && msg.contains("F16"),
+        "{msg}"
+    );
 }

@@ -143,6 +143,7 @@ fn run_case_with(case: &str, precision: Option<Precision>) {
         layout_override: None,
         validate: true,
         fast_attention: false,
+        kv_storage: Default::default(),
     };
     let dr = Drafter::load(&be, &dir.join("draft"), &opts).unwrap();
     assert_eq!(dr.layout, want_layout, "layout chosen from the checkpoint");

@@ -2,9 +2,10 @@
 //!
 //! Per drafter layer it holds K (already k-normed and roped) and V of the context rows, in
 //! committed order, row `j` at absolute position `pos0() + j` (always `j` today). Each layer
-//! has two buffers of `(capacity + block) * n_kv_heads * head_dim` f32, row-major
-//! `[row, kv_head, head_dim]`, so they feed [`Backend::attention`] directly with
-//! `n_kv = len() + block_rows`.
+//! has two buffers of `(capacity + block) * n_kv_heads * head_dim` values, row-major
+//! `[row, kv_head, head_dim]`, stored as [`KvStorage`] says: f32 (the default), fed to
+//! [`Backend::attention`] directly with `n_kv = len() + block_rows`, or f16 (half the memory
+//! and the bytes each draft step reads), fed to [`Backend::attention_fast_kv16`].
 //!
 //! A round of the drafter:
 //! 1. context rows: [`DraftKv::append`] writes `t` new rows of a layer at `len()` (all layers),
@@ -19,7 +20,7 @@
 
 use std::ops::Range;
 
-use dflash_backend::{Backend, BackendError};
+use dflash_backend::{Backend, BackendError, KvStorage};
 use thiserror::Error;
 
 /// Rows ingested per chunk when a long prompt fills the cache (bounds transient memory).
@@ -82,6 +83,7 @@ struct LayerKv<B: Backend> {
 /// The draft KV cache: see the crate docs.
 pub struct DraftKv<B: Backend> {
     shape: KvShape,
+    storage: KvStorage,
     layers: Vec<LayerKv<B>>,
     len: usize,
 }
@@ -90,17 +92,30 @@ impl<B: Backend> std::fmt::Debug for DraftKv<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DraftKv")
             .field("shape", &self.shape)
+            .field("storage", &self.storage)
             .field("len", &self.len)
             .finish()
     }
 }
 
 impl<B: Backend> DraftKv<B> {
-    /// Allocate zeroed buffers for every layer.
+    /// Allocate zeroed f32 buffers for every layer.
     pub fn new(be: &B, shape: KvShape) -> Result<Self> {
+        Self::with_storage(be, shape, KvStorage::F32)
+    }
+
+    /// Allocate zeroed buffers for every layer, stored as `storage` says (f16 needs an even
+    /// `n_kv_heads * head_dim`).
+    pub fn with_storage(be: &B, shape: KvShape, storage: KvStorage) -> Result<Self> {
         if shape.n_layers == 0 || shape.n_kv_heads == 0 || shape.head_dim == 0 {
             return Err(KvError::Shape(format!(
                 "{shape:?}: layers, kv heads and head_dim must be positive"
+            )));
+        }
+        if storage == KvStorage::F16 && !shape.row_width().is_multiple_of(2) {
+            return Err(KvError::Shape(format!(
+                "{shape:?}: f16 storage needs an even row width, got {}",
+                shape.row_width()
             )));
         }
         let rows = shape
@@ -109,6 +124,7 @@ impl<B: Backend> DraftKv<B> {
             .ok_or_else(|| KvError::Shape(format!("{shape:?}: capacity + block overflows")))?;
         let n = rows
             .checked_mul(shape.row_width())
+            .map(|n| storage.slots(n))
             .ok_or_else(|| KvError::Shape(format!("{shape:?}: buffer size overflows")))?;
         let mut layers = Vec::with_capacity(shape.n_layers);
         for _ in 0..shape.n_layers {
@@ -120,6 +136,7 @@ impl<B: Backend> DraftKv<B> {
         }
         Ok(DraftKv {
             shape,
+            storage,
             layers,
             len: 0,
         })
@@ -127,6 +144,11 @@ impl<B: Backend> DraftKv<B> {
 
     pub fn shape(&self) -> KvShape {
         self.shape
+    }
+
+    /// How the buffers store K and V.
+    pub fn storage(&self) -> KvStorage {
+        self.storage
     }
 
     /// Committed context rows.
@@ -189,8 +211,9 @@ impl<B: Backend> DraftKv<B> {
         Ok(layer)
     }
 
-    /// K and V buffers of a layer (`(capacity + block)` rows; the first `len()` are context,
-    /// the next ones whatever `write_block` / `append` put there).
+    /// K and V buffers of a layer (`(capacity + block)` rows stored as [`storage`](Self::storage)
+    /// says; the first `len()` are context, the next ones whatever `write_block` / `append` put
+    /// there).
     pub fn layer(&self, layer: usize) -> Result<(&B::Buf, &B::Buf)> {
         let l = &self.layers[self.layer_index(layer)?];
         Ok((&l.k, &l.v))
@@ -218,8 +241,16 @@ impl<B: Backend> DraftKv<B> {
         let n = t * w;
         let off = self.len * w;
         let l = &mut self.layers[layer];
-        be.copy(k_rows, 0, &mut l.k, off, n)?;
-        be.copy(v_rows, 0, &mut l.v, off, n)?;
+        match self.storage {
+            KvStorage::F32 => {
+                be.copy(k_rows, 0, &mut l.k, off, n)?;
+                be.copy(v_rows, 0, &mut l.v, off, n)?;
+            }
+            KvStorage::F16 => {
+                be.f16_pack(k_rows, &mut l.k, off, n)?;
+                be.f16_pack(v_rows, &mut l.v, off, n)?;
+            }
+        }
         Ok(())
     }
 

@@ -367,3 +367,57 @@ proptest! {
         }
     }
 }
+
+/// An f16 cache holds the rows `append` / `write_block` were given, rounded to f16
+/// (`f16_bits`), two values per f32 slot, in half the slots of an f32 one; an odd row width
+/// is refused.
+#[test]
+fn f16_storage_packs_the_rows() {
+    use dflash_backend::KvStorage;
+    let be = Cpu::default();
+    let shape = KvShape {
+        n_layers: 1,
+        n_kv_heads: 2,
+        head_dim: 4,
+        capacity: 6,
+        block: 2,
+    };
+    let mut kv = DraftKv::with_storage(&be, shape, KvStorage::F16).unwrap();
+    assert_eq!(kv.storage(), KvStorage::F16);
+    let w = kv.row_width();
+    assert_eq!(be.len(kv.k(0).unwrap()), (6 + 2) * w / 2);
+    // Values that f16 rounds (and one it saturates).
+    let k: Vec<f32> = (0..3 * w).map(|i| 1.0 + i as f32 / 3000.0).collect();
+    let mut v: Vec<f32> = (0..3 * w).map(|i| -(i as f32) * 0.1).collect();
+    v[5] = 1e6;
+    kv.append(&be, 0, &k, &v, 3).unwrap();
+    kv.commit(3).unwrap();
+    kv.write_block(&be, 0, &k[..2 * w].to_vec(), &v[..2 * w].to_vec(), 2)
+        .unwrap();
+    let unpack = |buf: &Vec<f32>, n: usize| {
+        let mut out = vec![0.0f32; n];
+        be.f16_unpack(buf, 0, n, &mut out).unwrap();
+        out
+    };
+    let round = |x: f32| half::f16::from_bits(dflash_backend::f16_bits(x)).to_f32();
+    let (kc, vc) = kv.layer(0).unwrap();
+    let (ku, vu) = (unpack(kc, 5 * w), unpack(vc, 5 * w));
+    for i in 0..3 * w {
+        assert_eq!(ku[i], round(k[i]), "k {i}");
+        assert_eq!(vu[i], round(v[i]), "v {i}");
+    }
+    assert_eq!(vu[5], 65504.0, "saturated");
+    assert_ne!(ku[1], k[1], "rounded to f16");
+    for i in 0..2 * w {
+        assert_eq!(ku[3 * w + i], round(k[i]), "block k {i}");
+    }
+    let odd = KvShape {
+        head_dim: 3,
+        n_kv_heads: 1,
+        ..shape
+    };
+    assert!(matches!(
+        DraftKv::with_storage(&be, odd, KvStorage::F16),
+        Err(KvError::Shape(_))
+    ));
+}

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, LayerTail, QkNormRope, RopeSpec, TailScratch, Weight,
-    WeightFormat,
+    AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch,
+    Weight, WeightFormat,
 };
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
@@ -602,6 +602,7 @@ impl<B: Backend> Qwen3Dense<B> {
                 k: &mut self.k_cache[li],
                 v: &mut self.v_cache[li],
                 row0: start,
+                storage: KvStorage::F32,
             };
             be.qk_norm_rope_kv(&*q, &*k, &*v, t, t, &qk, qn, kn, cache)?;
             let p = AttnParams {

@@ -18,7 +18,7 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, QkNormRope, RopeSpec, Weight, WeightFormat,
+    AttnParams, Backend, KvCacheRows, KvStorage, QkNormRope, RopeSpec, Weight, WeightFormat,
 };
 use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
 
@@ -31,8 +31,9 @@ pub struct BenchArgs {
     #[arg(long, default_value = "8b,27b")]
     shapes: String,
     /// Drafter weight formats; `+fa` after one = its attention through `attention_fast`
-    /// (1xTF32 products) instead of the exact op.
-    #[arg(long, default_value = "bf16,q8_0,q8_0a8,q8_0a8+fa,q4_0")]
+    /// (1xTF32 / f16 products) instead of the exact op, `+fa16` = through
+    /// `attention_fast_kv16` over f16 K / V caches (the CUDA drafter's default).
+    #[arg(long, default_value = "bf16,q8_0,q8_0a8,q8_0a8+fa,q8_0a8+fa16,q4_0")]
     formats: String,
     /// Timed replays per measurement (median reported).
     #[arg(long, default_value_t = 50)]
@@ -111,6 +112,10 @@ pub struct BenchArgs {
     /// graph), wall-clock ms per call including the host synchronization, then exit.
     #[arg(long)]
     library: bool,
+    /// With --timeline / --library: the drafter's K / V caches in f16 (the attention through
+    /// `attention_fast_kv16`; the library drafter loaded with `kv_storage: F16`).
+    #[arg(long)]
+    kv16: bool,
     /// Only the norm -> projection chain timings (us per instance; 10 distinct q/k/v weight
     /// copies per graph), then exit.
     #[arg(long)]
@@ -228,6 +233,9 @@ struct Model {
     skip: String,
     /// The attention through [`Backend::attention_fast`] (the drafter's reduced-precision op).
     fast_attn: bool,
+    /// How the layers' K / V caches are stored (see [`Model::set_kv`]); f16 = the attention
+    /// through [`Backend::attention_fast_kv16`].
+    kv: KvStorage,
     /// Q8_0A8 only: the norms write the quantized activation (`Cuda::rms_norm_q8`) and the
     /// o / down projections add into the residual stream (`Cuda::matmul_add`,
     /// `matmul_silu_mul_add`): the same bits, fewer launches.
@@ -383,6 +391,7 @@ impl Model {
             prefetch: [0; 5],
             skip: String::new(),
             fast_attn: false,
+            kv: KvStorage::F32,
             q8norm: false,
             q8epi: false,
             q8pair: true,
@@ -396,8 +405,33 @@ impl Model {
         })
     }
 
+    /// Store the layers' K / V caches as `kv` says (the same values, f16-rounded for
+    /// [`KvStorage::F16`]; back to f32 exactly from f16).
+    fn set_kv(&mut self, g: &Cuda, kv: KvStorage) -> Result<()> {
+        if kv == self.kv {
+            return Ok(());
+        }
+        for l in &mut self.layers {
+            for c in [&mut l.kc, &mut l.vc] {
+                let n = match self.kv {
+                    KvStorage::F32 => g.len(c),
+                    KvStorage::F16 => 2 * g.len(c),
+                };
+                let mut new = g.zeros(kv.slots(n))?;
+                match kv {
+                    KvStorage::F16 => g.f16_pack(c, &mut new, 0, n)?,
+                    KvStorage::F32 => g.f16_unpack(c, 0, n, &mut new)?,
+                }
+                *c = new;
+            }
+        }
+        self.kv = kv;
+        Ok(())
+    }
+
     /// Bytes a step must read from device memory at least: every weight matrix once (the
-    /// lm_head in full, the embedding for `rows` rows) and the visible K/V of each layer.
+    /// lm_head in full, the embedding for `rows` rows) and the visible K/V of each layer (2 or
+    /// 4 bytes per value, as the caches store them).
     fn floor_bytes(&self, rows: usize, ctx: usize) -> usize {
         let mut b =
             self.lm_head.buf.device_bytes() + self.embed.buf.device_bytes() / self.s.vocab * rows;
@@ -409,7 +443,11 @@ impl Model {
                 Some(w) => (ctx + rows).min(w + rows),
                 None => ctx + rows,
             };
-            b += 2 * keys * self.s.kv_heads * self.s.head_dim * 4;
+            let per = match self.kv {
+                KvStorage::F32 => 4,
+                KvStorage::F16 => 2,
+            };
+            b += 2 * keys * self.s.kv_heads * self.s.head_dim * per;
         }
         b
     }
@@ -576,6 +614,7 @@ impl Model {
                     k: &mut l.kc,
                     v: &mut l.vc,
                     row0: ctx,
+                    storage: self.kv,
                 };
                 g.qk_norm_rope_kv(
                     &b.q0, &b.k0, &b.v, rows, rows, &qk, &mut b.q, &mut b.k, cache,
@@ -585,8 +624,13 @@ impl Model {
                 g.rms_norm(&b.k0, &l.kn, hd, eps, &mut b.k)?;
                 g.rope(&mut b.q, rows, s.heads, hd, ctx, &self.rope)?;
                 g.rope(&mut b.k, rows, s.kv_heads, hd, ctx, &self.rope)?;
-                g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
-                g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
+                if self.kv == KvStorage::F16 {
+                    g.f16_pack(&b.k, &mut l.kc, ctx * kvw, rows * kvw)?;
+                    g.f16_pack(&b.v, &mut l.vc, ctx * kvw, rows * kvw)?;
+                } else {
+                    g.copy(&b.k, 0, &mut l.kc, ctx * kvw, rows * kvw)?;
+                    g.copy(&b.v, 0, &mut l.vc, ctx * kvw, rows * kvw)?;
+                }
             }
             mark(&|| format!("L{li} qk norm+rope+kv"))?;
             let l = &self.layers[li];
@@ -605,7 +649,17 @@ impl Model {
             if sk('a') {
             } else if q8n {
                 // The split combine also writes the o projection's quantized activation.
-                act = Some(g.attention_q8(&b.q, &l.kc, &l.vc, &p, self.fast_attn, &mut b.attn)?);
+                act = Some(g.attention_q8(
+                    &b.q,
+                    &l.kc,
+                    &l.vc,
+                    &p,
+                    self.fast_attn,
+                    self.kv,
+                    &mut b.attn,
+                )?);
+            } else if self.kv == KvStorage::F16 {
+                g.attention_fast_kv16(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             } else if self.fast_attn {
                 g.attention_fast(&b.q, &l.kc, &l.vc, &p, &mut b.attn)?;
             } else {
@@ -810,6 +864,7 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
         let opts = LoadOptions {
             precision: Precision::Q8_0A8,
             fast_attention: true,
+            kv_storage: kv_arg(a),
             ..Default::default()
         };
         let dr = Drafter::from_tensors(g, cfg, &map, &opts)?;
@@ -822,6 +877,7 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
         let mut m = Model::new(g, s, f, cap, false, 42)?;
         m.fast_attn = true;
+        m.set_kv(g, kv_arg(a))?;
         m.q8norm = !a.no_a8_producers;
         let mut b = m.bufs(g, s.block)?;
         for &ctx in ctxs {
@@ -1008,13 +1064,23 @@ fn fmt_name(f: WeightFormat) -> &'static str {
     }
 }
 
-/// A drafter variant's name in the tables: the weight format, with `+ fast attn` when its
-/// attention runs through `attention_fast`.
-fn variant_name(f: WeightFormat, fast: bool) -> String {
-    if fast {
-        format!("{} + fast attn", fmt_name(f))
+/// The K / V storage `--kv16` asks for.
+fn kv_arg(a: &BenchArgs) -> KvStorage {
+    if a.kv16 {
+        KvStorage::F16
     } else {
-        fmt_name(f).to_string()
+        KvStorage::F32
+    }
+}
+
+/// A drafter variant's name in the tables: the weight format, with `+ fast attn` when its
+/// attention runs through `attention_fast`, `+ fast attn, f16 KV` through
+/// `attention_fast_kv16` over an f16 cache.
+fn variant_name(f: WeightFormat, fast: bool, kv: KvStorage) -> String {
+    match (fast, kv) {
+        (_, KvStorage::F16) => format!("{} + fast attn, f16 KV", fmt_name(f)),
+        (true, KvStorage::F32) => format!("{} + fast attn", fmt_name(f)),
+        (false, KvStorage::F32) => fmt_name(f).to_string(),
     }
 }
 
@@ -1497,15 +1563,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .split(',')
         .map(|s| shape(s.trim()))
         .collect::<Result<_>>()?;
-    // (format, attention through attention_fast)
-    let fmts: Vec<(WeightFormat, bool)> = a
+    // (format, attention through attention_fast, K / V storage)
+    let fmts: Vec<(WeightFormat, bool, KvStorage)> = a
         .formats
         .split(',')
         .map(|s| {
             let s = s.trim();
-            Ok(match s.strip_suffix("+fa") {
-                Some(f) => (parse_format(f)?, true),
-                None => (parse_format(s)?, false),
+            Ok(if let Some(f) = s.strip_suffix("+fa16") {
+                (parse_format(f)?, true, KvStorage::F16)
+            } else if let Some(f) = s.strip_suffix("+fa") {
+                (parse_format(f)?, true, KvStorage::F32)
+            } else {
+                (parse_format(s)?, false, KvStorage::F32)
             })
         })
         .collect::<Result<_>>()?;
@@ -1540,6 +1609,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         shape: &'static str,
         fmt: WeightFormat,
         fast: bool,
+        kv: KvStorage,
         ctx: usize,
         t: StepTimes,
         markov: Option<StepTimes>,
@@ -1552,10 +1622,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         g.set_a8_kernel(a8k);
         set_split(&g, a.attn_split)?;
         g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
-        for &(f, fast) in &fmts {
+        for &(f, fast, kv) in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.base_kernel = a8k;
             m.fast_attn = fast;
+            m.set_kv(&g, kv)?;
             m.fused = !a.unfused;
             m.q8norm = !a.no_a8_producers;
             m.prefetch = parse_prefetch(&a.l2_prefetch)?;
@@ -1567,7 +1638,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 println!(
                     "{} {:>5} ctx {:>5}: eager {:.3} ms, graph {} ms, floor {:.3} ms ({:.2} GB){}",
                     s.name,
-                    variant_name(f, fast),
+                    variant_name(f, fast, kv),
                     ctx,
                     t.eager,
                     t.graph.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
@@ -1582,6 +1653,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     shape: s.name,
                     fmt: f,
                     fast,
+                    kv,
                     ctx,
                     t,
                     markov: None,
@@ -1601,7 +1673,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     println!(
                         "{} {:>5} ctx {:>5} + Markov r=256: eager {:.3} ms, graph {:?}",
                         s.name,
-                        variant_name(f, fast),
+                        variant_name(f, fast, kv),
                         ctx,
                         t.eager,
                         t.graph
@@ -1671,7 +1743,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "| {} | {} | {} | {:.3} | {} | {:.3} ({:.2}) | {:.2}x | {:.3} | {} | {:.2}x |\n",
             r.shape,
             r.ctx,
-            variant_name(r.fmt, r.fast),
+            variant_name(r.fmt, r.fast, r.kv),
             r.t.eager,
             r.t.graph
                 .map(|x| format!("{x:.3}"))
@@ -1695,7 +1767,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     "| {} | {} | {} | {:.3} | {} |\n",
                     r.shape,
                     r.ctx,
-                    variant_name(r.fmt, r.fast),
+                    variant_name(r.fmt, r.fast, r.kv),
                     t.eager,
                     t.graph.map(|x| format!("{x:.3}")).unwrap_or("-".into())
                 );
@@ -1723,7 +1795,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
                 md += &format!(
                     "| {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
-                    variant_name(r.fmt, r.fast),
+                    variant_name(r.fmt, r.fast, r.kv),
                     6.5 * dm / (draft + vm)
                 );
             }
@@ -1760,6 +1832,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         prefetch: [usize; 5],
         skip: String,
         fast_attn: bool,
+        kv: KvStorage,
         q8norm: bool,
         q8epi: bool,
         q8pair: bool,
@@ -1782,6 +1855,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 prefetch: parse_prefetch(&a.l2_prefetch)?,
                 skip: String::new(),
                 fast_attn: false,
+                kv: KvStorage::F32,
                 q8norm: !a.no_a8_producers,
                 q8epi: false,
                 q8pair: true,
@@ -1803,6 +1877,9 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.prefetch = parse_prefetch(n)?;
                 } else if opt == "fa" {
                     cfg.fast_attn = true;
+                } else if opt == "kv16" {
+                    cfg.fast_attn = true;
+                    cfg.kv = KvStorage::F16;
                 } else if opt == "q8n" {
                     cfg.q8norm = true;
                 } else if opt == "noq8n" {
@@ -1939,6 +2016,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
                     m.fast_attn = c.fast_attn;
+                    m.set_kv(g, c.kv)?;
                     m.q8norm = c.q8norm;
                     m.q8epi = c.q8epi;
                     m.q8pair = c.q8pair;
@@ -1977,6 +2055,7 @@ fn timeline(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Result
         let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
         m.prefetch = parse_prefetch(&a.l2_prefetch)?;
         m.fast_attn = true;
+        m.set_kv(g, kv_arg(a))?;
         m.q8norm = !a.no_a8_producers;
         let mut b = m.bufs(g, s.block)?;
         for &ctx in ctxs {

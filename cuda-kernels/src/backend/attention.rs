@@ -4,21 +4,26 @@
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
-    Kernel, PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
+    Kernel, KvStorage, PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
 };
 use crate::error::dev;
 
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
-/// Non-causal attention over at most this many keys splits them into about 4 (automatic
-/// split): a quarter of the span rounded up to 64 keys, at least 128. The drafter's block
-/// attention over a short context: 256-key splits left the GPU part idle (8 kv heads, 64
-/// query rows, 528 keys: 96 blocks for 132 SMs on the H200; the 8B draft step at ctx 512
-/// 0.806 -> 0.783 ms with 128, which at 8192 would cost 1.073 -> 1.219 ms); since the ninth
-/// session a quarter of the span, where 128 gave one-stage blocks over 2 chunks and too many
-/// blocks for one wave of 3-stage blocks (q8_0a8 step, graph ms, 8B / 27B, 11:59 lease, two
-/// rounds; 128 -> the rule): 256 keys (ctx 240) 128 either way, 0.609 / 1.048; 528 keys
-/// 0.631 / 1.071 -> 0.626 / 1.062 (192); 1016 keys 0.649 / 1.088 -> 0.645 / 1.072 (256).
+/// Non-causal attention over at most this many keys splits them into about 6 (automatic
+/// split): a sixth of the span rounded up to 64 keys, at least 128, run by blocks of 2 row
+/// warps where the grid still reaches half the multiprocessors ([`SplitRule::Short`]). The
+/// drafter's block attention over a short context: 256-key splits left the GPU part idle (8 kv
+/// heads, 64 query rows, 528 keys: 96 blocks for 132 SMs on the H200). The ninth session's
+/// rule (a quarter of the span, blocks of one row warp: 528 keys -> 192, 96 blocks of 4 warps)
+/// left one warp per scheduler running ~4200 dependent instructions (ncu, twelfth session: 12
+/// us for 528 keys, 75% of the cycles with no eligible warp). Blocks of 2 row warps share each
+/// K / V chunk between two query groups and keep 2 warps per scheduler (q8_0a8 step, graph
+/// ms, 8B, H200, twelfth session, two rounds each; old rule -> this one): 256 keys (ctx 240)
+/// 0.604 / 0.600 -> the same launch; 528 keys 0.618 / 0.616 -> 0.609 / 0.609 (128-key
+/// splits, 80 blocks); 1040 keys 0.655 / 0.655 -> 0.627 / 0.625 (192, 96 blocks); 27B at 528
+/// keys 1.065 / 1.067 -> 1.055 / 1.059. Splits of 64 / 256 / 320 keys with 2 row warps, and 2
+/// key warps per block, measured slower at 528 and 1040 keys.
 pub(super) const SHORT_NONCAUSAL_KV: usize = 1024;
 /// Non-causal attention over a visible span (`n_kv`, or the window when smaller) of more than
 /// this many keys splits it so that all splits of all kv heads run in one wave, one block each
@@ -31,18 +36,40 @@ pub(super) const WAVE_NONCAUSAL_KV: usize = 2048;
 
 /// The automatic split of [`Cuda::set_attn_split_auto`]: a function of `n_kv`, the window,
 /// causality, `n_kv_heads` and the device's multiprocessor count, never of the query rows.
-/// Returns (keys per split, whether the one-wave rule chose it).
-pub(super) fn split_keys_auto(p: &AttnParams, num_sms: usize) -> (usize, bool) {
+/// Returns the keys per split and the rule that chose them.
+pub(super) fn split_keys_auto(p: &AttnParams, num_sms: usize) -> (usize, SplitRule) {
     let span = p.window.map_or(p.n_kv, |w| w.min(p.n_kv));
     match () {
-        _ if p.causal => (ATT_SPLIT, false),
-        _ if span <= SHORT_NONCAUSAL_KV => (span.div_ceil(4).next_multiple_of(64).max(128), false),
+        _ if p.causal => (ATT_SPLIT, SplitRule::Fixed),
+        _ if span <= SHORT_NONCAUSAL_KV => (
+            span.div_ceil(6).next_multiple_of(64).max(128),
+            SplitRule::Short,
+        ),
         _ if span > WAVE_NONCAUSAL_KV => {
             let n = (num_sms / p.n_kv_heads.max(1)).saturating_sub(1).max(1);
-            (span.div_ceil(n).next_multiple_of(64).max(ATT_SPLIT), true)
+            (
+                span.div_ceil(n).next_multiple_of(64).max(ATT_SPLIT),
+                SplitRule::OneWave,
+            )
         }
-        _ => (ATT_SPLIT, false),
+        _ => (ATT_SPLIT, SplitRule::Fixed),
     }
+}
+
+/// Which rule sized the splits of an attention call; it also sets how many blocks the grid
+/// should have before the tensor-core kernel takes fewer, taller blocks (row warps change no
+/// bit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SplitRule {
+    /// 256 keys, or the split set by [`Cuda::set_attn_split`]: blocks until the grid covers
+    /// every multiprocessor.
+    Fixed,
+    /// A short non-causal span ([`SHORT_NONCAUSAL_KV`]): taller blocks while the grid covers
+    /// half the multiprocessors.
+    Short,
+    /// A long non-causal span split for one wave of blocks of all the query rows of a kv head
+    /// ([`WAVE_NONCAUSAL_KV`]).
+    OneWave,
 }
 /// Query rows per block of the SIMT split kernel.
 const ATT_QT: usize = 16;
@@ -97,6 +124,8 @@ enum TcFlavor {
     Tf32,
     Fpv,
     H16,
+    /// The f16-cache twin of `H16` (`attn_h16kv_*`): `nst` stages of f16 K / V tiles.
+    H16Kv,
 }
 
 impl TcFlavor {
@@ -118,6 +147,10 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fl: TcFlavor) -> us
     let fpv = fl == TcFlavor::Fpv;
     if fl == TcFlavor::H16 {
         let main = (rw * 16 + 2 * ck) * (d + 8) * 2 + nst * 2 * ck * d * 4;
+        return main.max(rw * kw * (d / 2 + 4) * 32 * 4);
+    }
+    if fl == TcFlavor::H16Kv {
+        let main = (rw * 16 + nst * 2 * ck) * (d + 8) * 2;
         return main.max(rw * kw * (d / 2 + 4) * 32 * 4);
     }
     let mut main = rw * 16 * (d + 16) + nst * ck * (d + 16) + nst * ck * (d + 4);
@@ -222,6 +255,16 @@ fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
     })
 }
 
+/// The f16-cache kernel (`attention_fast_kv16`) for head dim `d` (4 key warps).
+fn h16kv_kernel(d: usize) -> Option<Kernel> {
+    Some(match d {
+        32 => Kernel::AttnH16KvD32Kw4,
+        64 => Kernel::AttnH16KvD64Kw4,
+        128 => Kernel::AttnH16KvD128Kw4,
+        _ => return None,
+    })
+}
+
 /// The f16 tensor-core kernel (`attention_fast`) for head dim `d` and `kw` key warps.
 fn h16_kernel(d: usize, kw: usize) -> Option<Kernel> {
     Some(match (d, kw) {
@@ -260,7 +303,8 @@ impl Cuda {
 
     /// Back to the automatic split (the default): 256 keys, except for non-causal calls
     /// whose visible span (`n_kv`, or the window when smaller) is at most 1024 keys, which
-    /// take 128, or more than 2048, which are split for one wave of blocks (at most
+    /// take a sixth of it (a multiple of 64, at least 128), or more than 2048, which are split
+    /// for one wave of blocks (at most
     /// `num_sms / n_kv_heads - 1` splits). A function of `n_kv`, the
     /// window, `n_kv_heads` and the device, never of the query rows, so rows stay
     /// deterministic across calls of any height; causal calls, where decode must equal verify
@@ -324,6 +368,13 @@ impl Cuda {
         Ok(v)
     }
 
+    /// Whether [`Backend::attention_fast_kv16`] runs its own kernel for these parameters (head
+    /// dims 32 / 64 / 128 within the device's shared memory); the others unpack the cache.
+    pub(super) fn kv16_kernel_fits(&self, p: &AttnParams) -> bool {
+        h16kv_kernel(p.head_dim).is_some()
+            && tc_smem_bytes(p.head_dim, 4, 1, 1, TcFlavor::H16Kv) <= self.smem.block
+    }
+
     /// Raise the shared-memory limits of the attention kernels to their largest launch.
     pub(super) fn attention_warm_up(&self) -> Result<()> {
         // The largest launch of a tensor-core kernel that fits the device.
@@ -349,6 +400,9 @@ impl Cuda {
                 if let Some(k) = h16_kernel(d, kw) {
                     self.func_smem(k, most(d, kw, TcFlavor::H16))?;
                 }
+                if let Some(k) = h16kv_kernel(d).filter(|_| kw == 4) {
+                    self.func_smem(k, most(d, kw, TcFlavor::H16Kv))?;
+                }
             }
         }
         Ok(())
@@ -364,10 +418,16 @@ impl Cuda {
         v: &CudaBuf,
         p: &AttnParams,
         fast: bool,
+        kv: KvStorage,
         q8: Option<(usize, usize)>,
         out: &mut CudaBuf,
     ) -> Result<Option<A8Act>> {
-        let op = if fast { "attention_fast" } else { "attention" };
+        let kv16 = kv == KvStorage::F16;
+        let op = match (fast, kv16) {
+            (_, true) => "attention_fast_kv16",
+            (true, false) => "attention_fast",
+            (false, false) => "attention",
+        };
         if p.n_heads == 0
             || p.n_kv_heads == 0
             || !p.n_heads.is_multiple_of(p.n_kv_heads)
@@ -381,9 +441,16 @@ impl Cuda {
                 ),
             });
         }
+        if kv16 && !self.kv16_kernel_fits(p) {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!("head_dim {}: no f16-cache kernel", p.head_dim),
+            });
+        }
         check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
-        check(op, "k", p.n_kv * p.n_kv_heads * p.head_dim, k.len)?;
-        check(op, "v", p.n_kv * p.n_kv_heads * p.head_dim, v.len)?;
+        let kv_slots = kv.slots(p.n_kv * p.n_kv_heads * p.head_dim);
+        check(op, "k (f32 slots)", kv_slots, k.len)?;
+        check(op, "v (f32 slots)", kv_slots, v.len)?;
         check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
         if p.n_q == 0 {
             return Ok(None);
@@ -412,12 +479,18 @@ impl Cuda {
 
         // (kernel, threads, shared bytes, rows per block, pipeline stages) of the split kernel.
         let choice = *lock(&self.attn_kernel);
-        let (split_keys, one_wave) = match *lock(&self.attn_split) {
-            Some(k) => (k, false),
+        let (split_keys, rule) = match *lock(&self.attn_split) {
+            Some(k) => (k, SplitRule::Fixed),
             None => split_keys_auto(p, self.num_sms),
         };
+        let one_wave = rule == SplitRule::OneWave;
         let n_split = p.n_kv.div_ceil(split_keys);
         let tc = match choice.resolve() {
+            // An f16 cache: its one kernel (4 key warps), the choice's row warps and stages.
+            AttnKernel::Tc {
+                row_warps, stages, ..
+            } if kv16 => Some((4, row_warps, false, stages)),
+            _ if kv16 => Some((4, 0, false, 0)),
             AttnKernel::Simt | AttnKernel::Auto => None,
             AttnKernel::Tc {
                 key_warps,
@@ -431,8 +504,9 @@ impl Cuda {
         let lim = self.smem;
         let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
             Some((kw, rw, fpv, stages))
-                if tc_kernel(d, kw, fpv, false).is_some()
-                    && tc_smem_bytes(d, kw, 1, 1, TcFlavor::of(fpv)) <= lim.block =>
+                if kv16
+                    || (tc_kernel(d, kw, fpv, false).is_some()
+                        && tc_smem_bytes(d, kw, 1, 1, TcFlavor::of(fpv)) <= lim.block) =>
             {
                 // The fast op takes the f16 kernel over the long non-causal spans the one-wave
                 // rule splits (4 key warps, P V on the tensor cores; unless
@@ -443,14 +517,16 @@ impl Cuda {
                 // block: 2 staging slots where the f32 kernel keeps 3 chunks in flight). A
                 // function of the span, never of the query rows (per-row determinism).
                 let h16 = h16_kernel(d, kw)
-                    .filter(|_| fast && !fpv && one_wave && *lock(&self.attn_fast_f16))
+                    .filter(|_| !kv16 && fast && !fpv && one_wave && *lock(&self.attn_fast_f16))
                     .filter(|_| tc_smem_bytes(d, kw, 1, 1, TcFlavor::H16) <= lim.block);
-                let fl = if h16.is_some() {
-                    TcFlavor::H16
-                } else {
-                    TcFlavor::of(fpv)
+                let fl = match () {
+                    _ if kv16 => TcFlavor::H16Kv,
+                    _ if h16.is_some() => TcFlavor::H16,
+                    _ => TcFlavor::of(fpv),
                 };
-                let kern = h16
+                let kern = h16kv_kernel(d)
+                    .filter(|_| kv16)
+                    .or(h16)
                     .or_else(|| tc_kernel(d, kw, fpv, fast))
                     .or_else(|| tc_kernel(d, kw, fpv, false))
                     .ok_or_else(internal)?;
@@ -459,13 +535,17 @@ impl Cuda {
                 } else {
                     // As many rows per block as the rows allow while the grid still fills the
                     // GPU (more rows per block = fewer reads of each K/V chunk; a split of the
-                    // one-wave rule was sized for these blocks) and one stage fits the shared
-                    // memory.
+                    // one-wave rule was sized for these blocks; a short span's, for half the
+                    // multiprocessors) and one stage fits the shared memory.
+                    let fill = match rule {
+                        SplitRule::Fixed => self.num_sms,
+                        SplitRule::Short => self.num_sms / 2,
+                        SplitRule::OneWave => 0,
+                    };
                     let mut rw = 4;
                     while rw > 1
                         && (qr <= 16 * (rw / 2)
-                            || (!one_wave
-                                && n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < self.num_sms)
+                            || n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < fill
                             || tc_smem_bytes(d, kw, rw, 1, fl) > lim.block)
                     {
                         rw /= 2;
@@ -639,22 +719,27 @@ mod tests {
             for n_kv in [16, 528, 4112, 8208, 100_000] {
                 assert_eq!(
                     split_keys_auto(&p(n_q, n_kv, true, None), 132),
-                    (256, false)
+                    (256, SplitRule::Fixed)
                 );
             }
             let auto = |n_kv, window| split_keys_auto(&p(n_q, n_kv, false, window), 132);
-            assert_eq!(auto(16, None), (128, false));
-            assert_eq!(auto(256, None), (128, false));
-            assert_eq!(auto(528, None), (192, false));
-            assert_eq!(auto(1016, None), (256, false));
-            assert_eq!(auto(1024, None), (256, false));
-            assert_eq!(auto(2048, None), (256, false));
-            assert_eq!(auto(8208, Some(2048)), (256, false));
-            assert_eq!(auto(8208, Some(512)), (128, false));
+            // Short spans: a sixth, rounded up to 64 keys, at least 128.
+            let short = |k| (k, SplitRule::Short);
+            assert_eq!(auto(16, None), short(128));
+            assert_eq!(auto(256, None), short(128));
+            assert_eq!(auto(528, None), short(128));
+            assert_eq!(auto(784, None), short(192));
+            assert_eq!(auto(1016, None), short(192));
+            assert_eq!(auto(1024, None), short(192));
+            assert_eq!(auto(8208, Some(512)), short(128));
+            assert_eq!(auto(1025, None), (256, SplitRule::Fixed));
+            assert_eq!(auto(2048, None), (256, SplitRule::Fixed));
+            assert_eq!(auto(8208, Some(2048)), (256, SplitRule::Fixed));
             // One wave: 132 / 8 - 1 = 15 splits at most, a multiple of 64 keys, >= 256.
-            assert_eq!(auto(4112, None), (320, true));
-            assert_eq!(auto(8208, None), (576, true));
-            assert_eq!(auto(2112, None), (256, true));
+            let wave = |k| (k, SplitRule::OneWave);
+            assert_eq!(auto(4112, None), wave(320));
+            assert_eq!(auto(8208, None), wave(576));
+            assert_eq!(auto(2112, None), wave(256));
             for n_kv in [2049, 4112, 8208, 33_000, 100_000] {
                 let (k, _) = auto(n_kv, None);
                 assert!(

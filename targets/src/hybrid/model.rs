@@ -2,7 +2,9 @@
 
 use std::path::Path;
 
-use dflash_backend::{AttnParams, Backend, DeltaParams, KvCacheRows, QkNormRope, Weight};
+use dflash_backend::{
+    AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, QkNormRope, Weight,
+};
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
 use super::config::{HybridConfig, LayerKind, MoeConfig};
@@ -347,6 +349,7 @@ impl<B: Backend> HybridTarget<B> {
                         k: kc,
                         v: vc,
                         row0: start,
+                        storage: KvStorage::F32,
                     };
                     be.qk_norm_rope_kv(&q, &k, &v, t, t, &qk, &mut qn, &mut kn, cache)?;
                     let p = AttnParams {
