@@ -10,28 +10,24 @@ use crate::error::dev;
 
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
-/// Non-causal attention over at most this many keys splits them into about 6 (automatic
-/// split): a sixth of the span rounded up to 64 keys, at least 128; up to [`SHORT_TALL_KV`] keys
-/// in blocks of 2 row warps where the grid still reaches half the multiprocessors
-/// ([`SplitRule::Short`]). The drafter's block attention over a short context: 256-key splits
-/// left the GPU part idle (8 kv heads, 64 query rows, 528 keys: 96 blocks for 132 SMs on the
-/// H200). The ninth session's rule (a quarter of the span, blocks of one row warp: 528 keys ->
-/// 192, 96 blocks of 4 warps) left one warp per scheduler running ~4200 dependent instructions
-/// (ncu, twelfth session: 12 us for 528 keys, 75% of the cycles with no eligible warp). Blocks
-/// of 2 row warps share each K / V chunk between two query groups and keep 2 warps per
-/// scheduler (q8_0a8 step, graph ms, H200, twelfth session, two rounds each, two leases; old
-/// rule -> this one): 8B 528 keys 0.618 / 0.616 -> 0.609 / 0.609 and 0.620 / 0.619 -> 0.612 /
-/// 0.613 (128-key splits, 80 blocks); 27B 1.065 / 1.067 -> 1.055 / 1.059 and 1.061 / 1.062 ->
-/// 1.051 / 1.056; 256 keys (ctx 240) the same launch. Splits of 64 / 256 / 320 keys with 2 row
-/// warps, and 2 key warps per block, measured slower at 528 keys.
-pub(super) const SHORT_NONCAUSAL_KV: usize = 1024;
-/// Short spans up to this many keys take the 2-row-warp blocks ([`SplitRule::Short`]); longer
-/// ones (to [`SHORT_NONCAUSAL_KV`]) keep their sixth with 1-row-warp blocks: at 1040 keys (ctx
-/// 1024, H200, twelfth session, one lease, each configuration twice) 192-key splits with 2 row
-/// warps took 0.656-0.658 ms (f32 cache) / 0.632-0.637 (f16), with 1 row warp 0.643-0.646 /
-/// 0.626-0.629, the ninth session's 320-key splits 0.639-0.641 / 0.644-0.646; at 784 keys 2 row
-/// warps 0.625-0.629 against 0.640-0.645.
-pub(super) const SHORT_TALL_KV: usize = 800;
+/// Non-causal attention over at most this many keys (a context of up to 1024 positions plus
+/// a 16-row block) splits them into about 6 (automatic split): a sixth of the span rounded up
+/// to 64 keys, at least 128, in blocks of 2 row warps where the grid still reaches half the
+/// multiprocessors ([`SplitRule::Short`]). The drafter's block attention over a short context:
+/// 256-key splits left the GPU part idle (8 kv heads, 64 query rows, 528 keys: 96 blocks for
+/// 132 SMs on the H200). The ninth session's rule (a quarter of the span up to 1024 keys, blocks
+/// of one row warp: 528 keys -> 192, 96 blocks of 4 warps) left one warp per scheduler running
+/// ~4200 dependent instructions (ncu, twelfth session: 12 us for 528 keys, 75% of the cycles
+/// with no eligible warp). Blocks of 2 row warps share each K / V chunk between two query
+/// groups and keep 2 warps per scheduler (q8_0a8 step, graph ms, H200, twelfth session, two
+/// rounds each; old rule -> this one): 8B 528 keys 0.618 / 0.616 -> 0.609 / 0.609 and 0.620 /
+/// 0.619 -> 0.612 / 0.613 (128-key splits, 80 blocks; two leases); 1040 keys (ctx 1024, which
+/// the old limit of 1024 left at 256-key splits) 0.660 / 0.658 -> 0.628 / 0.628 (192, 96
+/// blocks; 1 row warp 0.646 / 0.646), over an f16 cache 0.635 / 0.634 -> 0.627 / 0.626; 27B 528
+/// keys 1.065 / 1.067 -> 1.055 / 1.059, 1040 keys 1.100 / 1.119 -> 1.067 / 1.087; 256 keys (ctx
+/// 240) the same launch. Splits of 64 / 256 / 320 keys with 2 row warps, and 2 key warps per
+/// block, measured slower at 528 keys.
+pub(super) const SHORT_NONCAUSAL_KV: usize = 1040;
 /// Non-causal attention over a visible span (`n_kv`, or the window when smaller) of more than
 /// this many keys splits it so that all splits of all kv heads run in one wave, one block each
 /// (blocks of all the query rows of a kv head, 4 row warps: one per multiprocessor): at most
@@ -50,11 +46,7 @@ pub(super) fn split_keys_auto(p: &AttnParams, num_sms: usize) -> (usize, SplitRu
         _ if p.causal => (ATT_SPLIT, SplitRule::Fixed),
         _ if span <= SHORT_NONCAUSAL_KV => (
             span.div_ceil(6).next_multiple_of(64).max(128),
-            if span <= SHORT_TALL_KV {
-                SplitRule::Short
-            } else {
-                SplitRule::Fixed
-            },
+            SplitRule::Short,
         ),
         _ if span > WAVE_NONCAUSAL_KV => {
             let n = (num_sms / p.n_kv_heads.max(1)).saturating_sub(1).max(1);
@@ -72,11 +64,11 @@ pub(super) fn split_keys_auto(p: &AttnParams, num_sms: usize) -> (usize, SplitRu
 /// bit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SplitRule {
-    /// 256 keys, a short span's sixth over [`SHORT_TALL_KV`] keys, or the split set by
-    /// [`Cuda::set_attn_split`]: blocks until the grid covers every multiprocessor.
+    /// 256 keys, or the split set by [`Cuda::set_attn_split`]: blocks until the grid covers
+    /// every multiprocessor.
     Fixed,
-    /// A short non-causal span (up to [`SHORT_TALL_KV`] keys): taller blocks while the grid
-    /// covers half the multiprocessors.
+    /// A short non-causal span ([`SHORT_NONCAUSAL_KV`]): taller blocks while the grid covers
+    /// half the multiprocessors.
     Short,
     /// A long non-causal span split for one wave of blocks of all the query rows of a kv head
     /// ([`WAVE_NONCAUSAL_KV`]).
@@ -313,7 +305,7 @@ impl Cuda {
     }
 
     /// Back to the automatic split (the default): 256 keys, except for non-causal calls
-    /// whose visible span (`n_kv`, or the window when smaller) is at most 1024 keys, which
+    /// whose visible span (`n_kv`, or the window when smaller) is at most 1040 keys, which
     /// take a sixth of it (a multiple of 64, at least 128), or more than 2048, which are split
     /// for one wave of blocks (at most
     /// `num_sms / n_kv_heads - 1` splits). A function of `n_kv`, the
@@ -740,13 +732,10 @@ mod tests {
             assert_eq!(auto(256, None), short(128));
             assert_eq!(auto(528, None), short(128));
             assert_eq!(auto(784, None), short(192));
-            assert_eq!(auto(800, None), short(192));
-            // Over 800 keys the sixth with 1-row-warp blocks.
-            assert_eq!(auto(801, None), (192, SplitRule::Fixed));
-            assert_eq!(auto(1016, None), (192, SplitRule::Fixed));
-            assert_eq!(auto(1024, None), (192, SplitRule::Fixed));
+            assert_eq!(auto(1024, None), short(192));
+            assert_eq!(auto(1040, None), short(192));
             assert_eq!(auto(8208, Some(512)), short(128));
-            assert_eq!(auto(1025, None), (256, SplitRule::Fixed));
+            assert_eq!(auto(1041, None), (256, SplitRule::Fixed));
             assert_eq!(auto(2048, None), (256, SplitRule::Fixed));
             assert_eq!(auto(8208, Some(2048)), (256, SplitRule::Fixed));
             // One wave: 132 / 8 - 1 = 15 splits at most, a multiple of 64 keys, >= 256.
