@@ -1493,6 +1493,36 @@ fn attention_graph_replays() {
     eprintln!("attention: graph replays == eager bit for bit, match the CPU");
 }
 
+/// A drafter-shaped attention call (32 / 8 heads of `hd`, `nq` block queries after `ctx`
+/// context keys) with fresh random q (n_q x heads), K and V (n_kv = ctx + nq rows).
+fn drafter_attn_inputs(
+    r: &mut rand::rngs::StdRng,
+    ctx: usize,
+    hd: usize,
+    win: Option<usize>,
+    causal: bool,
+    nq: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, AttnParams) {
+    let (h, hkv) = (32usize, 8usize);
+    let cap = ctx + nq;
+    let q = rand_vec(r, nq * h * hd, 1.5);
+    let k = rand_vec(r, cap * hkv * hd, 1.5);
+    let v = rand_vec(r, cap * hkv * hd, 1.0);
+    let p = AttnParams {
+        n_q: nq,
+        n_kv: cap,
+        n_heads: h,
+        n_kv_heads: hkv,
+        head_dim: hd,
+        q_pos0: ctx,
+        kv_pos0: 0,
+        causal,
+        window: win,
+        scale: (hd as f32).powf(-0.5),
+    };
+    (q, k, v, p)
+}
+
 /// `attention_fast` (the drafter's reduced-precision op: for head dims 32 / 64 / 128 the f16
 /// tensor-core kernel over non-causal spans of more than 2048 keys, else and with
 /// `set_attn_fast_f16(false)` the 1xTF32 one; the exact op for other head dims)
@@ -1521,24 +1551,8 @@ fn attention_fast_against_cpu_and_per_row() {
         (4000, 128, None, true),
         (700, 48, None, false),
     ] {
-        let (h, hkv, nq) = (32usize, 8usize, 16usize);
-        let cap = ctx + nq;
-        let q = rand_vec(&mut r, nq * h * hd, 1.5);
-        let k = rand_vec(&mut r, cap * hkv * hd, 1.5);
-        let v = rand_vec(&mut r, cap * hkv * hd, 1.0);
-        let p = AttnParams {
-            n_q: nq,
-            n_kv: cap,
-            n_heads: h,
-            n_kv_heads: hkv,
-            head_dim: hd,
-            q_pos0: ctx,
-            kv_pos0: 0,
-            causal,
-            window: win,
-            scale: (hd as f32).powf(-0.5),
-        };
-        let mut oc = vec![0.0; nq * h * hd];
+        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, 16);
+        let mut oc = vec![0.0; q.len()];
         cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
         let (qg, kg, vg) = (
             g.upload(&q).unwrap(),
@@ -1577,7 +1591,7 @@ fn attention_fast_against_cpu_and_per_row() {
             outs.push(fast);
         }
         g.set_attn_fast_f16(true);
-        let span = win.map_or(cap, |w| w.min(cap));
+        let span = win.map_or(p.n_kv, |w| w.min(p.n_kv));
         if matches!(hd, 32 | 64 | 128) && !causal && span > 2048 {
             assert!(
                 outs[0]
@@ -1698,23 +1712,8 @@ fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
         (700, 48, None, false, 16),
         (5000, 128, None, false, 1),
     ] {
-        let (h, hkv) = (32usize, 8usize);
-        let cap = ctx + nq;
-        let q = rand_vec(&mut r, nq * h * hd, 1.5);
-        let k = rand_vec(&mut r, cap * hkv * hd, 1.5);
-        let v = rand_vec(&mut r, cap * hkv * hd, 1.0);
-        let p = AttnParams {
-            n_q: nq,
-            n_kv: cap,
-            n_heads: h,
-            n_kv_heads: hkv,
-            head_dim: hd,
-            q_pos0: ctx,
-            kv_pos0: 0,
-            causal,
-            window: win,
-            scale: (hd as f32).powf(-0.5),
-        };
+        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, nq);
+        let (cap, hkv) = (p.n_kv, p.n_kv_heads);
         // The CPU reference over the cache's f16 values.
         let round = |x: &[f32]| -> Vec<f32> {
             x.iter()
@@ -1722,7 +1721,7 @@ fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
                 .collect()
         };
         let (kr, vr) = (round(&k), round(&v));
-        let mut oc = vec![0.0; nq * h * hd];
+        let mut oc = vec![0.0; q.len()];
         cpu.attention(&q, &kr, &vr, &p, &mut oc).unwrap();
         let n = cap * hkv * hd;
         let (qg, kg, vg) = (

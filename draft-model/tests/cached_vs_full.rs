@@ -137,11 +137,15 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     let mut bounds = vec![0];
     bounds.extend(c.cuts.iter().copied());
     bounds.push(c.ctx);
-    for win in bounds.windows(2) {
-        let (a, b) = (win[0], win[1]);
-        let piece = be.upload(&tap_vals[a * tw..b * tw]).unwrap();
-        dr.ingest(&be, &mut kv, &piece, b - a, a).unwrap();
-    }
+    // The context ingested in the pieces `bounds` cuts it into.
+    let ingest_pieces = |d: &Drafter<Cpu>, kv: &mut dflash_kv::DraftKv<Cpu>| {
+        for win in bounds.windows(2) {
+            let (a, b) = (win[0], win[1]);
+            let piece = be.upload(&tap_vals[a * tw..b * tw]).unwrap();
+            d.ingest(&be, kv, &piece, b - a, a).unwrap();
+        }
+    };
+    ingest_pieces(&dr, &mut kv);
     prop_assert_eq!(kv.len(), c.ctx);
     let hidden_cached = dr
         .forward_cached(&be, &mut kv, &lend, &tokens, 1.0)
@@ -185,11 +189,7 @@ fn run(c: &Case) -> Result<(), TestCaseError> {
     prop_assert!(h.draft(&be, &mut kv, &lend, anchor, c.ctx, &opts).is_err());
     let mut kv16 = h.new_kv(&be, c.ctx + extra).unwrap();
     prop_assert_eq!(kv16.storage(), KvStorage::F16);
-    for win in bounds.windows(2) {
-        let (a, b) = (win[0], win[1]);
-        let piece = be.upload(&tap_vals[a * tw..b * tw]).unwrap();
-        h.ingest(&be, &mut kv16, &piece, b - a, a).unwrap();
-    }
+    ingest_pieces(&h, &mut kv16);
     let got16 = h
         .draft(&be, &mut kv16, &lend, anchor, c.ctx, &opts)
         .unwrap();
