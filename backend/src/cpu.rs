@@ -39,8 +39,8 @@ pub use a8panel::vnni_supported;
 pub use kernel::Isa;
 
 use crate::{
-    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, Result, RopeSpec, Weight,
-    WeightFormat,
+    check_f16_range, f16_pair_bits, f16_pair_values, AttnParams, Backend, BackendError,
+    DeltaParams, HostData, HostWeight, Result, RopeSpec, Weight, WeightFormat,
 };
 
 /// The CPU backend. `Cpu::default()` uses rayon's global pool and the best instruction set
@@ -586,6 +586,31 @@ impl Backend for Cpu {
             cols,
             buf: CpuWeight { data },
         })
+    }
+
+    /// In place (the trait's default goes through copies of the buffers).
+    fn f16_pack(&self, src: &Vec<f32>, dst: &mut Vec<f32>, h0: usize, n: usize) -> Result<()> {
+        check_f16_range("f16_pack", h0, n)?;
+        at_least("f16_pack", "src", n, src.len())?;
+        at_least("f16_pack", "dst (f32 slots)", (h0 + n) / 2, dst.len())?;
+        for (d, p) in dst[h0 / 2..(h0 + n) / 2]
+            .iter_mut()
+            .zip(src[..n].chunks_exact(2))
+        {
+            *d = f32::from_bits(f16_pair_bits(p[0], p[1]));
+        }
+        Ok(())
+    }
+
+    /// In place (the trait's default goes through copies of the buffers).
+    fn f16_unpack(&self, src: &Vec<f32>, h0: usize, n: usize, dst: &mut Vec<f32>) -> Result<()> {
+        check_f16_range("f16_unpack", h0, n)?;
+        at_least("f16_unpack", "src (f32 slots)", (h0 + n) / 2, src.len())?;
+        at_least("f16_unpack", "dst", n, dst.len())?;
+        for (d, s) in dst[..n].chunks_exact_mut(2).zip(&src[h0 / 2..(h0 + n) / 2]) {
+            d.copy_from_slice(&f16_pair_values(s.to_bits()));
+        }
+        Ok(())
     }
 
     fn copy2d(

@@ -327,7 +327,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         let x = self.download(src)?;
         let packed: Vec<f32> = x[..n]
             .chunks_exact(2)
-            .map(|p| f32::from_bits(f16_bits(p[0]) as u32 | (f16_bits(p[1]) as u32) << 16))
+            .map(|p| f32::from_bits(f16_pair_bits(p[0], p[1])))
             .collect();
         let tmp = self.upload(&packed)?;
         self.copy(&tmp, 0, dst, h0 / 2, n / 2)
@@ -355,10 +355,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         let x = self.download(src)?;
         let vals: Vec<f32> = x[s0..s0 + slots]
             .iter()
-            .flat_map(|s| {
-                let b = s.to_bits();
-                [b as u16, (b >> 16) as u16].map(|h| half::f16::from_bits(h).to_f32())
-            })
+            .flat_map(|s| f16_pair_values(s.to_bits()))
             .collect();
         let tmp = self.upload(&vals)?;
         self.copy(&tmp, 0, dst, 0, n)
@@ -529,10 +526,10 @@ pub enum KvStorage {
     #[default]
     F32,
     /// f16 ([`Backend::f16_pack`]: round to nearest even, saturating at +-65504), two per f32
-    /// slot of the buffer: value `i` of that index is half `i`, the low half of slot `i / 2`
-    /// for even `i`. Half the memory and the bytes read; for attention that may run in reduced
-    /// precision ([`Backend::attention_fast_kv16`]: the drafter's). Rows must be an even
-    /// number of values.
+    /// slot of the buffer: value `i` (indexed as for `F32`) is the low 16 bits of slot `i / 2`
+    /// for even `i`, the high 16 bits for odd `i`. Half the memory and the bytes read; for
+    /// attention that may run in reduced precision ([`Backend::attention_fast_kv16`]: the
+    /// drafter's). Rows must be an even number of values.
     F16,
 }
 
@@ -621,6 +618,16 @@ pub fn check_f16_rows(op: &'static str, row_width: usize) -> Result<()> {
 /// saturating at +-65504 (what CUDA's `cvt.rn.satfinite.f16x2.f32` gives); NaN stays NaN.
 pub fn f16_bits(x: f32) -> u16 {
     half::f16::from_f32(x.clamp(-65504.0, 65504.0)).to_bits()
+}
+
+/// One f32 slot of an f16 buffer holding `lo` (the even value) and `hi` (the odd one).
+pub fn f16_pair_bits(lo: f32, hi: f32) -> u32 {
+    f16_bits(lo) as u32 | (f16_bits(hi) as u32) << 16
+}
+
+/// The two values of one f32 slot of an f16 buffer (exact), even one first.
+pub fn f16_pair_values(slot: u32) -> [f32; 2] {
+    [slot as u16, (slot >> 16) as u16].map(|h| half::f16::from_bits(h).to_f32())
 }
 
 /// [`Backend::attention_fast_kv16`] as unpack + [`Backend::attention_fast`] (the trait's
