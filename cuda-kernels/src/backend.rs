@@ -84,7 +84,8 @@ pub enum A8Kernel {
     /// As [`A8Kernel::Split`], with K also split across thread blocks: a block runs one
     /// round (`ks` chunks) of one tile group and writes its chunk sums to a workspace; a second
     /// kernel (`a8_sum`) adds them in chunk order. More, shorter blocks for few tall tiles over
-    /// a long K (the 27B down projection: 320 tiles, 17 chunks).
+    /// a long K (the automatic choice for the 27B down projection, 320 tiles of 17 chunks,
+    /// until 1 x 2 x 3 measured faster; now only chosen explicitly).
     SplitApart(u8, u8, u8),
 }
 
@@ -1297,11 +1298,16 @@ impl Cuda {
             //   k-slices, 2 stages (x shared by 4 tiles, 2 blocks of 16 warps per SM): 8B
             //   gate/up 40.2 -> 39.2, lm_head 166 -> 169 (whole-K stays ~2% faster there);
             //   27B gate/up 87.5 -> 61.9, lm_head 383 -> 338;
-            // * up to 2.5 tiles per SM (o, down): 1 tile x 4 slices, 3 stages, 2 blocks per
-            //   SM: 8B o 12.7 -> 9.2, down 29.4 -> 19.5; 27B o 21.6 -> 13.3; except more than
-            //   one wave of those blocks over a long K (>= 8 chunks), where 4 x 2, 2 stages with
-            //   K split across blocks (one round each, then `a8_sum`) balances the SMs: 27B
-            //   down 54.4 -> 37.6 (1 x 4: 43.4);
+            // * up to 2 tiles per SM (the 8B o and down): 1 tile x 4 slices, 3 stages, 2
+            //   blocks per SM: 8B o 12.7 -> 9.2, down 29.4 -> 19.5;
+            // * more (the 27B o and down, 320 tiles: 1.2 waves of those 2-per-SM blocks; a
+            //   per-block trace of the step showed the second wave's 56 blocks ending 6 us
+            //   after the first's): 1 tile x 2 slices, 3 stages, as the q/k/v below (3 per SM,
+            //   one wave). The 27B q8_0a8 step (thirteenth session, graph ms, ctx 512 / 8192,
+            //   two rounds, against 1 x 4 x 3 for o and 4 x 2 x 2 split across blocks for down,
+            //   the rule before): o 1.045 -> 1.033, 1.136 -> 1.128; down 1.045 -> 1.043, 1.136
+            //   -> 1.131 (down as 1 x 4 x 3: 1.077 / 1.167; 1 x 4 x 3 across blocks: 1.071 /
+            //   1.161; 2 x 4 x 2 across blocks: 1.092 / 1.185);
             // * in between (the fused q/k/v, 384 tiles): 2 tiles x 2 slices, 4 stages: 8B
             //   22.8 -> 13.5, 27B 23.8 -> 16.7; since the ninth session 1 tile x 2 slices, 3
             //   stages (4-warp blocks, 3 per SM: the 384 blocks in one wave where 2 x 2 x 4
@@ -1313,12 +1319,8 @@ impl Cuda {
                 let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
                 if ctas4 >= 2 * sms {
                     A8Kernel::Split(4, 2, 2)
-                } else if 2 * all_tiles <= 5 * sms {
-                    if all_tiles > 2 * sms && nch >= 8 {
-                        A8Kernel::SplitApart(4, 2, 2)
-                    } else {
-                        A8Kernel::Split(1, 4, 3)
-                    }
+                } else if all_tiles <= 2 * sms {
+                    A8Kernel::Split(1, 4, 3)
                 } else {
                     A8Kernel::Split(1, 2, 3)
                 }
