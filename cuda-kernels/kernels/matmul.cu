@@ -533,6 +533,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
         }
     }
     cp_async_wait<0>();
+    block_trace_end();  // the main loop's end (a no-op unless traced)
     if (!tile_ok) return;
     a8_put4(m, T, tile, j, g, t, tot, prev);
 }
@@ -717,6 +718,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         }
     }
     cp_async_wait<0>();
+    block_trace_end();  // the main loop's end (a no-op unless traced)
     if (rounds_apart > 0) return;
     __syncthreads();
     if constexpr (PAIR) {

@@ -215,11 +215,54 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 // griddep_wait; a no-op when the next kernel is launched normally). The kernels that precede
 // one of those in a step (the norms, qk_norm_rope_kv, the attention kernels, copy2d, the
 // matmuls) call griddep_launch() first thing, so the next launch overlaps them.
+//
+// Block trace (compiled with -DDFLASH_BLOCK_TRACE: CudaOptions::block_trace, a profiling aid):
+// thread 0 of every block that calls griddep_wait() appends one record to this module's
+// bt_buf: (source line of the call | SM << 32, global time entering the wait, global time
+// leaving it, linear block index | blocks << 32); block_trace_end() appends (line + 100000 |
+// SM << 32, time, 0, block | blocks << 32). Slots are taken by an atomic counter (bt_n, reset
+// by the host); records past the buffer are dropped (bt_n still counts them).
+#define BT_CAP 65536u
+__device__ unsigned long long bt_buf[4 * BT_CAP];
+__device__ unsigned int bt_n;
+#ifdef DFLASH_BLOCK_TRACE
+__device__ __forceinline__ unsigned long long bt_time() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void bt_record(unsigned tag, unsigned long long t0, unsigned long long t1) {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        const unsigned slot = atomicAdd(&bt_n, 1u);
+        if (slot < BT_CAP) {
+            unsigned sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            const unsigned long long blk = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+            const unsigned long long nb = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+            bt_buf[slot * 4] = tag | ((unsigned long long)sm << 32);
+            bt_buf[slot * 4 + 1] = t0;
+            bt_buf[slot * 4 + 2] = t1;
+            bt_buf[slot * 4 + 3] = blk | (nb << 32);
+        }
+    }
+}
+__device__ __forceinline__ void griddep_wait_traced(unsigned line) {
+    const unsigned long long t0 = bt_time();
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    bt_record(line, t0, bt_time());
+}
+#define griddep_wait() griddep_wait_traced(__LINE__)
+#define block_trace_end() bt_record(__LINE__ + 100000u, bt_time(), 0ull)
+#else
 __device__ __forceinline__ void griddep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+#define block_trace_end()
+#endif
 __device__ __forceinline__ void griddep_launch() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -233,12 +233,20 @@ pub struct CudaOptions {
     /// cuBLAS picks algorithms by shape, so such rows may differ in the last bits from the
     /// same rows computed alone; turn this off to make every matmul per-row deterministic.
     pub cublas_prefill: bool,
+    /// Compile the kernels with per-block trace records (a profiling aid, off by default):
+    /// every block of a kernel that waits for the kernel before it records its SM and when it
+    /// reached and left the wait; the Q8_0A8 matmul blocks also record the end of their main
+    /// loop. Read with [`Cuda::block_trace`] after [`Cuda::block_trace_reset`] and one replay
+    /// of the step; it costs ~4% of the drafter step (H200, 8B shape). `xtask bench gpu
+    /// --trace FILE` writes them as CSV, `tools/bench/block_trace.py` reads that.
+    pub block_trace: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             cublas_prefill: true,
+            block_trace: false,
         }
     }
 }
@@ -478,7 +486,7 @@ impl Cuda {
             )? as usize,
         };
         Ok(Cuda {
-            reg: Registry::new(ctx.clone(), arch),
+            reg: Registry::new(ctx.clone(), arch, opts.block_trace),
             ctx,
             stream,
             pf_stream,
@@ -650,6 +658,37 @@ impl Cuda {
     /// before a graph capture of the op stream ends; otherwise harmless).
     pub fn l2_prefetch_join(&self) -> Result<()> {
         self.stream.join(&self.pf_stream).map_err(dev)
+    }
+
+    /// Zero the per-block trace counters (after everything queued on the op stream), so that
+    /// [`Cuda::block_trace`] returns the records of what runs after this call. An error when
+    /// the backend was opened without [`CudaOptions::block_trace`].
+    pub fn block_trace_reset(&self) -> Result<()> {
+        self.block_trace_on("block_trace_reset")?;
+        self.reg
+            .block_trace_reset(&self.stream)
+            .map_err(BackendError::from)
+    }
+
+    /// The per-block trace records since [`Cuda::block_trace_reset`] (synchronizes the op
+    /// stream), in no particular order, and how many were dropped for want of room (65536 per
+    /// kernel module). An error without [`CudaOptions::block_trace`].
+    pub fn block_trace(&self) -> Result<(Vec<crate::registry::BlockTraceRecord>, u64)> {
+        self.block_trace_on("block_trace")?;
+        self.reg
+            .block_trace_read(&self.stream)
+            .map_err(BackendError::from)
+    }
+
+    fn block_trace_on(&self, op: &'static str) -> Result<()> {
+        if self.reg.block_trace_enabled() {
+            Ok(())
+        } else {
+            Err(BackendError::Invalid {
+                op,
+                msg: "the backend was opened without CudaOptions::block_trace".into(),
+            })
+        }
     }
 
     /// A timeline mark for benchmarks: record `ev` (an event with timing) when everything

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::error::CudaError;
@@ -201,10 +201,24 @@ pub fn arch_for(major: i32, minor: i32) -> Result<&'static str, CudaError> {
 
 /// Compile one module to PTX for `arch` (e.g. `"sm_90"`). No device is needed.
 pub fn compile_module(module: Module, arch: &'static str) -> Result<Ptx, CudaError> {
+    compile_module_traced(module, arch, false)
+}
+
+/// [`compile_module`], with the per-block trace records compiled in when `block_trace`
+/// (`CudaOptions::block_trace`).
+pub fn compile_module_traced(
+    module: Module,
+    arch: &'static str,
+    block_trace: bool,
+) -> Result<Ptx, CudaError> {
+    let mut options = vec!["--std=c++17".to_string()];
+    if block_trace {
+        options.push("-DDFLASH_BLOCK_TRACE".into());
+    }
     let opts = CompileOptions {
         arch: Some(arch),
         name: Some(format!("{}.cu", module.name())),
-        options: vec!["--std=c++17".into()],
+        options,
         ..Default::default()
     };
     Ok(compile_ptx_with_opts(module.full_source(), opts)?)
@@ -220,15 +234,17 @@ pub fn nvrtc_available() -> bool {
 pub(crate) struct Registry {
     ctx: Arc<CudaContext>,
     arch: &'static str,
+    block_trace: bool,
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
 }
 
 impl Registry {
-    pub(crate) fn new(ctx: Arc<CudaContext>, arch: &'static str) -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>, arch: &'static str, block_trace: bool) -> Self {
         Registry {
             ctx,
             arch,
+            block_trace,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
         }
@@ -244,7 +260,7 @@ impl Registry {
             return Ok(md.clone());
         }
         let t0 = std::time::Instant::now();
-        let ptx = compile_module(m, self.arch)?;
+        let ptx = compile_module_traced(m, self.arch, self.block_trace)?;
         let md = self.ctx.load_module(ptx)?;
         tracing::debug!(
             module = m.name(),
@@ -270,5 +286,101 @@ impl Registry {
             .unwrap_or_else(|p| p.into_inner())
             .insert(k, f.clone());
         Ok(f)
+    }
+}
+
+/// One record of the per-block trace (`CudaOptions::block_trace`): written by thread 0 of a
+/// block when it waits for the kernel before it (`Wait`), or when a Q8_0A8 matmul block's main
+/// loop has ended (`End`). Times are the device's global timer, ns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockTraceRecord {
+    /// The kernel's module (`"matmul"`, `"attention"`, `"elementwise"`, `"reduce"`).
+    pub module: &'static str,
+    /// The source line of the record's call in the module (with the kernel's name in the
+    /// module's source, which kernel wrote it).
+    pub line: u32,
+    pub kind: BlockTraceKind,
+    /// The multiprocessor the block ran on.
+    pub sm: u32,
+    /// Wait: when the block reached the wait (it was resident and had issued what precedes
+    /// the wait); End: when the main loop ended.
+    pub t0_ns: u64,
+    /// Wait: when the wait returned (the previous kernel done, its writes visible); End: 0.
+    pub t1_ns: u64,
+    /// The linear block index (x fastest) and the grid's block count.
+    pub block: u32,
+    pub blocks: u32,
+}
+
+/// What a [`BlockTraceRecord`] marks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockTraceKind {
+    Wait,
+    End,
+}
+
+impl Registry {
+    pub(crate) fn block_trace_enabled(&self) -> bool {
+        self.block_trace
+    }
+
+    /// The modules loaded so far.
+    fn loaded(&self) -> Vec<(Module, Arc<CudaModule>)> {
+        self.modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
+    }
+
+    /// Zero every loaded module's trace counter (on `st`).
+    pub(crate) fn block_trace_reset(&self, st: &Arc<CudaStream>) -> Result<(), CudaError> {
+        for (_, md) in self.loaded() {
+            let mut n = md.get_global("bt_n", st)?;
+            st.memset_zeros(&mut n)?;
+        }
+        Ok(())
+    }
+
+    /// Every loaded module's records (synchronizes `st`), and how many were dropped (past a
+    /// module's buffer).
+    pub(crate) fn block_trace_read(
+        &self,
+        st: &Arc<CudaStream>,
+    ) -> Result<(Vec<BlockTraceRecord>, u64), CudaError> {
+        let (mut out, mut dropped) = (Vec::new(), 0u64);
+        for (m, md) in self.loaded() {
+            let n: Vec<u8> = st.clone_dtoh(&md.get_global("bt_n", st)?)?;
+            let n = n
+                .get(..4)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let buf: Vec<u8> = st.clone_dtoh(&md.get_global("bt_buf", st)?)?;
+            let cap = buf.len() / 32;
+            dropped += (n as usize).saturating_sub(cap) as u64;
+            for rec in buf.chunks_exact(32).take(n as usize) {
+                let w = |i: usize| {
+                    let mut b = [0u8; 8];
+                    b.copy_from_slice(&rec[i * 8..i * 8 + 8]);
+                    u64::from_le_bytes(b)
+                };
+                let (tag, blk) = ((w(0) & 0xffff_ffff) as u32, w(3));
+                out.push(BlockTraceRecord {
+                    module: m.name(),
+                    line: tag % 100_000,
+                    kind: if tag >= 100_000 {
+                        BlockTraceKind::End
+                    } else {
+                        BlockTraceKind::Wait
+                    },
+                    sm: (w(0) >> 32) as u32,
+                    t0_ns: w(1),
+                    t1_ns: w(2),
+                    block: (blk & 0xffff_ffff) as u32,
+                    blocks: (blk >> 32) as u32,
+                });
+            }
+        }
+        Ok((out, dropped))
     }
 }

@@ -5,7 +5,9 @@
 //! `.ci/run` puts the `nvidia-cuda-nvrtc` wheel's lib directory on LD_LIBRARY_PATH). Where
 //! no NVRTC can be loaded the test prints why and returns without checking anything.
 
-use dflash_cuda_kernels::registry::{compile_module, nvrtc_available, Kernel, Module};
+use dflash_cuda_kernels::registry::{
+    compile_module, compile_module_traced, nvrtc_available, Kernel, Module,
+};
 
 #[test]
 fn every_kernel_compiles_to_ptx() {
@@ -46,6 +48,37 @@ fn every_kernel_compiles_to_ptx() {
                 t0.elapsed()
             );
         }
+    }
+}
+
+/// The modules with the per-block trace compiled in (`CudaOptions::block_trace`): they compile
+/// for sm_90, and the trace really is in the PTX (the record's SM register and global timer
+/// reads), in every module's waits and in the matmuls' loop ends.
+#[test]
+fn the_block_trace_variant_compiles_and_records() {
+    if !nvrtc_available() {
+        eprintln!(
+            "SKIPPED the_block_trace_variant_compiles_and_records: libnvrtc could not be loaded"
+        );
+        return;
+    }
+    for m in Module::ALL {
+        let traced = compile_module_traced(m, "sm_90", true)
+            .unwrap_or_else(|e| panic!("{} traced: {e}", m.name()))
+            .to_src();
+        let plain = compile_module(m, "sm_90")
+            .unwrap_or_else(|e| panic!("{}: {e}", m.name()))
+            .to_src();
+        assert!(
+            traced.contains("%globaltimer") && traced.contains("%smid"),
+            "{}: no trace records in the traced PTX",
+            m.name()
+        );
+        assert!(
+            !plain.contains("%globaltimer"),
+            "{}: trace records in the plain PTX",
+            m.name()
+        );
     }
 }
 

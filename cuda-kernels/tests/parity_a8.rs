@@ -922,3 +922,96 @@ fn a8_graph_replays_match_the_contract() {
         "EXACT matmul Q8_0A8 n={n} k={k} rows={rows}: 4 graph replays == contract, auto (PDL off and on, with an L2 prefetch hint) and split apart"
     );
 }
+
+/// `CudaOptions::block_trace`: a Q8_0A8 matmul leaves one wait record and one loop-end record
+/// per block, each block index once, the times in order (the wait returns after it was
+/// entered, the loop ends after the wait returned), and the same bits as an untraced backend;
+/// without the option the trace calls are errors.
+#[test]
+fn a8_block_trace_records_every_block() {
+    let Some(plain) = gpu("a8_block_trace_records_every_block") else {
+        return;
+    };
+    assert!(plain.block_trace_reset().is_err());
+    assert!(plain.block_trace().is_err());
+    let g = dflash_cuda_kernels::Cuda::with_options(
+        0,
+        dflash_cuda_kernels::CudaOptions {
+            block_trace: true,
+            ..Default::default()
+        },
+    )
+    .expect("traced CUDA backend");
+    let mut r = rng("a8_block_trace_records_every_block");
+    let (n, k, rows) = (1000usize, 4096usize, 16usize);
+    let hw = HostWeight::from_f32(
+        "w",
+        n,
+        k,
+        &rand_vec(&mut r, n * k, 1.0),
+        WeightFormat::Q8_0A8,
+    )
+    .expect("encode");
+    let x = spread_x(&mut r, rows, k);
+    let mut outs = Vec::new();
+    for be in [plain, &g] {
+        let wg = be.upload_weight(&hw).expect("w");
+        let xg = be.upload(&x).expect("x");
+        let mut og = poisoned(be, rows * n);
+        be.matmul(&xg, rows, &wg, &mut og).expect("warm");
+        if std::ptr::eq(be, &g) {
+            g.block_trace_reset().expect("reset");
+        }
+        be.matmul(&xg, rows, &wg, &mut og).expect("matmul");
+        outs.push(be.download(&og).expect("dl"));
+    }
+    assert_bits("traced matmul", &outs[1], &outs[0], n);
+    let (recs, dropped) = g.block_trace().expect("records");
+    assert_eq!(dropped, 0);
+    use dflash_cuda_kernels::registry::BlockTraceKind;
+    // The matmul kernel's records (the x quantizer, in the same module, waits too: its
+    // records have another source line).
+    let ends: Vec<_> = recs
+        .iter()
+        .filter(|r| r.module == "matmul" && r.kind == BlockTraceKind::End)
+        .collect();
+    assert!(!ends.is_empty(), "no loop-end records");
+    let blocks = ends[0].blocks;
+    let lines: std::collections::BTreeSet<u32> = recs
+        .iter()
+        .filter(|r| r.module == "matmul" && r.kind == BlockTraceKind::Wait)
+        .map(|r| r.line)
+        .collect();
+    assert_eq!(
+        lines.len(),
+        2,
+        "waits of the quantizer and the matmul: {lines:?}"
+    );
+    let waits: Vec<_> = recs
+        .iter()
+        .filter(|r| r.module == "matmul" && r.kind == BlockTraceKind::Wait && r.blocks == blocks)
+        .filter(|r| Some(&r.line) == lines.iter().max())
+        .collect();
+    assert_eq!(waits.len(), blocks as usize, "one wait record per block");
+    assert_eq!(ends.len(), blocks as usize, "one loop-end record per block");
+    let mut seen = vec![None; blocks as usize];
+    for w in &waits {
+        assert_eq!(w.blocks, blocks);
+        assert!(
+            w.t1_ns >= w.t0_ns,
+            "a wait returned before it was entered: {w:?}"
+        );
+        assert!(
+            seen[w.block as usize].replace(w.t1_ns).is_none(),
+            "block {} twice",
+            w.block
+        );
+    }
+    for e in &ends {
+        let released = seen[e.block as usize].expect("an end without a wait");
+        assert!(
+            e.t0_ns >= released,
+            "a loop ended before its wait returned: {e:?}"
+        );
+    }
+}

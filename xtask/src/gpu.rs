@@ -106,6 +106,12 @@ pub struct BenchArgs {
     /// previous mark, per op and summed per kind of op; then exit.
     #[arg(long)]
     timeline: bool,
+    /// Only the per-block trace of the q8_0a8 + fast-attention step (the --shapes and --ctx
+    /// given; kernels compiled with `CudaOptions::block_trace`): one graph replay's records
+    /// written as CSV to this file (shape, ctx, module, line, kind, sm, t0_ns, t1_ns, block,
+    /// blocks); read it with `tools/bench/block_trace.py`. Then exit.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Only the library drafter's step (`dflash_draft_model::Drafter::draft`: Q8_0A8, the fast
     /// attention, random weights, a Q8_0A8 embedding and lm_head lent as the target's) at the
     /// --shapes and --ctx given, beside this bench's own step of the same shape (eager and
@@ -1498,7 +1504,11 @@ fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Resu
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
-    let g = Cuda::new(0).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
+    let opts = dflash_cuda_kernels::CudaOptions {
+        block_trace: a.trace.is_some(),
+        ..Default::default()
+    };
+    let g = Cuda::with_options(0, opts).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
     g.warm_up()?;
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
     g.set_a8_pdl(match a.a8_pdl.as_str() {
@@ -1580,6 +1590,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     if let Some(list) = &a.a8_sweep {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);
+    }
+    if let Some(path) = &a.trace {
+        return block_trace(&g, &a, &shapes, &ctxs, path);
     }
     if a.timeline {
         return timeline(&g, &a, &shapes, &ctxs);
@@ -2042,6 +2055,71 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_attn_kernel(AttnKernel::Auto)?;
     g.set_attn_fast_f16(true);
     g.set_markov_persistent(true);
+    Ok(())
+}
+
+/// The q8_0a8 + fast-attention step's per-block trace (see `BenchArgs::trace`): for each
+/// shape and context, the step's graph replayed a few times, the records reset, one replay
+/// recorded.
+fn block_trace(
+    g: &Cuda,
+    a: &BenchArgs,
+    shapes: &[Shape],
+    ctxs: &[usize],
+    path: &PathBuf,
+) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(f, "shape,ctx,module,line,kind,sm,t0_ns,t1_ns,block,blocks")?;
+    for s in shapes {
+        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+        let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
+        m.prefetch = parse_prefetch(&a.l2_prefetch)?;
+        m.fast_attn = true;
+        m.set_kv(g, kv_arg(a))?;
+        m.q8norm = !a.no_a8_producers;
+        let mut b = m.bufs(g, s.block)?;
+        for &ctx in ctxs {
+            let t = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
+            let st = g.stream().clone();
+            st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            let r = m.forward(g, &mut b, s.block, ctx, false, 1);
+            let gr = st.end_capture(CUgraphInstantiate_flags(0));
+            r?;
+            let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+            for _ in 0..5 {
+                gr.launch()?;
+            }
+            g.block_trace_reset()?;
+            gr.launch()?;
+            let (recs, dropped) = g.block_trace()?;
+            println!(
+                "{} ctx {ctx}: step {:.4} ms (graph, traced kernels), {} records, {dropped} dropped",
+                s.name,
+                t.graph.unwrap_or(f64::NAN),
+                recs.len()
+            );
+            for r in recs {
+                writeln!(
+                    f,
+                    "{},{ctx},{},{},{},{},{},{},{},{}",
+                    s.name,
+                    r.module,
+                    r.line,
+                    match r.kind {
+                        dflash_cuda_kernels::registry::BlockTraceKind::Wait => "wait",
+                        dflash_cuda_kernels::registry::BlockTraceKind::End => "end",
+                    },
+                    r.sm,
+                    r.t0_ns,
+                    r.t1_ns,
+                    r.block,
+                    r.blocks
+                )?;
+            }
+        }
+    }
+    f.flush()?;
     Ok(())
 }
 
