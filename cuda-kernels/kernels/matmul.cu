@@ -687,7 +687,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         }
         cp_async_commit();
         // Round st / NS begins: every chunk of the round before is parked (the barrier above).
-        if (rounds_apart == 0 && ks == 0 && tile_ok && st % NS == 0 && st > 0) fold(st / NS - 1);
+        if (KS > 1 && rounds_apart == 0 && ks == 0 && tile_ok && st % NS == 0 && st > 0) fold(st / NS - 1);
         const int b = first_block(st);
         if (tile_ok && b >= 0) {
             const u8 *base = a8_smem + (st % S) * STAGE_B + ks * SL_B;
@@ -709,6 +709,19 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
                     const int c = r0 * KS + ks, ntiles = (N + 15) >> 4;
                     __stcg((float4 *)(m.ws + ((long long)c * ntiles * NT + tile * NT + j) * 128 + lane * 4),
                            make_float4(acc[0], acc[1], acc[2], acc[3]));
+                } else if constexpr (KS == 1) {
+                    // One slice: its chunk sums added to tot right here, in chunk order (what
+                    // fold does through shared memory for several slices; no part buffer).
+                    if (tile_ok) {
+                        if (st < NS) {
+                            tot = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                        } else {
+                            tot.x = __fadd_rn(tot.x, acc[0]);
+                            tot.y = __fadd_rn(tot.y, acc[1]);
+                            tot.z = __fadd_rn(tot.z, acc[2]);
+                            tot.w = __fadd_rn(tot.w, acc[3]);
+                        }
+                    }
                 } else {
                     part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
                 }
@@ -725,7 +738,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         // [matrix][token][16 WH features] in the (now idle) pipeline stages.
         float *res = (float *)a8_smem;
         if (ks == 0 && tile_ok) {
-            fold(nst / NS - 1);
+            if constexpr (KS > 1) fold(nst / NS - 1);
             const float r[4] = {tot.x, tot.y, tot.z, tot.w};
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
@@ -757,7 +770,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         return;
     }
     if (ks != 0 || !tile_ok) return;
-    fold(nst / NS - 1);
+    if constexpr (KS > 1) fold(nst / NS - 1);
     const float r[4] = {tot.x, tot.y, tot.z, tot.w};
     a8_put4(m, T, tile, j, g, t, r, prev);
 }
@@ -808,6 +821,8 @@ A8KP(a8kp_n1_w4_k2_s2, 1, 4, 2, 2)
 A8KP(a8kp_n2_w4_k2_s2, 2, 4, 2, 2)
 A8KP(a8kp_n1_w4_k1_s3, 1, 4, 1, 3)
 A8KP(a8kp_n2_w4_k1_s3, 2, 4, 1, 3)
+A8KP(a8kp_n1_w4_k1_s2, 1, 4, 1, 2)
+A8KP(a8kp_n2_w4_k1_s2, 2, 4, 1, 2)
 
 
 

@@ -121,14 +121,31 @@ fn a8kp_kernel(nt: usize, ks: usize, s: usize) -> Option<Kernel> {
         (2, 2, 2) => Kernel::A8KPN2W4K2S2,
         (1, 1, 3) => Kernel::A8KPN1W4K1S3,
         (2, 1, 3) => Kernel::A8KPN2W4K1S3,
+        (1, 1, 2) => Kernel::A8KPN1W4K1S2,
+        (2, 1, 2) => Kernel::A8KPN2W4K1S2,
         _ => return None,
     })
 }
 
-/// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and two
-/// rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups x 32 lanes x float4).
+/// The paired gate / up kernel for `grid` blocks (see [`Cuda::set_a8_pair_kernel`]): (1, 3)
+/// while the blocks fit one wave of as many per SM as the shared memory allows, else (1, 2)
+/// while those do, else (1, 3).
+fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits) -> (u8, u8) {
+    // Per block the driver also reserves 1 KiB of shared memory.
+    let per_sm = |st: usize| lim.sm / (a8k_smem_bytes(nt, 4, 1, st) + 1024);
+    if grid <= per_sm(3) * sms || grid > per_sm(2) * sms {
+        (1, 3)
+    } else {
+        (1, 2)
+    }
+}
+
+/// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and, with
+/// more than one slice, two rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups
+/// x 32 lanes x float4; one slice adds its chunk sums in registers).
 fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize) -> usize {
-    stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + 2 * ks * w * nt * 512
+    let part = if ks > 1 { 2 * ks * w * nt * 512 } else { 0 };
+    stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + part
 }
 
 /// A Q8_0A8 kernel choice that fits `limit` bytes of shared memory per block: `mode` itself
@@ -388,7 +405,8 @@ pub struct Cuda {
     blas: Mutex<Option<CudaBlas>>,
     smem_set: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
-    a8_pair: Mutex<(u8, u8)>,
+    /// The paired gate / up kernel (k-slices, stages); None: chosen per launch.
+    a8_pair: Mutex<Option<(u8, u8)>>,
     a8_pdl: Mutex<bool>,
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
@@ -518,7 +536,7 @@ impl Cuda {
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
-            a8_pair: Mutex::new((1, 3)),
+            a8_pair: Mutex::new(None),
             a8_pdl: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
@@ -549,14 +567,24 @@ impl Cuda {
         *lock(&self.a8_kernel) = k;
     }
     /// Pick the paired gate / up kernel of [`Cuda::matmul_gate_up_q8`]: `(ks, stages)`, k-slices
-    /// per block and pipeline stages: (1, 3) (the default) or (2, 2). The same
-    /// bits whichever runs; for benchmarks and tests. An unknown pair is an error.
+    /// per block and pipeline stages: (1, 3), (1, 2) or (2, 2); [`Cuda::set_a8_pair_kernel_auto`]
+    /// (the default) chooses per launch. The same bits whichever runs; for benchmarks and
+    /// tests. An unknown pair is an error.
     ///
-    /// The default: 8-warp blocks, 3 per SM, so the 8B shape's 384 blocks run in one wave
-    /// (2 x 2 gave 16-warp blocks, 2 per SM: 1.45 waves). The q8_0a8 step (graph ms, 8B ctx
-    /// 512 / 8192, 27B 512 / 8192, H200, 11:40 lease, two rounds), (2, 2) -> (1, 3): 0.655 /
-    /// 0.813 / 1.102 / 1.219 -> 0.645 / 0.800 / 1.087 / 1.201; (1, 2) (4 per SM, measured
-    /// and removed): 0.677 / 0.833 / 1.084 / 1.198.
+    /// (1, 3): 8-warp blocks, 3 per SM, so the 8B shape's 384 blocks run in one wave (2 x 2
+    /// gave 16-warp blocks, 2 per SM: 1.45 waves). The q8_0a8 step (graph ms, 8B ctx 512 /
+    /// 8192, 27B 512 / 8192, H200, ninth session, two rounds), (2, 2) -> (1, 3): 0.655 / 0.813 /
+    /// 1.102 / 1.219 -> 0.645 / 0.800 / 1.087 / 1.201. (1, 2): the same blocks with 2 stages and
+    /// the chunk sums added in registers (no shared-memory slots for them), 5 per SM: the 27B
+    /// shape's 544 blocks in one wave where (1, 3) runs 1.37 (thirteenth session, two rounds
+    /// each, q8_0a8 + fast attention over f16 caches): 27B 1.032-1.037 -> 1.012-1.013 ms at ctx
+    /// 512, 1.134-1.143 -> 1.107-1.110 at 8192; the 8B shape 0.606-0.617 -> 0.668-0.676 (its
+    /// 384 blocks fill 3 per SM exactly).
+    /// The default paired gate / up kernel: (1, 3) while its blocks fit one wave at 3 per SM,
+    /// else (1, 2) (5 per SM) while those do (see [`Cuda::set_a8_pair_kernel`]).
+    pub fn set_a8_pair_kernel_auto(&self) {
+        *lock(&self.a8_pair) = None;
+    }
     pub fn set_a8_pair_kernel(&self, ks: u8, stages: u8) -> Result<()> {
         if a8kp_kernel(1, ks.into(), stages.into()).is_none() {
             return Err(BackendError::Invalid {
@@ -564,7 +592,7 @@ impl Cuda {
                 msg: format!("no paired kernel with {ks} k-slices and {stages} stages"),
             });
         }
-        *lock(&self.a8_pair) = (ks, stages);
+        *lock(&self.a8_pair) = Some((ks, stages));
         Ok(())
     }
     /// Launch the Q8_0A8 quantizer and matmul kernels, `add_rms_norm`, `qk_norm_rope_kv` and
@@ -1926,7 +1954,9 @@ impl Cuda {
         }
         let nt = if rows > 8 { 2 } else { 1 };
         let kbp2 = a8_kbp(n);
-        let (ks, st_n) = *lock(&self.a8_pair);
+        let grid = n.div_ceil(16 * 4 / 2);
+        let (ks, st_n) =
+            lock(&self.a8_pair).unwrap_or_else(|| a8_pair_auto(grid, nt, self.num_sms, self.smem));
         let (w, ks, st_n) = (4usize, usize::from(ks), usize::from(st_n));
         let smem = a8k_smem_bytes(nt, w, ks, st_n);
         if smem > self.smem.block {
@@ -1969,7 +1999,7 @@ impl Cuda {
             .dptr_mut(a8_q2.as_mut().ok_or_else(internal)?, st)
             .dptr_mut(a8_d2.as_mut().ok_or_else(internal)?, st)
             .i32(i32_of("matmul_gate_up_q8", "w.rows", kbp2)?);
-        let grid = n.div_ceil(16 * w / 2) as u32;
+        let grid = grid as u32;
         let pdl = *lock(&self.a8_pdl);
         // SAFETY: the parameters of A8KP in matmul.cu in order (wq0, ws0, wq1, ws1, n, xq, xd,
         // K, T, ef, xq2, xd2, kbp2); the second slot holds kbp2 * nt blocks of nt * 8 tokens.
@@ -3370,8 +3400,8 @@ mod tests {
     //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
     use super::{
-        a8_fit, a8_kbp, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, repack_q4_0, repack_q8_a8,
-        A8Kernel, SmemLimits,
+        a8_fit, a8_kbp, a8_pair_auto, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, repack_q4_0,
+        repack_q8_a8, A8Kernel, SmemLimits,
     };
 
     fn bf16(bits: u16) -> f32 {
@@ -3470,6 +3500,20 @@ mod tests {
         }
         // Padding (rows 37..48, blocks 9..16) is scale 0 (every real block has a scale > 0).
         assert_eq!(d.iter().filter(|&&v| v != 0).count(), rows * kb);
+    }
+
+    #[test]
+    fn a8_pair_auto_fills_one_wave() {
+        let (sms, lim) = (132, SmemLimits::SM90);
+        // The 8B gate / up (12288 features: 384 blocks): 3 per SM hold them.
+        assert_eq!(a8_pair_auto(384, 2, sms, lim), (1, 3));
+        // The 27B one (17408: 544 blocks): 3 per SM would be 1.37 waves, 5 per SM hold them.
+        assert_eq!(a8_pair_auto(544, 2, sms, lim), (1, 2));
+        // More than 5 per SM hold: (1, 3) again.
+        assert_eq!(a8_pair_auto(1000, 2, sms, lim), (1, 3));
+        // The occupancy the rule assumes: 3 and 5 blocks of each per SM.
+        assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 3) + 1024), 3);
+        assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 2) + 1024), 5);
     }
 
     #[test]

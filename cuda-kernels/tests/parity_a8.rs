@@ -652,7 +652,7 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
             let mut want = g.upload(&h0).expect("h0");
             g.add_assign(&mut want, 0, &o, rows * d).expect("add");
             // Every paired kernel (k-slices, stages): the same bits.
-            for (ks, st) in [(2u8, 2u8), (1, 3)] {
+            for (ks, st) in [(2u8, 2u8), (1, 3), (1, 2)] {
                 g.set_a8_pair_kernel(ks, st).expect("pair kernel");
                 let mut got = g.upload(&h0).expect("h0");
                 let act = g
@@ -674,8 +674,8 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
             }
         }
     }
-    g.set_a8_pair_kernel(1, 3).expect("pair kernel");
-    assert!(g.set_a8_pair_kernel(1, 2).is_err());
+    assert!(g.set_a8_pair_kernel(1, 4).is_err());
+    g.set_a8_pair_kernel_auto();
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
     // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding
     // tokens) and the quantizer after the generic kernel (head dim 48); over an f16 cache

@@ -1851,7 +1851,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         q8pair: bool,
         attn_f16: bool,
         markov_persistent: bool,
-        pair_kernel: (u8, u8),
+        pair_kernel: Option<(u8, u8)>,
         proj_kernels: [Option<A8Kernel>; 4],
     }
     let configs: Vec<Config> = list
@@ -1874,7 +1874,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 q8pair: true,
                 attn_f16: true,
                 markov_persistent: true,
-                pair_kernel: (1, 3),
+                pair_kernel: None,
                 proj_kernels: [None; 4],
             };
             for opt in it {
@@ -1910,7 +1910,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     let (ks, st) = n
                         .split_once('s')
                         .ok_or_else(|| anyhow!("--a8-sweep: gp=kKSsS, found {opt}"))?;
-                    cfg.pair_kernel = (ks.parse()?, st.parse()?);
+                    cfg.pair_kernel = Some((ks.parse()?, st.parse()?));
                 } else if let Some((which, k)) = opt
                     .split_once('=')
                     .filter(|(w, _)| ["qkv", "o", "gu", "down"].contains(w))
@@ -2021,7 +2021,10 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_a8_kernel(c.kernel);
                     g.set_a8_evict_first(c.evict_first);
                     g.set_a8_pdl(c.pdl);
-                    g.set_a8_pair_kernel(c.pair_kernel.0, c.pair_kernel.1)?;
+                    match c.pair_kernel {
+                        Some((ks, st)) => g.set_a8_pair_kernel(ks, st)?,
+                        None => g.set_a8_pair_kernel_auto(),
+                    }
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
                     g.set_attn_fast_f16(c.attn_f16);
@@ -2050,7 +2053,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_a8_kernel(A8Kernel::Auto);
     g.set_a8_evict_first(true);
     g.set_a8_pdl(true);
-    g.set_a8_pair_kernel(1, 3)?;
+    g.set_a8_pair_kernel_auto();
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
     g.set_attn_fast_f16(true);
