@@ -115,19 +115,26 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__re
 extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float *__restrict__ w, int T, long long row0, int dim,
                                        float eps, int C, int NT, int KBp, u32 *__restrict__ xq, float *__restrict__ xd) {
     griddep_launch();  // the matmul may launch (it prefetches its weights, then waits for this grid)
-    griddep_wait();    // a programmatic dependent launch: x first
     __shared__ float red[32];
     const int c = blockIdx.x % C, tok = blockIdx.x / C, nth = blockDim.x, warp = threadIdx.x >> 5;
     const bool live = tok < T;
     const float *xr = x + (row0 + tok) * (long long)dim;
     const int nv = rms_slots(dim);
     float v[RMS_MAXV], wv[RMS_MAXV];
+    // The norm weight before the wait (like a matmul's weights: no kernel of the chain writes
+    // it), so its load, often from HBM, overlaps the kernel before.
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
+        const int i = threadIdx.x + u * nth;
+        wv[u] = i < dim ? w[i] : 0.0f;
+    }
+    griddep_wait();  // a programmatic dependent launch: x first
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
         if (u >= nv) break;
         const int i = threadIdx.x + u * nth;
         v[u] = live && i < dim ? xr[i] : 0.0f;
-        wv[u] = i < dim ? w[i] : 0.0f;
     }
     const float inv = live ? rms_inv_of(v, dim, eps, red) : 0.0f;
     // One copy of the quantization code (a loop that is not unrolled; the slot's values
@@ -167,35 +174,44 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
                                            long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps,
                                            int q_rows, int kv16) {
     griddep_launch();  // the attention split kernel may launch (it waits for this grid)
-    griddep_wait();    // a programmatic dependent launch: q0 / k0 / v first
     __shared__ float red[32];
     __shared__ float ys[1024];
     const int nh = n_heads + n_kv;
     const long long r = blockIdx.x / nh;
     const int hh = blockIdx.x % nh;
     const bool isq = hh < n_heads;
+    const float *w = isq ? qn : kn;
+    const int nv = rms_slots(hd);
+    // The norm weights and this thread's first RoPE frequency before the wait (no kernel of
+    // the chain writes them), so their loads overlap the kernel before.
+    float wv[RMS_MAXV];
+#pragma unroll
+    for (int u = 0; u < RMS_MAXV; ++u) {
+        if (u >= nv) break;
+        const int i = threadIdx.x + u * blockDim.x;
+        wv[u] = i < hd ? w[i] : 0.0f;
+    }
+    const float f0 = (int)threadIdx.x < half_rot ? inv_freq[threadIdx.x] : 0.0f;
+    griddep_wait();  // a programmatic dependent launch: q0 / k0 / v first
     if (isq && r >= q_rows) return;  // q rows past q_rows are not wanted (block-uniform)
     const long long off = isq ? (r * n_heads + hh) * hd : (r * n_kv + (hh - n_heads)) * hd;
     const float *src = (isq ? q0 : k0) + off;
-    const float *w = isq ? qn : kn;
     const bool h16 = kv16 && !isq;
     float *dst = (isq ? q_out : kc) + (h16 ? 0 : off);
     u16 *dsth = (u16 *)kc + off;
-    // The V copy first and the norm weights loaded with the row: no load waits behind a store.
+    // The V copy first: no load of the row waits behind a store.
     if (!isq) {
         if (h16)
             for (int i = threadIdx.x; i < hd; i += blockDim.x) ((u16 *)vc)[off + i] = h_pack(v[off + i]);
         else
             for (int i = threadIdx.x; i < hd; i += blockDim.x) vc[off + i] = v[off + i];
     }
-    const int nv = rms_slots(hd);
-    float vv[RMS_MAXV], wv[RMS_MAXV];
+    float vv[RMS_MAXV];
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
         if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
         vv[u] = i < hd ? src[i] : 0.0f;
-        wv[u] = i < hd ? w[i] : 0.0f;
     }
     const float inv = rms_inv_of(vv, hd, eps, red);
 #pragma unroll
@@ -209,7 +225,7 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         if (i < half_rot) {
             float o1, o2;
-            rope_pair(ys[i], ys[i + half_rot], pos, inv_freq[i], attn_scale, o1, o2);
+            rope_pair(ys[i], ys[i + half_rot], pos, i == (int)threadIdx.x ? f0 : inv_freq[i], attn_scale, o1, o2);
             if (h16) {
                 dsth[i] = h_pack(o1);
                 dsth[i + half_rot] = h_pack(o2);
