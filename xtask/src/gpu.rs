@@ -2061,6 +2061,35 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     Ok(())
 }
 
+/// The q8_0a8 + fast-attention model of `--timeline` and `--trace` (the KV cache as `--kv16`
+/// says, room for the largest context) and its buffers.
+fn fast_a8_model(g: &Cuda, a: &BenchArgs, s: &Shape, ctxs: &[usize]) -> Result<(Model, Bufs)> {
+    let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
+    let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
+    m.prefetch = parse_prefetch(&a.l2_prefetch)?;
+    m.fast_attn = true;
+    m.set_kv(g, kv_arg(a))?;
+    m.q8norm = !a.no_a8_producers;
+    let b = m.bufs(g, s.block)?;
+    Ok((m, b))
+}
+
+/// One draft step (`rows` tokens at ctx) captured as a CUDA graph on the op stream.
+fn capture_step(
+    g: &Cuda,
+    m: &mut Model,
+    b: &mut Bufs,
+    rows: usize,
+    ctx: usize,
+) -> Result<cudarc::driver::CudaGraph> {
+    let st = g.stream().clone();
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let r = m.forward(g, b, rows, ctx, false, 1);
+    let gr = st.end_capture(CUgraphInstantiate_flags(0));
+    r?;
+    gr?.ok_or_else(|| anyhow!("empty capture"))
+}
+
 /// The q8_0a8 + fast-attention step's per-block trace (see `BenchArgs::trace`): for each
 /// shape and context, the step's graph replayed a few times, the records reset, one replay
 /// recorded.
@@ -2075,21 +2104,10 @@ fn block_trace(
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
     writeln!(f, "shape,ctx,module,line,kind,sm,t0_ns,t1_ns,block,blocks")?;
     for s in shapes {
-        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
-        let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
-        m.prefetch = parse_prefetch(&a.l2_prefetch)?;
-        m.fast_attn = true;
-        m.set_kv(g, kv_arg(a))?;
-        m.q8norm = !a.no_a8_producers;
-        let mut b = m.bufs(g, s.block)?;
+        let (mut m, mut b) = fast_a8_model(g, a, s, ctxs)?;
         for &ctx in ctxs {
             let t = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
-            let st = g.stream().clone();
-            st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-            let r = m.forward(g, &mut b, s.block, ctx, false, 1);
-            let gr = st.end_capture(CUgraphInstantiate_flags(0));
-            r?;
-            let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+            let gr = capture_step(g, &mut m, &mut b, s.block, ctx)?;
             for _ in 0..5 {
                 gr.launch()?;
             }
@@ -2132,13 +2150,7 @@ fn block_trace(
 fn timeline(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     let bw = copy_bandwidth(g)?;
     for s in shapes {
-        let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
-        let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
-        m.prefetch = parse_prefetch(&a.l2_prefetch)?;
-        m.fast_attn = true;
-        m.set_kv(g, kv_arg(a))?;
-        m.q8norm = !a.no_a8_producers;
-        let mut b = m.bufs(g, s.block)?;
+        let (mut m, mut b) = fast_a8_model(g, a, s, ctxs)?;
         for &ctx in ctxs {
             m.timeline = None;
             let plain = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)
@@ -2154,11 +2166,7 @@ fn timeline(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Result
             }
             // Replays of one captured step, the marks read back after each.
             let st = g.stream().clone();
-            st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-            let r = m.forward(g, &mut b, s.block, ctx, false, 1);
-            let gr = st.end_capture(CUgraphInstantiate_flags(0));
-            r?;
-            let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+            let gr = capture_step(g, &mut m, &mut b, s.block, ctx)?;
             let tl = m.timeline.take().ok_or_else(|| anyhow!("no timeline"))?;
             let n = tl.names.len();
             let mut deltas = vec![Vec::new(); n];
