@@ -222,10 +222,10 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 // leaving it, linear block index | blocks << 32); block_trace_end() appends (line + 100000 |
 // SM << 32, time, 0, block | blocks << 32). Slots are taken by an atomic counter (bt_n, reset
 // by the host); records past the buffer are dropped (bt_n still counts them).
-#define BT_CAP 65536u
-__device__ unsigned long long bt_buf[4 * BT_CAP];
-__device__ unsigned int bt_n;
 #ifdef DFLASH_BLOCK_TRACE
+#define BT_CAP 65536u
+__device__ unsigned long long bt_buf[4 * BT_CAP];  // 2 MiB per module, only when traced
+__device__ unsigned int bt_n;
 __device__ __forceinline__ unsigned long long bt_time() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
