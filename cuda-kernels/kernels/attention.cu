@@ -407,7 +407,7 @@ extern "C" __global__ void attn_generic(const float *q, const float *k, const fl
 // ------------------------------------------------------------------------------------------------
 // Tensor-core attention (3xTF32) for head dims 32 / 64 / 128.
 //
-// Grid (ceil(n_q * G / (16 RW)), n_split, n_kv_heads), 32 * KW * RW threads: RW row warps (16 query
+// Grid (ceil(n_q * G / (16 RW)), splits, n_kv_heads), 32 * KW * RW threads: RW row warps (16 query
 // rows each: row qr = query qr / G, head hk G + qr % G) times KW key warps. The block streams its
 // split of `split_keys` keys as chunks of CK = 16 KW keys through a cp.async pipeline of nst (1, 2
 // or 3, a launch argument: scheduling only) stages shared by all warps; key warp kw takes keys
@@ -415,6 +415,8 @@ extern "C" __global__ void attn_generic(const float *q, const float *k, const fl
 // online softmax (running max, sum, unnormalised output) for its 16 rows over its keys; at the
 // end the KW states of a row group are merged in the fixed order kw = 0, 1, ..., and the split's
 // partial (unnormalised output, max, sum) goes to the workspace for attn_combine.
+// The grid's splits are split0 .. split0 + gridDim.y - 1 (the host leaves out the splits no
+// query row can see: exact no-ops in the combine), and split split0 + y writes partial slot y.
 //
 // Products: S = Q K^T and O += P V with mma.m16n8k8 tf32, each operand split as x = hi + lo
 // (hi = tf32(x), lo = x - hi) and hi*hi + hi*lo + lo*hi accumulated in f32 (the lo*lo term
@@ -650,7 +652,7 @@ template <int D, int KW, bool FPV, bool X1>
 __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                              long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
-                                             int split_keys, int nst) {
+                                             int split_keys, int nst, int split0) {
     constexpr int CK = 16 * KW;  // keys per chunk
     constexpr int PQ = D + 16, PK = D + 16, PV = D + 4;
     constexpr int NC = D / 32;  // 32-wide output column groups
@@ -672,7 +674,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     // Grid (row groups, splits, kv heads): the row groups of one (split, kv head), which read
     // the same K / V chunks, are neighbours in launch order (L2 hits).
     const int hk = blockIdx.z;
-    const int split = blockIdx.y;
+    const int split = split0 + blockIdx.y;  // its partial goes to slot blockIdx.y
     const int qr0 = blockIdx.x * ROWS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rw = warp / KW, kw = warp % KW;
@@ -955,7 +957,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
             const int qr = qr0 + rw * 16 + r;
             if (qr >= QR) continue;
             const int i = qr / G, h = hk * G + qr % G;
-            const long long row = (long long)split * rows_total + (long long)i * H + h;
+            const long long row = (long long)blockIdx.y * rows_total + (long long)i * H + h;
 #pragma unroll
             for (int c = 0; c < NDL; ++c) ws_o[row * D + lane + 32 * c] = o[(r * NDL + c) >> 2][(r * NDL + c) & 3];
             if (lane == 0) {
@@ -966,7 +968,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         return;
     }
 
-    attn_tc_store<D, KW, true>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, split, ws_o, ws_ml);
+    attn_tc_store<D, KW, true>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1008,7 +1010,7 @@ template <int D, int KW, bool KV16>
 __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                               float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                               long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
-                                              int split_keys, int nst) {
+                                              int split_keys, int nst, int split0) {
     constexpr int CK = 16 * KW;  // keys per chunk
     constexpr int PH = D + 8;    // halves per row of the f16 tiles (ldmatrix rows conflict-free)
     constexpr int NO = D / 8;    // output n-tiles
@@ -1029,7 +1031,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     const int G = H / Hkv;
     const int QR = n_q * G;
     const int hk = blockIdx.z;
-    const int split = blockIdx.y;
+    const int split = split0 + blockIdx.y;  // its partial goes to slot blockIdx.y
     const int qr0 = blockIdx.x * ROWS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rw = warp / KW, kw = warp % KW;
@@ -1081,14 +1083,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
             }
         }
     };
-    // Q in f16, once (plain loads: q was written by the previous kernel).
-    for (int c = tid; c < ROWS * C4; c += nth) {
-        const int r = c / C4, d4 = (c % C4) * 4;
-        const int qr = qr0 + r;
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (qr < QR) x = *(const float4 *)(q + ((long long)(qr / G) * H + hk * G + qr % G) * D + d4);
-        *(uint2 *)(Qh + r * PH + d4) = make_uint2(h2_pack(x.x, x.y), h2_pack(x.z, x.w));
-    }
+    // The first chunks' copies first (in flight while Q loads).
     if constexpr (KV16) {
         for (int p = 0; p < nst - 1; ++p) {
             if (p < nch) load_chunk16(c_begin + p, p);
@@ -1098,6 +1093,25 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
         for (int p = 0; p < nst; ++p) {
             if (p < nch) load_chunk(c_begin + p, p);
             cp_async_commit();
+        }
+    }
+    // Q in f16, once (plain loads: q was written by the previous kernel). Every thread takes
+    // QIT = ROWS * C4 / nth = D / (8 KW) float4 (nth = 32 KW RW): all loads issued, then the
+    // conversions (one round trip instead of QIT).
+    {
+        constexpr int QIT = D / (8 * KW);
+        static_assert(QIT >= 1 && D % (8 * KW) == 0, "head dim");
+        float4 x[QIT];
+#pragma unroll
+        for (int u = 0; u < QIT; ++u) {
+            const int c = tid + u * nth, r = c / C4, d4 = (c % C4) * 4, qr = qr0 + r;
+            x[u] = qr < QR ? *(const float4 *)(q + ((long long)(qr / G) * H + hk * G + qr % G) * D + d4)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < QIT; ++u) {
+            const int c = tid + u * nth, r = c / C4, d4 = (c % C4) * 4;
+            *(uint2 *)(Qh + r * PH + d4) = make_uint2(h2_pack(x[u].x, x[u].y), h2_pack(x[u].z, x[u].w));
         }
     }
 
@@ -1184,14 +1198,14 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    attn_tc_store<D, KW, false>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, split, ws_o, ws_ml);
+    attn_tc_store<D, KW, false>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
 }
 
 #define ATTN_H16(D)                                                                                                                    \
     extern "C" __global__ void __launch_bounds__(512, 1) attn_h16_d##D##_kw4(                                                         \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
-        attn_h16_impl<D, 4, false>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst);         \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {                       \
+        attn_h16_impl<D, 4, false>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0);         \
     }
 ATTN_H16(32)
 ATTN_H16(64)
@@ -1201,8 +1215,8 @@ ATTN_H16(128)
 #define ATTN_H16KV(D)                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(512, 1) attn_h16kv_d##D##_kw4(                                                       \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
-        attn_h16_impl<D, 4, true>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst);   \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {                       \
+        attn_h16_impl<D, 4, true>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0);   \
     }
 ATTN_H16KV(32)
 ATTN_H16KV(64)
@@ -1211,8 +1225,8 @@ ATTN_H16KV(128)
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst) {                       \
-        attn_tc_impl<D, KW, FPV, X1>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst); \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {                       \
+        attn_tc_impl<D, KW, FPV, X1>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0); \
     }
 ATTN_TC(32, 2, false, false, )
 ATTN_TC(64, 2, false, false, )

@@ -74,6 +74,31 @@ pub(super) enum SplitRule {
     /// ([`WAVE_NONCAUSAL_KV`]).
     OneWave,
 }
+/// The splits `[lo, hi)` of `split_keys` keys that some query row can see: with a window the
+/// splits wholly before the first row's window, with a causal mask those wholly after the last
+/// row's position, are exact no-ops in the combine (a row's partial there is o = 0, l = 0), so
+/// the tensor-core grid leaves them out (the same bits). All splits when no key is visible.
+pub(super) fn live_splits(p: &AttnParams, split_keys: usize) -> (usize, usize) {
+    let n_split = p.n_kv.div_ceil(split_keys);
+    let (q0, k0) = (p.q_pos0 as i128, p.kv_pos0 as i128);
+    let mut lo = 0i128;
+    let mut hi = p.n_kv as i128;
+    if let Some(w) = p.window {
+        lo = lo.max(q0 - w as i128 + 1 - k0);
+    }
+    if p.causal {
+        hi = hi.min(q0 + p.n_q as i128 - k0);
+    }
+    if p.n_q == 0 || hi <= lo {
+        return (0, n_split);
+    }
+    let sk = split_keys as i128;
+    (
+        (lo / sk) as usize,
+        ((hi + sk - 1) / sk).min(n_split as i128) as usize,
+    )
+}
+
 /// Query rows per block of the SIMT split kernel.
 const ATT_QT: usize = 16;
 
@@ -488,6 +513,11 @@ impl Cuda {
         };
         let one_wave = rule == SplitRule::OneWave;
         let n_split = p.n_kv.div_ceil(split_keys);
+        // The tensor-core kernels run the live splits only (the SIMT kernel all of them).
+        let (split0, n_live) = {
+            let (lo, hi) = live_splits(p, split_keys);
+            (lo, hi - lo)
+        };
         let tc = match choice.resolve() {
             // An f16 cache: its one kernel (4 key warps), the choice's row warps and stages.
             AttnKernel::Tc {
@@ -548,14 +578,14 @@ impl Cuda {
                     let mut rw = 4;
                     while rw > 1
                         && (qr <= 16 * (rw / 2)
-                            || n_split * p.n_kv_heads * qr.div_ceil(16 * rw) < fill
+                            || n_live * p.n_kv_heads * qr.div_ceil(16 * rw) < fill
                             || tc_smem_bytes(d, kw, rw, 1, fl) > lim.block)
                     {
                         rw /= 2;
                     }
                     rw
                 };
-                let blocks = n_split * p.n_kv_heads * qr.div_ceil(16 * rw);
+                let blocks = n_live * p.n_kv_heads * qr.div_ceil(16 * rw);
                 let nst = match stages {
                     0 => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
                     n if tc_smem_bytes(d, kw, rw, n, fl) <= lim.block => n,
@@ -578,6 +608,12 @@ impl Cuda {
             Some((kern, threads, smem, rows_per_block, nst)) if p.n_kv > 0 => {
                 let f = self.func_smem(kern, smem)?;
                 let split_i = split_keys as i32;
+                // Splits launched (and partial slots): the live ones for the tensor-core kernels.
+                let (split0, n_split) = if nst > 0 {
+                    (split0, n_live)
+                } else {
+                    (0, n_split)
+                };
                 let mut s = lock(&self.scratch);
                 ensure(&self.stream, &mut s.att_o, n_split * rows_total * d).map_err(dev)?;
                 ensure(&self.stream, &mut s.att_ml, n_split * rows_total * 2).map_err(dev)?;
@@ -604,7 +640,7 @@ impl Cuda {
                     .f32(scale)
                     .i32(split_i);
                 if nst > 0 {
-                    a.i32(nst);
+                    a.i32(nst).i32(i32_of(op, "first live split", split0)?);
                 }
                 // The tensor-core kernel takes (row groups, splits, kv heads), the SIMT one
                 // (splits, kv heads, row groups).
@@ -626,7 +662,7 @@ impl Cuda {
                 // Programmatic dependent launches (with the Q8_0A8 ones, `set_a8_pdl`): the
                 // split kernel and the combine wait for their inputs first thing.
                 let pdl = *lock(&self.a8_pdl);
-                // SAFETY: the parameters of attn_tc_* (with nst) / attn_split_d* in order.
+                // SAFETY: the parameters of attn_tc_* (with nst, split0) / attn_split_d* in order.
                 unsafe { a.launch(st, &f, cfg(grid, threads, smem as u32), pdl) }?;
                 // More than 16 splits: the combine that loads 64 partial outputs in its first
                 // round trip (the same bits; H200, 8B drafter shape at ctx 8192, 33 splits:
@@ -760,6 +796,69 @@ mod tests {
 
     /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB), and
     /// the stage choice prefers more resident blocks only where the grid needs them.
+    /// The live splits hold every key some row can see and leave out only whole splits no row
+    /// can (checked key by key against the mask).
+    #[test]
+    fn live_splits_cover_every_visible_key() {
+        for (n_q, n_kv, q_pos0, kv_pos0, causal, window) in [
+            (16, 8208, 8192, 0, false, Some(2048)),
+            (16, 8208, 8192, 0, false, None),
+            (16, 8208, 8192, 0, true, None),
+            (1, 8208, 100, 0, true, None),
+            (16, 4000, 4100, 200, true, Some(300)),
+            (7, 300, 5, 0, true, Some(1)),
+            (3, 64, 1000, 0, false, Some(10)),
+            (16, 528, 512, 0, false, None),
+        ] {
+            let p = AttnParams {
+                n_q,
+                n_kv,
+                n_heads: 32,
+                n_kv_heads: 8,
+                head_dim: 128,
+                q_pos0,
+                kv_pos0,
+                causal,
+                window,
+                scale: 1.0,
+            };
+            for sk in [128, 256, 576] {
+                let (lo, hi) = live_splits(&p, sk);
+                let n_split = n_kv.div_ceil(sk);
+                assert!(
+                    lo < hi && hi <= n_split,
+                    "{p:?} {sk}: {lo}..{hi} of {n_split}"
+                );
+                let visible = |j: usize| {
+                    let kpos = kv_pos0 + j;
+                    (0..n_q).any(|i| {
+                        let qp = q_pos0 + i;
+                        (!causal || kpos <= qp) && window.is_none_or(|w| qp < kpos + w)
+                    })
+                };
+                let any = (0..n_kv).any(visible);
+                for s in 0..n_split {
+                    let seen = (s * sk..((s + 1) * sk).min(n_kv)).any(visible);
+                    if seen {
+                        assert!(
+                            (lo..hi).contains(&s),
+                            "{p:?} {sk}: split {s} seen, live {lo}..{hi}"
+                        );
+                    }
+                    if any && (lo..hi).contains(&s) && (s == lo || s + 1 == hi) {
+                        assert!(
+                            seen,
+                            "{p:?} {sk}: edge split {s} of {lo}..{hi} sees nothing"
+                        );
+                    }
+                }
+                if !any {
+                    assert_eq!((lo, hi), (0, n_split));
+                }
+            }
+        }
+    }
+
     #[test]
     fn tc_smem_fits() {
         // The stages chosen fit the block limit of an H200 (227 KiB) and, for every row-warp
