@@ -118,10 +118,16 @@ pub struct BenchArgs {
     /// graph), wall-clock ms per call including the host synchronization, then exit.
     #[arg(long)]
     library: bool,
-    /// With --timeline / --library: the drafter's K / V caches in f16 (the attention through
-    /// `attention_fast_kv16`; the library drafter loaded with `kv_storage: F16`).
+    /// With --timeline / --library / --attn-once: the drafter's K / V caches in f16 (the
+    /// attention through `attention_fast_kv16`; the library drafter loaded with `kv_storage:
+    /// F16`).
     #[arg(long)]
     kv16: bool,
+    /// Graph times as back-to-back replays (events around `--iters` launches, divided by
+    /// them: the host's launch latency hidden behind the replay before, as in an engine that
+    /// enqueues the step behind other work) instead of one replay between two events.
+    #[arg(long)]
+    b2b: bool,
     /// Only the norm -> projection chain timings (us per instance; 10 distinct q/k/v weight
     /// copies per graph), then exit.
     #[arg(long)]
@@ -1500,7 +1506,38 @@ fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Resu
     let gr = st.end_capture(CUgraphInstantiate_flags(0));
     r?;
     let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+    if B2B.load(std::sync::atomic::Ordering::Relaxed) {
+        return time_b2b(g, iters, || Ok(gr.launch()?));
+    }
     time_ms(g, iters, || Ok(gr.launch()?))
+}
+
+/// `--b2b`: time graph replays back to back.
+static B2B: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Mean ms per call of `iters` calls enqueued back to back between two events, median of 5
+/// such runs.
+fn time_b2b(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let ctx = g.context();
+    let st = g.stream();
+    for _ in 0..3 {
+        f()?;
+    }
+    st.synchronize()?;
+    let mut ts = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let e0 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let e1 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        e0.record(st)?;
+        for _ in 0..iters {
+            f()?;
+        }
+        e1.record(st)?;
+        e1.synchronize()?;
+        ts.push(e0.elapsed_ms(&e1)? as f64 / iters as f64);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
@@ -1510,6 +1547,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     };
     let g = Cuda::with_options(0, opts).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
     g.warm_up()?;
+    B2B.store(a.b2b, std::sync::atomic::Ordering::Relaxed);
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
     g.set_a8_pdl(match a.a8_pdl.as_str() {
         "on" => true,
@@ -1538,8 +1576,20 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             window: None,
             scale: 0.088,
         };
+        // --kv16: the caches packed to f16, through attention_fast_kv16.
+        let kv16 = if a.kv16 {
+            let n = (ctx + nq) * hkv * hd;
+            let (mut k16, mut v16) = (g.zeros(n / 2)?, g.zeros(n / 2)?);
+            g.f16_pack(&kc, &mut k16, 0, n)?;
+            g.f16_pack(&vc, &mut v16, 0, n)?;
+            Some((k16, v16))
+        } else {
+            None
+        };
         for _ in 0..3 {
-            if a.attn_fast {
+            if let Some((k16, v16)) = &kv16 {
+                g.attention_fast_kv16(&q, k16, v16, &p, &mut o)?;
+            } else if a.attn_fast {
                 g.attention_fast(&q, &kc, &vc, &p, &mut o)?;
             } else {
                 g.attention(&q, &kc, &vc, &p, &mut o)?;
