@@ -25,6 +25,22 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
+// x / d and x % d for 0 <= x by a float reciprocal where 0 <= x < 2^21 and d < 2^21 (the
+// integer division is ~25 instructions; the GQA group size G divides every query row index of
+// the tensor-core kernels several times). Exact there: (x + 0.5) / d lies at least 0.5 / d from
+// an integer, and the float product is within (q + 1) 2^-23 of it, (q + 1) d <= x + d < 2^22.
+struct IDiv {
+    int d, lim;
+    float inv;
+    __device__ __forceinline__ explicit IDiv(int d_) : d(d_), lim(d_ < (1 << 21) ? (1 << 21) : 0), inv(1.0f / (float)d_) {}
+    __device__ __forceinline__ int div(int x) const { return x < lim ? (int)(((float)x + 0.5f) * inv) : x / d; }
+    __device__ __forceinline__ int mod(int x) const { return x - div(x) * d; }
+};
+// A 16-byte cp.async to a shared address.
+__device__ __forceinline__ void cp_async16s(u32 sa, const void *gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem));
+}
+
 __device__ __forceinline__ bool att_visible(long long j, int n_kv, long long kpos, long long qpos, int causal, long long window) {
     return j < n_kv && (!causal || kpos <= qpos) && (window < 0 || qpos < kpos + window);
 }
@@ -468,7 +484,7 @@ __device__ __forceinline__ void mma_3xtf32(float c[4], const u32 ah[4], const u3
 // The chunks [c_begin, c_end) of a split (first key jbase) that some row qr0 .. of a block can
 // see (the others are exact no-ops): the window's and the causal mask's bounds of the block's
 // first and last real rows.
-__device__ __forceinline__ void att_chunk_range(long long jbase, int split_keys, int n_kv, int qr0, int ROWS, int QR, int G,
+__device__ __forceinline__ void att_chunk_range(long long jbase, int split_keys, int n_kv, int qr0, int ROWS, int QR, const IDiv &G,
                                                 long long q_pos0, long long kv_pos0, int causal, long long window, int CK,
                                                 int &c_begin, int &c_end) {
     c_begin = 0;
@@ -476,8 +492,8 @@ __device__ __forceinline__ void att_chunk_range(long long jbase, int split_keys,
     const int last = min(qr0 + ROWS, QR) - 1;
     long long jlo = jbase, jhi = min((long long)n_kv, jbase + split_keys);  // [jlo, jhi)
     if (last >= qr0) {
-        if (window >= 0) jlo = max(jlo, q_pos0 + qr0 / G - window + 1 - kv_pos0);
-        if (causal) jhi = min(jhi, q_pos0 + last / G - kv_pos0 + 1);
+        if (window >= 0) jlo = max(jlo, q_pos0 + G.div(qr0) - window + 1 - kv_pos0);
+        if (causal) jhi = min(jhi, q_pos0 + G.div(last) - kv_pos0 + 1);
     } else {
         jhi = jlo;
     }
@@ -491,6 +507,15 @@ __device__ __forceinline__ void att_chunk_range(long long jbase, int split_keys,
 // lane's rows g / g+8: va / vb real, at query positions qpa / qpb): scaled, masked unless the
 // whole chunk is visible (`full`), then one online-softmax step per row (quad shuffles: lanes 4g
 // .. 4g+3 hold row g): s becomes p, (m, l) are updated, (ala, alb) rescale the running output.
+// EX2 (the f16 kernels): scale carries log2(e), so s, m are in log2 units and the exponentials
+// are ex2.approx (relative error ~2^-22, against the operands' f16 rounding of 2^-11); the caller
+// turns m back into natural units before the merge (m ln 2).
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+template <bool EX2 = false>
 __device__ __forceinline__ void att_softmax16(float (&s)[2][4], bool full, long long jw, int t, bool va, bool vb, long long qpa,
                                               long long qpb, int n_kv, long long kv_pos0, int causal, long long window, float scale,
                                               float &m_a, float &m_b, float &l_a, float &l_b, float &ala, float &alb) {
@@ -517,14 +542,14 @@ __device__ __forceinline__ void att_softmax16(float (&s)[2][4], bool full, long 
     mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
     mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
     const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
-    ala = m_a == NEG_INF ? 1.0f : expf(m_a - mna);
-    alb = m_b == NEG_INF ? 1.0f : expf(m_b - mnb);
+    ala = m_a == NEG_INF ? 1.0f : EX2 ? ex2_approx(m_a - mna) : expf(m_a - mna);
+    alb = m_b == NEG_INF ? 1.0f : EX2 ? ex2_approx(m_b - mnb) : expf(m_b - mnb);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : expf(s[nt][e] - mna);
-            s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : expf(s[nt][2 + e] - mnb);
+            s[nt][e] = s[nt][e] == NEG_INF ? 0.0f : EX2 ? ex2_approx(s[nt][e] - mna) : expf(s[nt][e] - mna);
+            s[nt][2 + e] = s[nt][2 + e] == NEG_INF ? 0.0f : EX2 ? ex2_approx(s[nt][2 + e] - mnb) : expf(s[nt][2 + e] - mnb);
         }
     l_a = __fmaf_rn(l_a, ala, (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]));
     l_b = __fmaf_rn(l_b, alb, (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]));
@@ -551,7 +576,7 @@ __device__ __forceinline__ void att_rescale(float (&o)[NO][4], float ala, float 
 // this lane's rows g / g+8; l already summed over the quad) and write the split's partial.
 template <int D, int KW, bool PERM>
 __device__ __forceinline__ void attn_tc_store(float (&o)[D / 8][4], float m_a, float m_b, float l_a, float l_b, float *sm, int rw,
-                                              int kw, int lane, int t, int ra, int rb, bool va, bool vb, int G, int hk, int H,
+                                              int kw, int lane, int t, int ra, int rb, bool va, bool vb, const IDiv &G, int hk, int H,
                                               int n_q, int split, float *__restrict__ ws_o, float *__restrict__ ws_ml) {
     constexpr int NO = D / 8, NC = D / 32;
     // Merge the key warps' states in order kw = 0, 1, ... (through shared memory): every key warp
@@ -620,7 +645,7 @@ __device__ __forceinline__ void attn_tc_store(float (&o)[D / 8][4], float m_a, f
         for (int half = 0; half < 2; ++half) {
             const int qr = half ? rb : ra;
             if (!(half ? vb : va)) continue;
-            const int i = qr / G, h = hk * G + qr % G;
+            const int i = G.div(qr), h = hk * G.d + (qr - i * G.d);
             const long long row = (long long)split * rows_total + (long long)i * H + h;
             const int r0 = half * 2;
             if constexpr (PERM) {
@@ -669,8 +694,8 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     float *Ks = Qs + ROWS * PQ;       // [nst][CK][PK]
     float *Vs = Ks + nst * CK * PK;   // [nst][CK][PV]
 
-    const int G = H / Hkv;
-    const int QR = n_q * G;
+    const IDiv G(H / Hkv);
+    const int QR = n_q * G.d;
     // Grid (row groups, splits, kv heads): the row groups of one (split, kv head), which read
     // the same K / V chunks, are neighbours in launch order (L2 hits).
     const int hk = blockIdx.z;
@@ -686,7 +711,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     // This lane's two rows.
     const int ra = qr0 + rw * 16 + g, rb = ra + 8;
     const bool va = ra < QR, vb = rb < QR;
-    const long long qpa = q_pos0 + (va ? ra / G : 0), qpb = q_pos0 + (vb ? rb / G : 0);
+    const long long qpa = q_pos0 + (va ? G.div(ra) : 0), qpb = q_pos0 + (vb ? G.div(rb) : 0);
 
     // Chunks of this split that some row of the block can see (the others are exact no-ops).
     const long long jbase = (long long)split * split_keys;
@@ -694,7 +719,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
     att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
     const int nch = c_end - c_begin;
     // Query positions of the block's first and last real rows.
-    const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
 
     // A thread copies column d4 of the rows kk0, kk0 + RSTEP, ... of a chunk (nth is a multiple of
     // C4): the global addresses advance by a constant, and whole chunks skip the bounds check.
@@ -734,7 +759,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         const int r = c / C4, d4 = (c % C4) * 4;
         const int qr = qr0 + r;
         if (qr < QR) {
-            const int i = qr / G, h = hk * G + qr % G;
+            const int i = G.div(qr), h = hk * G.d + (qr - i * G.d);
             cp_async16(Qs + r * PQ + d4, q + ((long long)i * H + h) * D + d4);
         } else {
             *(float4 *)(Qs + r * PQ + d4) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -744,8 +769,8 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         if (p < nch) load_chunk(c_begin + p, p);
         cp_async_commit();
     }
-    for (int ci = 0; ci < nch; ++ci) {
-        const int st = ci % nst;
+    // st = ci % nst and the refill's (ci + nst - 1) % nst, counted (no divisions).
+    for (int ci = 0, st = 0, fill = nst - 1; ci < nch; ++ci, st = st + 1 == nst ? 0 : st + 1, fill = fill + 1 == nst ? 0 : fill + 1) {
         if (nst == 1) {
             // One stage (smaller blocks, more of them per multiprocessor): load, wait, compute.
             __syncthreads();  // every warp is done with the previous chunk
@@ -757,7 +782,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
             if (nst == 3) cp_async_wait1();
             else cp_async_wait_all();
             __syncthreads();
-            if (ci + nst - 1 < nch) load_chunk(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
+            if (ci + nst - 1 < nch) load_chunk(c_begin + ci + nst - 1, fill);
             cp_async_commit();
         }
         const float *Kc = Ks + st * CK * PK + kw * 16 * PK;
@@ -956,7 +981,7 @@ __device__ __forceinline__ void attn_tc_impl(const float *__restrict__ q, const 
         for (int r = 0; r < 16; ++r) {
             const int qr = qr0 + rw * 16 + r;
             if (qr >= QR) continue;
-            const int i = qr / G, h = hk * G + qr % G;
+            const int i = G.div(qr), h = hk * G.d + (qr - i * G.d);
             const long long row = (long long)blockIdx.y * rows_total + (long long)i * H + h;
 #pragma unroll
             for (int c = 0; c < NDL; ++c) ws_o[row * D + lane + 32 * c] = o[(r * NDL + c) >> 2][(r * NDL + c) & 3];
@@ -1028,8 +1053,8 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     u16 *Vh = Kh + CK * PH;      // [CK][PH] (not KV16)
     float *St = (float *)(Vh + CK * PH);  // [nst][K, V][CK][D] f32 staging (not KV16)
 
-    const int G = H / Hkv;
-    const int QR = n_q * G;
+    const IDiv G(H / Hkv);
+    const int QR = n_q * G.d;
     const int hk = blockIdx.z;
     const int split = split0 + blockIdx.y;  // its partial goes to slot blockIdx.y
     const int qr0 = blockIdx.x * ROWS;
@@ -1038,14 +1063,14 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     const int g = lane >> 2, t = lane & 3;
     const int ra = qr0 + rw * 16 + g, rb = ra + 8;
     const bool va = ra < QR, vb = rb < QR;
-    const long long qpa = q_pos0 + (va ? ra / G : 0), qpb = q_pos0 + (vb ? rb / G : 0);
+    const long long qpa = q_pos0 + (va ? G.div(ra) : 0), qpb = q_pos0 + (vb ? G.div(rb) : 0);
 
     // Chunks of this split that some row of the block can see (as attn_tc_impl).
     const long long jbase = (long long)split * split_keys;
     int c_begin, c_end;
     att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
     const int nch = c_end - c_begin;
-    const long long qpos_lo = q_pos0 + qr0 / G, qpos_hi = q_pos0 + (max(min(qr0 + ROWS, QR) - 1, qr0)) / G;
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
 
     // Staging copies: thread tid takes column d4c of rows kk0, kk0 + RSTEP, ... (nth % C4 == 0).
     const int RSTEP = nth / C4, kk0 = tid / C4, d4c = (tid % C4) * 4;
@@ -1065,21 +1090,34 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
             }
         }
     };
-    // KV16: thread tid copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (nth % C8 == 0).
+    // KV16: thread tid copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (nth % C8 == 0):
+    // its global and shared addresses of chunk 0 / stage 0 once, constant steps after that, and
+    // whole chunks without the bounds check.
     const int RS8 = nth / C8, kk8 = tid / C8, d8c = (tid % C8) * 8;
     const long long gstep8 = (long long)RS8 * Hkv * D;
+    const long long cstep8 = (long long)CK * Hkv * D;  // halves per chunk
+    const long long goff8 = ((jbase + kk8) * Hkv + hk) * D + d8c;
+    const u16 *kg8 = (const u16 *)k + goff8, *vg8 = (const u16 *)v + goff8;
+    const u32 ks8 = (u32)__cvta_generic_to_shared(Kh + kk8 * PH + d8c);
+    const u32 sstep8 = (u32)(RS8 * PH * 2);  // bytes between a thread's rows
     auto load_chunk16 = [&](int c, int slot) {
         const long long j0 = jbase + (long long)c * CK;
-        u16 *kd = Kh + (size_t)slot * 2 * CK * PH + d8c, *vd = kd + CK * PH;
-        const long long off0 = ((j0 + kk8) * Hkv + hk) * D + d8c;
-        const u16 *ks = (const u16 *)k + off0, *vs = (const u16 *)v + off0;
-        for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8) {
-            if (j0 + kk < n_kv) {
-                cp_async16(kd + kk * PH, ks);
-                cp_async16(vd + kk * PH, vs);
-            } else {
-                *(uint4 *)(kd + kk * PH) = make_uint4(0u, 0u, 0u, 0u);
-                *(uint4 *)(vd + kk * PH) = make_uint4(0u, 0u, 0u, 0u);
+        const u16 *ks = kg8 + c * cstep8, *vs = vg8 + c * cstep8;
+        u32 kd = ks8 + (u32)slot * 2 * TILE_B;
+        if (j0 + CK <= n_kv) {
+            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
+                cp_async16s(kd, ks);
+                cp_async16s(kd + TILE_B, vs);
+            }
+        } else {
+            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
+                if (j0 + kk < n_kv) {
+                    cp_async16s(kd, ks);
+                    cp_async16s(kd + TILE_B, vs);
+                } else {
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd), "r"(0u) : "memory");
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd + TILE_B), "r"(0u) : "memory");
+                }
             }
         }
     };
@@ -1105,7 +1143,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
 #pragma unroll
         for (int u = 0; u < QIT; ++u) {
             const int c = tid + u * nth, r = c / C4, d4 = (c % C4) * 4, qr = qr0 + r;
-            x[u] = qr < QR ? *(const float4 *)(q + ((long long)(qr / G) * H + hk * G + qr % G) * D + d4)
+            x[u] = qr < QR ? *(const float4 *)(q + ((long long)G.div(qr) * H + hk * G.d + G.mod(qr)) * D + d4)
                            : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
@@ -1119,12 +1157,13 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
 #pragma unroll
     for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const float scale_l2 = scale * 1.4426950408889634f;  // scores in log2 units (att_softmax16<true>)
     const u32 q_addr = (u32)__cvta_generic_to_shared(Qh + (rw * 16 + (lane & 15)) * PH + (lane >> 4) * 8);
     const u32 k_addr = (u32)__cvta_generic_to_shared(Kh + (kw * 16 + (lane & 7) + ((lane >> 4) << 3)) * PH + ((lane >> 3) & 1) * 8);
     const u32 v_addr = (u32)__cvta_generic_to_shared(Vh + (kw * 16 + (lane & 15)) * PH + (lane >> 4) * 8);
 
-    for (int ci = 0; ci < nch; ++ci) {
-        const int slot = ci % nst;
+    // slot = ci % nst and the refill's (ci + nst - 1) % nst, counted (no divisions).
+    for (int ci = 0, slot = 0, fill = nst - 1; ci < nch; ++ci, slot = slot + 1 == nst ? 0 : slot + 1, fill = fill + 1 == nst ? 0 : fill + 1) {
         u32 kcur = k_addr, vcur = v_addr;  // this chunk's tiles
         if constexpr (KV16) {
             if (nst == 1) {
@@ -1137,7 +1176,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
                 if (nst == 3) cp_async_wait_n<1>();
                 else cp_async_wait_n<0>();
                 __syncthreads();  // chunk ci landed; every warp is done with chunk ci - 1's stage
-                if (ci + nst - 1 < nch) load_chunk16(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
+                if (ci + nst - 1 < nch) load_chunk16(c_begin + ci + nst - 1, fill);
                 cp_async_commit();
             }
             // Stage slot: K at slot * 2 tiles, V one tile after it (v_addr already is one tile
@@ -1180,7 +1219,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
         const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
                           (window < 0 || qpos_hi < kv_pos0 + j0 + window);
         float ala, alb;
-        att_softmax16(s, full, j0 + kw * 16, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale, m_a, m_b, l_a, l_b, ala, alb);
+        att_softmax16<true>(s, full, j0 + kw * 16, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale_l2, m_a, m_b, l_a, l_b, ala, alb);
         att_rescale(o, ala, alb);
         // O += P V: P (rows x the warp's 16 keys) from the S accumulator.
         const u32 p0 = h2_pack(s[0][0], s[0][1]), p1 = h2_pack(s[0][2], s[0][3]);
@@ -1198,6 +1237,8 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    m_a *= 0.69314718055994531f;  // log2 units -> natural (the merge and the combine use expf)
+    m_b *= 0.69314718055994531f;
     attn_tc_store<D, KW, false>(o, m_a, m_b, l_a, l_b, sm, rw, kw, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
 }
 
