@@ -921,22 +921,35 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
 }
 
 /// Median milliseconds of `f` over `iters` runs, timed with device events.
-fn time_ms(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+fn time_ms(g: &Cuda, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+    time_events(g, iters, 1, f)
+}
+
+/// Median over `runs` of the device-event time of `per_run` calls of `f` enqueued back to
+/// back, divided by `per_run` (after 3 warm-up calls).
+fn time_events(
+    g: &Cuda,
+    runs: usize,
+    per_run: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     let ctx = g.context();
     let st = g.stream();
     for _ in 0..3 {
         f()?;
     }
     st.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let mut ts = Vec::with_capacity(runs);
+    for _ in 0..runs {
         let e0 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let e1 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         e0.record(st)?;
-        f()?;
+        for _ in 0..per_run {
+            f()?;
+        }
         e1.record(st)?;
         e1.synchronize()?;
-        ts.push(e0.elapsed_ms(&e1)? as f64);
+        ts.push(e0.elapsed_ms(&e1)? as f64 / per_run as f64);
     }
     ts.sort_by(|a, b| a.total_cmp(b));
     Ok(ts[ts.len() / 2])
@@ -1507,38 +1520,14 @@ fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Resu
     r?;
     let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
     if B2B.load(std::sync::atomic::Ordering::Relaxed) {
-        return time_b2b(g, iters, || Ok(gr.launch()?));
+        // Mean ms per replay of `iters` replays enqueued back to back, median of 5 such runs.
+        return time_events(g, 5, iters, || Ok(gr.launch()?));
     }
     time_ms(g, iters, || Ok(gr.launch()?))
 }
 
 /// `--b2b`: time graph replays back to back.
 static B2B: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Mean ms per call of `iters` calls enqueued back to back between two events, median of 5
-/// such runs.
-fn time_b2b(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let ctx = g.context();
-    let st = g.stream();
-    for _ in 0..3 {
-        f()?;
-    }
-    st.synchronize()?;
-    let mut ts = Vec::with_capacity(5);
-    for _ in 0..5 {
-        let e0 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let e1 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        e0.record(st)?;
-        for _ in 0..iters {
-            f()?;
-        }
-        e1.record(st)?;
-        e1.synchronize()?;
-        ts.push(e0.elapsed_ms(&e1)? as f64 / iters as f64);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
-}
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     let opts = dflash_cuda_kernels::CudaOptions {
