@@ -573,11 +573,12 @@ __device__ __forceinline__ void att_rescale(float (&o)[NO][4], float ala, float 
 }
 
 // The end of a tensor-core split kernel: merge the key warps' online-softmax states (o, m, l of
-// this lane's rows g / g+8; l already summed over the quad) and write the split's partial.
+// this lane's rows g / g+8; l already summed over the quad) and write the split's partial into
+// slot pslot of the workspace.
 template <int D, int KW, bool PERM>
 __device__ __forceinline__ void attn_tc_store(float (&o)[D / 8][4], float m_a, float m_b, float l_a, float l_b, float *sm, int rw,
                                               int kw, int lane, int t, int ra, int rb, bool va, bool vb, const IDiv &G, int hk, int H,
-                                              int n_q, int split, float *__restrict__ ws_o, float *__restrict__ ws_ml) {
+                                              int n_q, int pslot, float *__restrict__ ws_o, float *__restrict__ ws_ml) {
     constexpr int NO = D / 8, NC = D / 32;
     // Merge the key warps' states in order kw = 0, 1, ... (through shared memory): every key warp
     // saves its state, then key warp kw merges the output column groups c = kw, kw + KW, ... of
@@ -646,7 +647,7 @@ __device__ __forceinline__ void attn_tc_store(float (&o)[D / 8][4], float m_a, f
             const int qr = half ? rb : ra;
             if (!(half ? vb : va)) continue;
             const int i = G.div(qr), h = hk * G.d + (qr - i * G.d);
-            const long long row = (long long)split * rows_total + (long long)i * H + h;
+            const long long row = (long long)pslot * rows_total + (long long)i * H + h;
             const int r0 = half * 2;
             if constexpr (PERM) {
                 float *dst = ws_o + row * D + 8 * t + 32 * c;

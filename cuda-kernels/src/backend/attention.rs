@@ -794,8 +794,6 @@ mod tests {
         }
     }
 
-    /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB), and
-    /// the stage choice prefers more resident blocks only where the grid needs them.
     /// The live splits hold every key some row can see and leave out only whole splits no row
     /// can (checked key by key against the mask).
     #[test]
@@ -859,6 +857,8 @@ mod tests {
         }
     }
 
+    /// Every launch of the tensor-core kernel fits the H100 / H200 shared memory (227 KB), and
+    /// the stage choice prefers more resident blocks only where the grid needs them.
     #[test]
     fn tc_smem_fits() {
         // The stages chosen fit the block limit of an H200 (227 KiB) and, for every row-warp
