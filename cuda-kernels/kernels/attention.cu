@@ -281,7 +281,6 @@ ATTN(256)
 template <int ATT_CMB_PRE>
 __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
                                                   float *out, int H, int NT, int KBp, u32 *xq, float *xd) {
-    griddep_launch();
     griddep_wait();  // a programmatic dependent launch: the split partials first
     if (xq != nullptr && (long long)blockIdx.x >= rows_total) {  // a padding token: zeros
         const int i = blockIdx.x / H, h = blockIdx.x % H;
@@ -316,6 +315,9 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
             l_s[s] = l;
         }
     }
+    // The o projection may launch now (it prefetches its first weight stage, then waits for
+    // this grid): after this block's loads, which its prefetch would otherwise delay.
+    griddep_launch();
     mx = warp_max(mx);
     if (lane == 0) red[warp] = mx;
     __syncthreads();

@@ -114,7 +114,6 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__re
 // dim/32 .. KBp-1. dim % 32 == 0, dim <= RMS_MAXV * blockDim.
 extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float *__restrict__ w, int T, long long row0, int dim,
                                        float eps, int C, int NT, int KBp, u32 *__restrict__ xq, float *__restrict__ xd) {
-    griddep_launch();  // the matmul may launch (it prefetches its weights, then waits for this grid)
     __shared__ float red[32];
     const int c = blockIdx.x % C, tok = blockIdx.x / C, nth = blockDim.x, warp = threadIdx.x >> 5;
     const bool live = tok < T;
@@ -137,6 +136,9 @@ extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float 
         v[u] = live && i < dim ? xr[i] : 0.0f;
     }
     const float inv = live ? rms_inv_of(v, dim, eps, red) : 0.0f;
+    // The matmul may launch now (it prefetches its first weight stage, then waits for this
+    // grid): after this block's loads, which its prefetch would otherwise delay.
+    griddep_launch();
     // One copy of the quantization code (a loop that is not unrolled; the slot's values
     // picked out of the registers by selects): unrolled per slot, the kernel's code was
     // ~20 times larger and it ran at twice rms_norm's time.
@@ -173,7 +175,6 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
                                            float *__restrict__ kc, float *__restrict__ vc, int n_heads, int n_kv, int hd, int half_rot,
                                            long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps,
                                            int q_rows, int kv16) {
-    griddep_launch();  // the attention split kernel may launch (it waits for this grid)
     __shared__ float red[32];
     __shared__ float ys[1024];
     const int nh = n_heads + n_kv;
@@ -214,6 +215,10 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
         vv[u] = i < hd ? src[i] : 0.0f;
     }
     const float inv = rms_inv_of(vv, hd, eps, red);
+    // The attention may launch now (it waits for this grid): after this block's loads, so
+    // that the launches it cascades into (the combine, the o projection's weight prefetch)
+    // do not delay them.
+    griddep_launch();
 #pragma unroll
     for (int u = 0; u < RMS_MAXV; ++u) {
         if (u >= nv) break;

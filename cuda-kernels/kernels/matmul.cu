@@ -484,12 +484,17 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
         issue_w(st, slot);
     };
 
-    // Weights of the first S - 1 stages before x exists (PDL: while the quantizer runs), then
-    // their x: groups W0 .. W(S-2), X0 .. X(S-2); stage st needs X(st), after which at most
-    // S - 2 groups are newer, as in the steady state.
+    // The weights of the first stage before x exists (PDL: while the kernel before runs), then
+    // the x of the first S - 1 stages with the weights of the others: groups W0, G0 .. G(S-2)
+    // (G_s = X_s + W_s, W0 already in flight); stage st needs G(st), after which at most
+    // S - 2 groups are newer, as in the steady state. One stage, not S - 1: the prefetch shares
+    // each SM's load path with the latency-bound kernel before (a norm, the attention's chain),
+    // whose loads wait behind it (H200, fifteenth session: 8B ctx 512 0.589 -> 0.574 ms with the
+    // later triggers of rms_norm_q8, qk_norm_rope_kv and the combine; no stage: slower).
     griddep_launch();
+    constexpr int PRE = 1;
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
+    for (int s = 0; s < PRE; ++s) {
         if (s < nst) issue_w(s, s);
         cp_async_commit();
     }
@@ -497,6 +502,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < nst) issue_x(s, s);
+        if (s >= PRE && s < nst) issue_w(s, s);
         cp_async_commit();
     }
     float prev[4];
@@ -641,10 +647,11 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
             cp_async16_pol(wb + WQ_B + lane * 16, (const u8 *)m.wsc + (pbt + b) * 32 + lane * 16, pol);
     };
 
-    // Weights of the first S - 1 stages before x exists (PDL), then their x (see a8_mma).
+    // The first stage's weights before x exists (PDL), then the rest as in a8_mma.
     griddep_launch();
+    constexpr int PRE = 1;
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
+    for (int s = 0; s < PRE; ++s) {
         if (s < nst) issue_w(s, s);
         cp_async_commit();
     }
@@ -652,6 +659,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < nst) issue_x(s, s);
+        if (s >= PRE && s < nst) issue_w(s, s);
         cp_async_commit();
     }
     // The outputs' previous values (accum), by the lanes that store them: slice 0, K within

@@ -213,8 +213,10 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 // anything, in every block, so none completes before its predecessor), griddep_launch() lets
 // the next PDL-launched kernel start early (its blocks become resident and wait in
 // griddep_wait; a no-op when the next kernel is launched normally). The kernels that precede
-// one of those in a step (the norms, qk_norm_rope_kv, the attention kernels, copy2d, the
-// matmuls) call griddep_launch() first thing, so the next launch overlaps them.
+// one of those in a step call griddep_launch() first thing (the attention split kernels,
+// copy2d, the matmuls, add_rms_norm), or right after their own loads (rms_norm_q8,
+// qk_norm_rope_kv, the combine: the next kernel's weight prefetch, directly or through the
+// launches it cascades into, would delay those loads), so the next launch overlaps them.
 //
 // Block trace (compiled with -DDFLASH_BLOCK_TRACE: CudaOptions::block_trace, a profiling aid):
 // thread 0 of every block that calls griddep_wait() appends one record to this module's
