@@ -446,6 +446,47 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer_tail_ops(self, attn, rows, h, w, s)
     }
 
+    /// A layer's attention (`op`: [`Backend::attention`], [`Backend::attention_fast`] or
+    /// [`Backend::attention_fast_kv16`]) of the `p.n_q` queries into `attn`, then
+    /// [`Backend::layer_tail`] of those rows ([`attention_layer_tail_ops`]). An override
+    /// gives the same bits (`attn` included) and may leave `s` unwritten; it may hand the
+    /// attention's output to the o projection without a second pass over it.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_layer_tail(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        p: &AttnParams,
+        op: AttnOp,
+        attn: &mut Self::Buf,
+        h: &mut Self::Buf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        attention_layer_tail_ops(self, q, k, v, p, op, attn, h, w, s)
+    }
+
+    /// `rms_norm` of rows `row0..row0 + rows` of `x` (`dim` wide) into rows `0..rows` of
+    /// `xn`, then `matmul(xn, rows, w, out)` (a model's final norm and its lm_head over some
+    /// rows; [`norm_rows_matmul_ops`]). An override gives the same bits and may leave `xn`
+    /// unwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rows_matmul(
+        &self,
+        x: &Self::Buf,
+        norm: &Self::Buf,
+        dim: usize,
+        eps: f32,
+        row0: usize,
+        rows: usize,
+        xn: &mut Self::Buf,
+        w: &Weight<Self>,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        norm_rows_matmul_ops(self, x, norm, dim, eps, row0, rows, xn, w, out)
+    }
+
     /// A pre-norm layer's projections: `rms_norm(x, w, dim, eps, xn)` (every row of `x`) then
     /// `matmul_many(xn, rows, ws, outs)`. An override gives the same bits and may leave `xn`
     /// unwritten.
@@ -647,6 +688,61 @@ pub fn attention_fast_kv16_ops<B: Backend>(
     be.f16_unpack(k, 0, n, &mut kf)?;
     be.f16_unpack(v, 0, n, &mut vf)?;
     be.attention_fast(q, &kf, &vf, p, out)
+}
+
+/// Which attention op [`Backend::attention_layer_tail`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttnOp {
+    /// [`Backend::attention`].
+    Exact,
+    /// [`Backend::attention_fast`].
+    Fast,
+    /// [`Backend::attention_fast_kv16`] (K and V stored as [`KvStorage::F16`]).
+    FastKv16,
+}
+
+/// [`Backend::attention_layer_tail`] as the attention op then [`Backend::layer_tail`] (the
+/// trait's default).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_layer_tail_ops<B: Backend>(
+    be: &B,
+    q: &B::Buf,
+    k: &B::Buf,
+    v: &B::Buf,
+    p: &AttnParams,
+    op: AttnOp,
+    attn: &mut B::Buf,
+    h: &mut B::Buf,
+    w: &LayerTail<'_, B>,
+    s: TailScratch<'_, B>,
+) -> Result<()> {
+    match op {
+        AttnOp::Exact => be.attention(q, k, v, p, attn)?,
+        AttnOp::Fast => be.attention_fast(q, k, v, p, attn)?,
+        AttnOp::FastKv16 => be.attention_fast_kv16(q, k, v, p, attn)?,
+    }
+    be.layer_tail(attn, p.n_q, h, w, s)
+}
+
+/// [`Backend::norm_rows_matmul`] as the separate ops (the trait's default): the rows copied
+/// to the front of `xn`, normed there into a fresh buffer, then the matmul.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_rows_matmul_ops<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    norm: &B::Buf,
+    dim: usize,
+    eps: f32,
+    row0: usize,
+    rows: usize,
+    xn: &mut B::Buf,
+    w: &Weight<B>,
+    out: &mut B::Buf,
+) -> Result<()> {
+    let mut t = be.zeros(rows * dim)?;
+    be.copy(x, row0 * dim, &mut t, 0, rows * dim)?;
+    be.rms_norm(&t, norm, dim, eps, xn)?;
+    be.matmul(xn, rows, w, out)
 }
 
 /// A layer's weights after its attention (see [`Backend::layer_tail`]).

@@ -9,9 +9,10 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
-    attention_fast_kv16_ops, check_f16_range, check_f16_rows, layer_tail_ops, qk_norm_rope_kv_ops,
-    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, KvCacheRows, KvStorage,
-    LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
+    attention_fast_kv16_ops, attention_layer_tail_ops, check_f16_range, check_f16_rows,
+    layer_tail_ops, norm_rows_matmul_ops, qk_norm_rope_kv_ops, AttnOp, AttnParams, Backend,
+    BackendError, DeltaParams, HostData, HostWeight, KvCacheRows, KvStorage, LayerTail, QkNormRope,
+    RopeSpec, TailScratch, Weight, WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -1587,6 +1588,54 @@ impl Cuda {
         Ok(true)
     }
 
+    /// Whether [`Backend::layer_tail`] runs as the Q8_0A8 producers (else the separate ops):
+    /// Q8_0A8 weights of consistent shapes, 1-16 rows, a hidden size the norm kernel takes.
+    fn tail_fuses(rows: usize, h: &CudaBuf, w: &LayerTail<'_, Self>) -> bool {
+        let (d, inter) = (w.wo.rows, w.w_gate.rows);
+        let a8 = |x: &Weight<Self>| matches!(x.buf, CudaWeightBuf::Q8A8 { .. });
+        [w.wo, w.w_gate, w.w_up, w.w_down].into_iter().all(a8)
+            && (1..=SKINNY_ROWS).contains(&rows)
+            && d.is_multiple_of(32)
+            && d <= 32 * norm_threads(d) as usize
+            && inter.is_multiple_of(32)
+            && w.w_gate.cols == d
+            && (w.w_up.rows, w.w_up.cols) == (inter, d)
+            && (w.w_down.rows, w.w_down.cols) == (d, inter)
+            && w.post_norm.len >= d
+            && h.len >= rows * d
+    }
+
+    /// The layer tail after the o projection (a tail [`Cuda::tail_fuses`] takes): the norm
+    /// writes the gate / up projections' activation, one paired launch writes the down
+    /// projection's, and the down projection adds into `h`.
+    fn tail_after_o(
+        &self,
+        rows: usize,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        let d = w.wo.rows;
+        // Another thread's Q8_0A8 launch on this backend between two of these launches makes
+        // an activation stale (the check and the launch are atomic): the rest then runs as
+        // the separate ops, on the same h, with the same bits.
+        let act = self.rms_norm_q8(h, 0, rows, w.post_norm, d, w.eps)?;
+        if let Some(act2) = self.matmul_gate_up_q8_if_current(&act, w.w_gate, w.w_up)? {
+            if self.matmul_many_q8_if_current(&act2, &[w.w_down], &mut [h], true)? {
+                return Ok(());
+            }
+        }
+        self.rms_norm(h, w.post_norm, d, w.eps, s.xn)?;
+        self.matmul_many(
+            s.xn,
+            rows,
+            &[w.w_gate, w.w_up],
+            &mut [&mut *s.gate, &mut *s.up],
+        )?;
+        self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
+        self.add_assign(h, 0, s.o, rows * d)
+    }
+
     /// Whether the fused `qk_norm_rope_kv` kernel takes this head shape (else the separate
     /// ops run).
     fn qk_fused_fits(head_dim: usize, rot_half: usize) -> bool {
@@ -2643,40 +2692,84 @@ impl Backend for Cuda {
         w: &LayerTail<'_, Self>,
         s: TailScratch<'_, Self>,
     ) -> Result<()> {
-        let (d, inter) = (w.wo.rows, w.w_gate.rows);
-        let a8 = |x: &Weight<Self>| matches!(x.buf, CudaWeightBuf::Q8A8 { .. });
-        let fused = [w.wo, w.w_gate, w.w_up, w.w_down].into_iter().all(a8)
-            && (1..=SKINNY_ROWS).contains(&rows)
-            && d.is_multiple_of(32)
-            && d <= 32 * norm_threads(d) as usize
-            && inter.is_multiple_of(32)
-            && w.w_gate.cols == d
-            && (w.w_up.rows, w.w_up.cols) == (inter, d)
-            && (w.w_down.rows, w.w_down.cols) == (d, inter)
-            && w.post_norm.len >= d
-            && h.len >= rows * d;
-        if !fused {
+        if !Self::tail_fuses(rows, h, w) {
             return layer_tail_ops(self, attn, rows, h, w, s);
         }
         self.matmul_add(attn, rows, w.wo, h)?;
-        // Another thread's Q8_0A8 launch on this backend between two of these launches makes
-        // an activation stale (the check and the launch are atomic): the rest then runs as
-        // the separate ops, on the same h, with the same bits.
-        let act = self.rms_norm_q8(h, 0, rows, w.post_norm, d, w.eps)?;
-        if let Some(act2) = self.matmul_gate_up_q8_if_current(&act, w.w_gate, w.w_up)? {
-            if self.matmul_many_q8_if_current(&act2, &[w.w_down], &mut [h], true)? {
+        self.tail_after_o(rows, h, w, s)
+    }
+
+    /// The attention's combine (or its quantizer) writes the o projection's Q8_0A8 activation
+    /// along with `attn` ([`Cuda::attention_q8`]), and the o projection reads it: one quantizer
+    /// launch fewer than the attention then [`Backend::layer_tail`], the same bits. The exact
+    /// attention, and tails [`Backend::layer_tail`] runs as separate ops, take the default.
+    fn attention_layer_tail(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        op: AttnOp,
+        attn: &mut CudaBuf,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        let (rows, kdim) = (p.n_q, p.n_heads * p.head_dim);
+        let kv = match op {
+            AttnOp::Exact => None,
+            AttnOp::Fast => Some(KvStorage::F32),
+            AttnOp::FastKv16 => Some(KvStorage::F16),
+        };
+        match kv {
+            Some(kv)
+                if Self::tail_fuses(rows, h, w)
+                    && w.wo.cols == kdim
+                    && kdim.is_multiple_of(32)
+                    && attn.len >= rows * kdim =>
+            {
+                let act = self.attention_q8(q, k, v, p, true, kv, attn)?;
+                // Another thread's launch in between: the tail from attn (written too).
+                if self.matmul_many_q8_if_current(&act, &[w.wo], &mut [h], true)? {
+                    self.tail_after_o(rows, h, w, s)
+                } else {
+                    self.layer_tail(attn, rows, h, w, s)
+                }
+            }
+            _ => attention_layer_tail_ops(self, q, k, v, p, op, attn, h, w, s),
+        }
+    }
+
+    /// [`Cuda::rms_norm_q8`] of the rows, then one [`Cuda::matmul_many_q8`] launch (no
+    /// quantizer, `xn` not written) for Q8_0A8 weights and 1-16 rows; else the separate ops.
+    fn norm_rows_matmul(
+        &self,
+        x: &CudaBuf,
+        norm: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        row0: usize,
+        rows: usize,
+        xn: &mut CudaBuf,
+        w: &Weight<Self>,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let fused = matches!(w.buf, CudaWeightBuf::Q8A8 { .. })
+            && w.cols == dim
+            && w.rows > 0
+            && (1..=SKINNY_ROWS).contains(&rows)
+            && x.len >= (row0 + rows) * dim
+            && dim.is_multiple_of(32)
+            && dim <= 32 * norm_threads(dim) as usize
+            && norm.len >= dim;
+        if fused {
+            let act = self.rms_norm_q8(x, row0, rows, norm, dim, eps)?;
+            // Another thread's launch in between: the separate ops below.
+            if self.matmul_many_q8_if_current(&act, &[w], &mut [out], false)? {
                 return Ok(());
             }
         }
-        self.rms_norm(h, w.post_norm, d, w.eps, s.xn)?;
-        self.matmul_many(
-            s.xn,
-            rows,
-            &[w.w_gate, w.w_up],
-            &mut [&mut *s.gate, &mut *s.up],
-        )?;
-        self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
-        self.add_assign(h, 0, s.o, rows * d)
+        norm_rows_matmul_ops(self, x, norm, dim, eps, row0, rows, xn, w, out)
     }
 
     /// Residual add fused with the following RMSNorm: `h += o` (the first `rows * dim`

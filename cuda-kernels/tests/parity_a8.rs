@@ -768,7 +768,10 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
     // A private backend (the shared one runs the other tests' launches concurrently).
     let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     let mut r = rng("a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit");
-    use dflash_backend::{layer_tail_ops, LayerTail, TailScratch};
+    use dflash_backend::{
+        attention_layer_tail_ops, layer_tail_ops, norm_rows_matmul_ops, AttnOp, AttnParams,
+        LayerTail, TailScratch,
+    };
     // (hidden, heads * head_dim, intermediate): the shipped drafter's size class and the 8B's.
     for &(d, kq, inter) in &[(256usize, 256usize, 768usize), (4096, 4096, 12288)] {
         let mut mk = |n: usize, k: usize| {
@@ -825,6 +828,124 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                 &outs[0],
                 d,
             );
+            // attention_layer_tail (the attention writing the o projection's activation) ==
+            // the attention op + layer_tail: h and the attention output, each op (the exact
+            // one runs the default), a context of 300 keys + the block, f32 and f16 caches.
+            let (hd, n_ctx) = (128usize, 300usize);
+            let (nh, nkv) = (kq / hd, (kq / hd / 4).max(1));
+            let n_kv = n_ctx + rows;
+            let p = AttnParams {
+                n_q: rows,
+                n_kv,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_pos0: n_ctx,
+                kv_pos0: 0,
+                causal: false,
+                window: None,
+                scale: (hd as f32).powf(-0.5),
+            };
+            let q = g.upload(&rand_vec(&mut r, rows * kq, 1.0)).expect("q");
+            let kf = g
+                .upload(&rand_vec(&mut r, n_kv * nkv * hd, 1.0))
+                .expect("k");
+            let vf = g
+                .upload(&rand_vec(&mut r, n_kv * nkv * hd, 1.0))
+                .expect("v");
+            let (mut k16, mut v16) = (
+                poisoned(g, n_kv * nkv * hd / 2),
+                poisoned(g, n_kv * nkv * hd / 2),
+            );
+            g.f16_pack(&kf, &mut k16, 0, n_kv * nkv * hd)
+                .expect("pack k");
+            g.f16_pack(&vf, &mut v16, 0, n_kv * nkv * hd)
+                .expect("pack v");
+            for op in [AttnOp::Exact, AttnOp::Fast, AttnOp::FastKv16] {
+                let (k, v) = if op == AttnOp::FastKv16 {
+                    (&k16, &v16)
+                } else {
+                    (&kf, &vf)
+                };
+                let mut res = Vec::new();
+                for fused in [false, true] {
+                    let mut h = g.upload(&h0).expect("h");
+                    let mut attn_out = poisoned(g, rows * kq);
+                    let (mut o, mut xn) = (poisoned(g, rows * d), poisoned(g, rows * d));
+                    let (mut gt, mut up, mut act) = (
+                        poisoned(g, rows * inter),
+                        poisoned(g, rows * inter),
+                        poisoned(g, rows * inter),
+                    );
+                    let s = TailScratch {
+                        o: &mut o,
+                        xn: &mut xn,
+                        gate: &mut gt,
+                        up: &mut up,
+                        act: &mut act,
+                    };
+                    if fused {
+                        g.attention_layer_tail(&q, k, v, &p, op, &mut attn_out, &mut h, &tail, s)
+                            .expect("attention_layer_tail");
+                        // The fused tail ran (the separate ops would have written xn).
+                        assert!(
+                            g.download(&xn).expect("dl").iter().all(|v| v.is_nan()),
+                            "attention_layer_tail fell back to the separate ops"
+                        );
+                    } else {
+                        attention_layer_tail_ops(
+                            g,
+                            &q,
+                            k,
+                            v,
+                            &p,
+                            op,
+                            &mut attn_out,
+                            &mut h,
+                            &tail,
+                            s,
+                        )
+                        .expect("ops");
+                    }
+                    res.push((
+                        g.download(&h).expect("dl"),
+                        g.download(&attn_out).expect("dl"),
+                    ));
+                }
+                assert_bits(
+                    &format!("attention_layer_tail {op:?} d={d} rows={rows}: h"),
+                    &res[1].0,
+                    &res[0].0,
+                    d,
+                );
+                assert_bits(
+                    &format!("attention_layer_tail {op:?} d={d} rows={rows}: attn"),
+                    &res[1].1,
+                    &res[0].1,
+                    kq,
+                );
+            }
+            // norm_rows_matmul (a final norm + the lm_head over rows 1..) == the separate ops,
+            // xn unwritten.
+            if rows > 1 {
+                let x = g.upload(&spread_x(&mut r, rows, d)).expect("x");
+                let n = rows - 1;
+                let mut want = poisoned(g, n * inter);
+                let mut xn = poisoned(g, rows * d);
+                norm_rows_matmul_ops(g, &x, &ln, d, 1e-6, 1, n, &mut xn, &wg, &mut want)
+                    .expect("ops");
+                let mut got = poisoned(g, n * inter);
+                let mut xn2 = poisoned(g, rows * d);
+                g.norm_rows_matmul(&x, &ln, d, 1e-6, 1, n, &mut xn2, &wg, &mut got)
+                    .expect("norm_rows_matmul");
+                assert!(g.download(&xn2).expect("dl").iter().all(|v| v.is_nan()));
+                assert_bits(
+                    &format!("norm_rows_matmul d={d} rows 1..{rows}"),
+                    &g.download(&got).expect("dl"),
+                    &g.download(&want).expect("dl"),
+                    inter,
+                );
+            }
             // norm_matmul_many (the q/k/v of a layer) == rms_norm + matmul_many, xn unwritten.
             let x = g.upload(&spread_x(&mut r, rows, d)).expect("x");
             let ws = [&wg, &wu];
@@ -849,7 +970,7 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
             }
         }
     }
-    eprintln!("EXACT layer_tail (Q8_0A8: residual stores, normed activation, paired gate/up) and norm_matmul_many == the separate ops");
+    eprintln!("EXACT layer_tail (Q8_0A8: residual stores, normed activation, paired gate/up), attention_layer_tail (exact / fast / fast over f16 caches), norm_matmul_many and norm_rows_matmul == the separate ops");
 }
 
 #[test]

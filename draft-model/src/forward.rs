@@ -14,7 +14,7 @@
 //! the anchor (the last committed token, whose features are not yet known).
 
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, TailScratch, Weight,
+    AttnOp, AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, TailScratch, Weight,
 };
 use dflash_kv::{DraftKv, KvShape};
 
@@ -146,6 +146,8 @@ pub(crate) struct Scratch<B: Backend> {
     a: B::Buf,
     /// final-normed rows `[b, d]`
     hidden: B::Buf,
+    /// [`Drafter::draft`]'s lm_head logits `[n, vocab]`, kept between calls.
+    logits: Option<B::Buf>,
 }
 
 impl<B: Backend> Scratch<B> {
@@ -171,6 +173,7 @@ impl<B: Backend> Scratch<B> {
             u: be.zeros(b * inter)?,
             a: be.zeros(b * inter)?,
             hidden: be.zeros(b * d)?,
+            logits: None,
         })
     }
 }
@@ -480,26 +483,8 @@ impl<B: Backend> Drafter<B> {
             be.matmul(&s.xn, rows, &l.wq, &mut s.q0)?;
             be.matmul_many(&s.xn, b, &[&l.wk, &l.wv], &mut [&mut s.k0, &mut s.v])?;
         }
-        attend(li, rows, s)?;
-        // o projection + residual, post-norm, SwiGLU MLP + residual (the backend may run it
-        // as fewer launches, with the same bits).
-        let tail = LayerTail {
-            wo: &l.wo,
-            post_norm: &l.ln_post,
-            eps,
-            w_gate: &l.w_gate,
-            w_up: &l.w_up,
-            w_down: &l.w_down,
-        };
-        let scratch = TailScratch {
-            o: &mut s.o,
-            xn: &mut s.xn,
-            gate: &mut s.g,
-            up: &mut s.u,
-            act: &mut s.a,
-        };
-        be.layer_tail(&s.attn, rows, &mut s.x, &tail, scratch)?;
-        Ok(())
+        // The attention and the rest of the layer ([`Drafter::attention_tail`]).
+        attend(li, rows, s)
     }
 
     /// Layer `li`'s per-head q/k norms and RoPE for block rows at positions `pos0..`
@@ -535,25 +520,57 @@ impl<B: Backend> Drafter<B> {
         Ok(())
     }
 
-    /// The drafter's attention over K / V stored as `storage` says: an f16 cache through
-    /// [`Backend::attention_fast_kv16`], an f32 one through [`Backend::attention_fast`] when
-    /// loaded with [`crate::LoadOptions::fast_attention`], else the exact op.
+    /// Layer `li`'s attention of the `p.n_q` query rows in `s.q` over K / V stored as
+    /// `storage` says (an f16 cache through [`Backend::attention_fast_kv16`], an f32 one
+    /// through [`Backend::attention_fast`] when loaded with
+    /// [`crate::LoadOptions::fast_attention`], else the exact op) into `s.attn`, then the o
+    /// projection + residual, post-norm and SwiGLU MLP + residual on `s.x`: one
+    /// [`Backend::attention_layer_tail`] (the backend may run it as fewer launches, with the
+    /// same bits).
     #[allow(clippy::too_many_arguments)]
-    fn attention(
+    fn attention_tail(
         &self,
         be: &B,
-        q: &B::Buf,
+        li: usize,
         k: &B::Buf,
         v: &B::Buf,
         storage: KvStorage,
         p: &AttnParams,
-        out: &mut B::Buf,
+        s: &mut Scratch<B>,
     ) -> Result<()> {
-        match storage {
-            KvStorage::F16 => be.attention_fast_kv16(q, k, v, p, out)?,
-            KvStorage::F32 if self.fast_attention => be.attention_fast(q, k, v, p, out)?,
-            KvStorage::F32 => be.attention(q, k, v, p, out)?,
-        }
+        let op = match storage {
+            KvStorage::F16 => AttnOp::FastKv16,
+            KvStorage::F32 if self.fast_attention => AttnOp::Fast,
+            KvStorage::F32 => AttnOp::Exact,
+        };
+        let l = &self.layers[li];
+        let tail = LayerTail {
+            wo: &l.wo,
+            post_norm: &l.ln_post,
+            eps: self.cfg.rms_norm_eps,
+            w_gate: &l.w_gate,
+            w_up: &l.w_up,
+            w_down: &l.w_down,
+        };
+        let Scratch {
+            x,
+            xn,
+            q,
+            attn,
+            o,
+            g,
+            u,
+            a,
+            ..
+        } = s;
+        let scratch = TailScratch {
+            o,
+            xn,
+            gate: g,
+            up: u,
+            act: a,
+        };
+        be.attention_layer_tail(q, k, v, p, op, attn, x, &tail, scratch)?;
         Ok(())
     }
 
@@ -573,13 +590,14 @@ impl<B: Backend> Drafter<B> {
     ) -> Result<B::Buf> {
         self.check_block(tokens)?;
         let mut s = Scratch::new(be, &self.cfg, tokens.len())?;
-        self.forward_cached_in(be, kv, lend, tokens, emb_scale, tokens.len(), &mut s)?;
+        self.forward_cached_in(be, kv, lend, tokens, emb_scale, tokens.len(), &mut s, true)?;
         Ok(s.hidden)
     }
 
     /// [`Drafter::forward_cached`] into the buffers of `s`: the final rows `0..out_rows` in
     /// `s.hidden` (the last layer runs its query side, o projection and MLP on those rows only;
-    /// the rows past them are not final).
+    /// the rows past them are not final); with `final_norm` false the last layer's output
+    /// stays in `s.x`, not normed.
     #[allow(clippy::too_many_arguments)]
     fn forward_cached_in(
         &self,
@@ -590,6 +608,7 @@ impl<B: Backend> Drafter<B> {
         emb_scale: f32,
         out_rows: usize,
         s: &mut Scratch<B>,
+        final_norm: bool,
     ) -> Result<()> {
         self.check_block(tokens)?;
         self.check_kv(kv)?;
@@ -617,13 +636,16 @@ impl<B: Backend> Drafter<B> {
                 be.qk_norm_rope_kv(&s.q0, &s.k0, &s.v, n_q, b, &qk, &mut s.q, &mut s.k, cache)?;
                 let (kb, vb) = kv.layer(li)?;
                 let p = attn_params(self, li, n_q, n_ctx + b, start, kv_pos0);
-                self.attention(be, &s.q, kb, vb, storage, &p, &mut s.attn)?;
+                self.attention_tail(be, li, kb, vb, storage, &p, s)?;
                 Ok(())
             };
             let rows = if li + 1 == n_layers { out_rows } else { b };
             self.block_layer(be, li, s, rows, &mut attend)?;
         }
-        self.final_norm(be, s)
+        if final_norm {
+            self.final_norm(be, s)?;
+        }
+        Ok(())
     }
 
     /// The uncached forward from scratch: context rows `0..ctx` from `taps`
@@ -676,7 +698,7 @@ impl<B: Backend> Drafter<B> {
                 let qk = self.qk_norm_rope(li, ctx);
                 be.qk_norm_rope_kv(&s.q0, &s.k0, &s.v, n_q, b, &qk, &mut s.q, &mut s.k, cache)?;
                 let p = attn_params(self, li, n_q, ctx + b, ctx, 0);
-                self.attention(be, &s.q, &ka, &va, st, &p, &mut s.attn)?;
+                self.attention_tail(be, li, &ka, &va, st, &p, s)?;
                 Ok(())
             };
             self.block_layer(be, li, &mut s, b, &mut attend)?;
@@ -770,24 +792,57 @@ impl<B: Backend> Drafter<B> {
         anchor: u32,
         opts: &DraftOptions,
     ) -> Result<DraftOutput> {
+        let Some((row0, n)) = self.draft_rows(lend, block_len, anchor, opts)? else {
+            return Ok(self.no_drafts(opts));
+        };
+        let mut logits = self.draft_logits(be, lend, hidden, row0, n)?;
+        self.finish_drafts(be, lend, hidden, &mut logits, row0, n, anchor, opts)
+    }
+
+    /// The first block row with a draft and the number of drafts (`None`: no drafts), after
+    /// checking the lent weights and the anchor.
+    fn draft_rows(
+        &self,
+        lend: &dyn TargetLend<B>,
+        block_len: usize,
+        anchor: u32,
+        opts: &DraftOptions,
+    ) -> Result<Option<(usize, usize)>> {
         self.check_lend(lend)?;
         let vocab = lend.vocab_size();
         if anchor as usize >= vocab {
             return Err(DraftError::TokenOutOfRange { id: anchor, vocab });
         }
-        let row0 = self.layout.first_row();
         let mut n = self.layout.n_drafts(block_len);
         if let Some(m) = opts.max_drafts {
             n = n.min(m);
         }
-        if n == 0 {
-            return Ok(DraftOutput {
-                tokens: Vec::new(),
-                confidence: self.confidence.as_ref().map(|_| Vec::new()),
-                logits: opts.return_logits.then(Vec::new),
-            });
+        Ok((n > 0).then(|| (self.layout.first_row(), n)))
+    }
+
+    fn no_drafts(&self, opts: &DraftOptions) -> DraftOutput {
+        DraftOutput {
+            tokens: Vec::new(),
+            confidence: self.confidence.as_ref().map(|_| Vec::new()),
+            logits: opts.return_logits.then(Vec::new),
         }
-        let mut logits = self.draft_logits(be, lend, hidden, row0, n)?;
+    }
+
+    /// Drafts from the `n` rows of lm_head logits: argmax or the Markov chain, the confidence
+    /// logits from the final-normed `hidden` rows `row0..`, the logits on the host if asked.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_drafts(
+        &self,
+        be: &B,
+        lend: &dyn TargetLend<B>,
+        hidden: &B::Buf,
+        logits: &mut B::Buf,
+        row0: usize,
+        n: usize,
+        anchor: u32,
+        opts: &DraftOptions,
+    ) -> Result<DraftOutput> {
+        let vocab = lend.vocab_size();
         let tokens = match (&self.markov, opts.markov) {
             (Some(m), true) => {
                 if m.w2.rows != vocab {
@@ -797,13 +852,13 @@ impl<B: Backend> Drafter<B> {
                         m.w2.rows,
                     ));
                 }
-                be.markov_chain(&mut logits, n, vocab, anchor, &m.w1, &m.w2)?
+                be.markov_chain(logits, n, vocab, anchor, &m.w1, &m.w2)?
             }
-            _ => be.argmax_rows(&logits, 0, n, vocab)?,
+            _ => be.argmax_rows(logits, 0, n, vocab)?,
         };
         let confidence = self.confidence_logits(be, hidden, row0, anchor, &tokens)?;
         let logits = if opts.return_logits {
-            let mut v = be.download(&logits)?;
+            let mut v = be.download(logits)?;
             v.truncate(n * vocab);
             Some(v)
         } else {
@@ -859,8 +914,35 @@ impl<B: Backend> Drafter<B> {
             n = n.min(m);
         }
         let out_rows = (self.layout.first_row() + n).clamp(1, b);
-        self.forward_cached_in(be, kv, lend, &tokens, opts.emb_scale, out_rows, s)?;
-        self.drafts_from_hidden(be, lend, &s.hidden, b, anchor, opts)
+        self.forward_cached_in(be, kv, lend, &tokens, opts.emb_scale, out_rows, s, false)?;
+        let Some((row0, n)) = self.draft_rows(lend, b, anchor, opts)? else {
+            return Ok(self.no_drafts(opts));
+        };
+        // The lm_head rows from the residual stream: their final norm and the lm_head as one
+        // backend call (which may skip writing the normed rows), the logits buffer kept
+        // between calls. The confidence head reads the final-normed rows: written then.
+        let (d, vocab) = (self.cfg.hidden_size, lend.vocab_size());
+        let mut logits = match s.logits.take() {
+            Some(l) if be.len(&l) == n * vocab => l,
+            _ => be.zeros(n * vocab)?,
+        };
+        be.norm_rows_matmul(
+            &s.x,
+            &self.norm,
+            d,
+            self.cfg.rms_norm_eps,
+            row0,
+            n,
+            &mut s.hidden,
+            lend.lm_head(),
+            &mut logits,
+        )?;
+        if self.confidence.is_some() {
+            self.final_norm(be, s)?;
+        }
+        let out = self.finish_drafts(be, lend, &s.hidden, &mut logits, row0, n, anchor, opts);
+        s.logits = Some(logits);
+        out
     }
 
     /// The row layout in use.
