@@ -835,8 +835,8 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
     use dflash_draft_model::{
         DraftConfig, DraftOptions, Drafter, LentWeights, LoadOptions, Precision,
     };
-    println!("| shape | ctx | library draft() ms | bench step eager ms | bench step graph ms | library / bench graph |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| shape | ctx | library draft() ms | bench step eager ms | bench step graph ms | library / bench graph | ingest of 8 rows ms |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for s in shapes {
         // The z-lab layout of the shape: 5 target taps, layer types from the windows.
         let taps = [1i64, 9, 17, 25, 33];
@@ -897,8 +897,16 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
             let feats: Vec<f32> = (0..ctx * taps.len() * s.hidden)
                 .map(|i| ((i % 251) as f32 - 125.0) / 125.0)
                 .collect();
+            // A round's ingest: the target features of 8 accepted rows (tau ~6.5 + the bonus
+            // token), appended after the context and cropped off again.
+            let feats8 = g.upload(&feats[..8 * taps.len() * s.hidden])?;
             let feats = g.upload(&feats)?;
             dr.ingest(g, &mut kv, &feats, ctx, 0)?;
+            let ingest = wall_ms(g, a.iters, || {
+                dr.ingest(g, &mut kv, &feats8, 8, ctx)?;
+                kv.crop(ctx)?;
+                Ok(())
+            })?;
             let o = DraftOptions {
                 markov: false,
                 ..Default::default()
@@ -911,7 +919,7 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
             let t = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
             let graph = t.graph.unwrap_or(f64::NAN);
             println!(
-                "| {} | {ctx} | {lib:.3} | {eager:.3} | {graph:.3} | {:.2}x |",
+                "| {} | {ctx} | {lib:.3} | {eager:.3} | {graph:.3} | {:.2}x | {ingest:.3} |",
                 s.name,
                 lib / graph
             );
