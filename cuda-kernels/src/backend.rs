@@ -2545,8 +2545,15 @@ impl Backend for Cuda {
                 msg: format!("{} weights but {} outputs", ws.len(), outs.len()),
             });
         }
+        if ws.len() > 3 {
+            // Launches of up to 3 matrices each.
+            for (wc, oc) in ws.chunks(3).zip(outs.chunks_mut(3)) {
+                self.matmul_many(x, rows, wc, oc)?;
+            }
+            return Ok(());
+        }
         let k = ws.first().map_or(0, |w| w.cols);
-        let fused = (1..=3).contains(&ws.len())
+        let fused = !ws.is_empty()
             && k > 0
             && ws
                 .iter()
@@ -2656,7 +2663,7 @@ impl Backend for Cuda {
         ws: &[&Weight<Self>],
         outs: &mut [&mut CudaBuf],
     ) -> Result<()> {
-        let fused = (1..=3).contains(&ws.len())
+        let fused = !ws.is_empty()
             && ws.len() == outs.len()
             && ws.iter().all(|m| {
                 m.cols == dim && m.rows > 0 && matches!(m.buf, CudaWeightBuf::Q8A8 { .. })
@@ -2667,9 +2674,18 @@ impl Backend for Cuda {
             && dim <= 32 * norm_threads(dim) as usize
             && w.len >= dim;
         if fused {
+            // One activation, read by launches of up to 3 matrices each (a drafter's ingest:
+            // every layer's k / v projections of the context features).
             let act = self.rms_norm_q8(x, 0, rows, w, dim, eps)?;
-            // Another thread's launch in between: the separate ops below.
-            if self.matmul_many_q8_if_current(&act, ws, outs, false)? {
+            let mut all = true;
+            for (wc, oc) in ws.chunks(3).zip(outs.chunks_mut(3)) {
+                // Another thread's launch in between: the separate ops below.
+                if !self.matmul_many_q8_if_current(&act, wc, oc, false)? {
+                    all = false;
+                    break;
+                }
+            }
+            if all {
                 return Ok(());
             }
         }

@@ -968,6 +968,37 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                     inter,
                 );
             }
+            // More than 3 matrices (a drafter's ingest: every layer's k / v): launches of up
+            // to 3 reading one activation, and matmul_many alike.
+            let x5 = g.upload(&spread_x(&mut r, rows, d)).expect("x");
+            let mut xn5 = poisoned(g, rows * d);
+            g.rms_norm(&x5, &ln, d, 1e-6, &mut xn5).expect("rms_norm");
+            let wsd = [&wg, &wu, &wg, &wu, &wg];
+            let mut want5: Vec<_> = (0..5).map(|_| poisoned(g, rows * inter)).collect();
+            for (w, o) in wsd.iter().zip(want5.iter_mut()) {
+                g.matmul(&xn5, rows, w, o).expect("matmul");
+            }
+            let mut got5: Vec<_> = (0..5).map(|_| poisoned(g, rows * inter)).collect();
+            let mut xn6 = poisoned(g, rows * d);
+            let mut refs: Vec<_> = got5.iter_mut().collect();
+            g.norm_matmul_many(&x5, &ln, d, 1e-6, &mut xn6, rows, &wsd, &mut refs)
+                .expect("norm_matmul_many x5");
+            assert!(g.download(&xn6).expect("dl").iter().all(|v| v.is_nan()));
+            let mut many5: Vec<_> = (0..5).map(|_| poisoned(g, rows * inter)).collect();
+            let mut refs: Vec<_> = many5.iter_mut().collect();
+            g.matmul_many(&xn5, rows, &wsd, &mut refs)
+                .expect("matmul_many x5");
+            for i in 0..5 {
+                let want = g.download(&want5[i]).expect("dl");
+                for (what, got) in [("norm_matmul_many", &got5[i]), ("matmul_many", &many5[i])] {
+                    assert_bits(
+                        &format!("{what} of 5 matrices d={d} rows={rows} matrix {i}"),
+                        &g.download(got).expect("dl"),
+                        &want,
+                        inter,
+                    );
+                }
+            }
         }
     }
     eprintln!("EXACT layer_tail (Q8_0A8: residual stores, normed activation, paired gate/up), attention_layer_tail (exact / fast / fast over f16 caches), norm_matmul_many and norm_rows_matmul == the separate ops");

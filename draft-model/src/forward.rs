@@ -150,6 +150,37 @@ pub(crate) struct Scratch<B: Backend> {
     logits: Option<B::Buf>,
 }
 
+/// [`Drafter::ingest`]'s buffers for chunks of `n` rows.
+pub(crate) struct IngestScratch<B: Backend> {
+    n: usize,
+    /// fc output `[n, hidden]`.
+    fc: B::Buf,
+    /// the context features `hidden_norm(fc)` (a backend may leave them unwritten).
+    feats: B::Buf,
+    /// per layer: k before its norm, then v, `[n, kv_dim]` each.
+    kv: Vec<B::Buf>,
+    k_tmp: B::Buf,
+    q0: B::Buf,
+    q: B::Buf,
+}
+
+impl<B: Backend> IngestScratch<B> {
+    fn new(be: &B, cfg: &crate::config::DraftConfig, layers: usize, n: usize) -> Result<Self> {
+        let (d, kvd) = (cfg.hidden_size, cfg.kv_dim());
+        Ok(IngestScratch {
+            n,
+            fc: be.zeros(n * d)?,
+            feats: be.zeros(n * d)?,
+            kv: (0..2 * layers)
+                .map(|_| be.zeros(n * kvd))
+                .collect::<std::result::Result<_, _>>()?,
+            k_tmp: be.zeros(n * kvd)?,
+            q0: be.zeros(0)?,
+            q: be.zeros(0)?,
+        })
+    }
+}
+
 impl<B: Backend> Scratch<B> {
     fn new(be: &B, cfg: &crate::config::DraftConfig, b: usize) -> Result<Self> {
         let (d, qd, kvd, inter) = (
@@ -326,18 +357,29 @@ impl<B: Backend> Drafter<B> {
         }
         self.check_kv(kv)?;
         self.check_taps(be, taps, rows)?;
-        let w = self.cfg.n_taps() * self.cfg.hidden_size;
-        // Per layer: the k / v projections in one call, then K normed + roped and V written
-        // straight into the cache ([`Backend::qk_norm_rope_kv`] with no q rows): the bits of
-        // `ctx_kv` + `append`. Scratch shared by the layers and chunks.
-        let kvd = self.cfg.kv_dim();
-        let cap = rows.min(INGEST_CHUNK);
-        let (mut k0, mut v, mut k_tmp) = (
-            be.zeros(cap * kvd)?,
-            be.zeros(cap * kvd)?,
-            be.zeros(cap * kvd)?,
+        let (d, w) = (
+            self.cfg.hidden_size,
+            self.cfg.n_taps() * self.cfg.hidden_size,
         );
-        let (q0, mut q) = (be.zeros(0)?, be.zeros(0)?);
+        // Per chunk: fc, then the context features' norm feeding every layer's k / v
+        // projections in one call ([`Backend::norm_matmul_many`]), then per layer K normed +
+        // roped and V written straight into the cache ([`Backend::qk_norm_rope_kv`] with no q
+        // rows): the bits of `ctx_features` + `ctx_kv` + `append`. The buffers are the
+        // drafter's, kept between calls (a concurrent caller gets its own).
+        let n_max = rows.min(INGEST_CHUNK);
+        let mut guard = self.ingest_scratch.try_lock().ok();
+        let mut local = None;
+        let s: &mut IngestScratch<B> = match guard.as_deref_mut() {
+            Some(slot) => {
+                if slot.as_ref().is_none_or(|s| s.n != n_max) {
+                    *slot = Some(IngestScratch::new(be, &self.cfg, self.layers.len(), n_max)?);
+                }
+                slot.as_mut()
+                    .ok_or_else(|| DraftError::Invalid("ingest scratch".into()))?
+            }
+            None => local.insert(IngestScratch::new(be, &self.cfg, self.layers.len(), n_max)?),
+        };
+        let ws: Vec<&Weight<B>> = self.layers.iter().flat_map(|l| [&l.wk, &l.wv]).collect();
         let mut done = 0;
         while done < rows {
             let n = (rows - done).min(INGEST_CHUNK);
@@ -349,9 +391,26 @@ impl<B: Backend> Drafter<B> {
                 Some(t)
             };
             kv.ensure_room(n)?;
-            let feats = self.ctx_features(be, chunk.as_ref().unwrap_or(taps), n)?;
-            for (layer, l) in self.layers.iter().enumerate() {
-                be.matmul_many(&feats, n, &[&l.wk, &l.wv], &mut [&mut k0, &mut v])?;
+            // A shorter last chunk: buffers of its own size (the fused norm takes whole ones).
+            let mut short = None;
+            let s = if n == s.n {
+                &mut *s
+            } else {
+                short.insert(IngestScratch::new(be, &self.cfg, self.layers.len(), n)?)
+            };
+            be.matmul(chunk.as_ref().unwrap_or(taps), n, &self.fc, &mut s.fc)?;
+            let mut outs: Vec<&mut B::Buf> = s.kv.iter_mut().collect();
+            be.norm_matmul_many(
+                &s.fc,
+                &self.hidden_norm,
+                d,
+                self.cfg.rms_norm_eps,
+                &mut s.feats,
+                n,
+                &ws,
+                &mut outs,
+            )?;
+            for layer in 0..self.layers.len() {
                 let storage = kv.storage();
                 let (kc, vc, row0) = kv.append_rows_mut(layer, n)?;
                 let cache = KvCacheRows {
@@ -361,7 +420,8 @@ impl<B: Backend> Drafter<B> {
                     storage,
                 };
                 let qk = self.qk_norm_rope(layer, pos0 + done);
-                be.qk_norm_rope_kv(&q0, &k0, &v, 0, n, &qk, &mut q, &mut k_tmp, cache)?;
+                let (k0, v) = (&s.kv[2 * layer], &s.kv[2 * layer + 1]);
+                be.qk_norm_rope_kv(&s.q0, k0, v, 0, n, &qk, &mut s.q, &mut s.k_tmp, cache)?;
             }
             kv.commit(n)?;
             done += n;
