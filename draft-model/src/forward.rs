@@ -364,20 +364,26 @@ impl<B: Backend> Drafter<B> {
         // Per chunk: fc, then the context features' norm feeding every layer's k / v
         // projections in one call ([`Backend::norm_matmul_many`]), then per layer K normed +
         // roped and V written straight into the cache ([`Backend::qk_norm_rope_kv`] with no q
-        // rows): the bits of `ctx_features` + `ctx_kv` + `append`. The buffers are the
-        // drafter's, kept between calls (a concurrent caller gets its own).
+        // rows): the bits of `ctx_features` + `ctx_kv` + `append`. A round's ingest (at most
+        // a block of rows) uses the drafter's buffers for that row count, kept between calls
+        // (a concurrent caller gets its own); a longer one allocates its own.
         let n_max = rows.min(INGEST_CHUNK);
+        let layers = self.layers.len();
         let mut guard = self.ingest_scratch.try_lock().ok();
         let mut local = None;
         let s: &mut IngestScratch<B> = match guard.as_deref_mut() {
-            Some(slot) => {
-                if slot.as_ref().is_none_or(|s| s.n != n_max) {
-                    *slot = Some(IngestScratch::new(be, &self.cfg, self.layers.len(), n_max)?);
+            Some(slots) if rows <= self.cfg.block_size => {
+                if slots.len() <= rows {
+                    slots.resize_with(rows + 1, || None);
+                }
+                let slot = &mut slots[rows];
+                if slot.is_none() {
+                    *slot = Some(IngestScratch::new(be, &self.cfg, layers, rows)?);
                 }
                 slot.as_mut()
                     .ok_or_else(|| DraftError::Invalid("ingest scratch".into()))?
             }
-            None => local.insert(IngestScratch::new(be, &self.cfg, self.layers.len(), n_max)?),
+            _ => local.insert(IngestScratch::new(be, &self.cfg, layers, n_max)?),
         };
         let ws: Vec<&Weight<B>> = self.layers.iter().flat_map(|l| [&l.wk, &l.wv]).collect();
         let mut done = 0;
@@ -396,7 +402,7 @@ impl<B: Backend> Drafter<B> {
             let s = if n == s.n {
                 &mut *s
             } else {
-                short.insert(IngestScratch::new(be, &self.cfg, self.layers.len(), n)?)
+                short.insert(IngestScratch::new(be, &self.cfg, layers, n)?)
             };
             be.matmul(chunk.as_ref().unwrap_or(taps), n, &self.fc, &mut s.fc)?;
             let mut outs: Vec<&mut B::Buf> = s.kv.iter_mut().collect();
@@ -410,7 +416,7 @@ impl<B: Backend> Drafter<B> {
                 &ws,
                 &mut outs,
             )?;
-            for layer in 0..self.layers.len() {
+            for layer in 0..layers {
                 let storage = kv.storage();
                 let (kc, vc, row0) = kv.append_rows_mut(layer, n)?;
                 let cache = KvCacheRows {
@@ -500,7 +506,8 @@ impl<B: Backend> Drafter<B> {
     /// One layer over the block rows `s.x` (`[b, hidden]`, in place). `attend` receives the
     /// scratch with the projections `s.q0` (its first `rows` rows), `s.k0` and `s.v` (all `b`
     /// block rows), normalises and rotates them (with [`Drafter::qk_norm_rope`]), places K and V
-    /// and writes the attention output of the `rows` queries to `s.attn`.
+    /// and runs the attention of the `rows` queries and the rest of the layer
+    /// ([`Drafter::attention_tail`]).
     ///
     /// Only the first `rows` rows (`1..=b`) are carried through the query side, the o
     /// projection and the MLP; K and V still cover the whole block. The last layer of a draft

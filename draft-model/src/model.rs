@@ -161,8 +161,9 @@ pub struct Drafter<B: Backend> {
     /// Activation buffers of the last cached block forward, reused by the next one of the
     /// same block length (no allocation per step; stable buffers for the GPU).
     pub(crate) scratch: std::sync::Mutex<Option<crate::forward::Scratch<B>>>,
-    /// [`Drafter::ingest`]'s buffers, reused while free.
-    pub(crate) ingest_scratch: std::sync::Mutex<Option<crate::forward::IngestScratch<B>>>,
+    /// [`Drafter::ingest`]'s buffers per row count of a round (index = rows, up to a block),
+    /// reused while free.
+    pub(crate) ingest_scratch: std::sync::Mutex<Vec<Option<crate::forward::IngestScratch<B>>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Drafter<B> {
@@ -582,7 +583,7 @@ impl<B: Backend> Drafter<B> {
             fast_attention: opts.fast_attention,
             kv_storage: opts.kv_storage,
             scratch: std::sync::Mutex::new(None),
-            ingest_scratch: std::sync::Mutex::new(None),
+            ingest_scratch: std::sync::Mutex::new(Vec::new()),
         })
     }
 }
