@@ -725,7 +725,7 @@ pub fn attention_layer_tail_ops<B: Backend>(
 }
 
 /// [`Backend::norm_rows_matmul`] as the separate ops (the trait's default): the rows copied
-/// to the front of `xn`, normed there into a fresh buffer, then the matmul.
+/// into a fresh buffer, normed from there into the front of `xn`, then the matmul.
 #[allow(clippy::too_many_arguments)]
 pub fn norm_rows_matmul_ops<B: Backend>(
     be: &B,
