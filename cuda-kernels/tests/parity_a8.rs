@@ -13,7 +13,8 @@ mod common;
 
 use common::{gpu, poisoned, rand_vec, rng};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, HostData, HostWeight, WeightFormat, A8_CHUNK_BLOCKS};
+use dflash_backend::{Backend, HostData, HostWeight, TailScratch, WeightFormat, A8_CHUNK_BLOCKS};
+use dflash_cuda_kernels::{Cuda, CudaBuf};
 use dflash_quant::{quantize_q8_0, BlockQ8_0};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -760,6 +761,37 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
     eprintln!("EXACT rms_norm_q8 + matmul_many_q8, matmul_add and matmul_silu_mul_add == the separate ops under every kernel choice; matmul_gate_up_q8 + down == the separate ops; attention_q8 + matmul_many_q8 == attention + matmul_add");
 }
 
+/// A layer tail's scratch buffers, poisoned (a fused tail leaves them unwritten).
+struct TailBufs {
+    o: CudaBuf,
+    xn: CudaBuf,
+    gate: CudaBuf,
+    up: CudaBuf,
+    act: CudaBuf,
+}
+
+impl TailBufs {
+    fn new(g: &Cuda, rows: usize, d: usize, inter: usize) -> Self {
+        TailBufs {
+            o: poisoned(g, rows * d),
+            xn: poisoned(g, rows * d),
+            gate: poisoned(g, rows * inter),
+            up: poisoned(g, rows * inter),
+            act: poisoned(g, rows * inter),
+        }
+    }
+
+    fn scratch(&mut self) -> TailScratch<'_, Cuda> {
+        TailScratch {
+            o: &mut self.o,
+            xn: &mut self.xn,
+            gate: &mut self.gate,
+            up: &mut self.up,
+            act: &mut self.act,
+        }
+    }
+}
+
 #[test]
 fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
     if gpu("a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit").is_none() {
@@ -770,7 +802,7 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
     let mut r = rng("a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit");
     use dflash_backend::{
         attention_layer_tail_ops, layer_tail_ops, norm_rows_matmul_ops, AttnOp, AttnParams,
-        LayerTail, TailScratch,
+        LayerTail,
     };
     // (hidden, heads * head_dim, intermediate): the shipped drafter's size class and the 8B's.
     for &(d, kq, inter) in &[(256usize, 256usize, 768usize), (4096, 4096, 12288)] {
@@ -795,24 +827,13 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
             let mut outs = Vec::new();
             for fused in [false, true] {
                 let mut h = g.upload(&h0).expect("h");
-                let (mut o, mut xn) = (poisoned(g, rows * d), poisoned(g, rows * d));
-                let (mut gt, mut up, mut act) = (
-                    poisoned(g, rows * inter),
-                    poisoned(g, rows * inter),
-                    poisoned(g, rows * inter),
-                );
-                let s = TailScratch {
-                    o: &mut o,
-                    xn: &mut xn,
-                    gate: &mut gt,
-                    up: &mut up,
-                    act: &mut act,
-                };
+                let mut tb = TailBufs::new(g, rows, d, inter);
+                let s = tb.scratch();
                 if fused {
                     g.layer_tail(&attn, rows, &mut h, &tail, s)
                         .expect("layer_tail");
                     // The fused launches ran (the separate ops would have written xn).
-                    let xv = g.download(&xn).expect("dl");
+                    let xv = g.download(&tb.xn).expect("dl");
                     assert!(
                         xv.iter().all(|v| v.is_nan()),
                         "layer_tail fell back to the separate ops"
@@ -871,25 +892,14 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                 for fused in [false, true] {
                     let mut h = g.upload(&h0).expect("h");
                     let mut attn_out = poisoned(g, rows * kq);
-                    let (mut o, mut xn) = (poisoned(g, rows * d), poisoned(g, rows * d));
-                    let (mut gt, mut up, mut act) = (
-                        poisoned(g, rows * inter),
-                        poisoned(g, rows * inter),
-                        poisoned(g, rows * inter),
-                    );
-                    let s = TailScratch {
-                        o: &mut o,
-                        xn: &mut xn,
-                        gate: &mut gt,
-                        up: &mut up,
-                        act: &mut act,
-                    };
+                    let mut tb = TailBufs::new(g, rows, d, inter);
+                    let s = tb.scratch();
                     if fused {
                         g.attention_layer_tail(&q, k, v, &p, op, &mut attn_out, &mut h, &tail, s)
                             .expect("attention_layer_tail");
                         // The fused tail ran (the separate ops would have written xn).
                         assert!(
-                            g.download(&xn).expect("dl").iter().all(|v| v.is_nan()),
+                            g.download(&tb.xn).expect("dl").iter().all(|v| v.is_nan()),
                             "attention_layer_tail fell back to the separate ops"
                         );
                     } else {
