@@ -789,6 +789,19 @@ pub fn layer_tail_ops<B: Backend>(
     let d = w.wo.rows;
     be.matmul(attn, rows, w.wo, s.o)?;
     be.add_rms_norm(h, s.o, w.post_norm, rows, d, w.eps, s.xn)?;
+    mlp_residual_ops(be, rows, h, w, s)
+}
+
+/// The SwiGLU MLP of a layer tail from the normed rows in `s.xn`, added into `h`: the part of
+/// [`layer_tail_ops`] after the post-attention norm (`matmul_many`, `matmul_silu_mul`,
+/// `add_assign`).
+pub fn mlp_residual_ops<B: Backend>(
+    be: &B,
+    rows: usize,
+    h: &mut B::Buf,
+    w: &LayerTail<'_, B>,
+    s: TailScratch<'_, B>,
+) -> Result<()> {
     be.matmul_many(
         s.xn,
         rows,
@@ -796,5 +809,5 @@ pub fn layer_tail_ops<B: Backend>(
         &mut [&mut *s.gate, &mut *s.up],
     )?;
     be.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
-    be.add_assign(h, 0, s.o, rows * d)
+    be.add_assign(h, 0, s.o, rows * w.wo.rows)
 }

@@ -10,9 +10,9 @@ use cudarc::driver::{
 };
 use dflash_backend::{
     attention_fast_kv16_ops, attention_layer_tail_ops, check_f16_range, check_f16_rows,
-    layer_tail_ops, norm_rows_matmul_ops, qk_norm_rope_kv_ops, AttnOp, AttnParams, Backend,
-    BackendError, DeltaParams, HostData, HostWeight, KvCacheRows, KvStorage, LayerTail, QkNormRope,
-    RopeSpec, TailScratch, Weight, WeightFormat,
+    layer_tail_ops, mlp_residual_ops, norm_rows_matmul_ops, qk_norm_rope_kv_ops, AttnOp,
+    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, KvCacheRows, KvStorage,
+    LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -1626,14 +1626,7 @@ impl Cuda {
             }
         }
         self.rms_norm(h, w.post_norm, d, w.eps, s.xn)?;
-        self.matmul_many(
-            s.xn,
-            rows,
-            &[w.w_gate, w.w_up],
-            &mut [&mut *s.gate, &mut *s.up],
-        )?;
-        self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
-        self.add_assign(h, 0, s.o, rows * d)
+        mlp_residual_ops(self, rows, h, w, s)
     }
 
     /// Whether the fused `qk_norm_rope_kv` kernel takes this head shape (else the separate
