@@ -45,6 +45,26 @@ fn a8_stages(w: usize) -> usize {
     }
 }
 
+/// Blocks per SM of the tensor-core skinny kernels at their register use (92-96 registers x
+/// 128 threads on sm_90: 5), the occupancy their split-k fills.
+const SKINNY_BLOCKS_PER_SM: usize = 5;
+
+/// Split-k of the tensor-core skinny matmul for `nb` column tiles over `kt` 32-wide k tiles:
+/// (splits, k tiles per split). As many splits as fill one wave at [`SKINNY_BLOCKS_PER_SM`]
+/// (more warps streaming; a second, partial wave costs more than it adds), at most 8 (their
+/// partial sums) and at least 8 k tiles each. A function of (N, K, SM count) only, so a row's
+/// result never depends on how many rows share the call. H200, bf16 weights, us per call at 1 /
+/// 16 rows, from the earlier rule (ceil(2 SMs / nb) splits, at most kt / 8): 8B down 48.8 /
+/// 51.5 -> 38.1 / 43.4 (3 -> 5 splits); the dense Qwen3-8B target's decode1 7.47 -> 7.10 ms
+/// and verify16 8.19 -> 7.88 ms at ctx 512 (that rule without the cap of 8, two interleaved
+/// rounds each).
+fn skinny_splits(nb: usize, kt: usize, sms: usize) -> (usize, usize) {
+    let want = (SKINNY_BLOCKS_PER_SM * sms / nb.max(1)).max(1);
+    let splits = want.min(8).min((kt / 8).max(1));
+    let tps = kt.div_ceil(splits).max(1);
+    (kt.div_ceil(tps).max(1), tps)
+}
+
 /// Shared memory limits of a device: the most one thread block may take (opt-in) and one
 /// multiprocessor's total. Kernel choices respect them (H100 / H200: 227 / 228 KiB; sm_86 /
 /// sm_89: 99 / 100 KiB; A100: 163 / 164 KiB).
@@ -1253,10 +1273,7 @@ impl Cuda {
                 let nb = n.div_ceil(tile_rows);
                 let kt = k / 32;
                 // Split-k chosen from (N, K, SM count) only: never from the row count.
-                let want = (2 * self.num_sms).div_ceil(nb);
-                let splits = want.clamp(1, (kt / 8).max(1));
-                let tps = kt.div_ceil(splits);
-                let splits = kt.div_ceil(tps);
+                let (splits, tps) = skinny_splits(nb, kt, self.num_sms);
                 let len = rows * k;
                 let mut s = lock(&self.scratch);
                 ensure(
@@ -3509,11 +3526,34 @@ mod tests {
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
     use super::{
         a8_fit, a8_kbp, a8_pair_auto, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, repack_q4_0,
-        repack_q8_a8, A8Kernel, SmemLimits,
+        repack_q8_a8, skinny_splits, A8Kernel, SmemLimits, SKINNY_BLOCKS_PER_SM,
     };
 
     fn bf16(bits: u16) -> f32 {
         f32::from_bits((bits as u32) << 16)
+    }
+
+    #[test]
+    fn skinny_splits_fill_one_wave_and_cover_k() {
+        for sms in [66usize, 108, 132] {
+            for nb in [1usize, 7, 32, 128, 383, 384, 660, 2374] {
+                for kt in [1usize, 3, 8, 40, 128, 384, 544] {
+                    let (splits, tps) = skinny_splits(nb, kt, sms);
+                    // Every split has k tiles, together exactly kt.
+                    assert!(splits >= 1 && tps >= 1, "{nb} {kt} {sms}");
+                    assert!(
+                        (splits - 1) * tps < kt && splits * tps >= kt,
+                        "{nb} {kt} {sms}"
+                    );
+                    // At most 8 partial sums; at least 8 k tiles per split when split.
+                    assert!(splits <= 8 && (splits == 1 || tps >= 8), "{nb} {kt} {sms}");
+                    // One wave at 5 blocks per SM whenever the column tiles alone fit one.
+                    if nb <= SKINNY_BLOCKS_PER_SM * sms {
+                        assert!(nb * splits <= SKINNY_BLOCKS_PER_SM * sms, "{nb} {kt} {sms}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
