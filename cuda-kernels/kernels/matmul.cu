@@ -86,13 +86,12 @@ template <int FMT, int NT, int SK_R>
 __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const u16 *__restrict__ xh,
                                            const u16 *__restrict__ xl,
                                            float *__restrict__ out, float *__restrict__ ws, u32 *__restrict__ counters, int N, int K,
-                                           int T, int S, int tiles_per_split) {
+                                           int T, int S, int tiles_per_split, int tile, int s) {
     __shared__ float red[SK_WARPS][SK_R * NT * 4][32];
     __shared__ int s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int KT = K / 32;
-    const int o_base = blockIdx.x * (16 * SK_R);
-    const int s = blockIdx.y;
+    const int o_base = tile * (16 * SK_R);
     const int kt0 = s * tiles_per_split;
     const int kt1 = min(KT, kt0 + tiles_per_split);
     float acc[SK_R][NT][4];
@@ -197,7 +196,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const u32 prev = atomicAdd(&counters[blockIdx.x], 1u);
+        const u32 prev = atomicAdd(&counters[tile], 1u);
         s_last = (prev == (u32)(S - 1));
     }
     __syncthreads();
@@ -223,30 +222,47 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
             out[(long long)tok * N + o] = sum;
         }
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+    if (threadIdx.x == 0) counters[tile] = 0u;
 }
 
-#define SKINNY(NAME, FMT, NT, R)                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128) NAME(const void *wq, const u16 *wd, const u16 *xh, const u16 *xl, \
-                                                           float *out, float *ws, u32 *counters, int N, int K, int T, int S, \
-                                                           int tps) {                                                          \
-        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws, counters, N, K, T, S, tps);                                            \
+// Up to 3 matrices of one K (and one x) in one launch: blocks [0, c1) take matrix 0, [c1, c2)
+// matrix 1, [c2, grid) matrix 2; matrix i has ceil(n_i / (16 R)) column tiles x s_i k splits
+// of tps_i k tiles (the split-k of a launch of that matrix alone: the same blocks, so the same
+// bits), its split partials after those of the split matrices before it (s_j > 1) and its tile
+// counters after those of the matrices before it.
+#define SKINNY(NAME, FMT, NT, R, MINB)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
+        NAME(const void *wq0, const u16 *wd0, float *out0, int n0, int s0, int tps0, const void *wq1, const u16 *wd1, float *out1,  \
+             int n1, int s1, int tps1, const void *wq2, const u16 *wd2, float *out2, int n2, int s2, int tps2, int c1, int c2,      \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T) {                                             \
+        const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : 2;                                                         \
+        const int nb0 = (n0 + 16 * R - 1) / (16 * R), nb1 = (n1 + 16 * R - 1) / (16 * R);                                        \
+        const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : wq2;                                                                 \
+        const u16 *wd = sel == 0 ? wd0 : sel == 1 ? wd1 : wd2;                                                                  \
+        float *out = sel == 0 ? out0 : sel == 1 ? out1 : out2;                                                                  \
+        const int n = sel == 0 ? n0 : sel == 1 ? n1 : n2, sp = sel == 0 ? s0 : sel == 1 ? s1 : s2;                              \
+        const int tps = sel == 0 ? tps0 : sel == 1 ? tps1 : tps2;                                                               \
+        const long long w1 = s0 > 1 ? (long long)s0 * n0 * 16 : 0, w2 = w1 + (s1 > 1 ? (long long)s1 * n1 * 16 : 0);            \
+        const long long wo = sel == 0 ? 0 : sel == 1 ? w1 : w2;                                                                 \
+        const int co = sel == 0 ? 0 : sel == 1 ? nb0 : nb0 + nb1;                                                               \
+        const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), nb = (n + 16 * R - 1) / (16 * R);                           \
+        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb);          \
     }
 
 // R = output tiles of 16 rows per warp (32 or 64 rows per block): 2 for most shapes, 4 for
 // very tall matrices (the lm_head), where x is re-read from L2 once per block.
-SKINNY(skinny_bf16_n1, FMT_BF16, 1, 2)
-SKINNY(skinny_bf16_n2, FMT_BF16, 2, 2)
-SKINNY(skinny_q8_0_n1, FMT_Q8_0, 1, 2)
-SKINNY(skinny_q8_0_n2, FMT_Q8_0, 2, 2)
-SKINNY(skinny_q4_0_n1, FMT_Q4_0, 1, 2)
-SKINNY(skinny_q4_0_n2, FMT_Q4_0, 2, 2)
-SKINNY(skinny_bf16_n1_r4, FMT_BF16, 1, 4)
-SKINNY(skinny_bf16_n2_r4, FMT_BF16, 2, 4)
-SKINNY(skinny_q8_0_n1_r4, FMT_Q8_0, 1, 4)
-SKINNY(skinny_q8_0_n2_r4, FMT_Q8_0, 2, 4)
-SKINNY(skinny_q4_0_n1_r4, FMT_Q4_0, 1, 4)
-SKINNY(skinny_q4_0_n2_r4, FMT_Q4_0, 2, 4)
+SKINNY(skinny_bf16_n1, FMT_BF16, 1, 2, 5)
+SKINNY(skinny_bf16_n2, FMT_BF16, 2, 2, 5)
+SKINNY(skinny_q8_0_n1, FMT_Q8_0, 1, 2, 5)
+SKINNY(skinny_q8_0_n2, FMT_Q8_0, 2, 2, 5)
+SKINNY(skinny_q4_0_n1, FMT_Q4_0, 1, 2, 5)
+SKINNY(skinny_q4_0_n2, FMT_Q4_0, 2, 2, 5)
+SKINNY(skinny_bf16_n1_r4, FMT_BF16, 1, 4, 4)
+SKINNY(skinny_bf16_n2_r4, FMT_BF16, 2, 4, 3)
+SKINNY(skinny_q8_0_n1_r4, FMT_Q8_0, 1, 4, 4)
+SKINNY(skinny_q8_0_n2_r4, FMT_Q8_0, 2, 4, 3)
+SKINNY(skinny_q4_0_n1_r4, FMT_Q4_0, 1, 4, 4)
+SKINNY(skinny_q4_0_n2_r4, FMT_Q4_0, 2, 4, 3)
 
 // CUDA-core skinny kernel for any format and any K (f32 / f16 weights, and shapes the
 // tensor-core path does not take). One warp per output feature; lane l owns k = l + 32i;

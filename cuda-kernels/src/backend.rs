@@ -1220,6 +1220,39 @@ impl Cuda {
     }
 
     /// The skinny (<= 16 rows) matmul on the tensor cores or the SIMT kernel.
+    /// The tensor-core skinny kernel (bf16 / q8_0 / q4_0 weights, K % 32 == 0) for the row
+    /// tile size of `w` and `rows` rows; None for the other formats and shapes. Very tall
+    /// matrices (vocabulary heads) take 64-row tiles (x re-read from L2 half as often); the
+    /// choice depends on N and the SM count only.
+    fn skinny_kernel(&self, w: &Weight<Self>, rows: usize) -> Option<(Kernel, usize)> {
+        if !w.cols.is_multiple_of(32) {
+            return None;
+        }
+        let tall = w.rows.div_ceil(SKINNY_TILE_ROWS) >= 8 * self.num_sms;
+        let kern = match (&w.buf, rows > 8, tall) {
+            (CudaWeightBuf::Bf16(_), false, false) => Kernel::SkinnyBf16N1,
+            (CudaWeightBuf::Bf16(_), true, false) => Kernel::SkinnyBf16N2,
+            (CudaWeightBuf::Q8_0 { .. }, false, false) => Kernel::SkinnyQ8N1,
+            (CudaWeightBuf::Q8_0 { .. }, true, false) => Kernel::SkinnyQ8N2,
+            (CudaWeightBuf::Q4_0 { .. }, false, false) => Kernel::SkinnyQ4N1,
+            (CudaWeightBuf::Q4_0 { .. }, true, false) => Kernel::SkinnyQ4N2,
+            (CudaWeightBuf::Bf16(_), false, true) => Kernel::SkinnyBf16N1R4,
+            (CudaWeightBuf::Bf16(_), true, true) => Kernel::SkinnyBf16N2R4,
+            (CudaWeightBuf::Q8_0 { .. }, false, true) => Kernel::SkinnyQ8N1R4,
+            (CudaWeightBuf::Q8_0 { .. }, true, true) => Kernel::SkinnyQ8N2R4,
+            (CudaWeightBuf::Q4_0 { .. }, false, true) => Kernel::SkinnyQ4N1R4,
+            (CudaWeightBuf::Q4_0 { .. }, true, true) => Kernel::SkinnyQ4N2R4,
+            _ => return None,
+        };
+        let tile_rows = if tall {
+            2 * SKINNY_TILE_ROWS
+        } else {
+            SKINNY_TILE_ROWS
+        };
+        Some((kern, tile_rows))
+    }
+
+    /// 1-16 rows of x times one weight (any format).
     fn matmul_skinny(
         &self,
         x: &cudarc::driver::CudaView<'_, f32>,
@@ -1228,34 +1261,6 @@ impl Cuda {
         out: &mut cudarc::driver::CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
-        let (n_i, k_i, t_i) = (
-            i32_of("matmul", "w.rows", n)?,
-            i32_of("matmul", "w.cols", k)?,
-            rows as i32,
-        );
-        // Very tall matrices (vocabulary heads) take 64-row tiles (x re-read from L2 half as
-        // often); the choice depends on N and the SM count only.
-        let tall = n.div_ceil(SKINNY_TILE_ROWS) >= 8 * self.num_sms;
-        let mma_kernel = match (&w.buf, rows > 8, tall) {
-            (CudaWeightBuf::Bf16(_), false, false) => Some(Kernel::SkinnyBf16N1),
-            (CudaWeightBuf::Bf16(_), true, false) => Some(Kernel::SkinnyBf16N2),
-            (CudaWeightBuf::Q8_0 { .. }, false, false) => Some(Kernel::SkinnyQ8N1),
-            (CudaWeightBuf::Q8_0 { .. }, true, false) => Some(Kernel::SkinnyQ8N2),
-            (CudaWeightBuf::Q4_0 { .. }, false, false) => Some(Kernel::SkinnyQ4N1),
-            (CudaWeightBuf::Q4_0 { .. }, true, false) => Some(Kernel::SkinnyQ4N2),
-            (CudaWeightBuf::Bf16(_), false, true) => Some(Kernel::SkinnyBf16N1R4),
-            (CudaWeightBuf::Bf16(_), true, true) => Some(Kernel::SkinnyBf16N2R4),
-            (CudaWeightBuf::Q8_0 { .. }, false, true) => Some(Kernel::SkinnyQ8N1R4),
-            (CudaWeightBuf::Q8_0 { .. }, true, true) => Some(Kernel::SkinnyQ8N2R4),
-            (CudaWeightBuf::Q4_0 { .. }, false, true) => Some(Kernel::SkinnyQ4N1R4),
-            (CudaWeightBuf::Q4_0 { .. }, true, true) => Some(Kernel::SkinnyQ4N2R4),
-            _ => None,
-        };
-        let tile_rows = if tall {
-            2 * SKINNY_TILE_ROWS
-        } else {
-            SKINNY_TILE_ROWS
-        };
         if let CudaWeightBuf::Q8A8 { qs, d } = &w.buf {
             let mut mats = [A8Launch {
                 qs,
@@ -1267,70 +1272,126 @@ impl Cuda {
                 .matmul_a8(Some(x), None, None, rows, k, &mut mats, false)
                 .map(|_| ());
         }
-        match mma_kernel {
-            Some(kern) if k.is_multiple_of(32) => {
-                let f = self.func(kern)?;
-                let fs = self.func(Kernel::SplitBf16)?;
-                let nb = n.div_ceil(tile_rows);
-                let kt = k / 32;
-                // Split-k chosen from (N, K, SM count) only: never from the row count.
-                let (splits, tps) = skinny_splits(nb, kt, self.num_sms);
-                let len = rows * k;
-                let mut s = lock(&self.scratch);
-                ensure(
-                    &self.stream,
-                    &mut s.mm_ws,
-                    if splits > 1 { splits * n * 16 } else { 1 },
-                )
-                .map_err(dev)?;
-                ensure(&self.stream, &mut s.mm_counters, nb).map_err(dev)?;
-                ensure(&self.stream, &mut s.x_hi, len).map_err(dev)?;
-                ensure(&self.stream, &mut s.x_lo, len).map_err(dev)?;
-                let Scratch {
-                    mm_ws,
-                    mm_counters,
-                    x_hi,
-                    x_lo,
-                    ..
-                } = &mut *s;
-                let (ws, cnt) = (
-                    mm_ws.as_mut().ok_or_else(internal)?,
-                    mm_counters.as_mut().ok_or_else(internal)?,
-                );
-                let (hi, lo) = (
-                    x_hi.as_mut().ok_or_else(internal)?,
-                    x_lo.as_mut().ok_or_else(internal)?,
-                );
-                // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
-                let n64 = len as i64;
-                let mut b = self.stream.launch_builder(&fs);
-                b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
-                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
-                let (s_i, tps_i) = (splits as i32, tps as i32);
-                let mut b = self.stream.launch_builder(&f);
-                push_weight(&mut b, &w.buf);
-                b.arg(&*hi)
-                    .arg(&*lo)
-                    .arg(out)
-                    .arg(ws)
-                    .arg(cnt)
-                    .arg(&n_i)
-                    .arg(&k_i)
-                    .arg(&t_i)
-                    .arg(&s_i)
-                    .arg(&tps_i);
-                unsafe { b.launch(cfg((nb as u32, splits as u32, 1), 128, 0)) }.map_err(dev)?;
-            }
-            _ => {
-                let f = self.func(Kernel::SkinnySimt)?;
-                let fmt = w.buf.fmt_code();
-                let mut b = self.stream.launch_builder(&f);
-                b.arg(&fmt);
-                push_weight(&mut b, &w.buf);
-                b.arg(x).arg(out).arg(&n_i).arg(&k_i).arg(&t_i);
-                unsafe { b.launch(cfg((n.div_ceil(4) as u32, 1, 1), 128, 0)) }.map_err(dev)?;
-            }
+        if self.skinny_kernel(w, rows).is_some() {
+            return self.matmul_skinny_mma(x, rows, &mut [(w, out.slice_mut(0..rows * n))]);
         }
+        let (n_i, k_i, t_i) = (
+            i32_of("matmul", "w.rows", n)?,
+            i32_of("matmul", "w.cols", k)?,
+            rows as i32,
+        );
+        let f = self.func(Kernel::SkinnySimt)?;
+        let fmt = w.buf.fmt_code();
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&fmt);
+        push_weight(&mut b, &w.buf);
+        b.arg(x).arg(out).arg(&n_i).arg(&k_i).arg(&t_i);
+        unsafe { b.launch(cfg((n.div_ceil(4) as u32, 1, 1), 128, 0)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// 1-16 rows of x times 1-3 weights of one K, all taking the same tensor-core skinny
+    /// kernel ([`Cuda::skinny_kernel`]): x split into bf16 hi + lo once, then one launch over
+    /// the matrices' column tiles, all with the split-k [`skinny_splits`] gives their total
+    /// (one wave for the 8B q/k/v: 192 tiles x 3 splits, where a split per matrix made 1152
+    /// blocks). A matrix launched with others may therefore sum its K in other pieces than
+    /// a `matmul` of it alone (within the format's bound of it); every row's bits still
+    /// depend only on the matrices, never on the row count.
+    fn matmul_skinny_mma(
+        &self,
+        x: &cudarc::driver::CudaView<'_, f32>,
+        rows: usize,
+        mats: &mut [(&Weight<Self>, cudarc::driver::CudaViewMut<'_, f32>)],
+    ) -> Result<()> {
+        let (w0, _) = mats.first().ok_or_else(internal)?;
+        let k = w0.cols;
+        let (kern, tile_rows) = self.skinny_kernel(w0, rows).ok_or_else(internal)?;
+        if mats.len() > 3
+            || mats.iter().any(|(w, _)| {
+                w.cols != k || w.rows == 0 || self.skinny_kernel(w, rows) != Some((kern, tile_rows))
+            })
+        {
+            return Err(internal());
+        }
+        let kt = k / 32;
+        // One split-k for the whole launch, from its column tiles together (so the launch
+        // fills one wave as a single matrix of their total height would), K and the SM count:
+        // never from the row count, so a row's bits do not depend on how many rows run.
+        let tiles: usize = mats.iter().map(|(w, _)| w.rows.div_ceil(tile_rows)).sum();
+        let (splits, tps) = skinny_splits(tiles, kt, self.num_sms);
+        let plan: Vec<(usize, usize, usize)> = mats
+            .iter()
+            .map(|(w, _)| (w.rows.div_ceil(tile_rows), splits, tps))
+            .collect();
+        let ws_len: usize = mats
+            .iter()
+            .zip(&plan)
+            .map(|((w, _), &(_, splits, _))| if splits > 1 { splits * w.rows * 16 } else { 0 })
+            .sum();
+        let counters: usize = plan.iter().map(|p| p.0).sum();
+        let f = self.func(kern)?;
+        let fs = self.func(Kernel::SplitBf16)?;
+        let len = rows * k;
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.mm_ws, ws_len.max(1)).map_err(dev)?;
+        ensure(&self.stream, &mut s.mm_counters, counters).map_err(dev)?;
+        ensure(&self.stream, &mut s.x_hi, len).map_err(dev)?;
+        ensure(&self.stream, &mut s.x_lo, len).map_err(dev)?;
+        let Scratch {
+            mm_ws,
+            mm_counters,
+            x_hi,
+            x_lo,
+            ..
+        } = &mut *s;
+        let (ws, cnt) = (
+            mm_ws.as_mut().ok_or_else(internal)?,
+            mm_counters.as_mut().ok_or_else(internal)?,
+        );
+        let (hi, lo) = (
+            x_hi.as_mut().ok_or_else(internal)?,
+            x_lo.as_mut().ok_or_else(internal)?,
+        );
+        // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
+        let n64 = len as i64;
+        let mut b = self.stream.launch_builder(&fs);
+        b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+        unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        let mut ends = [0usize; 3];
+        let mut total = 0;
+        for (i, ((w, out), &(nb, splits, tps))) in mats.iter_mut().zip(&plan).enumerate() {
+            raw_weight(&mut a, &w.buf, st);
+            a.dptr_mut(out, st)
+                .i32(i32_of("matmul", "w.rows", w.rows)?)
+                .i32(i32_of("matmul", "splits", splits)?)
+                .i32(i32_of("matmul", "tiles per split", tps)?);
+            total += nb * splits;
+            ends[i] = total;
+        }
+        for _ in mats.len()..3 {
+            a.u64(0).u64(0).u64(0).i32(0).i32(1).i32(1);
+        }
+        let c1 = if mats.len() > 1 { ends[0] } else { total };
+        let c2 = if mats.len() > 2 { ends[1] } else { total };
+        a.i32(i32_of("matmul", "blocks", c1)?)
+            .i32(i32_of("matmul", "blocks", c2)?)
+            .dptr(&*hi, st)
+            .dptr(&*lo, st)
+            .dptr_mut(&mut *ws, st)
+            .dptr_mut(&mut *cnt, st)
+            .i32(i32_of("matmul", "w.cols", k)?)
+            .i32(rows as i32);
+        // SAFETY: the parameters are those of the SKINNY kernel macro in matmul.cu, in order.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg((i32_of("matmul", "blocks", total)? as u32, 1, 1), 128, 0),
+                false,
+            )
+        }?;
         Ok(())
     }
 
@@ -2569,6 +2630,44 @@ impl Backend for Cuda {
             && ws
                 .iter()
                 .all(|w| w.cols == k && w.rows > 0 && matches!(w.buf, CudaWeightBuf::Q8A8 { .. }));
+        // bf16 / q8_0 / q4_0 matrices of one skinny kernel: per 16 rows one x split and one
+        // launch ([`Cuda::matmul_skinny_mma`]; bf16 prefills of more than 16 rows take cuBLAS
+        // per matrix when the options say so, as `matmul` does).
+        let cublas_rows = rows > SKINNY_ROWS
+            && self.opts.cublas_prefill
+            && ws.iter().any(|w| matches!(w.buf, CudaWeightBuf::Bf16(_)));
+        let skinny = !fused
+            && k > 0
+            && rows > 0
+            && !cublas_rows
+            && ws
+                .first()
+                .and_then(|w| self.skinny_kernel(w, rows.min(SKINNY_ROWS)))
+                .is_some_and(|kern| {
+                    ws.iter().all(|w| {
+                        w.cols == k
+                            && w.rows > 0
+                            && self.skinny_kernel(w, rows.min(SKINNY_ROWS)) == Some(kern)
+                    })
+                });
+        if skinny {
+            check("matmul", "x", rows * k, x.len)?;
+            for (w, o) in ws.iter().zip(outs.iter()) {
+                check("matmul", "out", rows * w.rows, o.len)?;
+            }
+            let mut r0 = 0;
+            while r0 < rows {
+                let t = (rows - r0).min(SKINNY_ROWS);
+                let mut mats = Vec::with_capacity(3);
+                for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                    mats.push((*w, o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows)));
+                }
+                let xv = x.data.slice(r0 * k..(r0 + t) * k);
+                self.matmul_skinny_mma(&xv, t, &mut mats)?;
+                r0 += t;
+            }
+            return Ok(());
+        }
         if !fused {
             for (w, o) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(x, rows, w, o)?;

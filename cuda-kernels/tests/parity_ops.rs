@@ -865,6 +865,87 @@ fn assert_rows_alone_equal(
 
 /// The fused launches of the drafter step (`add_rms_norm`, `qk_norm_rope_kv`,
 /// `matmul_silu_mul`) against the separate backend ops they replace, bit for bit.
+/// matmul_many of bf16 / q8_0 / q4_0 matrices runs one skinny launch per 16 rows, its split-k
+/// chosen for the matrices together: each output against the CPU's matmul of its matrix, and
+/// each row's bits equal to the same row run alone (the decode == verify-row property the
+/// targets' exactness rests on). Split and unsplit launches, ragged N, tall matrices (their
+/// own 64-row kernel), 1-3 matrices, 1-16 rows and more (launches of 16).
+#[test]
+fn matmul_many_skinny_matches_cpu_and_is_per_row_deterministic() {
+    let Some(g) = gpu("matmul_many_skinny_matches_cpu_and_is_per_row_deterministic") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("matmul_many_skinny_matches_cpu_and_is_per_row_deterministic");
+    for &(k, ref ns) in &[
+        (4096usize, vec![4096usize, 1024, 1024]),
+        (1024, vec![3000, 77]),
+        (4096, vec![12288, 12288]),
+        (96, vec![40000, 300, 20000]),
+        (12288, vec![4096]),
+    ] {
+        for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let hws: Vec<_> = ns
+                .iter()
+                .map(|&n| {
+                    HostWeight::from_f32("w", n, k, &rand_vec(&mut r, n * k, 1.0), fmt)
+                        .expect("encode")
+                })
+                .collect();
+            let wgs: Vec<_> = hws
+                .iter()
+                .map(|hw| g.upload_weight(hw).expect("w"))
+                .collect();
+            let wcs: Vec<_> = hws
+                .iter()
+                .map(|hw| cpu.upload_weight(hw).expect("w"))
+                .collect();
+            let ws: Vec<_> = wgs.iter().collect();
+            for rows in [1usize, 8, 9, 16, 20] {
+                let xv = rand_vec(&mut r, rows * k, 2.0);
+                let xg = g.upload(&xv).expect("x");
+                let mut many: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut outs: Vec<_> = many.iter_mut().collect();
+                g.matmul_many(&xg, rows, &ws, &mut outs)
+                    .expect("matmul_many");
+                let got: Vec<_> = many.iter().map(|o| g.download(o).expect("dl")).collect();
+                for (i, wc) in wcs.iter().enumerate() {
+                    let mut want = vec![0.0f32; rows * ns[i]];
+                    cpu.matmul(&xv, rows, wc, &mut want).expect("cpu matmul");
+                    report(
+                        &format!("matmul_many {fmt:?} k={k} n={ns:?} #{i} rows={rows}"),
+                        &got[i],
+                        &want,
+                        matmul_tol(fmt),
+                    );
+                }
+                // Every row alone: the same bits (bf16 prefills of more than 16 rows run on
+                // cuBLAS, which the options document as not per-row deterministic).
+                let rows_checked = if fmt == WeightFormat::Bf16 && rows > 16 {
+                    0
+                } else {
+                    rows
+                };
+                for row in 0..rows_checked {
+                    let x1 = g.upload(&xv[row * k..(row + 1) * k]).expect("x row");
+                    let mut one: Vec<_> = ns.iter().map(|&n| poisoned(g, n)).collect();
+                    let mut outs: Vec<_> = one.iter_mut().collect();
+                    g.matmul_many(&x1, 1, &ws, &mut outs)
+                        .expect("matmul_many row");
+                    for (i, o) in one.iter().enumerate() {
+                        assert_same_bits(
+                            &format!("matmul_many {fmt:?} k={k} n={ns:?} #{i} row {row} of {rows}"),
+                            &g.download(o).expect("dl"),
+                            &got[i][row * ns[i]..(row + 1) * ns[i]],
+                        );
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("matmul_many (bf16 / q8_0 / q4_0, one launch per 16 rows) == CPU; rows alone == rows together, bit for bit");
+}
+
 #[test]
 fn fused_ops_equal_the_separate_ops_bit_for_bit() {
     let Some(g) = gpu("fused_ops_equal_the_separate_ops_bit_for_bit") else {
