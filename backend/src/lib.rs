@@ -410,7 +410,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
 
     /// Several matmuls of the same `x`: `matmul(x, rows, ws[i], outs[i])` for each `i` (the
-    /// q/k/v or gate/up projections of a layer). `ws` and `outs` have the same length.
+    /// q/k/v or gate/up projections of a layer). `ws` and `outs` have the same length. An
+    /// override may sum in other pieces than `matmul` of a matrix alone (within the format's
+    /// precision of it), but a row's bits must not depend on `rows`: the targets' exactness
+    /// rests on a 1-row decode giving the bits of the same row in a 16-row verify.
     fn matmul_many(
         &self,
         x: &Self::Buf,

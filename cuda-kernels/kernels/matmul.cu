@@ -1,7 +1,7 @@
 // Skinny matmul out[t, o] = sum_k x[t, k] * W[o, k] for T <= 16 rows of x.
 //
 // PER-ROW DETERMINISM: every output element is reduced in an order that depends only on
-// (N, K, the device's SM count), never on T: the k-split, the warp interleave, the mma
+// (N, K, the device's SM count; for a launch of several matrices, all their N), never on T: the k-split, the warp interleave, the mma
 // sequence and the final fixed-order sums are all chosen from N and K alone, and a token
 // column of an mma never mixes with another token's column. So the value of row t is
 // bit-identical whether 1 or 16 rows are processed.
