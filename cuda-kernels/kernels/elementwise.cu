@@ -29,8 +29,24 @@ __device__ __forceinline__ float rms_inv_of(const float (&v)[RMS_MAXV], int dim,
 // Every load of a row is issued before any store: with stores in between, the compiler must
 // assume a store may alias the next load and waits for each load in turn (16 dependent
 // round trips per row at dim 4096: measured 10-15 us per launch instead of a few).
-extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ out, int dim,
-                                    float eps) {
+// The value v of element i of a normalised row goes to out[i] (f32) or, for the skinny
+// matmuls' x, to hi[i] / lo[i]: split_bf16's bf16 pair of v (the bits split_bf16 writes from
+// the f32 output, without that output or its launch).
+template <bool SPLIT>
+__device__ __forceinline__ void put_row(float *__restrict__ out, u16 *__restrict__ hi, u16 *__restrict__ lo, long long i, float v) {
+    if (SPLIT) {
+        u32 h, l;
+        split_bf16x2(v, 0.0f, h, l);
+        hi[i] = (u16)(h & 0xffffu);
+        lo[i] = (u16)(l & 0xffffu);
+    } else {
+        out[i] = v;
+    }
+}
+
+template <bool SPLIT>
+__device__ __forceinline__ void rms_norm_impl(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ out,
+                                              u16 *__restrict__ hi, u16 *__restrict__ lo, int dim, float eps) {
     griddep_launch();
     __shared__ float red[32];
     const long long row = blockIdx.x;
@@ -50,7 +66,7 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
         for (int u = 0; u < RMS_MAXV; ++u) {
             if (u >= nv) break;
             const int i = threadIdx.x + u * blockDim.x;
-            if (i < dim) out[row * dim + i] = wv[u] * (v[u] * inv);
+            if (i < dim) put_row<SPLIT>(out, hi, lo, row * dim + i, wv[u] * (v[u] * inv));
         }
         return;
     }
@@ -58,13 +74,25 @@ extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = w[i] * (xr[i] * inv);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) put_row<SPLIT>(out, hi, lo, row * dim + i, w[i] * (xr[i] * inv));
+}
+
+extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ out, int dim,
+                                    float eps) {
+    rms_norm_impl<false>(x, w, out, nullptr, nullptr, dim, eps);
+}
+// rms_norm written as the skinny matmuls' bf16 hi / lo x (the bits of rms_norm + split_bf16).
+extern "C" __global__ void rms_norm_split(const float *__restrict__ x, const float *__restrict__ w, u16 *__restrict__ hi,
+                                          u16 *__restrict__ lo, int dim, float eps) {
+    rms_norm_impl<true>(x, w, nullptr, hi, lo, dim, eps);
 }
 
 // Fused residual add + RMSNorm (dim <= RMS_MAXV * blockDim): h += o, then out = rms_norm(h)
 // with rms_norm's arithmetic and block size: the bits of add_assign followed by rms_norm.
-extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
-                                        float *__restrict__ out, int dim, float eps) {
+template <bool SPLIT>
+__device__ __forceinline__ void add_rms_norm_impl(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
+                                                  float *__restrict__ out, u16 *__restrict__ hi, u16 *__restrict__ lo, int dim,
+                                                  float eps) {
     griddep_launch();
     griddep_wait();  // a programmatic dependent launch: the previous kernel's output first
     __shared__ float red[32];
@@ -99,8 +127,19 @@ extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__re
     for (int u = 0; u < RMS_MAXV; ++u) {
         if (u >= nv) break;
         const int i = threadIdx.x + u * blockDim.x;
-        if (i < dim) out[row * dim + i] = wv[u] * (v[u] * inv);
+        if (i < dim) put_row<SPLIT>(out, hi, lo, row * dim + i, wv[u] * (v[u] * inv));
     }
+}
+
+extern "C" __global__ void add_rms_norm(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
+                                        float *__restrict__ out, int dim, float eps) {
+    add_rms_norm_impl<false>(h, o, w, out, nullptr, nullptr, dim, eps);
+}
+// add_rms_norm with the normed rows written as the skinny matmuls' bf16 hi / lo x (the bits of
+// add_rms_norm + split_bf16).
+extern "C" __global__ void add_rms_norm_split(float *__restrict__ h, const float *__restrict__ o, const float *__restrict__ w,
+                                              u16 *__restrict__ hi, u16 *__restrict__ lo, int dim, float eps) {
+    add_rms_norm_impl<true>(h, o, w, nullptr, hi, lo, dim, eps);
 }
 
 // rms_norm of rows row0 .. row0 + T - 1 of x [*, dim] written straight as the Q8_0A8
@@ -297,6 +336,11 @@ extern "C" __global__ void rope(float *x, int rows, int n_heads, int head_dim, i
 extern "C" __global__ void silu_mul(const float *gate, const float *up, float *out, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = silu_f(gate[i]) * up[i];
+}
+// silu_mul written as the skinny matmuls' bf16 hi / lo x (the bits of silu_mul + split_bf16).
+extern "C" __global__ void silu_mul_split(const float *gate, const float *up, u16 *hi, u16 *lo, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        put_row<true>(nullptr, hi, lo, i, silu_f(gate[i]) * up[i]);
 }
 
 extern "C" __global__ void add_assign(float *dst, const float *src, long long n) {

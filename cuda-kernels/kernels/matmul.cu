@@ -86,7 +86,7 @@ template <int FMT, int NT, int SK_R>
 __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const u16 *__restrict__ xh,
                                            const u16 *__restrict__ xl,
                                            float *__restrict__ out, float *__restrict__ ws, u32 *__restrict__ counters, int N, int K,
-                                           int T, int S, int tiles_per_split, int tile, int s) {
+                                           int T, int S, int tiles_per_split, int tile, int s, int acc_out) {
     __shared__ float red[SK_WARPS][SK_R * NT * 4][32];
     __shared__ int s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -186,8 +186,12 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const int o = o_base + r * 16 + (ln >> 2) + (c >= 2 ? 8 : 0);
         const int tok = 8 * j + 2 * (ln & 3) + (c & 1);
         if (o < N && tok < T) {
-            if (S == 1) out[(long long)tok * N + o] = sum;
-            else ws[((long long)s * N + o) * 16 + tok] = sum;
+            if (S == 1) {
+                float *d = out + (long long)tok * N + o;
+                *d = acc_out ? *d + sum : sum;
+            } else {
+                ws[((long long)s * N + o) * 16 + tok] = sum;
+            }
         }
     }
     if (S == 1) return;
@@ -219,7 +223,8 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
                 sum += e;
             }
             for (; q < S; ++q) sum += __ldcg(p + q * stride);
-            out[(long long)tok * N + o] = sum;
+            float *d = out + (long long)tok * N + o;
+            *d = acc_out ? *d + sum : sum;
         }
     }
     if (threadIdx.x == 0) counters[tile] = 0u;
@@ -227,14 +232,15 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 
 // Up to 3 matrices of one K (and one x) in one launch: blocks [0, c1) take matrix 0, [c1, c2)
 // matrix 1, [c2, grid) matrix 2; matrix i has ceil(n_i / (16 R)) column tiles x s_i k splits
-// of tps_i k tiles (the split-k of a launch of that matrix alone: the same blocks, so the same
-// bits), its split partials after those of the split matrices before it (s_j > 1) and its tile
-// counters after those of the matrices before it.
+// of tps_i k tiles (the host passes one split-k for the launch, from the matrices' total
+// tiles), its split partials after those of the split matrices before it (s_j > 1) and its
+// tile counters after those of the matrices before it. acc_out != 0: out += the product
+// (add_assign's f32 add), else out = the product.
 #define SKINNY(NAME, FMT, NT, R, MINB)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
         NAME(const void *wq0, const u16 *wd0, float *out0, int n0, int s0, int tps0, const void *wq1, const u16 *wd1, float *out1,  \
              int n1, int s1, int tps1, const void *wq2, const u16 *wd2, float *out2, int n2, int s2, int tps2, int c1, int c2,      \
-             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T) {                                             \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int acc_out) {                                \
         const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : 2;                                                         \
         const int nb0 = (n0 + 16 * R - 1) / (16 * R), nb1 = (n1 + 16 * R - 1) / (16 * R);                                        \
         const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : wq2;                                                                 \
@@ -246,7 +252,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const long long wo = sel == 0 ? 0 : sel == 1 ? w1 : w2;                                                                 \
         const int co = sel == 0 ? 0 : sel == 1 ? nb0 : nb0 + nb1;                                                               \
         const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), nb = (n + 16 * R - 1) / (16 * R);                           \
-        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb);          \
+        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb, acc_out); \
     }
 
 // R = output tiles of 16 rows per warp (32 or 64 rows per block): 2 for most shapes, 4 for

@@ -304,6 +304,10 @@ struct Scratch {
     toks: Option<CudaSlice<u32>>,
     x_hi: Option<CudaSlice<u16>>,
     x_lo: Option<CudaSlice<u16>>,
+    /// A counter bumped by every launch that writes x_hi / x_lo, and the (K, rows) they hold;
+    /// a [`SplitAct`] names the generation it was written as.
+    x_gen: u64,
+    x_shape: Option<(usize, usize)>,
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
     a8_ws: Option<CudaSlice<f32>>,
@@ -341,7 +345,43 @@ impl A8Act {
     }
 }
 
+/// The bf16 hi / lo pair of an activation (`split_bf16`'s bits) written by a producer
+/// ([`Cuda::rms_norm_split`], [`Cuda::add_rms_norm_split`], [`Cuda::silu_mul_split`]) for the
+/// skinny matmuls of bf16 / q8_0 / q4_0 weights that read it ([`Cuda::matmul_many_split`]). It
+/// stays valid until the next launch that writes the pair (any skinny matmul of an f32 x or
+/// producer on this backend); a matmul of a stale one launches nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitAct {
+    k: usize,
+    rows: usize,
+    generation: u64,
+}
+
 impl Scratch {
+    /// Record a write of the bf16 hi / lo pair holding (k, rows) (grown first if smaller);
+    /// its token and the two buffers.
+    fn split_written(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        k: usize,
+        rows: usize,
+    ) -> Result<(SplitAct, &mut CudaSlice<u16>, &mut CudaSlice<u16>)> {
+        ensure(stream, &mut self.x_hi, rows * k).map_err(dev)?;
+        ensure(stream, &mut self.x_lo, rows * k).map_err(dev)?;
+        self.x_gen += 1;
+        self.x_shape = Some((k, rows));
+        let act = SplitAct {
+            k,
+            rows,
+            generation: self.x_gen,
+        };
+        Ok((
+            act,
+            self.x_hi.as_mut().ok_or_else(internal)?,
+            self.x_lo.as_mut().ok_or_else(internal)?,
+        ))
+    }
+
     /// Record a write of activation slot `slot` holding (k, rows); its token.
     fn a8_written(&mut self, slot: usize, k: usize, rows: usize) -> A8Act {
         self.a8_gen[slot] += 1;
@@ -430,6 +470,9 @@ pub struct Cuda {
     /// The paired gate / up kernel (k-slices, stages); None: chosen per launch.
     a8_pair: Mutex<Option<(u8, u8)>>,
     a8_pdl: Mutex<bool>,
+    /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
+    /// ([`Cuda::set_skinny_producers`]).
+    skinny_producers: Mutex<bool>,
     a8_evict_first: Mutex<bool>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
@@ -546,6 +589,8 @@ impl Cuda {
                 toks: None,
                 x_hi: None,
                 x_lo: None,
+                x_gen: 0,
+                x_shape: None,
                 a8_q: None,
                 a8_d: None,
                 a8_ws: None,
@@ -560,6 +605,7 @@ impl Cuda {
             a8_kernel: Mutex::new(A8Kernel::Auto),
             a8_pair: Mutex::new(None),
             a8_pdl: Mutex::new(true),
+            skinny_producers: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
             attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
@@ -625,6 +671,15 @@ impl Cuda {
     /// -> 0.750 ms (ctx 512), 1.066 -> 1.036 (8192); 27B 1.198 -> 1.170, 1.384 -> 1.355.
     pub fn set_a8_pdl(&self, on: bool) {
         *lock(&self.a8_pdl) = on;
+    }
+
+    /// With bf16 / q8_0 / q4_0 weights and 1-16 rows, `norm_matmul_many` and `layer_tail`
+    /// let the norms and the SiLU product write the skinny matmuls' bf16 hi / lo x themselves
+    /// ([`Cuda::rms_norm_split`], [`Cuda::add_rms_norm_split`], [`Cuda::silu_mul_split`]) and
+    /// the down projection add into the residual stream: 4 launches fewer per layer (default
+    /// on). The same bits either way; a benchmark knob.
+    pub fn set_skinny_producers(&self, on: bool) {
+        *lock(&self.skinny_producers) = on;
     }
 
     /// Whether the whole-K and split Q8_0A8 kernels stream their weights (read once per call)
@@ -1303,6 +1358,22 @@ impl Cuda {
         rows: usize,
         mats: &mut [(&Weight<Self>, cudarc::driver::CudaViewMut<'_, f32>)],
     ) -> Result<()> {
+        self.skinny_launch(Some(x), None, rows, mats, false)
+            .map(|_| ())
+    }
+
+    /// The skinny launch of [`Cuda::matmul_skinny_mma`] from an f32 `x` (split first) or from
+    /// a producer's hi / lo pair (`x` None, `act` Some; Ok(false): stale, nothing launched);
+    /// `acc`: add the products into the outputs (`add_assign`'s f32 add) instead of writing
+    /// them.
+    fn skinny_launch(
+        &self,
+        x: Option<&cudarc::driver::CudaView<'_, f32>>,
+        act: Option<&SplitAct>,
+        rows: usize,
+        mats: &mut [(&Weight<Self>, cudarc::driver::CudaViewMut<'_, f32>)],
+        acc: bool,
+    ) -> Result<bool> {
         let (w0, _) = mats.first().ok_or_else(internal)?;
         let k = w0.cols;
         let (kern, tile_rows) = self.skinny_kernel(w0, rows).ok_or_else(internal)?;
@@ -1330,13 +1401,36 @@ impl Cuda {
             .sum();
         let counters: usize = plan.iter().map(|p| p.0).sum();
         let f = self.func(kern)?;
-        let fs = self.func(Kernel::SplitBf16)?;
         let len = rows * k;
         let mut s = lock(&self.scratch);
+        match (x, act) {
+            (Some(x), None) => {
+                // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
+                let fs = self.func(Kernel::SplitBf16)?;
+                let (_, hi, lo) = s.split_written(&self.stream, k, rows)?;
+                let n64 = len as i64;
+                let mut b = self.stream.launch_builder(&fs);
+                b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+            }
+            (None, Some(a)) => {
+                if s.x_gen != a.generation || s.x_shape != Some((a.k, a.rows)) {
+                    return Ok(false);
+                }
+                if a.k != k || a.rows != rows {
+                    return Err(BackendError::Invalid {
+                        op: "matmul_many_split",
+                        msg: format!(
+                            "activation of {} rows x {}, matrices of K {k} for {rows} rows",
+                            a.rows, a.k
+                        ),
+                    });
+                }
+            }
+            _ => return Err(internal()),
+        }
         ensure(&self.stream, &mut s.mm_ws, ws_len.max(1)).map_err(dev)?;
         ensure(&self.stream, &mut s.mm_counters, counters).map_err(dev)?;
-        ensure(&self.stream, &mut s.x_hi, len).map_err(dev)?;
-        ensure(&self.stream, &mut s.x_lo, len).map_err(dev)?;
         let Scratch {
             mm_ws,
             mm_counters,
@@ -1352,11 +1446,6 @@ impl Cuda {
             x_hi.as_mut().ok_or_else(internal)?,
             x_lo.as_mut().ok_or_else(internal)?,
         );
-        // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
-        let n64 = len as i64;
-        let mut b = self.stream.launch_builder(&fs);
-        b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
-        unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
         let st = &*self.stream;
         let mut a = RawArgs::default();
         let mut ends = [0usize; 3];
@@ -1382,7 +1471,8 @@ impl Cuda {
             .dptr_mut(&mut *ws, st)
             .dptr_mut(&mut *cnt, st)
             .i32(i32_of("matmul", "w.cols", k)?)
-            .i32(rows as i32);
+            .i32(rows as i32)
+            .i32(acc as i32);
         // SAFETY: the parameters are those of the SKINNY kernel macro in matmul.cu, in order.
         unsafe {
             a.launch(
@@ -1392,7 +1482,192 @@ impl Cuda {
                 false,
             )
         }?;
-        Ok(())
+        Ok(true)
+    }
+
+    /// Whether `ws` (K = `k`, 1-3 of them) all take one tensor-core skinny kernel for `rows`
+    /// (1-16) rows: what [`Cuda::matmul_many_split`] runs.
+    fn skinny_group(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
+        (1..=SKINNY_ROWS).contains(&rows)
+            && (1..=3).contains(&ws.len())
+            && ws
+                .first()
+                .and_then(|w| self.skinny_kernel(w, rows))
+                .is_some_and(|kern| {
+                    ws.iter().all(|w| {
+                        w.cols == k && w.rows > 0 && self.skinny_kernel(w, rows) == Some(kern)
+                    })
+                })
+    }
+
+    /// The skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch) of a
+    /// producer's bf16 hi / lo activation: `outs[i] = x W_i^T` for the activation's rows, or
+    /// with `acc` `outs[i] += x W_i^T` (`add_assign`'s f32 add). The bits of `matmul_many` of
+    /// the f32 rows the producer's separate op writes (then `add_assign`). Ok(false): the
+    /// activation was stale (another launch wrote the pair since), nothing launched.
+    pub fn matmul_many_split(
+        &self,
+        act: &SplitAct,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+        acc: bool,
+    ) -> Result<bool> {
+        let (rows, k) = (act.rows, act.k);
+        if ws.len() != outs.len() || !self.skinny_group(ws, k, rows) {
+            return Err(BackendError::Invalid {
+                op: "matmul_many_split",
+                msg: format!(
+                    "needs 1-3 bf16 / q8_0 / q4_0 matrices of K {k} taking one skinny kernel, as many outputs; found {} matrices, {} outputs",
+                    ws.len(),
+                    outs.len()
+                ),
+            });
+        }
+        for (w, o) in ws.iter().zip(outs.iter()) {
+            check("matmul_many_split", "out", rows * w.rows, o.len)?;
+        }
+        let mut mats: Vec<_> = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, o)| (*w, o.data.slice_mut(0..rows * w.rows)))
+            .collect();
+        self.skinny_launch(None, Some(act), rows, &mut mats, acc)
+    }
+
+    /// `rms_norm` of the first `rows` rows of `x` (width `dim`) written as the skinny matmuls'
+    /// bf16 hi / lo activation ([`Cuda::matmul_many_split`]): the bits `split_bf16` makes of
+    /// `rms_norm`'s output, with neither that output nor the split's launch.
+    pub fn rms_norm_split(
+        &self,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        rows: usize,
+    ) -> Result<SplitAct> {
+        check("rms_norm_split", "x", rows * dim, x.len)?;
+        check("rms_norm_split", "w", dim, w.len)?;
+        if rows == 0 || dim == 0 {
+            return Err(BackendError::Invalid {
+                op: "rms_norm_split",
+                msg: format!("needs rows and dim > 0; found {rows} rows, dim {dim}"),
+            });
+        }
+        let f = self.func(Kernel::RmsNormSplit)?;
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, dim, rows)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(&x.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut *hi, st)
+            .dptr_mut(&mut *lo, st)
+            .i32(i32_of("rms_norm_split", "dim", dim)?)
+            .f32(eps);
+        // SAFETY: rms_norm_split's parameters in order (x, w, hi, lo, dim, eps); it does not
+        // wait for the kernel before it, so no programmatic launch.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg(
+                    (i32_of("rms_norm_split", "rows", rows)? as u32, 1, 1),
+                    norm_threads(dim),
+                    0,
+                ),
+                false,
+            )
+        }?;
+        Ok(act)
+    }
+
+    /// `add_rms_norm` over the first `rows` rows (`h += o`, then the norm) with the normed
+    /// rows written as the skinny matmuls' bf16 hi / lo activation instead of an f32 output:
+    /// the bits of `add_rms_norm` then `split_bf16`. `dim` <= 32 x the norm's block size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_split(
+        &self,
+        h: &mut CudaBuf,
+        o: &CudaBuf,
+        w: &CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<SplitAct> {
+        check("add_rms_norm_split", "h", rows * dim, h.len)?;
+        check("add_rms_norm_split", "o", rows * dim, o.len)?;
+        check("add_rms_norm_split", "w", dim, w.len)?;
+        let threads = norm_threads(dim);
+        if rows == 0 || dim == 0 || dim > 32 * threads as usize {
+            return Err(BackendError::Invalid {
+                op: "add_rms_norm_split",
+                msg: format!(
+                    "needs rows > 0 and 0 < dim <= {}; found {rows} rows, dim {dim}",
+                    32 * threads
+                ),
+            });
+        }
+        let f = self.func(Kernel::AddRmsNormSplit)?;
+        let pdl = *lock(&self.a8_pdl);
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, dim, rows)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr_mut(&mut h.data, st)
+            .dptr(&o.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut *hi, st)
+            .dptr_mut(&mut *lo, st)
+            .i32(i32_of("add_rms_norm_split", "dim", dim)?)
+            .f32(eps);
+        // SAFETY: add_rms_norm_split's parameters in order (h, o, w, hi, lo, dim, eps); it
+        // waits for the kernel before it (griddepcontrol), as add_rms_norm.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg(
+                    (i32_of("add_rms_norm_split", "rows", rows)? as u32, 1, 1),
+                    threads,
+                    0,
+                ),
+                pdl,
+            )
+        }?;
+        Ok(act)
+    }
+
+    /// `silu(gate) * up` over `rows` rows of width `k`, written as the skinny matmuls' bf16
+    /// hi / lo activation: the bits of `silu_mul` then `split_bf16`.
+    pub fn silu_mul_split(
+        &self,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        rows: usize,
+        k: usize,
+    ) -> Result<SplitAct> {
+        let n = rows * k;
+        check("silu_mul_split", "gate", n, gate.len)?;
+        check("silu_mul_split", "up", n, up.len)?;
+        if n == 0 {
+            return Err(BackendError::Invalid {
+                op: "silu_mul_split",
+                msg: format!("needs rows and k > 0; found {rows} rows, k {k}"),
+            });
+        }
+        let f = self.func(Kernel::SiluMulSplit)?;
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, k, rows)?;
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&gate.data)
+            .arg(&up.data)
+            .arg(&mut *hi)
+            .arg(&mut *lo)
+            .arg(&n64);
+        // SAFETY: silu_mul_split(const float *, const float *, u16 *, u16 *, long long).
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
+        Ok(act)
     }
 
     /// Q8_0A8: quantize x (q8_0, ggml's bytes) once into the mma B-fragment layout, then one
@@ -1682,6 +1957,71 @@ impl Cuda {
             && (w.w_down.rows, w.w_down.cols) == (d, inter)
             && w.post_norm.len >= d
             && h.len >= rows * d
+    }
+
+    /// Whether [`Backend::layer_tail`] runs a tail of bf16 / q8_0 / q4_0 weights with the
+    /// skinny producers ([`Cuda::set_skinny_producers`]).
+    fn tail_skinny(
+        &self,
+        rows: usize,
+        attn: &CudaBuf,
+        h: &CudaBuf,
+        w: &LayerTail<'_, Self>,
+    ) -> bool {
+        let (d, inter) = (w.wo.rows, w.w_gate.rows);
+        *lock(&self.skinny_producers)
+            && self.skinny_group(&[w.wo], w.wo.cols, rows)
+            && self.skinny_group(&[w.w_gate, w.w_up], d, rows)
+            && self.skinny_group(&[w.w_down], inter, rows)
+            && d > 0
+            && d <= 32 * norm_threads(d) as usize
+            && (w.w_up.rows, w.w_down.rows, w.w_down.cols) == (inter, d, inter)
+            && w.post_norm.len >= d
+            && h.len >= rows * d
+            && attn.len >= rows * w.wo.cols
+    }
+
+    /// A layer tail [`Cuda::tail_skinny`] takes: the o projection; the residual add + norm
+    /// writing the gate / up projections' x; gate / up in one launch; the SiLU product writing
+    /// the down projection's x; the down projection adding into `h`. The bits of
+    /// [`layer_tail_ops`] (an activation gone stale in between: the rest as separate ops).
+    fn tail_skinny_run(
+        &self,
+        attn: &CudaBuf,
+        rows: usize,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        let (d, inter) = (w.wo.rows, w.w_gate.rows);
+        self.matmul(attn, rows, w.wo, s.o)?;
+        let act = self.add_rms_norm_split(h, s.o, w.post_norm, rows, d, w.eps)?;
+        if !self.matmul_many_split(
+            &act,
+            &[w.w_gate, w.w_up],
+            &mut [&mut *s.gate, &mut *s.up],
+            false,
+        )? {
+            // h holds the residual sum already: its first rows' norm (rms_norm's kernel),
+            // then the MLP as separate ops.
+            check("layer_tail", "xn", rows * d, s.xn.len)?;
+            let f = self.func(Kernel::RmsNorm)?;
+            let dd = i32_of("layer_tail", "dim", d)?;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&h.data)
+                .arg(&w.post_norm.data)
+                .arg(&mut s.xn.data)
+                .arg(&dd)
+                .arg(&w.eps);
+            unsafe { b.launch(cfg((rows as u32, 1, 1), norm_threads(d), 0)) }.map_err(dev)?;
+            return mlp_residual_ops(self, rows, h, w, s);
+        }
+        let act = self.silu_mul_split(s.gate, s.up, rows, inter)?;
+        if !self.matmul_many_split(&act, &[w.w_down], &mut [&mut *h], true)? {
+            self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
+            return self.add_assign(h, 0, s.o, rows * d);
+        }
+        Ok(())
     }
 
     /// The layer tail after the o projection (a tail [`Cuda::tail_fuses`] takes): the norm
@@ -2309,13 +2649,7 @@ impl Cuda {
             CudaWeightBuf::Bf16(ws) => {
                 let len = rows * w.cols;
                 let mut s = lock(&self.scratch);
-                ensure(&self.stream, &mut s.x_hi, len).map_err(dev)?;
-                ensure(&self.stream, &mut s.x_lo, len).map_err(dev)?;
-                let Scratch { x_hi, x_lo, .. } = &mut *s;
-                let (hi, lo) = (
-                    x_hi.as_mut().ok_or_else(internal)?,
-                    x_lo.as_mut().ok_or_else(internal)?,
-                );
+                let (_, hi, lo) = s.split_written(&self.stream, w.cols, rows)?;
                 let f = self.func(Kernel::SplitBf16)?;
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&f);
@@ -2799,6 +3133,20 @@ impl Backend for Cuda {
                 return Ok(());
             }
         }
+        // bf16 / q8_0 / q4_0: the norm writes the skinny matmuls' x (the bits of the two
+        // ops below, one launch fewer).
+        if *lock(&self.skinny_producers)
+            && ws.len() == outs.len()
+            && self.skinny_group(ws, dim, rows)
+            && x.len == rows * dim
+            && w.len >= dim
+        {
+            let act = self.rms_norm_split(x, w, dim, eps, rows)?;
+            // Another thread's launch in between: the separate ops below.
+            if self.matmul_many_split(&act, ws, outs, false)? {
+                return Ok(());
+            }
+        }
         self.rms_norm(x, w, dim, eps, xn)?;
         self.matmul_many(xn, rows, ws, outs)
     }
@@ -2819,6 +3167,9 @@ impl Backend for Cuda {
         s: TailScratch<'_, Self>,
     ) -> Result<()> {
         if !Self::tail_fuses(rows, h, w) {
+            if self.tail_skinny(rows, attn, h, w) {
+                return self.tail_skinny_run(attn, rows, h, w, s);
+            }
             return layer_tail_ops(self, attn, rows, h, w, s);
         }
         self.matmul_add(attn, rows, w.wo, h)?;

@@ -75,6 +75,9 @@ macro_rules! kernels {
 kernels! {
     Fill => (Elementwise, "fill_f32"),
     RmsNorm => (Elementwise, "rms_norm"),
+    RmsNormSplit => (Elementwise, "rms_norm_split"),
+    AddRmsNormSplit => (Elementwise, "add_rms_norm_split"),
+    SiluMulSplit => (Elementwise, "silu_mul_split"),
     RmsNormGated => (Elementwise, "rms_norm_gated"),
     AddRmsNorm => (Elementwise, "add_rms_norm"),
     RmsNormQ8 => (Elementwise, "rms_norm_q8"),

@@ -1177,3 +1177,122 @@ fn a8_block_trace_records_every_block() {
         );
     }
 }
+
+/// bf16 / q8_0 / q4_0 weights: `layer_tail` and `norm_matmul_many` with the skinny producers
+/// (the norms and the SiLU product writing the skinny matmuls' bf16 hi / lo x, the down
+/// projection adding into h) give the bits of the separate ops, and leave xn unwritten (so
+/// the producers ran). A producer's activation goes stale when another launch writes the pair.
+#[test]
+fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
+    if gpu("skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit").is_none() {
+        return;
+    }
+    // A private backend (the shared one runs the other tests' launches concurrently).
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let mut r = rng("skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit");
+    use dflash_backend::{layer_tail_ops, LayerTail};
+    for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+        // (hidden, heads * head_dim, intermediate): the shipped drafter's size class and the
+        // 8B's (split and unsplit launches).
+        for &(d, kq, inter) in &[(256usize, 256usize, 768usize), (4096, 4096, 12288)] {
+            let mut mk = |n: usize, k: usize| {
+                let wv = rand_vec(&mut r, n * k, 1.0);
+                let hw = HostWeight::from_f32("w", n, k, &wv, fmt).expect("encode");
+                g.upload_weight(&hw).expect("w")
+            };
+            let (wo, wg, wu, wd) = (mk(d, kq), mk(inter, d), mk(inter, d), mk(d, inter));
+            let (wq, wk) = (mk(kq, d), mk(kq / 4, d));
+            let ln = g.upload(&rand_vec(&mut r, d, 1.0)).expect("ln");
+            let tail = LayerTail {
+                wo: &wo,
+                post_norm: &ln,
+                eps: 1e-6,
+                w_gate: &wg,
+                w_up: &wu,
+                w_down: &wd,
+            };
+            for rows in [1usize, 9, 16] {
+                let attn = g.upload(&rand_vec(&mut r, rows * kq, 1.0)).expect("attn");
+                let h0 = rand_vec(&mut r, rows * d, 1.0);
+                let mut outs = Vec::new();
+                for fused in [false, true] {
+                    let mut h = g.upload(&h0).expect("h");
+                    let mut tb = TailBufs::new(g, rows, d, inter);
+                    let s = tb.scratch();
+                    if fused {
+                        g.layer_tail(&attn, rows, &mut h, &tail, s)
+                            .expect("layer_tail");
+                        let xv = g.download(&tb.xn).expect("dl");
+                        assert!(
+                            xv.iter().all(|v| v.is_nan()),
+                            "{fmt:?}: layer_tail fell back to the separate ops"
+                        );
+                    } else {
+                        layer_tail_ops(g, &attn, rows, &mut h, &tail, s).expect("ops");
+                    }
+                    outs.push(g.download(&h).expect("dl"));
+                }
+                assert_bits(
+                    &format!("{fmt:?} layer_tail d={d} rows={rows}"),
+                    &outs[1],
+                    &outs[0],
+                    d,
+                );
+                // norm_matmul_many (q/k/v-like: 3 matrices) == rms_norm + matmul_many.
+                let x = g.upload(&rand_vec(&mut r, rows * d, 2.0)).expect("x");
+                let ws = [&wq, &wk, &wk];
+                let ns = [kq, kq / 4, kq / 4];
+                let mut want: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut xn = poisoned(g, rows * d);
+                g.rms_norm(&x, &ln, d, 1e-6, &mut xn).expect("rms_norm");
+                let mut refs: Vec<_> = want.iter_mut().collect();
+                g.matmul_many(&xn, rows, &ws, &mut refs).expect("many");
+                let mut got: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut xn2 = poisoned(g, rows * d);
+                let mut refs: Vec<_> = got.iter_mut().collect();
+                g.norm_matmul_many(&x, &ln, d, 1e-6, &mut xn2, rows, &ws, &mut refs)
+                    .expect("norm_matmul_many");
+                assert!(
+                    g.download(&xn2).expect("dl").iter().all(|v| v.is_nan()),
+                    "{fmt:?}: norm_matmul_many fell back to the separate ops"
+                );
+                for i in 0..3 {
+                    assert_bits(
+                        &format!("{fmt:?} norm_matmul_many d={d} rows={rows} matrix {i}"),
+                        &g.download(&got[i]).expect("dl"),
+                        &g.download(&want[i]).expect("dl"),
+                        ns[i],
+                    );
+                }
+                // The knob off: the separate ops (xn written), the same bits.
+                g.set_skinny_producers(false);
+                let mut off: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut xn3 = poisoned(g, rows * d);
+                let mut refs: Vec<_> = off.iter_mut().collect();
+                g.norm_matmul_many(&x, &ln, d, 1e-6, &mut xn3, rows, &ws, &mut refs)
+                    .expect("norm_matmul_many off");
+                g.set_skinny_producers(true);
+                assert!(!g.download(&xn3).expect("dl").iter().any(|v| v.is_nan()));
+                assert_bits(
+                    &format!("{fmt:?} norm_matmul_many (producers off) d={d} rows={rows}"),
+                    &g.download(&off[0]).expect("dl"),
+                    &g.download(&want[0]).expect("dl"),
+                    ns[0],
+                );
+            }
+            // A stale activation: another skinny matmul rewrote the pair; nothing launched.
+            let x = g.upload(&rand_vec(&mut r, 4 * d, 1.0)).expect("x");
+            let act = g
+                .rms_norm_split(&x, &ln, d, 1e-6, 4)
+                .expect("rms_norm_split");
+            let mut o = poisoned(g, 4 * inter);
+            g.matmul(&x, 4, &wg, &mut o).expect("matmul");
+            let mut o2 = poisoned(g, 4 * inter);
+            assert!(!g
+                .matmul_many_split(&act, &[&wg], &mut [&mut o2], false)
+                .expect("stale"));
+            assert!(g.download(&o2).expect("dl").iter().all(|v| v.is_nan()));
+        }
+    }
+    eprintln!("EXACT bf16 / q8_0 / q4_0 layer_tail and norm_matmul_many with the skinny producers == the separate ops; stale activations launch nothing");
+}

@@ -18,7 +18,8 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, KvStorage, QkNormRope, RopeSpec, Weight, WeightFormat,
+    AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch,
+    Weight, WeightFormat,
 };
 use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
 
@@ -92,6 +93,12 @@ pub struct BenchArgs {
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
+    /// bf16 / q8_0 / q4_0 weights: the norms and the SiLU product write f32 rows that a split
+    /// launch converts for each skinny matmul, and the down projection's output is added by
+    /// its own launch, instead of the producers writing the skinny matmuls' x (same bits;
+    /// `Cuda::set_skinny_producers`).
+    #[arg(long)]
+    no_skinny_producers: bool,
     /// Q8_0A8: the quantizer launches of before instead of the producers writing the
     /// quantized activation (rms_norm_q8, attention_q8) and the residual adds inside the o /
     /// down projections (matmul_many_q8 / matmul_silu_mul_add); the same bits.
@@ -562,6 +569,10 @@ impl Model {
         let a8 = fused && self.lm_head.format == WeightFormat::Q8_0A8;
         let q8n = self.q8norm && a8;
         let q8e = (self.q8epi || self.q8norm) && a8;
+        // The other formats, fused: what the targets' and the drafter's layers call (the
+        // backend's norm_matmul_many before the attention, layer_tail after it, the final
+        // norm after the last layer).
+        let lib = fused && !a8;
         if q8n && (sk('n') || sk('a')) {
             bail!("+skip=n / +skip=a leave the Q8_0A8 producers out: add +noq8n");
         }
@@ -570,7 +581,7 @@ impl Model {
         let need = |a: &Option<A8Act>| a.ok_or_else(|| anyhow!("no Q8_0A8 activation written"));
         let (pk, bk) = (self.proj_kernels, self.base_kernel);
         let kern = |i: usize| g.set_a8_kernel(pk[i].unwrap_or(bk));
-        if fused && nl > 0 && !sk('n') {
+        if fused && !lib && nl > 0 && !sk('n') {
             if q8n {
                 act = Some(g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?);
             } else {
@@ -590,6 +601,17 @@ impl Model {
             // x and one launch for the 3 (2) matrices; other formats: separate matmuls.
             kern(0);
             if sk('k') {
+            } else if lib {
+                g.norm_matmul_many(
+                    &b.h,
+                    &l.ln1,
+                    s.hidden,
+                    eps,
+                    &mut b.x,
+                    rows,
+                    &[&l.wq, &l.wk, &l.wv],
+                    &mut [&mut b.q0, &mut b.k0, &mut b.v],
+                )?;
             } else if q8n {
                 g.matmul_many_q8(
                     &need(&act)?,
@@ -679,6 +701,29 @@ impl Model {
             }
             mark(&|| format!("L{li} attention"))?;
             kern(1);
+            if lib {
+                // o, the residual add + norm, gate / up, the SiLU product, down + the add.
+                if !sk('o') {
+                    let tail = LayerTail {
+                        wo: &l.wo,
+                        post_norm: &l.ln2,
+                        eps,
+                        w_gate: &l.wg,
+                        w_up: &l.wu,
+                        w_down: &l.wd,
+                    };
+                    let scratch = TailScratch {
+                        o: &mut b.o,
+                        xn: &mut b.x,
+                        gate: &mut b.gate,
+                        up: &mut b.up,
+                        act: &mut b.act,
+                    };
+                    g.layer_tail(&b.attn, rows, &mut b.h, &tail, scratch)?;
+                }
+                mark(&|| format!("L{li} tail"))?;
+                continue;
+            }
             if sk('o') {
             } else if q8n && !sk('a') {
                 g.matmul_many_q8(&need(&act)?, &[&l.wo], &mut [&mut b.h], true)?;
@@ -776,7 +821,7 @@ impl Model {
                 }
             })?;
         }
-        if !fused || nl == 0 {
+        if !fused || lib || nl == 0 {
             g.rms_norm(&b.h, &self.norm, s.hidden, eps, &mut b.x)?;
         }
         let n = rows - lm_from;
@@ -1551,6 +1596,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "off" => false,
         o => bail!("--a8-pdl {o}: expected on or off"),
     });
+    g.set_skinny_producers(!a.no_skinny_producers);
 
     if let Some(ctx) = a.attn_once {
         // One attention shape, a few calls, nothing else (for a profiler).
