@@ -77,11 +77,15 @@ __device__ __forceinline__ void split8(const float4 p, const float4 q, uint4 &h,
 // workspace, a fence, an atomic per column tile, the last block adds the S partials). EPI 2:
 // the S split blocks of a column tile form a thread-block cluster; rank 0 adds the others'
 // warp sums through distributed shared memory.
-template <bool PACKED, int NT, int AHEAD, int EPI, bool X32>
+// ROWW: the 4 warps of a block take 4 column tiles (128 rows) and walk the same k tiles, so a
+// k tile's x is loaded by 4 warps of one SM at about the same time (L1 hits for 3 of them)
+// instead of by warps of different blocks; no sum across the block's warps.
+template <bool PACKED, int NT, int AHEAD, int EPI, bool X32, bool ROWW = false>
 __global__ void __launch_bounds__(128, 5) skinny(const u16 *__restrict__ w, const u16 *__restrict__ x, float *__restrict__ ws, int N,
                                               int K, int T, int tps, float *__restrict__ out, u32 *__restrict__ counters) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int KT = K / 32, col_tile = blockIdx.x;
+    const int KT = K / 32, col_tile = ROWW ? blockIdx.x * 4 + warp : blockIdx.x;
+    constexpr int KSTEP = ROWW ? 1 : 4;
     const int kt0 = blockIdx.y * tps, kt1 = min(KT, kt0 + tps);
     float acc[R][NT][4] = {};
     uint4 a[AHEAD + 1][R][2];
@@ -101,10 +105,10 @@ __global__ void __launch_bounds__(128, 5) skinny(const u16 *__restrict__ w, cons
             }
         }
     };
-    int kt = kt0 + warp;
+    int kt = kt0 + (ROWW ? 0 : warp);
 #pragma unroll
     for (int p = 0; p < AHEAD; ++p)
-        if (kt + p * 4 < kt1) load(kt + p * 4, a[p], b[p]);
+        if (kt + p * KSTEP < kt1) load(kt + p * KSTEP, a[p], b[p]);
     // The ring unrolled by its length, so every slot index is a constant (registers only).
     while (kt < kt1) {
 #pragma unroll
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(128, 5) skinny(const u16 *__restrict__ w, cons
             if (kt < kt1) {
                 constexpr int NS = AHEAD + 1;
                 const int nxt = (cur + AHEAD) % NS;
-                if (kt + AHEAD * 4 < kt1) load(kt + AHEAD * 4, a[nxt], b[nxt]);
+                if (kt + AHEAD * KSTEP < kt1) load(kt + AHEAD * KSTEP, a[nxt], b[nxt]);
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -123,7 +127,7 @@ __global__ void __launch_bounds__(128, 5) skinny(const u16 *__restrict__ w, cons
                         mma16816(acc[r][j], ga.z, gb.z, ga.w, gb.w, h.z, h.w);
                         mma16816(acc[r][j], ga.z, gb.z, ga.w, gb.w, l.z, l.w);
                     }
-                kt += 4;
+                kt += KSTEP;
             }
         }
     }
@@ -266,8 +270,15 @@ int main() {
         const int tps = (KT + S - 1) / S;
         dim3 grid(tiles, S);
         for (int T : {1, 16}) {
-            const char *names[] = {"strided", "packed", "packed +epi", "packed +cluster", "packed +epi +x32", "strided +epi"};
-            for (int variant = 0; variant < 6; ++variant) {
+            const char *names[] = {"strided", "packed", "packed +epi", "packed +cluster", "packed +epi +x32", "strided +epi",
+                                   "strided rowwarps", "packed rowwarps"};
+            // Rowwarps: tiles / 4 blocks, the split filling one wave at 5 blocks per SM (<= 16).
+            const int rb = (tiles + 3) / 4;
+            int S2 = std::max(1, std::min(16, (5 * sms) / rb));
+            S2 = std::max(1, std::min(S2, KT / 8));
+            const int tps2 = (KT + S2 - 1) / S2;
+            for (int variant = 0; variant < 8; ++variant) {
+                if (variant >= 2 && variant <= 5) continue;
                 auto launch = [&](const u16 *w) {
                     cudaLaunchConfig_t cfg = {};
                     cfg.gridDim = grid;
@@ -280,6 +291,17 @@ int main() {
                     at[0].val.clusterDim.z = 1;
                     cfg.attrs = at;
                     cfg.numAttrs = variant == 3 ? 1 : 0;
+                    if (variant >= 6) {
+                        cfg.gridDim = dim3(rb, S2);
+                        if (T == 1) {
+                            if (variant == 6) CK(cudaLaunchKernelEx(&cfg, skinny<false, 1, 1, 0, false, true>, w, (const u16 *)x, ws, sh.n, sh.k, T, tps2, out, counters));
+                            else CK(cudaLaunchKernelEx(&cfg, skinny<true, 1, 1, 0, false, true>, w, (const u16 *)x, ws, sh.n, sh.k, T, tps2, out, counters));
+                        } else {
+                            if (variant == 6) CK(cudaLaunchKernelEx(&cfg, skinny<false, 2, 1, 0, false, true>, w, (const u16 *)x, ws, sh.n, sh.k, T, tps2, out, counters));
+                            else CK(cudaLaunchKernelEx(&cfg, skinny<true, 2, 1, 0, false, true>, w, (const u16 *)x, ws, sh.n, sh.k, T, tps2, out, counters));
+                        }
+                        return;
+                    }
 #define L_(P, E, X)                                                                                            \
     do {                                                                                                       \
         if (T == 1) CK(cudaLaunchKernelEx(&cfg, skinny<P, 1, 1, E, X>, w, (const u16 *)x, ws, sh.n, sh.k, T, tps, out, counters)); \
@@ -317,8 +339,8 @@ int main() {
                 std::sort(ts.begin(), ts.end());
                 const double us = ts[ts.size() / 2] * 1e3 / L;
                 const double pct = 100.0 * (wbytes / (us * 1e-6)) / (copy_gbs * 1e9);
-                std::printf("| %s | %d x %d (%d x %d blocks) | %.1f | %d | %s | %.1f | %.0f%% |\n", sh.name, sh.n, sh.k, tiles, S,
-                            wbytes / 1e6, T, names[variant], us, pct);
+                std::printf("| %s | %d x %d (%d x %d blocks) | %.1f | %d | %s | %.1f | %.0f%% |\n", sh.name, sh.n, sh.k,
+                            variant >= 6 ? rb : tiles, variant >= 6 ? S2 : S, wbytes / 1e6, T, names[variant], us, pct);
                 CK(cudaGraphExecDestroy(exec));
                 CK(cudaGraphDestroy(graph));
             }
