@@ -33,6 +33,10 @@ __device__ __forceinline__ void load_raw(const void *__restrict__ wq, const u16 
     if (FMT == FMT_BF16) {
         ra.w = __ldg((const uint4 *)((const u16 *)wq + (long long)o * K + kt * 32 + 8 * t));
         ra.d = 0u;
+    } else if (FMT == FMT_BF16P) {
+        // The same 8 values, from the fragment-order copy (a warp's 32 lanes: 512 bytes).
+        ra.w = __ldg((const uint4 *)((const u16 *)wq + bf16p_index(o, kt * 32 + 8 * t, K)));
+        ra.d = 0u;
     } else if (FMT == FMT_Q8_0) {
         const uint2 w = __ldg((const uint2 *)((const i8 *)wq + (long long)o * K + kt * 32 + 8 * t));
         ra.w = make_uint4(w.x, w.y, 0u, 0u);
@@ -54,7 +58,7 @@ __device__ __forceinline__ u32 hi_halves(float lo, float hi) {
 
 template <int FMT>
 __device__ __forceinline__ void decode_a(const RawA &ra, u32 a[4], float &d) {
-    if (FMT == FMT_BF16) {
+    if (FMT == FMT_BF16 || FMT == FMT_BF16P) {
         a[0] = ra.w.x; a[1] = ra.w.y; a[2] = ra.w.z; a[3] = ra.w.w;
         d = 1.0f;
     } else if (FMT == FMT_Q8_0) {
@@ -143,7 +147,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
             decode_a<FMT>(ca[r][1], gb, db);
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
-                if (FMT == FMT_BF16) {
+                if (FMT == FMT_BF16 || FMT == FMT_BF16P) {
                     mma_bf16_16816(acc[r][j], ga[0], gb[0], ga[1], gb[1], bh[j][0], bh[j][1]);
                     mma_bf16_16816(acc[r][j], ga[0], gb[0], ga[1], gb[1], bl[j][0], bl[j][1]);
                     mma_bf16_16816(acc[r][j], ga[2], gb[2], ga[3], gb[3], bh[j][2], bh[j][3]);
@@ -263,6 +267,10 @@ SKINNY(skinny_q8_0_n1, FMT_Q8_0, 1, 2, 5)
 SKINNY(skinny_q8_0_n2, FMT_Q8_0, 2, 2, 5)
 SKINNY(skinny_q4_0_n1, FMT_Q4_0, 1, 2, 5)
 SKINNY(skinny_q4_0_n2, FMT_Q4_0, 2, 2, 5)
+SKINNY(skinny_bf16p_n1, FMT_BF16P, 1, 2, 5)
+SKINNY(skinny_bf16p_n2, FMT_BF16P, 2, 2, 5)
+SKINNY(skinny_bf16p_n1_r4, FMT_BF16P, 1, 4, 4)
+SKINNY(skinny_bf16p_n2_r4, FMT_BF16P, 2, 4, 3)
 SKINNY(skinny_bf16_n1_r4, FMT_BF16, 1, 4, 4)
 SKINNY(skinny_bf16_n2_r4, FMT_BF16, 2, 4, 3)
 SKINNY(skinny_q8_0_n1_r4, FMT_Q8_0, 1, 4, 4)
@@ -293,6 +301,17 @@ extern "C" __global__ void __launch_bounds__(128) skinny_simt(int fmt, const voi
             const float v = warp_sum(acc[t]);
             if (lane == 0) out[(long long)t * N + o] = v;
         }
+    }
+}
+
+// Rows n0 .. n0 + rows - 1 of a fragment-order bf16 matrix (FMT_BF16P) back to row-major
+// [rows, cols] (for the cuBLAS prefill path).
+extern "C" __global__ void unpack_bf16p(const u16 *__restrict__ p, u16 *__restrict__ out, long long n0, int rows, int cols) {
+    const long long n = (long long)rows * cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cols;
+        const int c = (int)(i - r * cols);
+        out[i] = p[bf16p_index(n0 + r, c, cols)];
     }
 }
 

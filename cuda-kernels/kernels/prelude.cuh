@@ -11,6 +11,16 @@ typedef unsigned long long u64;
 #define FMT_Q8_0 3
 #define FMT_Q4_0 4
 #define FMT_Q8A8 5
+// bf16 in the skinny matmuls' fragment order (CudaWeightBuf::Bf16P): tiles of 16 rows (padded
+// with zeros); per (tile, 32-wide k tile) two halves (rows g, g + 8) of 32 lanes x 8 values:
+// lane 4 g + t holds row 16 tile + 8 half + g, k = 32 kt + 8 t .. + 7. A warp's 16-byte loads
+// of one half are 512 contiguous bytes; row-major bf16 reads 8 rows x 64 bytes.
+#define FMT_BF16P 6
+__device__ __forceinline__ long long bf16p_index(long long row, int col, int cols) {
+    const long long kt = col >> 5;
+    const int r = (int)(row & 15), kk = col & 31;
+    return ((((row >> 4) * (cols >> 5) + kt) * 2 + (r >> 3)) * 32 + (r & 7) * 4 + (kk >> 3)) * 8 + (kk & 7);
+}
 
 // Q8_0A8 weight layout: 32-value blocks per stage of the int8-mma kernel (rows padded to
 // whole stages of blocks).
@@ -130,6 +140,7 @@ __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, 
     switch (fmt) {
     case FMT_F32: return ((const float *)wq)[row * cols + col];
     case FMT_BF16: return bf16_to_f32(((const u16 *)wq)[row * cols + col]);
+    case FMT_BF16P: return bf16_to_f32(((const u16 *)wq)[bf16p_index(row, col, cols)]);
     case FMT_F16: return f16_to_f32(((const u16 *)wq)[row * cols + col]);
     case FMT_Q8_0: {
         float d = f16_to_f32(wd[row * (cols / 32) + col / 32]);

@@ -116,14 +116,15 @@ __device__ __forceinline__ void load_w8(const void *__restrict__ wq, const u16 *
         const float4 *p = (const float4 *)((const float *)wq + row * cols + i0);
         const float4 a = p[0], b = p[1];
         w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
-    } else if (F == FMT_BF16 || F == FMT_F16) {
-        const uint4 u = *(const uint4 *)((const u16 *)wq + row * cols + i0);
+    } else if (F == FMT_BF16 || F == FMT_F16 || F == FMT_BF16P) {
+        // FMT_BF16P: values i0 .. i0 + 7 of a row are one lane's 16 bytes of its fragment.
+        const uint4 u = *(const uint4 *)((const u16 *)wq + (F == FMT_BF16P ? bf16p_index(row, i0, cols) : row * cols + i0));
         const u32 h[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u16 lo = (u16)(h[j] & 0xffffu), hi = (u16)(h[j] >> 16);
-            w[2 * j] = F == FMT_BF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
-            w[2 * j + 1] = F == FMT_BF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+            w[2 * j] = F == FMT_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+            w[2 * j + 1] = F == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
         }
     } else {  // FMT_Q4_0: value 8q + i at bit 2i (even i), 16 + 2(i - 1) (odd i)
         const long long b = row * (cols / 32) + i0 / 32;
@@ -193,6 +194,7 @@ __device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restric
             switch (fmt2) {
             case FMT_F32: markov_dots8<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
             case FMT_BF16: markov_dots8<FMT_BF16>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_BF16P: markov_dots8<FMT_BF16P>(w2q, w2d, rows, rank, emb, lane, acc); break;
             case FMT_F16: markov_dots8<FMT_F16>(w2q, w2d, rows, rank, emb, lane, acc); break;
             default: markov_dots8<FMT_Q4_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
             }
@@ -200,6 +202,7 @@ __device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restric
             switch (fmt2) {
             case FMT_F32: markov_dots<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
             case FMT_BF16: markov_dots<FMT_BF16>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_BF16P: markov_dots<FMT_BF16P>(w2q, w2d, rows, rank, emb, lane, acc); break;
             case FMT_F16: markov_dots<FMT_F16>(w2q, w2d, rows, rank, emb, lane, acc); break;
             case FMT_Q8_0: markov_dots<FMT_Q8_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
             case FMT_Q4_0: markov_dots<FMT_Q4_0>(w2q, w2d, rows, rank, emb, lane, acc); break;

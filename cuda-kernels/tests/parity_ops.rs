@@ -84,6 +84,39 @@ fn matmul_all_formats_and_row_counts() {
     }
 }
 
+/// bf16 matrices are stored in the skinny kernels' fragment order; a prefill (more than 16
+/// rows, cuBLAS) unpacks them in row blocks of at most 16M values: a matrix of several blocks
+/// (ragged N) against the CPU.
+#[test]
+fn bf16_prefill_over_unpacked_row_blocks() {
+    let Some(g) = gpu("bf16_prefill_over_unpacked_row_blocks") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("bf16_prefill_over_unpacked_row_blocks");
+    let (n, k) = (9000usize, 4096usize);
+    let hw = HostWeight::from_f32("w", n, k, &rand_vec(&mut r, n * k, 1.0), WeightFormat::Bf16)
+        .expect("encode");
+    let (wc, wg) = (
+        cpu.upload_weight(&hw).expect("cpu weight"),
+        g.upload_weight(&hw).expect("gpu weight"),
+    );
+    for rows in [17usize, 40] {
+        let xv = rand_vec(&mut r, rows * k, 2.0);
+        let mut want = vec![0.0f32; rows * n];
+        cpu.matmul(&xv, rows, &wc, &mut want).expect("cpu matmul");
+        let mut og = poisoned(g, rows * n);
+        g.matmul(&g.upload(&xv).expect("x"), rows, &wg, &mut og)
+            .expect("gpu matmul");
+        report(
+            &format!("bf16 prefill n={n} k={k} rows={rows}"),
+            &g.download(&og).expect("download"),
+            &want,
+            matmul_tol(WeightFormat::Bf16),
+        );
+    }
+}
+
 #[test]
 fn matmul_is_per_row_deterministic() {
     let Some(g) = gpu("matmul_is_per_row_deterministic") else {
