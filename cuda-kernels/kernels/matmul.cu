@@ -290,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(128) skinny_simt(int fmt, const voi
 #pragma unroll
     for (int t = 0; t < 16; ++t) acc[t] = 0.0f;
     for (int k = lane; k < K; k += 32) {
-        const float w = load_w(fmt, wq, wd, o, k, K);
+        const float w = load_w<false>(fmt, wq, wd, o, k, K);  // never FMT_BF16P (K % 32 != 0 or f32 / f16)
 #pragma unroll
         for (int t = 0; t < 16; ++t)
             if (t < T) acc[t] = fmaf(w, x[(long long)t * K + k], acc[t]);

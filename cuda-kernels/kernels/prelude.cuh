@@ -136,11 +136,13 @@ __device__ __forceinline__ void block_argmax(float &v, u32 &i, float *rv, u32 *r
 // layout: q8_0 = int8 values [rows, cols] + f16 scales [rows, cols/32]; q4_0 = one u32 per
 // (row, block, quarter) holding the 8 nibbles of values 8q..8q+7 (value 8q+i at bit 2i for
 // even i, at bit 16 + 2(i-1) for odd i) + f16 scales.
+// BF16P = false: a kernel that never sees FMT_BF16P (skinny_simt: its case cost 16 registers).
+template <bool BF16P = true>
 __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, long long row, int col, int cols) {
+    if (BF16P && fmt == FMT_BF16P) return bf16_to_f32(((const u16 *)wq)[bf16p_index(row, col, cols)]);
     switch (fmt) {
     case FMT_F32: return ((const float *)wq)[row * cols + col];
     case FMT_BF16: return bf16_to_f32(((const u16 *)wq)[row * cols + col]);
-    case FMT_BF16P: return bf16_to_f32(((const u16 *)wq)[bf16p_index(row, col, cols)]);
     case FMT_F16: return f16_to_f32(((const u16 *)wq)[row * cols + col]);
     case FMT_Q8_0: {
         float d = f16_to_f32(wd[row * (cols / 32) + col / 32]);

@@ -1150,6 +1150,10 @@ impl Cuda {
         // loads: bf16 2.570 -> 2.349 / 3.390 -> 3.182, q4_0 2.949 -> 2.531 / 3.793 -> 3.320,
         // q8_0 2.692 -> 2.737 / 3.650 -> 3.876 (slower: it keeps the scalar kernel).
         let v = w2.cols.is_multiple_of(8) && !matches!(w2.buf, CudaWeightBuf::Q8_0 { .. });
+        // The scalar kernel does not read the fragment order (K % 32 == 0 there, so v holds).
+        if !v && matches!(w2.buf, CudaWeightBuf::Bf16P(_)) {
+            return Err(internal());
+        }
         let f2 = self.func(Kernel::ArgmaxFinal)?;
         let (fmt1, fmt2, chunk, nb_i) = (
             w1.buf.fmt_code(),
