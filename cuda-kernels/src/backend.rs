@@ -1298,7 +1298,6 @@ impl Cuda {
         unsafe { a.launch_attrs(st, &f, cfg((b as u32, 1, 1), 512, smem as u32), false, true) }
     }
 
-    /// The skinny (<= 16 rows) matmul on the tensor cores or the SIMT kernel.
     /// The tensor-core skinny kernel (bf16 / q8_0 / q4_0 weights, K % 32 == 0) for the row
     /// tile size of `w` and `rows` rows; None for the other formats and shapes. Very tall
     /// matrices (vocabulary heads) take 64-row tiles (x re-read from L2 half as often); the
@@ -1335,7 +1334,8 @@ impl Cuda {
         Some((kern, tile_rows))
     }
 
-    /// 1-16 rows of x times one weight (any format).
+    /// 1-16 rows of x times one weight (any format): the skinny matmul on the tensor cores or
+    /// the SIMT kernel.
     fn matmul_skinny(
         &self,
         x: &cudarc::driver::CudaView<'_, f32>,
@@ -2688,32 +2688,8 @@ impl Cuda {
                     let (hp, _g2) = hi.device_ptr(&self.stream);
                     let (lp, _g3) = lo.device_ptr(&self.stream);
                     let (op, _g4) = out.data.device_ptr_mut(&self.stream);
-                    for (xp, beta) in [(hp, &zero), (lp, &one)] {
-                        unsafe {
-                            cudarc::cublas::result::gemm_ex(
-                                *blas.handle(),
-                                cublasOperation_t::CUBLAS_OP_T,
-                                cublasOperation_t::CUBLAS_OP_N,
-                                n,
-                                m,
-                                k,
-                                &one as *const f32 as *const _,
-                                wp as *const _,
-                                cudaDataType::CUDA_R_16BF,
-                                k,
-                                xp as *const _,
-                                cudaDataType::CUDA_R_16BF,
-                                k,
-                                beta as *const f32 as *const _,
-                                op as *mut _,
-                                cudaDataType::CUDA_R_32F,
-                                n,
-                                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                            )
-                        }
-                        .map_err(dev)?;
-                    }
+                    // SAFETY: W is n x k, hi / lo m x k, out m x n (checked by matmul).
+                    unsafe { gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, n, m, k, n) }?;
                     Ok(true)
                 })
             }
@@ -2761,33 +2737,9 @@ impl Cuda {
                         let (lp, _g3) = lo.device_ptr(&self.stream);
                         let (op, _g4) = out.data.device_ptr_mut(&self.stream);
                         let op = op + (n0 * std::mem::size_of::<f32>()) as u64;
-                        for (xp, beta) in [(hp, &zero), (lp, &one)] {
-                            unsafe {
-                                cudarc::cublas::result::gemm_ex(
-                                    *blas.handle(),
-                                    cublasOperation_t::CUBLAS_OP_T,
-                                    cublasOperation_t::CUBLAS_OP_N,
-                                    nc_i,
-                                    m,
-                                    k,
-                                    &one as *const f32 as *const _,
-                                    wp as *const _,
-                                    cudaDataType::CUDA_R_16BF,
-                                    k,
-                                    xp as *const _,
-                                    cudaDataType::CUDA_R_16BF,
-                                    k,
-                                    beta as *const f32 as *const _,
-                                    op as *mut _,
-                                    cudaDataType::CUDA_R_32F,
-                                    n,
-                                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                                )
-                            }
-                            .map_err(dev)?;
-                        }
-                        Ok(())
+                        // SAFETY: the unpacked block is nc x k, hi / lo m x k, and out's
+                        // columns n0 .. n0 + nc of its m rows of n (checked by matmul).
+                        unsafe { gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, nc_i, m, k, n) }
                     })?;
                     n0 += nc;
                 }
@@ -2796,6 +2748,55 @@ impl Cuda {
             _ => Ok(false),
         }
     }
+}
+
+/// `out = x W^T` on cuBLAS for x split into bf16 hi + lo (two products, the second added):
+/// W row-major `nc x k` bf16 at `wp`, hi / lo `m x k` at `hp` / `lp`, out `m` rows of `ldc`
+/// f32 at `op` (its first `nc` columns written).
+///
+/// # Safety
+/// The pointers must address device buffers of those sizes on the handle's stream.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_bf16_hi_lo(
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    wp: u64,
+    hp: u64,
+    lp: u64,
+    op: u64,
+    nc: i32,
+    m: i32,
+    k: i32,
+    ldc: i32,
+) -> Result<()> {
+    use cublas_sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+    let (one, zero) = (1.0f32, 0.0f32);
+    for (xp, beta) in [(hp, &zero), (lp, &one)] {
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                handle,
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                nc,
+                m,
+                k,
+                &one as *const f32 as *const _,
+                wp as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k,
+                xp as *const _,
+                cudaDataType::CUDA_R_16BF,
+                k,
+                beta as *const f32 as *const _,
+                op as *mut _,
+                cudaDataType::CUDA_R_32F,
+                ldc,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(dev)?;
+    }
+    Ok(())
 }
 
 /// Kernel parameters of a raw `cuLaunchKernelEx` launch, each stored in 8 bytes (the vector
