@@ -321,6 +321,83 @@ fn q4_bytes(b: &[BlockQ4_0]) -> &[u8] {
     bytemuck::cast_slice(b)
 }
 
+/// decode(encode(x)) within the format's per-block bound (blocks whose scale is a
+/// finite f16: block scales up to 2^18, below the q4_0 overflow at 524 160).
+fn roundtrip_case(seeds: &[(u64, i32)]) -> Result<(), TestCaseError> {
+    let mut x = vec![];
+    for &(s, e) in seeds {
+        let mut r = Rng(s);
+        let scale = 2f32.powi(e);
+        x.extend((0..QK).map(|_| r.unit() * scale));
+    }
+    let q8 = quantize_q8_0(&x).unwrap();
+    let q4 = quantize_q4_0(&x).unwrap();
+    let mut y8 = vec![0.0; x.len()];
+    let mut y4 = vec![0.0; x.len()];
+    dequantize_row_q8_0(&q8, &mut y8).unwrap();
+    dequantize_row_q4_0(&q4, &mut y4).unwrap();
+    for (bi, xb) in x.chunks(QK).enumerate() {
+        let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        // q8_0: |x - q d16| <= |x - q d| + 127 |d - d16| <= d/2 + 127 |d - d16|, where q
+        // rounds x * (1 / d) as ggml computes it in f32: that product can be off from x / d
+        // by up to 127 ulps-of-1 (x / d = 126.49999 rounded to 127 in one block, 1.3e-6 d
+        // past a 1e-5 relative slack), and y = q d16 rounds once more: 2 x 127 f32 epsilons
+        // of d.
+        let d = amax / 127.0;
+        let d16 = q8[bi].d.to_f32();
+        let bound8 = d * (0.5 + 2.0 * 127.0 * f32::EPSILON) + 127.0 * (d - d16).abs();
+        // q4_0: codes round half up, the +8 side clamps: |t - code| <= 1, and <= 1/2
+        // when |t| <= 7
+        let max = xb
+            .iter()
+            .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let d4 = (max / -8.0).abs();
+        let d416 = q4[bi].d.to_f32().abs();
+        for j in 0..QK {
+            let i = bi * QK + j;
+            prop_assert!(
+                (x[i] - y8[i]).abs() <= bound8,
+                "q8_0 block {} elem {}",
+                bi,
+                j
+            );
+            let k = if x[i].abs() <= 7.0 * d4 { 0.5 } else { 1.0 };
+            let bound4 = d4 * k * (1.0 + 1e-5) + 8.0 * (d4 - d416).abs();
+            prop_assert!(
+                (x[i] - y4[i]).abs() <= bound4,
+                "q4_0 block {} elem {}",
+                bi,
+                j
+            );
+        }
+    }
+    // bf16 / f16: half an ulp of the target format (relative, normal range)
+    let b = encode_bf16(&x).unwrap();
+    let h = encode_f16(&x).unwrap();
+    let mut y = vec![0.0; x.len()];
+    decode_bf16(&b, &mut y);
+    for (v, w) in x.iter().zip(&y) {
+        prop_assert!((v - w).abs() <= v.abs() * 2f32.powi(-8) + 2f32.powi(-133));
+    }
+    decode_f16(&h, &mut y);
+    for (v, w) in x.iter().zip(&y) {
+        if v.abs() >= 65520.0 {
+            prop_assert!(w.is_infinite() && (w.signum() == v.signum()));
+            continue;
+        }
+        prop_assert!((v - w).abs() <= v.abs() * 2f32.powi(-11) + 2f32.powi(-25));
+    }
+
+    Ok(())
+}
+
+/// A block where ggml's f32 x * (1 / d) rounds 126.49999 up to 127 (found by the proptest below
+/// in CI): the q8_0 bound has to allow for that product's rounding.
+#[test]
+fn roundtrip_within_bound_at_a_rounding_tie() {
+    roundtrip_case(&[(11926589130888664682, 0)]).unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
 
@@ -381,57 +458,9 @@ proptest! {
         }
     }
 
-    /// decode(encode(x)) within the format's per-block bound (blocks whose scale is a
-    /// finite f16: block scales up to 2^18, below the q4_0 overflow at 524 160).
     #[test]
     fn roundtrip_within_bound(seeds in prop::collection::vec((any::<u64>(), -20i32..19), 1..8)) {
-        let mut x = vec![];
-        for (s, e) in seeds {
-            let mut r = Rng(s);
-            let scale = 2f32.powi(e);
-            x.extend((0..QK).map(|_| r.unit() * scale));
-        }
-        let q8 = quantize_q8_0(&x).unwrap();
-        let q4 = quantize_q4_0(&x).unwrap();
-        let mut y8 = vec![0.0; x.len()];
-        let mut y4 = vec![0.0; x.len()];
-        dequantize_row_q8_0(&q8, &mut y8).unwrap();
-        dequantize_row_q4_0(&q4, &mut y4).unwrap();
-        for (bi, xb) in x.chunks(QK).enumerate() {
-            let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            // q8_0: |x - q d16| <= |x - q d| + 127 |d - d16| <= d/2 + 127 |d - d16|
-            let d = amax / 127.0;
-            let d16 = q8[bi].d.to_f32();
-            let bound8 = d * 0.5 * (1.0 + 1e-5) + 127.0 * (d - d16).abs();
-            // q4_0: codes round half up, the +8 side clamps: |t - code| <= 1, and <= 1/2
-            // when |t| <= 7
-            let max = xb.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-            let d4 = (max / -8.0).abs();
-            let d416 = q4[bi].d.to_f32().abs();
-            for j in 0..QK {
-                let i = bi * QK + j;
-                prop_assert!((x[i] - y8[i]).abs() <= bound8, "q8_0 block {} elem {}", bi, j);
-                let k = if x[i].abs() <= 7.0 * d4 { 0.5 } else { 1.0 };
-                let bound4 = d4 * k * (1.0 + 1e-5) + 8.0 * (d4 - d416).abs();
-                prop_assert!((x[i] - y4[i]).abs() <= bound4, "q4_0 block {} elem {}", bi, j);
-            }
-        }
-        // bf16 / f16: half an ulp of the target format (relative, normal range)
-        let b = encode_bf16(&x).unwrap();
-        let h = encode_f16(&x).unwrap();
-        let mut y = vec![0.0; x.len()];
-        decode_bf16(&b, &mut y);
-        for (v, w) in x.iter().zip(&y) {
-            prop_assert!((v - w).abs() <= v.abs() * 2f32.powi(-8) + 2f32.powi(-133));
-        }
-        decode_f16(&h, &mut y);
-        for (v, w) in x.iter().zip(&y) {
-            if v.abs() >= 65520.0 {
-                prop_assert!(w.is_infinite() && (w.signum() == v.signum()));
-                continue;
-            }
-            prop_assert!((v - w).abs() <= v.abs() * 2f32.powi(-11) + 2f32.powi(-25));
-        }
+        roundtrip_case(&seeds)?;
     }
 
     #[test]
