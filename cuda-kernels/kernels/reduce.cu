@@ -106,36 +106,47 @@ __device__ __forceinline__ void markov_dots(const void *__restrict__ w2q, const 
     }
 }
 
-// 8 consecutive weights (row, i0 .. i0+7) of W2 in format F (f32, bf16, f16, q4_0), dequantized with
-// load_w's arithmetic (i0 % 8 == 0; the row start 16-byte aligned for the 16-bit formats and
-// 32-byte for f32: cols % 8 == 0).
+// 8 consecutive weights (row, i0 .. i0+7) of W2 in format F (f32, bf16, bf16p, f16, q8_0, q4_0) as
+// loaded: one or two 16-byte loads, or the codes and their block's scale (i0 % 8 == 0; the row
+// start 16-byte aligned for the 16-bit formats and 32-byte for f32: cols % 8 == 0). Kept raw
+// until w8_at decodes value j with load_w's arithmetic, so a warp's rows hold 4-8 registers
+// each while their loads are in flight (decoded at the load, 8 rows took 168 registers).
+struct Raw8 {
+    uint4 a, b;  // b: f32's second half only
+    float d;     // q8_0 / q4_0: the block's scale
+};
 template <int F>
-__device__ __forceinline__ void load_w8(const void *__restrict__ wq, const u16 *__restrict__ wd, long long row, int i0, int cols,
-                                        float (&w)[8]) {
+__device__ __forceinline__ Raw8 load_raw8(const void *__restrict__ wq, const u16 *__restrict__ wd, long long row, int i0, int cols) {
+    Raw8 r;
     if (F == FMT_F32) {
-        const float4 *p = (const float4 *)((const float *)wq + row * cols + i0);
-        const float4 a = p[0], b = p[1];
-        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+        const uint4 *p = (const uint4 *)((const float *)wq + row * cols + i0);
+        r.a = p[0], r.b = p[1];
     } else if (F == FMT_BF16 || F == FMT_F16 || F == FMT_BF16P) {
         // FMT_BF16P: values i0 .. i0 + 7 of a row are one lane's 16 bytes of its fragment.
-        const uint4 u = *(const uint4 *)((const u16 *)wq + (F == FMT_BF16P ? bf16p_index(row, i0, cols) : row * cols + i0));
-        const u32 h[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u16 lo = (u16)(h[j] & 0xffffu), hi = (u16)(h[j] >> 16);
-            w[2 * j] = F == FMT_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
-            w[2 * j + 1] = F == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
-        }
-    } else {  // FMT_Q4_0: value 8q + i at bit 2i (even i), 16 + 2(i - 1) (odd i)
+        r.a = *(const uint4 *)((const u16 *)wq + (F == FMT_BF16P ? bf16p_index(row, i0, cols) : row * cols + i0));
+    } else if (F == FMT_Q8_0) {
+        const uint2 u = *(const uint2 *)((const i8 *)wq + row * cols + i0);
+        r.a.x = u.x, r.a.y = u.y;
+        r.d = f16_to_f32(wd[row * (cols / 32) + i0 / 32]);
+    } else {  // FMT_Q4_0
         const long long b = row * (cols / 32) + i0 / 32;
-        const float d = f16_to_f32(wd[b]);
-        const u32 u = ((const u32 *)wq)[b * 4 + ((i0 & 31) >> 3)];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int shift = (j & 1) ? 16 + 2 * (j - 1) : 2 * j;
-            w[j] = (float)((int)((u >> shift) & 0xfu) - 8) * d;
-        }
+        r.a.x = ((const u32 *)wq)[b * 4 + ((i0 & 31) >> 3)];
+        r.d = f16_to_f32(wd[b]);
     }
+    return r;
+}
+template <int F>
+__device__ __forceinline__ float w8_at(const Raw8 &r, int j) {
+    const u32 h[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+    if (F == FMT_F32) return __uint_as_float(h[j]);
+    if (F == FMT_BF16 || F == FMT_F16 || F == FMT_BF16P) {
+        const u16 v = (u16)((h[j >> 1] >> (16 * (j & 1))) & 0xffffu);
+        return F == FMT_F16 ? f16_to_f32(v) : bf16_to_f32(v);
+    }
+    if (F == FMT_Q8_0) return (float)(int)(signed char)((h[j >> 2] >> (8 * (j & 3))) & 0xffu) * r.d;
+    // FMT_Q4_0: value 8q + j at bit 2j (even j), 16 + 2(j - 1) (odd j)
+    const int shift = (j & 1) ? 16 + 2 * (j - 1) : 2 * j;
+    return (float)((int)((h[0] >> shift) & 0xfu) - 8) * r.d;
 }
 
 // markov_dots with lane-contiguous loads: lane L takes k = 8L .. 8L+7 of every 256 (one 16-byte
@@ -143,32 +154,27 @@ __device__ __forceinline__ void load_w8(const void *__restrict__ wq, const u16 *
 // one coalesced load where markov_dots issues 8 scattered ones; for q8_0 the 8-byte loads
 // measured slower than markov_dots, which it keeps). Another
 // summation order than markov_dots' (the lane's 8 in order, then warp_sum): within f32 rounding.
-template <int F>
-__device__ __forceinline__ void markov_dots8(const void *__restrict__ w2q, const u16 *__restrict__ w2d, const int (&rows)[MARKOV_R],
-                                             int rank, const float *__restrict__ emb, int lane, float (&acc)[MARKOV_R]) {
+template <int F, int R>
+__device__ __forceinline__ void markov_dots8(const void *__restrict__ w2q, const u16 *__restrict__ w2d, const int (&rows)[R], int rank,
+                                             const float *__restrict__ emb, int lane, float (&acc)[R]) {
 #pragma unroll
-    for (int r = 0; r < MARKOV_R; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     for (int i0 = 8 * lane; i0 < rank; i0 += 256) {
         const float4 e0 = *(const float4 *)(emb + i0), e1 = *(const float4 *)(emb + i0 + 4);
         const float e[8] = {e0.x, e0.y, e0.z, e0.w, e1.x, e1.y, e1.z, e1.w};
-        float w[MARKOV_R][8];
+        Raw8 w[R];
 #pragma unroll
-        for (int r = 0; r < MARKOV_R; ++r) {
-            if (rows[r] >= 0) {
-                load_w8<F>(w2q, w2d, rows[r], i0, rank, w[r]);
-            } else {
+        for (int r = 0; r < R; ++r) w[r] = load_raw8<F>(w2q, w2d, rows[r] >= 0 ? rows[r] : rows[0], i0, rank);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) w[r][j] = 0.0f;
-            }
-        }
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int r = 0; r < MARKOV_R; ++r)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[r] = fmaf(w[r][j], e[j], acc[r]);
+            for (int j = 0; j < 8; ++j) acc[r] = fmaf(w8_at<F>(w[r], j), e[j], acc[r]);
     }
 }
 
-template <bool V>
+// MODE: 0 the scalar kernel (markov_dots), 1 lane-contiguous f32 / bf16 / bf16p / f16, 2
+// lane-contiguous q8_0 / q4_0 (markov_dots8); R rows per warp iteration.
+template <int MODE, int R>
 __device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
                                                  const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
                                                  const u32 *__restrict__ prev, float *__restrict__ logits, int chunk,
@@ -181,25 +187,29 @@ __device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restric
     const int o0 = blockIdx.x * chunk, o1 = min(vocab, o0 + chunk);
     float bv = 0.0f;
     u32 bi = ARGMAX_NONE;
-    for (int o = o0 + warp; o < o1; o += MARKOV_R * nw) {
-        int rows[MARKOV_R];
-        float lg[MARKOV_R], acc[MARKOV_R];
+    for (int o = o0 + warp; o < o1; o += R * nw) {
+        int rows[R];
+        float lg[R], acc[R];
 #pragma unroll
-        for (int r = 0; r < MARKOV_R; ++r) {
+        for (int r = 0; r < R; ++r) {
             rows[r] = o + r * nw < o1 ? o + r * nw : -1;
             lg[r] = rows[r] >= 0 ? logits[rows[r]] : 0.0f;
         }
         // The format switch outside the inner loop (load_w folds to one format's decode).
         // FMT_BF16P (rank % 32 == 0) always takes the V kernel: a case for it here raised this
         // kernel from 128 to 159 registers (the q8_0 DSpark step +23%).
-        if (V) {  // fmt2 is f32, bf16, bf16p, f16 or q4_0, rank % 8 == 0
+        if constexpr (MODE == 1) {  // fmt2 is f32, bf16, bf16p or f16, rank % 8 == 0
             switch (fmt2) {
-            case FMT_F32: markov_dots8<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
-            case FMT_BF16: markov_dots8<FMT_BF16>(w2q, w2d, rows, rank, emb, lane, acc); break;
-            case FMT_BF16P: markov_dots8<FMT_BF16P>(w2q, w2d, rows, rank, emb, lane, acc); break;
-            case FMT_F16: markov_dots8<FMT_F16>(w2q, w2d, rows, rank, emb, lane, acc); break;
-            default: markov_dots8<FMT_Q4_0>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_F32: markov_dots8<FMT_F32, R>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_BF16: markov_dots8<FMT_BF16, R>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            case FMT_BF16P: markov_dots8<FMT_BF16P, R>(w2q, w2d, rows, rank, emb, lane, acc); break;
+            default: markov_dots8<FMT_F16, R>(w2q, w2d, rows, rank, emb, lane, acc); break;
             }
+        } else if constexpr (MODE == 2) {  // fmt2 is q8_0 or q4_0, rank % 8 == 0
+            if (fmt2 == FMT_Q8_0)
+                markov_dots8<FMT_Q8_0, R>(w2q, w2d, rows, rank, emb, lane, acc);
+            else
+                markov_dots8<FMT_Q4_0, R>(w2q, w2d, rows, rank, emb, lane, acc);
         } else {
             switch (fmt2) {
             case FMT_F32: markov_dots<FMT_F32>(w2q, w2d, rows, rank, emb, lane, acc); break;
@@ -211,7 +221,7 @@ __device__ __forceinline__ void markov_step_impl(int fmt1, const void *__restric
             }
         }
 #pragma unroll
-        for (int r = 0; r < MARKOV_R; ++r) {
+        for (int r = 0; r < R; ++r) {
             if (rows[r] < 0) break;
             const float v = lg[r] + warp_sum(acc[r]);
             if (lane == 0) logits[rows[r]] = v;
@@ -225,14 +235,27 @@ extern "C" __global__ void markov_step(int fmt1, const void *__restrict__ w1q, c
                                        const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
                                        const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
                                        u32 *__restrict__ pi) {
-    markov_step_impl<false>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
+    markov_step_impl<0, MARKOV_R>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
 }
-// The same with lane-contiguous W2 loads (markov_dots8): f32, bf16, f16, q4_0 with rank % 8 == 0.
+// The same with lane-contiguous W2 loads (markov_dots8), rank % 8 == 0, one kernel per family of
+// formats: a switch over all six held the kernel at 98 registers (2 blocks of 256 threads per
+// multiprocessor), these take 61 (f32 / bf16 / bf16p / f16) and 64 (q8_0 / q4_0): 4 blocks,
+// twice the rows in flight. (8 rows per warp iteration at 2 blocks per multiprocessor measured
+// slower.) H200, DSpark step graph ms at ctx 512 (8B / 27B), the 1024-row blocks and one kernel
+// -> one wave of blocks and one kernel -> these: bf16 2.144 -> 1.709 -> 1.644 / 2.796 -> 2.574
+// -> 2.474; q8_0 (the scalar kernel before) 2.462 -> 2.002 -> 1.754 / 3.181 -> 3.117 -> 2.721;
+// q4_0 2.330 -> 1.776 -> 1.660 / 2.939 -> 2.685 -> 2.480.
 extern "C" __global__ void markov_step_v(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
                                          const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
                                          const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
                                          u32 *__restrict__ pi) {
-    markov_step_impl<true>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
+    markov_step_impl<1, MARKOV_R>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
+}
+extern "C" __global__ void markov_step_vq(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d, int fmt2,
+                                          const void *__restrict__ w2q, const u16 *__restrict__ w2d, int rank, int vocab,
+                                          const u32 *__restrict__ prev, float *__restrict__ logits, int chunk, float *__restrict__ pv,
+                                          u32 *__restrict__ pi) {
+    markov_step_impl<2, MARKOV_R>(fmt1, w1q, w1d, fmt2, w2q, w2d, rank, vocab, prev, logits, chunk, pv, pi);
 }
 
 // One Markov step for a Q8_0A8 W2 (the mma fragment layout of WeightFormat::Q8_0A8): one warp

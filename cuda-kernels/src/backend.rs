@@ -29,7 +29,10 @@ pub const SKINNY_ROWS: usize = 16;
 /// twice that for the R = 4 kernels of very tall matrices).
 const SKINNY_TILE_ROWS: usize = 32;
 const ARGMAX_CHUNK: usize = 4096;
-const MARKOV_CHUNK: usize = 1024;
+/// Rows per block iteration of the bf16 / f16 / f32 / q8_0 / q4_0 Markov step kernels:
+/// `MARKOV_R` (reduce.cu) rows for each of their 8 warps. A block's row range is a multiple
+/// of it.
+const MARKOV_ROWS_ITER: usize = 4 * 8;
 /// Rows per block of the Q8_0A8 Markov step (`markov_step_a8`; a multiple of its 16-row tiles).
 const MARKOV_CHUNK_A8: usize = 256;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
@@ -493,6 +496,9 @@ pub struct Cuda {
     markov_persistent: Mutex<bool>,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
     markov_fit: Mutex<HashMap<(usize, usize), Option<usize>>>,
+    /// Resident 256-thread blocks per multiprocessor of the bf16 / q8_0 / q4_0 Markov step
+    /// kernels, per (kernel, dynamic shared memory): computed once.
+    markov_occ: Mutex<HashMap<(Kernel, usize), usize>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -626,6 +632,7 @@ impl Cuda {
             attn_fast_f16: Mutex::new(true),
             markov_persistent: Mutex::new(true),
             markov_fit: Mutex::new(HashMap::new()),
+            markov_occ: Mutex::new(HashMap::new()),
         })
     }
 
@@ -1128,14 +1135,62 @@ impl Cuda {
         check("markov_chain", "prev", 1, prev.len())?;
         // Q8_0A8 W2 (rank a multiple of 32, as the format requires): the persistent chain, or
         // one warp per 16-row tile, 256 rows per block; other formats: 4 rows per warp
-        // iteration, 1024 rows per block.
+        // iteration, the vocabulary over one wave of blocks (below).
         let a8 = matches!(w2.buf, CudaWeightBuf::Q8A8 { .. });
         if a8 && n > 0 && *lock(&self.markov_persistent) {
             if let Some(kt) = self.markov_persistent_tiles(vocab, w2.cols)? {
                 return self.markov_chain_persistent(logits, n, vocab, prev, toks, w1, w2, kt);
             }
         }
-        let chunk_rows = if a8 { MARKOV_CHUNK_A8 } else { MARKOV_CHUNK };
+        // Lane-contiguous W2 loads where rank % 8 == 0 (row segments aligned). DSpark step on
+        // the H200 (graph ms, 8B / 27B at ctx 512), scalar -> contiguous loads: bf16 2.570 ->
+        // 2.349 / 3.390 -> 3.182, q4_0 2.949 -> 2.531 / 3.793 -> 3.320; q8_0 2.692 -> 2.737 /
+        // 3.650 -> 3.876 then, but with one wave of blocks and its own kernel (nineteenth
+        // session, reduce.cu) 2.002 -> 1.754 / 3.117 -> 2.721.
+        let v = w2.cols.is_multiple_of(8);
+        // The scalar kernel does not read the fragment order (K % 32 == 0 there, so v holds).
+        if !v && matches!(w2.buf, CudaWeightBuf::Bf16P(_)) {
+            return Err(internal());
+        }
+        // markov_step_a8: emb, its mma fragments (rank / 32 x 512 bytes), then per warp (8) the
+        // first tile's MARKOV_PRE (8) blocks of codes (512 bytes) and scales (32 bytes), copied
+        // before the grid dependency wait.
+        let smem1 = w1.cols * 4
+            + if a8 {
+                w1.cols / 32 * 512 + 8 * 8 * (512 + 32)
+            } else {
+                0
+            };
+        let vq = v
+            && matches!(
+                w2.buf,
+                CudaWeightBuf::Q8_0 { .. } | CudaWeightBuf::Q4_0 { .. }
+            );
+        let kernel = if a8 {
+            Kernel::MarkovStepA8
+        } else if vq {
+            Kernel::MarkovStepVQ
+        } else if v {
+            Kernel::MarkovStepV
+        } else {
+            Kernel::MarkovStep
+        };
+        let f1 = self.func_smem(kernel, smem1)?;
+        // Rows per block. The other formats' step spreads the vocabulary over one wave of
+        // resident blocks, a multiple of the warps' rows per iteration each: every row's
+        // arithmetic is one warp's whatever the range, and the argmax winner does not depend
+        // on how the rows are grouped (am_better orders the candidates totally), so the bits
+        // do not depend on it. (Until the nineteenth session 1024 rows per block: 149 blocks
+        // at 8B, each warp 32 dependent iterations of 4 rows, so the step waited on
+        // round trips with ~18 KB in flight per multiprocessor.)
+        let chunk_rows = if a8 {
+            MARKOV_CHUNK_A8
+        } else {
+            let per_sm = self.markov_occupancy(&f1, kernel, smem1)?;
+            vocab
+                .div_ceil(per_sm * self.num_sms.max(1))
+                .next_multiple_of(MARKOV_ROWS_ITER)
+        };
         let nb = vocab.div_ceil(chunk_rows);
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.am_v, nb).map_err(dev)?;
@@ -1145,20 +1200,11 @@ impl Cuda {
             am_v.as_mut().ok_or_else(internal)?,
             am_i.as_mut().ok_or_else(internal)?,
         );
-        // Lane-contiguous W2 loads where rank % 8 == 0 (row segments aligned), except for
-        // q8_0. DSpark step on the H200 (graph ms, 8B / 27B at ctx 512), scalar -> contiguous
-        // loads: bf16 2.570 -> 2.349 / 3.390 -> 3.182, q4_0 2.949 -> 2.531 / 3.793 -> 3.320,
-        // q8_0 2.692 -> 2.737 / 3.650 -> 3.876 (slower: it keeps the scalar kernel).
-        let v = w2.cols.is_multiple_of(8) && !matches!(w2.buf, CudaWeightBuf::Q8_0 { .. });
-        // The scalar kernel does not read the fragment order (K % 32 == 0 there, so v holds).
-        if !v && matches!(w2.buf, CudaWeightBuf::Bf16P(_)) {
-            return Err(internal());
-        }
         let f2 = self.func(Kernel::ArgmaxFinal)?;
         let (fmt1, fmt2, chunk, nb_i) = (
             w1.buf.fmt_code(),
             w2.buf.fmt_code(),
-            chunk_rows as i32,
+            i32_of("markov_chain", "rows per block", chunk_rows)?,
             nb as i32,
         );
         // Programmatic dependent launches for a Q8_0A8 W2 (with the Q8_0A8 matmuls,
@@ -1169,22 +1215,6 @@ impl Cuda {
         // normally (the kernels' griddep instructions are then no-ops).
         let pdl = *lock(&self.a8_pdl) && a8;
         let st = &*self.stream;
-        // markov_step_a8: emb, its mma fragments (rank / 32 x 512 bytes), then per warp (8) the
-        // first tile's MARKOV_PRE (8) blocks of codes (512 bytes) and scales (32 bytes), copied
-        // before the grid dependency wait.
-        let smem1 = w1.cols * 4
-            + if a8 {
-                w1.cols / 32 * 512 + 8 * 8 * (512 + 32)
-            } else {
-                0
-            };
-        let f1 = if a8 {
-            self.func_smem(Kernel::MarkovStepA8, smem1)?
-        } else if v {
-            self.func(Kernel::MarkovStepV)?
-        } else {
-            self.func(Kernel::MarkovStep)?
-        };
         let (threads_f, smem1) = (am_final_threads(nb), smem1 as u32);
 
         for k in 0..n {
@@ -1215,6 +1245,20 @@ impl Cuda {
             unsafe { a.launch(st, &f2, cfg((1, 1, 1), threads_f, 0), pdl) }?;
         }
         Ok(())
+    }
+
+    /// Resident 256-thread blocks per multiprocessor of a bf16 / q8_0 / q4_0 Markov step
+    /// kernel `k` (its function `f`) with `smem` bytes of dynamic shared memory.
+    fn markov_occupancy(&self, f: &CudaFunction, k: Kernel, smem: usize) -> Result<usize> {
+        if let Some(&b) = lock(&self.markov_occ).get(&(k, smem)) {
+            return Ok(b);
+        }
+        let b = f
+            .occupancy_max_active_blocks_per_multiprocessor(256, smem, None)
+            .map_err(dev)?
+            .max(1) as usize;
+        lock(&self.markov_occ).insert((k, smem), b);
+        Ok(b)
     }
 
     /// W2 tiles per block the persistent Markov chain keeps in shared memory, or None where

@@ -103,6 +103,7 @@ kernels! {
     MarkovStep => (Reduce, "markov_step"),
     MarkovStepA8 => (Reduce, "markov_step_a8"),
     MarkovStepV => (Reduce, "markov_step_v"),
+    MarkovStepVQ => (Reduce, "markov_step_vq"),
     MarkovChainA8P => (Reduce, "markov_chain_a8p"),
     SkinnyBf16N1 => (Matmul, "skinny_bf16_n1"),
     SkinnyBf16N2 => (Matmul, "skinny_bf16_n2"),

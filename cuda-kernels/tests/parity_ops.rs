@@ -734,9 +734,15 @@ fn markov_chain_on_device() {
     };
     let cpu = Cpu::new();
     let mut r = rng("markov_chain_on_device");
-    // Rank 256: the lane-contiguous kernel (the scalar-load one for q8_0, the tile kernel for
-    // Q8_0A8); rank 100 (not a multiple of 8, f32 / bf16 / f16 only): the scalar-load kernel.
-    for (vocab, rank, n) in [(5000usize, 256usize, 15usize), (3000, 100, 6)] {
+    // Ranks 256 and 64: the lane-contiguous kernels (f32 / bf16 / f16; q8_0 / q4_0), the tile
+    // kernel for Q8_0A8; rank 100 (not a multiple of 8, f32 / bf16 / f16 only): the
+    // scalar-load kernel. The step spreads the vocabulary over one wave of blocks: 20011 rows
+    // give blocks of several 32-row iterations and a ragged last block.
+    for (vocab, rank, n) in [
+        (5000usize, 256usize, 15usize),
+        (3000, 100, 6),
+        (20011, 64, 4),
+    ] {
         let w1v = rand_vec(&mut r, vocab * rank, 1.0);
         let w2v = rand_vec(&mut r, vocab * rank, 0.2);
         // Q8_0A8 too: its W2 runs its own kernel (one warp per 16-row tile of the fragment
