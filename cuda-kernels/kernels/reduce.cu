@@ -150,9 +150,8 @@ __device__ __forceinline__ float w8_at(const Raw8 &r, int j) {
 }
 
 // markov_dots with lane-contiguous loads: lane L takes k = 8L .. 8L+7 of every 256 (one 16-byte
-// load of a bf16 row segment, one u32 of q4_0 nibbles: the warp reads a row's 256 values with
-// one coalesced load where markov_dots issues 8 scattered ones; for q8_0 the 8-byte loads
-// measured slower than markov_dots, which it keeps). Another
+// load of a bf16 row segment, 8 bytes of q8_0 codes, one u32 of q4_0 nibbles: the warp reads a
+// row's 256 values with one coalesced load where markov_dots issues 8 scattered ones). Another
 // summation order than markov_dots' (the lane's 8 in order, then warp_sum): within f32 rounding.
 template <int F, int R>
 __device__ __forceinline__ void markov_dots8(const void *__restrict__ w2q, const u16 *__restrict__ w2d, const int (&rows)[R], int rank,
