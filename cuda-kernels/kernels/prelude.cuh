@@ -283,3 +283,13 @@ __device__ __forceinline__ void griddep_launch() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// The Markov embedding W1[*prev, :] into shared memory (every block of a step loads it).
+__device__ __forceinline__ void markov_load_emb(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d,
+                                                const u32 *__restrict__ prev, int rank, float *emb) {
+    griddep_launch();  // the step's final may launch (it waits for this grid)
+    griddep_wait();    // a programmatic dependent launch: the previous step's token first
+    const u32 p = *prev;
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
+    __syncthreads();
+}

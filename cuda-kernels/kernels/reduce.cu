@@ -72,16 +72,6 @@ extern "C" __global__ void argmax_final(const float *pv, const u32 *pi, int n_ch
     }
 }
 
-// The Markov embedding W1[*prev, :] into shared memory (every block of a step loads it).
-__device__ __forceinline__ void markov_load_emb(int fmt1, const void *__restrict__ w1q, const u16 *__restrict__ w1d,
-                                                const u32 *__restrict__ prev, int rank, float *emb) {
-    griddep_launch();  // the step's final may launch (it waits for this grid)
-    griddep_wait();    // a programmatic dependent launch: the previous step's token first
-    const u32 p = *prev;
-    for (int i = threadIdx.x; i < rank; i += blockDim.x) emb[i] = load_w(fmt1, w1q, w1d, p, i, rank);
-    __syncthreads();
-}
-
 // One Markov step: logits[o] += dot(W2[o, :], W1[*prev, :]) for o in the block's range, and
 // the block's argmax candidate. Dynamic shared memory: rank floats.
 // Each warp takes its rows (o0 + warp, + nw, + 2 nw, ...) MARKOV_R at a time: the W2 loads and

@@ -494,6 +494,9 @@ pub struct Cuda {
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
     markov_persistent: Mutex<bool>,
+    /// Whether a bf16 / q8_0 / q4_0 W2 takes the tensor-core Markov step
+    /// ([`Cuda::set_markov_mma`]).
+    markov_mma: Mutex<bool>,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
     markov_fit: Mutex<HashMap<(usize, usize), Option<usize>>>,
     /// Resident 256-thread blocks per multiprocessor of the bf16 / q8_0 / q4_0 Markov step
@@ -631,6 +634,7 @@ impl Cuda {
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
             markov_persistent: Mutex::new(true),
+            markov_mma: Mutex::new(true),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
         })
@@ -1094,6 +1098,14 @@ impl Cuda {
         Ok(())
     }
 
+    /// Whether the Markov chain over a bf16 (fragment order), q8_0 or q4_0 W2 with rank % 32 ==
+    /// 0 runs its steps on the tensor cores (the default) or with the lane-contiguous CUDA-core
+    /// kernels (`false`). Within f32 rounding of each other (another summation order), the
+    /// argmax rule the same; a benchmark knob.
+    pub fn set_markov_mma(&self, on: bool) {
+        *lock(&self.markov_mma) = on;
+    }
+
     /// Whether the Markov chain over a Q8_0A8 W2 runs as one persistent cooperative launch
     /// (the default: one block per multiprocessor keeps the head of its W2 rows in shared
     /// memory for every step, the steps meet at a grid barrier) or as two launches per step
@@ -1106,7 +1118,9 @@ impl Cuda {
     /// (graph-capturable): `prev[0]` is the starting token and ends as the last draft;
     /// `toks[0..n]` receives the drafts. A Q8_0A8 W2 runs the whole chain as one persistent
     /// cooperative launch where it fits ([`Cuda::set_markov_persistent`]); otherwise two
-    /// launches per step (programmatic dependent launches for a Q8_0A8 W2).
+    /// launches per step (programmatic dependent launches for a Q8_0A8 W2): the step on the
+    /// tensor cores for bf16 / q8_0 / q4_0 with rank % 32 == 0 ([`Cuda::set_markov_mma`]), on
+    /// the CUDA cores for the other formats and ranks.
     #[allow(clippy::too_many_arguments)]
     pub fn markov_chain_dev(
         &self,
@@ -1152,12 +1166,29 @@ impl Cuda {
         if !v && matches!(w2.buf, CudaWeightBuf::Bf16P(_)) {
             return Err(internal());
         }
-        // markov_step_a8: emb, its mma fragments (rank / 32 x 512 bytes), then per warp (8) the
-        // first tile's MARKOV_PRE (8) blocks of codes (512 bytes) and scales (32 bytes), copied
-        // before the grid dependency wait.
+        // bf16 (fragment order), q8_0 and q4_0 with rank % 32 == 0: the tensor-core step
+        // (matmul.cu, markov_step_mma_*), 16-row tiles. DSpark step on the H200 (graph ms, 8B
+        // / 27B at ctx 512, 05:53 lease, two rounds), the lane-contiguous kernels -> it: bf16
+        // 1.643 -> 1.608 / 2.471 -> 2.382, q8_0 1.781 -> 1.623 / 2.731 -> 2.494, q4_0 1.666 ->
+        // 1.455 / 2.489 -> 2.108 (ncu, q4_0 lanes: 38 us per Markov step, issue-bound).
+        let mma = match (
+            &w2.buf,
+            w2.cols.is_multiple_of(32) && *lock(&self.markov_mma),
+        ) {
+            (CudaWeightBuf::Bf16P(_), true) => Some(Kernel::MarkovStepMmaBf16P),
+            (CudaWeightBuf::Q8_0 { .. }, true) => Some(Kernel::MarkovStepMmaQ8_0),
+            (CudaWeightBuf::Q4_0 { .. }, true) => Some(Kernel::MarkovStepMmaQ4_0),
+            _ => None,
+        };
+        // Dynamic shared memory: emb, then for markov_step_a8 its mma fragments (rank / 32 x
+        // 512 bytes) and per warp (8) the first tile's MARKOV_PRE (8) blocks of codes (512
+        // bytes) and scales (32 bytes), copied before the grid dependency wait; for the
+        // tensor-core step emb's B fragments (rank / 32 x 32 x 16 bytes).
         let smem1 = w1.cols * 4
             + if a8 {
                 w1.cols / 32 * 512 + 8 * 8 * (512 + 32)
+            } else if mma.is_some() {
+                w1.cols * 16
             } else {
                 0
             };
@@ -1168,6 +1199,8 @@ impl Cuda {
             );
         let kernel = if a8 {
             Kernel::MarkovStepA8
+        } else if let Some(k) = mma {
+            k
         } else if vq {
             Kernel::MarkovStepVQ
         } else if v {
@@ -1189,7 +1222,7 @@ impl Cuda {
             let per_sm = self.markov_occupancy(&f1, kernel, smem1)?;
             vocab
                 .div_ceil(per_sm * self.num_sms.max(1))
-                .next_multiple_of(MARKOV_ROWS_ITER)
+                .next_multiple_of(if mma.is_some() { 16 } else { MARKOV_ROWS_ITER })
         };
         let nb = vocab.div_ceil(chunk_rows);
         let mut s = lock(&self.scratch);

@@ -734,14 +734,16 @@ fn markov_chain_on_device() {
     };
     let cpu = Cpu::new();
     let mut r = rng("markov_chain_on_device");
-    // Ranks 256 and 64: the lane-contiguous kernels (f32 / bf16 / f16; q8_0 / q4_0), the tile
-    // kernel for Q8_0A8; rank 100 (not a multiple of 8, f32 / bf16 / f16 only): the
-    // scalar-load kernel. The step spreads the vocabulary over one wave of blocks: 20011 rows
-    // give blocks of several 32-row iterations and a ragged last block.
+    // Ranks 256 and 64: the tensor-core step for bf16 / q8_0 / q4_0, the lane-contiguous
+    // kernel for f32 / f16, the tile kernel for Q8_0A8; rank 100 (not a multiple of 8, f32 /
+    // bf16 / f16 only): the scalar-load kernel. The step spreads the vocabulary over one wave
+    // of blocks: 20011 rows give blocks of several tiles and a ragged last block; the 8B
+    // vocabulary (bf16 / q8_0 / q4_0 only) the shipped shape.
     for (vocab, rank, n) in [
         (5000usize, 256usize, 15usize),
         (3000, 100, 6),
         (20011, 64, 4),
+        (151936, 256, 3),
     ] {
         let w1v = rand_vec(&mut r, vocab * rank, 1.0);
         let w2v = rand_vec(&mut r, vocab * rank, 0.2);
@@ -752,6 +754,14 @@ fn markov_chain_on_device() {
                 && !matches!(
                     fmt,
                     WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::F16
+                )
+            {
+                continue;
+            }
+            if vocab > 100_000
+                && !matches!(
+                    fmt,
+                    WeightFormat::Bf16 | WeightFormat::Q8_0 | WeightFormat::Q4_0
                 )
             {
                 continue;
@@ -788,6 +798,40 @@ fn markov_chain_on_device() {
                 &lc,
                 2e-5,
             );
+        }
+    }
+}
+
+/// The tensor-core Markov step (bf16 in fragment order, q8_0, q4_0; the default) against the
+/// lane-contiguous CUDA-core kernels (`set_markov_mma(false)`): the same tokens, logits within
+/// f32 rounding of each other (another summation order; emb as bf16 hi + lo), at the 8B
+/// vocabulary and at a vocabulary that leaves a ragged last tile.
+#[test]
+fn markov_chain_mma_matches_the_lane_kernels() {
+    if gpu("markov_chain_mma_matches_the_lane_kernels").is_none() {
+        return;
+    }
+    let mut r = rng("markov_chain_mma_matches_the_lane_kernels");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    for (vocab, rank, n) in [(151936usize, 256usize, 15usize), (10007, 96, 5)] {
+        let w1v = rand_vec(&mut r, vocab * rank, 1.0);
+        let w2v = rand_vec(&mut r, vocab * rank, 0.2);
+        let logits = rand_vec(&mut r, n * vocab, 4.0);
+        for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let h1 = HostWeight::from_f32("markov_w1", vocab, rank, &w1v, fmt).unwrap();
+            let h2 = HostWeight::from_f32("markov_w2", vocab, rank, &w2v, fmt).unwrap();
+            let (w1, w2) = (g.upload_weight(&h1).unwrap(), g.upload_weight(&h2).unwrap());
+            let mut out = Vec::new();
+            for mma in [false, true] {
+                g.set_markov_mma(mma);
+                let mut lg = g.upload(&logits).unwrap();
+                let toks = g.markov_chain(&mut lg, n, vocab, 17, &w1, &w2).unwrap();
+                out.push((toks, g.download(&lg).unwrap()));
+            }
+            g.set_markov_mma(true);
+            let what = format!("markov_chain mma vs lanes {fmt:?} vocab {vocab} rank {rank}");
+            assert_eq!(out[1].0, out[0].0, "{what}: tokens");
+            report(&what, &out[1].1, &out[0].1, 2e-5);
         }
     }
 }

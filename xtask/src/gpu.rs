@@ -48,6 +48,10 @@ pub struct BenchArgs {
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
     #[arg(long)]
     markov: bool,
+    /// The Markov chain over bf16 / q8_0 / q4_0 W2 with the lane-contiguous CUDA-core step
+    /// kernels instead of the tensor-core one (`Cuda::set_markov_mma(false)`).
+    #[arg(long)]
+    markov_lanes: bool,
     /// Skip the per-op breakdown (profiling runs).
     #[arg(long)]
     no_ops: bool,
@@ -1728,6 +1732,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         g.set_a8_kernel(a8k);
         set_split(&g, a.attn_split)?;
         g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
+        g.set_markov_mma(!a.markov_lanes);
         for &(f, fast, kv) in &fmts {
             let mut m = Model::new(&g, s, f, cap, false, 42)?;
             m.base_kernel = a8k;
