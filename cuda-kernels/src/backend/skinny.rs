@@ -1,0 +1,434 @@
+//! The skinny matmul of the CUDA backend (kernels/matmul.cu, `skinny_*`): bf16 / q8_0 / q4_0
+//! weights times 1-16 rows of x on the bf16 tensor cores (x split into bf16 hi + lo), K split
+//! across blocks with the last block of a column tile adding the partial sums in order; several
+//! matrices of one x in one launch (`matmul_many`), and the producers (norms, the SiLU product)
+//! that write its x. A row's bits never depend on how many rows share the call.
+
+use super::*;
+
+/// Output features per block of the tensor-core skinny matmul (`16 * R` in matmul.cu, R = 2;
+/// twice that for the R = 4 kernels of very tall matrices).
+const SKINNY_TILE_ROWS: usize = 32;
+
+/// Blocks per SM of the tensor-core skinny kernels at their register use (92-96 registers x
+/// 128 threads on sm_90: 5), the occupancy their split-k fills.
+pub(super) const SKINNY_BLOCKS_PER_SM: usize = 5;
+
+/// Split-k of the tensor-core skinny matmul for `nb` column tiles over `kt` 32-wide k tiles:
+/// (splits, k tiles per split). As many splits as fill one wave at [`SKINNY_BLOCKS_PER_SM`]
+/// (more warps streaming; a second, partial wave costs more than it adds), at most 8 (their
+/// partial sums) and at least 8 k tiles each. A function of (N, K, SM count) only, so a row's
+/// result never depends on how many rows share the call. H200, bf16 weights, us per call at 1 /
+/// 16 rows, from the earlier rule (ceil(2 SMs / nb) splits, at most kt / 8): 8B down 48.8 /
+/// 51.5 -> 38.1 / 43.4 (3 -> 5 splits; k / v, 32 column tiles, 11.0 -> 13.2 at 16 splits,
+/// hence the cap); graph replays, two interleaved rounds each: the dense Qwen3-8B target's
+/// decode1 7.49 -> 7.07 ms and verify16 8.22 -> 7.91 ms at ctx 512, the bf16 / q8_0 / q4_0
+/// drafter steps 3-8% faster.
+pub(super) fn skinny_splits(nb: usize, kt: usize, sms: usize) -> (usize, usize) {
+    let want = (SKINNY_BLOCKS_PER_SM * sms / nb.max(1)).max(1);
+    let splits = want.min(8).min((kt / 8).max(1));
+    let tps = kt.div_ceil(splits).max(1);
+    (kt.div_ceil(tps).max(1), tps)
+}
+
+impl Cuda {
+    /// The tensor-core skinny kernel (bf16 / q8_0 / q4_0 weights, K % 32 == 0) for the row
+    /// tile size of `w` and `rows` rows; None for the other formats and shapes. Very tall
+    /// matrices (vocabulary heads) take 64-row tiles (x re-read from L2 half as often); the
+    /// choice depends on N and the SM count only.
+    pub(super) fn skinny_kernel(&self, w: &Weight<Self>, rows: usize) -> Option<(Kernel, usize)> {
+        if !w.cols.is_multiple_of(32) {
+            return None;
+        }
+        let tall = w.rows.div_ceil(SKINNY_TILE_ROWS) >= 8 * self.num_sms;
+        let kern = match (&w.buf, rows > 8, tall) {
+            (CudaWeightBuf::Bf16(_), false, false) => Kernel::SkinnyBf16N1,
+            (CudaWeightBuf::Bf16(_), true, false) => Kernel::SkinnyBf16N2,
+            (CudaWeightBuf::Bf16P(_), false, false) => Kernel::SkinnyBf16PN1,
+            (CudaWeightBuf::Bf16P(_), true, false) => Kernel::SkinnyBf16PN2,
+            (CudaWeightBuf::Bf16P(_), false, true) => Kernel::SkinnyBf16PN1R4,
+            (CudaWeightBuf::Bf16P(_), true, true) => Kernel::SkinnyBf16PN2R4,
+            (CudaWeightBuf::Q8_0 { .. }, false, false) => Kernel::SkinnyQ8N1,
+            (CudaWeightBuf::Q8_0 { .. }, true, false) => Kernel::SkinnyQ8N2,
+            (CudaWeightBuf::Q4_0 { .. }, false, false) => Kernel::SkinnyQ4N1,
+            (CudaWeightBuf::Q4_0 { .. }, true, false) => Kernel::SkinnyQ4N2,
+            (CudaWeightBuf::Bf16(_), false, true) => Kernel::SkinnyBf16N1R4,
+            (CudaWeightBuf::Bf16(_), true, true) => Kernel::SkinnyBf16N2R4,
+            (CudaWeightBuf::Q8_0 { .. }, false, true) => Kernel::SkinnyQ8N1R4,
+            (CudaWeightBuf::Q8_0 { .. }, true, true) => Kernel::SkinnyQ8N2R4,
+            (CudaWeightBuf::Q4_0 { .. }, false, true) => Kernel::SkinnyQ4N1R4,
+            (CudaWeightBuf::Q4_0 { .. }, true, true) => Kernel::SkinnyQ4N2R4,
+            _ => return None,
+        };
+        let tile_rows = if tall {
+            2 * SKINNY_TILE_ROWS
+        } else {
+            SKINNY_TILE_ROWS
+        };
+        Some((kern, tile_rows))
+    }
+
+    /// 1-16 rows of x times one weight (any format): the skinny matmul on the tensor cores or
+    /// the SIMT kernel.
+    pub(super) fn matmul_skinny(
+        &self,
+        x: &cudarc::driver::CudaView<'_, f32>,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        if let CudaWeightBuf::Q8A8 { qs, d } = &w.buf {
+            let mut mats = [A8Launch {
+                qs,
+                d,
+                n,
+                out: out.slice_mut(0..rows * n),
+            }];
+            return self
+                .matmul_a8(Some(x), None, None, rows, k, &mut mats, false)
+                .map(|_| ());
+        }
+        if self.skinny_kernel(w, rows).is_some() {
+            return self.matmul_skinny_mma(x, rows, &mut [(w, out.slice_mut(0..rows * n))]);
+        }
+        let (n_i, k_i, t_i) = (
+            i32_of("matmul", "w.rows", n)?,
+            i32_of("matmul", "w.cols", k)?,
+            rows as i32,
+        );
+        let f = self.func(Kernel::SkinnySimt)?;
+        let fmt = w.buf.fmt_code();
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&fmt);
+        push_weight(&mut b, &w.buf);
+        b.arg(x).arg(out).arg(&n_i).arg(&k_i).arg(&t_i);
+        unsafe { b.launch(cfg((n.div_ceil(4) as u32, 1, 1), 128, 0)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// 1-16 rows of x times 1-3 weights of one K, all taking the same tensor-core skinny
+    /// kernel ([`Cuda::skinny_kernel`]): x split into bf16 hi + lo once, then one launch over
+    /// the matrices' column tiles, all with the split-k [`skinny_splits`] gives their total
+    /// (one wave for the 8B q/k/v: 192 tiles x 3 splits, where a split per matrix made 1152
+    /// blocks). A matrix launched with others may therefore sum its K in other pieces than
+    /// a `matmul` of it alone (within the format's bound of it); every row's bits still
+    /// depend only on the matrices, never on the row count.
+    pub(super) fn matmul_skinny_mma(
+        &self,
+        x: &cudarc::driver::CudaView<'_, f32>,
+        rows: usize,
+        mats: &mut [(&Weight<Self>, cudarc::driver::CudaViewMut<'_, f32>)],
+    ) -> Result<()> {
+        self.skinny_launch(Some(x), None, rows, mats, false)
+            .map(|_| ())
+    }
+
+    /// The skinny launch of [`Cuda::matmul_skinny_mma`] from an f32 `x` (split first) or from
+    /// a producer's hi / lo pair (`x` None, `act` Some; Ok(false): stale, nothing launched);
+    /// `acc`: add the products into the outputs (`add_assign`'s f32 add) instead of writing
+    /// them.
+    pub(super) fn skinny_launch(
+        &self,
+        x: Option<&cudarc::driver::CudaView<'_, f32>>,
+        act: Option<&SplitAct>,
+        rows: usize,
+        mats: &mut [(&Weight<Self>, cudarc::driver::CudaViewMut<'_, f32>)],
+        acc: bool,
+    ) -> Result<bool> {
+        let (w0, _) = mats.first().ok_or_else(internal)?;
+        let k = w0.cols;
+        let (kern, tile_rows) = self.skinny_kernel(w0, rows).ok_or_else(internal)?;
+        if mats.len() > 3
+            || mats.iter().any(|(w, _)| {
+                w.cols != k || w.rows == 0 || self.skinny_kernel(w, rows) != Some((kern, tile_rows))
+            })
+        {
+            return Err(internal());
+        }
+        let kt = k / 32;
+        // One split-k for the whole launch, from its column tiles together (so the launch
+        // fills one wave as a single matrix of their total height would), K and the SM count:
+        // never from the row count, so a row's bits do not depend on how many rows run.
+        let tiles: usize = mats.iter().map(|(w, _)| w.rows.div_ceil(tile_rows)).sum();
+        let (splits, tps) = skinny_splits(tiles, kt, self.num_sms);
+        let plan: Vec<(usize, usize, usize)> = mats
+            .iter()
+            .map(|(w, _)| (w.rows.div_ceil(tile_rows), splits, tps))
+            .collect();
+        let ws_len: usize = mats
+            .iter()
+            .zip(&plan)
+            .map(|((w, _), &(_, splits, _))| if splits > 1 { splits * w.rows * 16 } else { 0 })
+            .sum();
+        let counters: usize = plan.iter().map(|p| p.0).sum();
+        let f = self.func(kern)?;
+        let len = rows * k;
+        let mut s = lock(&self.scratch);
+        match (x, act) {
+            (Some(x), None) => {
+                // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
+                let fs = self.func(Kernel::SplitBf16)?;
+                let (_, hi, lo) = s.split_written(&self.stream, k, rows)?;
+                let n64 = len as i64;
+                let mut b = self.stream.launch_builder(&fs);
+                b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+            }
+            (None, Some(a)) => {
+                if s.x_gen != a.generation || s.x_shape != Some((a.k, a.rows)) {
+                    return Ok(false);
+                }
+                if a.k != k || a.rows != rows {
+                    return Err(BackendError::Invalid {
+                        op: "matmul_many_split",
+                        msg: format!(
+                            "activation of {} rows x {}, matrices of K {k} for {rows} rows",
+                            a.rows, a.k
+                        ),
+                    });
+                }
+            }
+            _ => return Err(internal()),
+        }
+        ensure(&self.stream, &mut s.mm_ws, ws_len.max(1)).map_err(dev)?;
+        ensure(&self.stream, &mut s.mm_counters, counters).map_err(dev)?;
+        let Scratch {
+            mm_ws,
+            mm_counters,
+            x_hi,
+            x_lo,
+            ..
+        } = &mut *s;
+        let (ws, cnt) = (
+            mm_ws.as_mut().ok_or_else(internal)?,
+            mm_counters.as_mut().ok_or_else(internal)?,
+        );
+        let (hi, lo) = (
+            x_hi.as_mut().ok_or_else(internal)?,
+            x_lo.as_mut().ok_or_else(internal)?,
+        );
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        let mut ends = [0usize; 3];
+        let mut total = 0;
+        for (i, ((w, out), &(nb, splits, tps))) in mats.iter_mut().zip(&plan).enumerate() {
+            raw_weight(&mut a, &w.buf, st);
+            a.dptr_mut(out, st)
+                .i32(i32_of("matmul", "w.rows", w.rows)?)
+                .i32(i32_of("matmul", "splits", splits)?)
+                .i32(i32_of("matmul", "tiles per split", tps)?);
+            total += nb * splits;
+            ends[i] = total;
+        }
+        for _ in mats.len()..3 {
+            a.u64(0).u64(0).u64(0).i32(0).i32(1).i32(1);
+        }
+        let c1 = if mats.len() > 1 { ends[0] } else { total };
+        let c2 = if mats.len() > 2 { ends[1] } else { total };
+        a.i32(i32_of("matmul", "blocks", c1)?)
+            .i32(i32_of("matmul", "blocks", c2)?)
+            .dptr(&*hi, st)
+            .dptr(&*lo, st)
+            .dptr_mut(&mut *ws, st)
+            .dptr_mut(&mut *cnt, st)
+            .i32(i32_of("matmul", "w.cols", k)?)
+            .i32(rows as i32)
+            .i32(acc as i32);
+        // SAFETY: the parameters are those of the SKINNY kernel macro in matmul.cu, in order.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg((i32_of("matmul", "blocks", total)? as u32, 1, 1), 128, 0),
+                false,
+            )
+        }?;
+        Ok(true)
+    }
+
+    /// Whether `ws` (K = `k`, 1-3 of them) all take one tensor-core skinny kernel for `rows`
+    /// (1-16) rows: what [`Cuda::matmul_many_split`] runs.
+    pub(super) fn skinny_group(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
+        (1..=SKINNY_ROWS).contains(&rows)
+            && (1..=3).contains(&ws.len())
+            && ws
+                .first()
+                .and_then(|w| self.skinny_kernel(w, rows))
+                .is_some_and(|kern| {
+                    ws.iter().all(|w| {
+                        w.cols == k && w.rows > 0 && self.skinny_kernel(w, rows) == Some(kern)
+                    })
+                })
+    }
+
+    /// The skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch) of a
+    /// producer's bf16 hi / lo activation: `outs[i] = x W_i^T` for the activation's rows, or
+    /// with `acc` `outs[i] += x W_i^T` (`add_assign`'s f32 add). The bits of `matmul_many` of
+    /// the f32 rows the producer's separate op writes (then `add_assign`). Ok(false): the
+    /// activation was stale (another launch wrote the pair since), nothing launched.
+    pub fn matmul_many_split(
+        &self,
+        act: &SplitAct,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+        acc: bool,
+    ) -> Result<bool> {
+        let (rows, k) = (act.rows, act.k);
+        if ws.len() != outs.len() || !self.skinny_group(ws, k, rows) {
+            return Err(BackendError::Invalid {
+                op: "matmul_many_split",
+                msg: format!(
+                    "needs 1-3 bf16 / q8_0 / q4_0 matrices of K {k} taking one skinny kernel, as many outputs; found {} matrices, {} outputs",
+                    ws.len(),
+                    outs.len()
+                ),
+            });
+        }
+        for (w, o) in ws.iter().zip(outs.iter()) {
+            check("matmul_many_split", "out", rows * w.rows, o.len)?;
+        }
+        let mut mats: Vec<_> = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, o)| (*w, o.data.slice_mut(0..rows * w.rows)))
+            .collect();
+        self.skinny_launch(None, Some(act), rows, &mut mats, acc)
+    }
+
+    /// `rms_norm` of the first `rows` rows of `x` (width `dim`) written as the skinny matmuls'
+    /// bf16 hi / lo activation ([`Cuda::matmul_many_split`]): the bits `split_bf16` makes of
+    /// `rms_norm`'s output, with neither that output nor the split's launch.
+    pub fn rms_norm_split(
+        &self,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        rows: usize,
+    ) -> Result<SplitAct> {
+        check("rms_norm_split", "x", rows * dim, x.len)?;
+        check("rms_norm_split", "w", dim, w.len)?;
+        if rows == 0 || dim == 0 {
+            return Err(BackendError::Invalid {
+                op: "rms_norm_split",
+                msg: format!("needs rows and dim > 0; found {rows} rows, dim {dim}"),
+            });
+        }
+        let f = self.func(Kernel::RmsNormSplit)?;
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, dim, rows)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(&x.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut *hi, st)
+            .dptr_mut(&mut *lo, st)
+            .i32(i32_of("rms_norm_split", "dim", dim)?)
+            .f32(eps);
+        // SAFETY: rms_norm_split's parameters in order (x, w, hi, lo, dim, eps); it does not
+        // wait for the kernel before it, so no programmatic launch.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg(
+                    (i32_of("rms_norm_split", "rows", rows)? as u32, 1, 1),
+                    norm_threads(dim),
+                    0,
+                ),
+                false,
+            )
+        }?;
+        Ok(act)
+    }
+
+    /// `add_rms_norm` over the first `rows` rows (`h += o`, then the norm) with the normed
+    /// rows written as the skinny matmuls' bf16 hi / lo activation instead of an f32 output:
+    /// the bits of `add_rms_norm` then `split_bf16`. `dim` <= 32 x the norm's block size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_split(
+        &self,
+        h: &mut CudaBuf,
+        o: &CudaBuf,
+        w: &CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<SplitAct> {
+        check("add_rms_norm_split", "h", rows * dim, h.len)?;
+        check("add_rms_norm_split", "o", rows * dim, o.len)?;
+        check("add_rms_norm_split", "w", dim, w.len)?;
+        let threads = norm_threads(dim);
+        if rows == 0 || dim == 0 || dim > 32 * threads as usize {
+            return Err(BackendError::Invalid {
+                op: "add_rms_norm_split",
+                msg: format!(
+                    "needs rows > 0 and 0 < dim <= {}; found {rows} rows, dim {dim}",
+                    32 * threads
+                ),
+            });
+        }
+        let f = self.func(Kernel::AddRmsNormSplit)?;
+        let pdl = *lock(&self.a8_pdl);
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, dim, rows)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr_mut(&mut h.data, st)
+            .dptr(&o.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut *hi, st)
+            .dptr_mut(&mut *lo, st)
+            .i32(i32_of("add_rms_norm_split", "dim", dim)?)
+            .f32(eps);
+        // SAFETY: add_rms_norm_split's parameters in order (h, o, w, hi, lo, dim, eps); it
+        // waits for the kernel before it (griddepcontrol), as add_rms_norm.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg(
+                    (i32_of("add_rms_norm_split", "rows", rows)? as u32, 1, 1),
+                    threads,
+                    0,
+                ),
+                pdl,
+            )
+        }?;
+        Ok(act)
+    }
+
+    /// `silu(gate) * up` over `rows` rows of width `k`, written as the skinny matmuls' bf16
+    /// hi / lo activation: the bits of `silu_mul` then `split_bf16`.
+    pub fn silu_mul_split(
+        &self,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        rows: usize,
+        k: usize,
+    ) -> Result<SplitAct> {
+        let n = rows * k;
+        check("silu_mul_split", "gate", n, gate.len)?;
+        check("silu_mul_split", "up", n, up.len)?;
+        if n == 0 {
+            return Err(BackendError::Invalid {
+                op: "silu_mul_split",
+                msg: format!("needs rows and k > 0; found {rows} rows, k {k}"),
+            });
+        }
+        let f = self.func(Kernel::SiluMulSplit)?;
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, k, rows)?;
+        let n64 = n as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&gate.data)
+            .arg(&up.data)
+            .arg(&mut *hi)
+            .arg(&mut *lo)
+            .arg(&n64);
+        // SAFETY: silu_mul_split(const float *, const float *, u16 *, u16 *, long long).
+        unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
+        Ok(act)
+    }
+}
