@@ -1266,6 +1266,234 @@ ATTN_H16KV(32)
 ATTN_H16KV(64)
 ATTN_H16KV(128)
 
+// FA (`attention_fast_kv16` over long spans, the FlashAttention-2 division of the work): a warp
+// owns 16 query rows and computes every key of every chunk (CK = 64 keys: one row-max update and
+// one rescale of its output per 64 keys, where attn_h16_impl's 4 key warps pay them per 16 and
+// merge their states at the end), with its Q A-fragments in registers for the whole split
+// (loaded once from global memory, rounded to f16 as attn_h16_impl rounds them). The block's RW
+// row warps share one cp.async pipeline of nst f16 K / V stages copied straight from the cache.
+// Each warp writes its rows' partial; a row's partial depends only on its query and the split's
+// keys (the chunk order and the per-chunk arithmetic are fixed), so rows stay deterministic
+// across calls of any height. Grid and partials as attn_h16_impl.
+template <int NT>
+__device__ __forceinline__ void att_softmax_fa(float (&s)[NT][4], bool full, long long j0, int t, bool va, bool vb, long long qpa,
+                                               long long qpb, int n_kv, long long kv_pos0, int causal, long long window, float scale_l2,
+                                               float &m_a, float &m_b, float &l_a, float &l_b, float &ala, float &alb) {
+    if (full) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] *= scale_l2;
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const long long j = j0 + nt * 8 + 2 * t + e;
+                const long long kpos = kv_pos0 + j;
+                s[nt][e] = va && att_visible(j, n_kv, kpos, qpa, causal, window) ? s[nt][e] * scale_l2 : NEG_INF;
+                s[nt][2 + e] = vb && att_visible(j, n_kv, kpos, qpb, causal, window) ? s[nt][2 + e] * scale_l2 : NEG_INF;
+            }
+    }
+    float mxa = fmaxf(s[0][0], s[0][1]), mxb = fmaxf(s[0][2], s[0][3]);
+#pragma unroll
+    for (int nt = 1; nt < NT; ++nt) {
+        mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
+        mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+    const float mna = fmaxf(m_a, mxa), mnb = fmaxf(m_b, mxb);
+    ala = m_a == NEG_INF ? 1.0f : ex2_approx(m_a - mna);
+    alb = m_b == NEG_INF ? 1.0f : ex2_approx(m_b - mnb);
+    // A row with no visible key yet keeps m = -inf: its exponentials are 0 (not ex2(-inf + inf)).
+    const float sa = mna == NEG_INF ? 0.0f : mna, sb = mnb == NEG_INF ? 0.0f : mnb;
+    float suma = 0.0f, sumb = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[nt][e] = ex2_approx(s[nt][e] - sa);
+            s[nt][2 + e] = ex2_approx(s[nt][2 + e] - sb);
+        }
+        suma += s[nt][0] + s[nt][1];
+        sumb += s[nt][2] + s[nt][3];
+    }
+    l_a = __fmaf_rn(l_a, ala, suma);
+    l_b = __fmaf_rn(l_b, alb, sumb);
+    m_a = mna;
+    m_b = mnb;
+}
+
+template <int D>
+__device__ __forceinline__ void attn_fa_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                             float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
+                                             long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
+                                             int split_keys, int nst, int split0) {
+    constexpr int CK = 64;       // keys per chunk
+    constexpr int NT = CK / 8;   // score n-tiles per chunk
+    constexpr int PH = D + 8;    // halves per tile row (ldmatrix rows conflict-free)
+    constexpr int NO = D / 8;    // output n-tiles
+    constexpr int KS = D / 16;   // k-steps of S = Q K^T
+    constexpr int C8 = D / 8;    // 16-byte pieces per K / V row
+    constexpr u32 TILE_B = CK * PH * 2;
+    griddep_launch();  // the combine may launch (it waits for this grid)
+    griddep_wait();    // q and the cache first
+    extern __shared__ __align__(16) float sm[];
+    u16 *Kh = (u16 *)sm;  // [nst][K, V][CK][PH]
+    const int nth = blockDim.x;
+    const int ROWS = nth / 2;  // 16 rows per warp
+    const IDiv G(H / Hkv);
+    const int QR = n_q * G.d;
+    const int hk = blockIdx.z;
+    const int split = split0 + blockIdx.y;
+    const int qr0 = blockIdx.x * ROWS;
+    const int tid = threadIdx.x, rw = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = qr0 + rw * 16 + g, rb = ra + 8;
+    const bool va = ra < QR, vb = rb < QR;
+    const int ia = va ? G.div(ra) : 0, ib = vb ? G.div(rb) : 0;
+    const long long qpa = q_pos0 + ia, qpb = q_pos0 + ib;
+
+    const long long jbase = (long long)split * split_keys;
+    int c_begin, c_end;
+    att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
+    const int nch = c_end - c_begin;
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
+
+    // Thread tid copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (as attn_h16_impl's KV16).
+    const int RS8 = nth / C8, kk8 = tid / C8, d8c = (tid % C8) * 8;
+    const long long gstep8 = (long long)RS8 * Hkv * D;
+    const long long cstep8 = (long long)CK * Hkv * D;
+    const long long goff8 = ((jbase + kk8) * Hkv + hk) * D + d8c;
+    const u16 *kg8 = (const u16 *)k + goff8, *vg8 = (const u16 *)v + goff8;
+    const u32 ks8 = (u32)__cvta_generic_to_shared(Kh + kk8 * PH + d8c);
+    const u32 sstep8 = (u32)(RS8 * PH * 2);
+    auto load_chunk16 = [&](int c, int slot) {
+        const long long j0 = jbase + (long long)c * CK;
+        const u16 *ks = kg8 + c * cstep8, *vs = vg8 + c * cstep8;
+        u32 kd = ks8 + (u32)slot * 2 * TILE_B;
+        if (j0 + CK <= n_kv) {
+            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
+                cp_async16s(kd, ks);
+                cp_async16s(kd + TILE_B, vs);
+            }
+        } else {
+            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
+                if (j0 + kk < n_kv) {
+                    cp_async16s(kd, ks);
+                    cp_async16s(kd + TILE_B, vs);
+                } else {
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd), "r"(0u) : "memory");
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd + TILE_B), "r"(0u) : "memory");
+                }
+            }
+        }
+    };
+    for (int p = 0; p < nst - 1; ++p) {
+        if (p < nch) load_chunk16(c_begin + p, p);
+        cp_async_commit();
+    }
+    // Q's A-fragments (rows g / g+8, d 16ks + 2t, +1 and + 8): all loads issued, then rounded.
+    u32 qf[KS][4];
+    {
+        const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
+        const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
+        float2 x[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const float2 z = make_float2(0.f, 0.f);
+            x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
+            x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
+            x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
+            x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
+    }
+
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const float scale_l2 = scale * 1.4426950408889634f;  // scores in log2 units
+    const u32 k_addr = (u32)__cvta_generic_to_shared(Kh + ((lane & 7) + ((lane >> 4) << 3)) * PH + ((lane >> 3) & 1) * 8);
+    const u32 v_addr = (u32)__cvta_generic_to_shared(Kh + CK * PH + (lane & 15) * PH + (lane >> 4) * 8);
+
+    for (int ci = 0, slot = 0, fill = nst - 1; ci < nch; ++ci, slot = slot + 1 == nst ? 0 : slot + 1, fill = fill + 1 == nst ? 0 : fill + 1) {
+        if (nst == 1) {
+            __syncthreads();  // every warp is done with the previous chunk's tiles
+            load_chunk16(c_begin + ci, 0);
+            cp_async_commit();
+            cp_async_wait_n<0>();
+            __syncthreads();
+        } else {
+            if (nst == 3) cp_async_wait_n<1>();
+            else if (nst == 4) cp_async_wait_n<2>();
+            else cp_async_wait_n<0>();
+            __syncthreads();  // chunk ci landed; every warp is done with chunk ci - 1's stage
+            if (ci + nst - 1 < nch) load_chunk16(c_begin + ci + nst - 1, fill);
+            cp_async_commit();
+        }
+        const u32 kcur = k_addr + (u32)slot * 2 * TILE_B, vcur = v_addr + (u32)slot * 2 * TILE_B;
+
+        // S = Q K^T, 16 rows x 64 keys (n-tile nt: keys 8 nt ..).
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(kcur + np * 16 * PH * 2 + ks * 32, b0, b1, b2, b3);
+                mma_h16(s[2 * np], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b0, b1);
+                mma_h16(s[2 * np + 1], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b2, b3);
+            }
+        const long long j0 = jbase + (long long)(c_begin + ci) * CK;
+        const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
+                          (window < 0 || qpos_hi < kv_pos0 + j0 + window);
+        float ala, alb;
+        att_softmax_fa<NT>(s, full, j0, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale_l2, m_a, m_b, l_a, l_b, ala, alb);
+        att_rescale(o, ala, alb);
+        // O += P V over the chunk's 4 steps of 16 keys (P from the S accumulator).
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            const u32 p0 = h2_pack(s[2 * kk][0], s[2 * kk][1]), p1 = h2_pack(s[2 * kk][2], s[2 * kk][3]);
+            const u32 p2 = h2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), p3 = h2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < NO / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(vcur + kk * 16 * PH * 2 + np * 32, b0, b1, b2, b3);
+                mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
+                mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+            }
+        }
+    }
+    cp_async_wait_all();
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    m_a *= 0.69314718055994531f;  // log2 units -> natural (the combine uses expf)
+    m_b *= 0.69314718055994531f;
+    attn_tc_store<D, 1, false>(o, m_a, m_b, l_a, l_b, sm, rw, 0, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
+}
+
+#define ATTN_FA(D)                                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attn_fa16kv_d##D(                                                                \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {        \
+        attn_fa_impl<D>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0);     \
+    }
+ATTN_FA(32)
+ATTN_FA(64)
+ATTN_FA(128)
+
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \

@@ -21,7 +21,7 @@ use crate::registry::{arch_for, Kernel, Registry};
 mod attention;
 mod markov;
 mod skinny;
-pub use attention::AttnKernel;
+pub use attention::{AttnFa, AttnKernel};
 
 type Result<T> = std::result::Result<T, BackendError>;
 
@@ -459,6 +459,7 @@ pub struct Cuda {
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
+    attn_fa: Mutex<AttnFa>,
     markov_persistent: Mutex<bool>,
     /// Whether a bf16 / q8_0 / q4_0 W2 takes the tensor-core Markov step
     /// ([`Cuda::set_markov_mma`]).
@@ -599,6 +600,7 @@ impl Cuda {
             attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
+            attn_fa: Mutex::new(AttnFa::default()),
             markov_persistent: Mutex::new(true),
             markov_mma: Mutex::new(true),
             markov_fit: Mutex::new(HashMap::new()),

@@ -15,6 +15,7 @@ mod error;
 pub mod registry;
 
 pub use backend::{
-    A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf, CudaOptions, CudaWeightBuf, SplitAct, SKINNY_ROWS,
+    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, CudaOptions, CudaWeightBuf, SplitAct,
+    SKINNY_ROWS,
 };
 pub use error::CudaError;

@@ -19,6 +19,7 @@ use dflash_backend::{
     AttnParams, Backend, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope, RopeSpec,
     WeightFormat,
 };
+use dflash_cuda_kernels::{AttnFa, AttnKernel};
 use rand::Rng;
 
 const FORMATS: [WeightFormat; 5] = [
@@ -1340,7 +1341,6 @@ fn attention_other_split_sizes() {
 /// its explicit kernel, too).
 #[test]
 fn attention_kernel_choices() {
-    use dflash_cuda_kernels::AttnKernel;
     if gpu("attention_kernel_choices").is_none() {
         return;
     }
@@ -1909,11 +1909,25 @@ fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
         }
         let span = win.map_or(cap, |w| w.min(cap));
         if matches!(hd, 32 | 64 | 128) && !causal && span > 2048 {
+            // These spans run the FA kernel by default; the 4-key-warp kernel (FA off) has the
+            // bits of the f16 kernel over the f32 cache.
+            g.set_attn_fa(AttnFa {
+                long: false,
+                ..AttnFa::default()
+            })
+            .unwrap();
+            let mut ok = poisoned(g, oc.len());
+            g.attention_fast_kv16(&qg, &k16, &v16, &p, &mut ok).unwrap();
             let mut of = poisoned(g, oc.len());
             g.attention_fast(&qg, &kg, &vg, &p, &mut of).unwrap();
+            g.set_attn_fa(AttnFa::default()).unwrap();
+            let ok = g.download(&ok).unwrap();
+            report(&format!("{what}, 4 key warps"), &ok, &oc, 4e-3);
             assert_same_bits(
-                &format!("{what} vs attention_fast over the f32 cache (the f16 kernel)"),
-                &o16,
+                &format!(
+                    "{what}, 4 key warps, vs attention_fast over the f32 cache (the f16 kernel)"
+                ),
+                &ok,
                 &g.download(&of).unwrap(),
             );
         }
@@ -1929,6 +1943,82 @@ fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
         }
     }
     eprintln!("attention_fast_kv16: within the f16 bound of the CPU, rows deterministic, the f32 cache's f16-kernel bits");
+}
+
+/// The FlashAttention-2-style f16-cache kernel (`AttnFa`) on every call, not only the long
+/// non-causal spans it runs by default: masks (causal, windows, ragged last chunks), head dims
+/// 32 / 64 / 128, 1-16 queries, GQA groups, stages and row warps; against the CPU's exact
+/// attention over the same f16 values within the f16 bound, rows deterministic.
+#[test]
+fn attention_fa_kernel_on_every_call_against_cpu() {
+    let Some(g) = gpu("attention_fa_kernel_on_every_call_against_cpu") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("attention_fa_kernel_on_every_call_against_cpu");
+    g.set_attn_fa(AttnFa {
+        all: true,
+        ..AttnFa::default()
+    })
+    .unwrap();
+    // (context, head dim, window, causal, queries, stages (0 = automatic), row warps)
+    for &(ctx, hd, win, causal, nq, st, rw) in &[
+        (240usize, 128usize, None, false, 16usize, 0usize, 0usize),
+        (528, 128, None, false, 16, 0, 0),
+        (528, 128, None, false, 16, 1, 4),
+        (1000, 128, None, false, 16, 2, 1),
+        (8208, 128, None, false, 16, 0, 0),
+        (8208, 128, None, false, 16, 3, 2),
+        (8192, 128, Some(2048usize), false, 16, 0, 0),
+        (3000, 64, None, false, 16, 0, 0),
+        (300, 32, None, false, 16, 0, 0),
+        (3000, 32, None, false, 9, 0, 0),
+        (4000, 128, None, true, 16, 0, 0),
+        (600, 64, Some(256), true, 5, 0, 0),
+        (5000, 128, None, false, 1, 0, 0),
+        (77, 128, None, false, 16, 0, 0),
+    ] {
+        g.set_attn_kernel(AttnKernel::Tc {
+            key_warps: 4,
+            row_warps: rw,
+            ffma_pv: false,
+            stages: st,
+        })
+        .unwrap();
+        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, nq);
+        let (cap, hkv) = (p.n_kv, p.n_kv_heads);
+        let round = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&v| half::f16::from_bits(dflash_backend::f16_bits(v)).to_f32())
+                .collect()
+        };
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &round(&k), &round(&v), &p, &mut oc)
+            .unwrap();
+        let n = cap * hkv * hd;
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let (mut k16, mut v16) = (g.zeros(n / 2).unwrap(), g.zeros(n / 2).unwrap());
+        g.f16_pack(&kg, &mut k16, 0, n).unwrap();
+        g.f16_pack(&vg, &mut v16, 0, n).unwrap();
+        let mut o16 = poisoned(g, oc.len());
+        g.attention_fast_kv16(&qg, &k16, &v16, &p, &mut o16)
+            .unwrap();
+        let o16 = g.download(&o16).unwrap();
+        let what = format!(
+            "FA attention_fast_kv16 ctx={ctx} d={hd} win={win:?} causal={causal} nq={nq} stages={st} row_warps={rw}"
+        );
+        report(&what, &o16, &oc, 4e-3);
+        if nq > 1 {
+            assert_rows_alone_equal(g, &q, &k16, &v16, &p, &o16, Op::FastKv16, &what);
+        }
+    }
+    g.set_attn_kernel(AttnKernel::Auto).unwrap();
+    g.set_attn_fa(AttnFa::default()).unwrap();
+    eprintln!("FA kernel on every call: within the f16 bound of the CPU, rows deterministic");
 }
 
 /// The Markov chain on the device captured in a CUDA graph and replayed (the previous token

@@ -21,7 +21,7 @@ use dflash_backend::{
     AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch,
     Weight, WeightFormat,
 };
-use dflash_cuda_kernels::{A8Act, A8Kernel, AttnKernel, Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -84,6 +84,15 @@ pub struct BenchArgs {
     /// bits of two builds).
     #[arg(long)]
     attn_dump: Option<PathBuf>,
+    /// With --attn-once --kv16: time the call (split + combine, a graph of 20 calls) under
+    /// these FA choices, comma-separated: `nofa`, `fabN` (long spans, splits for N blocks per
+    /// SM), `faall` (every call), each optionally `:sN` (N stages).
+    #[arg(long)]
+    fa_sweep: Option<String>,
+    /// The FA f16-cache attention kernel for the whole run: `default`, `nofa`, `fabN` or
+    /// `faall` (as --fa-sweep).
+    #[arg(long, default_value = "default")]
+    attn_fa: String,
     /// L2 prefetch of the coming weights during the step, MB per prefetch point: e.g.
     /// `A24B40C24D16E24` (A after the down projection: the next q/k/v; B after q/k/v: o,
     /// then gate/up; C after o: gate/up; D after gate/up: down; E after the last down: the
@@ -1564,6 +1573,24 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
     Ok(md)
 }
 
+/// `default`, `nofa` (the FA kernel off), `faall` (on every f16-cache call) or `fabN` (long
+/// spans, splits for N blocks per SM).
+fn parse_attn_fa(name: &str) -> Result<AttnFa> {
+    let mut fa = AttnFa::default();
+    match name {
+        "default" => {}
+        "nofa" => fa.long = false,
+        "faall" => fa.all = true,
+        n => {
+            fa.blocks_per_sm = n
+                .strip_prefix("fab")
+                .ok_or_else(|| anyhow!("--attn-fa {n}: expected default, nofa, faall or fabN"))?
+                .parse()?
+        }
+    }
+    Ok(fa)
+}
+
 /// Median ms of a CUDA graph holding what `f` queues (captured once after warm-up).
 fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..2 {
@@ -1601,6 +1628,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         o => bail!("--a8-pdl {o}: expected on or off"),
     });
     g.set_skinny_producers(!a.no_skinny_producers);
+    g.set_attn_fa(parse_attn_fa(&a.attn_fa)?)?;
 
     if let Some(ctx) = a.attn_once {
         // One attention shape, a few calls, nothing else (for a profiler).
@@ -1633,6 +1661,38 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         } else {
             None
         };
+        if let (Some(list), Some((k16, v16))) = (&a.fa_sweep, &kv16) {
+            let bw = copy_bandwidth(&g)?;
+            let bytes = 2 * (ctx + nq) * hkv * hd * 2;
+            println!("| attention_fast_kv16 ctx {ctx}, 16 x 32 / 8 heads d128 | us per call | K / V GB/s | % of copy bw |\n|---|---:|---:|---:|");
+            for _round in 0..2 {
+                for c in list.split(',') {
+                    let (name, st) = c.split_once(":s").unwrap_or((c, "0"));
+                    g.set_attn_fa(parse_attn_fa(name)?)?;
+                    g.set_attn_kernel(AttnKernel::Tc {
+                        key_warps: 4,
+                        row_warps: 0,
+                        ffma_pv: false,
+                        stages: st.parse()?,
+                    })?;
+                    let ms = time_graph(&g, a.iters, || {
+                        for _ in 0..20 {
+                            g.attention_fast_kv16(&q, k16, v16, &p, &mut o)?;
+                        }
+                        Ok(())
+                    })? / 20.0;
+                    let gbs = bytes as f64 / ms / 1e6;
+                    println!(
+                        "| {c} | {:.2} | {gbs:.0} | {:.0}% |",
+                        ms * 1e3,
+                        100.0 * gbs * 1e9 / bw
+                    );
+                }
+            }
+            g.set_attn_fa(AttnFa::default())?;
+            g.set_attn_kernel(AttnKernel::Auto)?;
+            return Ok(());
+        }
         for _ in 0..3 {
             if let Some((k16, v16)) = &kv16 {
                 g.attention_fast_kv16(&q, k16, v16, &p, &mut o)?;
@@ -1932,7 +1992,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
     // evict-first hint), `+nopdl` (no programmatic dependent launch of quantizer + matmul), `+asN`
-    // (attention split of N keys), `+att=NAME` (attention kernel).
+    // (attention split of N keys), `+att=NAME` (attention kernel), `+nofa` / `+faall` / `+fabN`
+    // (the FA f16-cache kernel off / on every call / long splits for N blocks per SM).
     struct Config {
         name: String,
         kernel: A8Kernel,
@@ -1948,6 +2009,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         q8epi: bool,
         q8pair: bool,
         attn_f16: bool,
+        attn_fa: AttnFa,
         markov_persistent: bool,
         pair_kernel: Option<(u8, u8)>,
         proj_kernels: [Option<A8Kernel>; 4],
@@ -1971,6 +2033,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 q8epi: false,
                 q8pair: true,
                 attn_f16: true,
+                attn_fa: AttnFa::default(),
                 markov_persistent: true,
                 pair_kernel: None,
                 proj_kernels: [None; 4],
@@ -2001,6 +2064,13 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.q8pair = false;
                 } else if opt == "x1" {
                     cfg.attn_f16 = false;
+                } else if opt == "nofa" {
+                    cfg.attn_fa.long = false;
+                } else if opt == "faall" {
+                    cfg.attn_fa.all = true;
+                } else if let Some(n) = opt.strip_prefix("fab") {
+                    // The FA kernel's long-span split sized for N blocks per SM.
+                    cfg.attn_fa.blocks_per_sm = n.parse()?;
                 } else if opt == "mksteps" {
                     cfg.markov_persistent = false;
                 } else if let Some(n) = opt.strip_prefix("gp=k") {
@@ -2126,6 +2196,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
                     g.set_attn_fast_f16(c.attn_f16);
+                    g.set_attn_fa(c.attn_fa)?;
                     g.set_markov_persistent(c.markov_persistent);
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
@@ -2155,6 +2226,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
     g.set_attn_fast_f16(true);
+    g.set_attn_fa(AttnFa::default())?;
     g.set_markov_persistent(true);
     Ok(())
 }

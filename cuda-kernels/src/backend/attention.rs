@@ -154,6 +154,9 @@ enum TcFlavor {
     H16,
     /// The f16-cache twin of `H16` (`attn_h16kv_*`): `nst` stages of f16 K / V tiles.
     H16Kv,
+    /// The FlashAttention-2-style f16-cache kernel (`attn_fa16kv_*`, one key warp): `nst`
+    /// stages of 64-key f16 K / V tiles, Q in registers, no merge.
+    Fa16Kv,
 }
 
 impl TcFlavor {
@@ -176,6 +179,9 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fl: TcFlavor) -> us
     if fl == TcFlavor::H16 {
         let main = (rw * 16 + 2 * ck) * (d + 8) * 2 + nst * 2 * ck * d * 4;
         return main.max(rw * kw * (d / 2 + 4) * 32 * 4);
+    }
+    if fl == TcFlavor::Fa16Kv {
+        return nst * 2 * 64 * (d + 8) * 2;
     }
     if fl == TcFlavor::H16Kv {
         let main = (rw * 16 + nst * 2 * ck) * (d + 8) * 2;
@@ -252,6 +258,35 @@ fn tc_stages(
     }
 }
 
+/// Pipeline stages of the FA kernel (`regs` registers per thread, as compiled for this
+/// device): the deepest (up to 4) that needs no more waves than 2 stages. Scheduling only: no
+/// bits change.
+fn fa_stages(
+    d: usize,
+    rw: usize,
+    regs: usize,
+    blocks: usize,
+    sms: usize,
+    lim: SmemLimits,
+) -> usize {
+    let waves = |nst: usize| {
+        let smem = tc_smem_bytes(d, 1, rw, nst, TcFlavor::Fa16Kv);
+        let by_regs = 65536 / (32 * rw * regs.next_multiple_of(8).max(8));
+        let per = if smem > lim.block {
+            0
+        } else {
+            (lim.sm / (smem + 1024)).min(by_regs)
+        };
+        if per == 0 {
+            usize::MAX
+        } else {
+            blocks.div_ceil(per * sms.max(1))
+        }
+    };
+    let base = waves(2).min(waves(1));
+    (1..=4).rev().find(|&n| waves(n) <= base).unwrap_or(1)
+}
+
 /// The tensor-core kernel for head dim `d`, `kw` key warps, P V on the CUDA cores (`fpv`),
 /// and one tf32 product per term (`x1`: [`Backend::attention_fast`]; only without `fpv`).
 fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
@@ -291,6 +326,48 @@ fn h16kv_kernel(d: usize) -> Option<Kernel> {
         128 => Kernel::AttnH16KvD128Kw4,
         _ => return None,
     })
+}
+
+/// The FlashAttention-2-style f16-cache kernel for head dim `d`.
+fn fa_kernel(d: usize) -> Option<Kernel> {
+    Some(match d {
+        32 => Kernel::AttnFa16KvD32,
+        64 => Kernel::AttnFa16KvD64,
+        128 => Kernel::AttnFa16KvD128,
+        _ => return None,
+    })
+}
+
+/// Which [`Backend::attention_fast_kv16`] calls run the FlashAttention-2-style kernel
+/// (`attn_fa16kv_*`): a warp owns 16 query rows and computes all 64 keys of every chunk, with
+/// its Q fragments in registers, where the 4-key-warp kernel (`attn_h16kv_*`) gives each warp
+/// 16 keys of a chunk and merges the warps' states at the end. 2.4x fewer instructions (ncu,
+/// H200, 8B shape at ctx 8192: 3.2M against 7.6M); the split + combine 27.0 -> 22.2 us alone,
+/// the q8_0a8 step over f16 caches 0.670 -> 0.664 ms (three interleaved runs, twentieth
+/// session). The two fix different summation orders (within the f16 bound of each other): set
+/// it once, before any attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnFa {
+    /// Non-causal spans of more than 2048 keys (the one-wave split rule). Default `true`.
+    pub long: bool,
+    /// Every other call too (short spans, windows, causal; no faster in the step at ctx 512
+    /// and 8192 windows). Default `false`.
+    pub all: bool,
+    /// Resident blocks per multiprocessor that the one-wave rule sizes the long spans' splits
+    /// for: `num_sms * blocks_per_sm / n_kv_heads - 1` splits (1..=4). Default 1 (the
+    /// 4-key-warp kernel's split: 15 splits at ctx 8192 on the H200); 2 and 3 ran the kernel
+    /// alone faster (22.0 / 21.4 us) and the step slower (more partials for the combine).
+    pub blocks_per_sm: usize,
+}
+
+impl Default for AttnFa {
+    fn default() -> Self {
+        AttnFa {
+            long: true,
+            all: false,
+            blocks_per_sm: 1,
+        }
+    }
 }
 
 /// The f16 tensor-core kernel (`attention_fast`) for head dim `d` and `kw` key warps.
@@ -348,6 +425,19 @@ impl Cuda {
     /// once, before any attention).
     pub fn set_attn_fast_f16(&self, on: bool) {
         *lock(&self.attn_fast_f16) = on;
+    }
+
+    /// Which f16-cache calls run the FlashAttention-2-style kernel (default
+    /// [`AttnFa::default`]); see [`AttnFa`].
+    pub fn set_attn_fa(&self, fa: AttnFa) -> Result<()> {
+        if !(1..=4).contains(&fa.blocks_per_sm) {
+            return Err(BackendError::Invalid {
+                op: "set_attn_fa",
+                msg: format!("blocks_per_sm {} (expected 1..=4)", fa.blocks_per_sm),
+            });
+        }
+        *lock(&self.attn_fa) = fa;
+        Ok(())
     }
 
     /// Pick the attention kernel (default [`AttnKernel::Auto`]); see [`AttnKernel`].
@@ -431,6 +521,14 @@ impl Cuda {
                 if let Some(k) = h16kv_kernel(d).filter(|_| kw == 4) {
                     self.func_smem(k, most(d, kw, TcFlavor::H16Kv))?;
                 }
+                if let Some(k) = fa_kernel(d).filter(|_| kw == 4) {
+                    let most_fa = (1..=4)
+                        .map(|nst| tc_smem_bytes(d, 1, 4, nst, TcFlavor::Fa16Kv))
+                        .filter(|&b| b <= self.smem.block)
+                        .max()
+                        .unwrap_or(0);
+                    self.func_smem(k, most_fa)?;
+                }
             }
         }
         Ok(())
@@ -507,11 +605,20 @@ impl Cuda {
 
         // (kernel, threads, shared bytes, rows per block, pipeline stages) of the split kernel.
         let choice = *lock(&self.attn_kernel);
+        let fa_cfg = *lock(&self.attn_fa);
+        let fa_fits = kv16
+            && fa_kernel(d).is_some()
+            && tc_smem_bytes(d, 1, 1, 1, TcFlavor::Fa16Kv) <= self.smem.block;
         let (split_keys, rule) = match *lock(&self.attn_split) {
             Some(k) => (k, SplitRule::Fixed),
+            // The FA kernel's long spans: splits for `blocks_per_sm` blocks per multiprocessor.
+            None if fa_fits && fa_cfg.long => {
+                split_keys_auto(p, self.num_sms * fa_cfg.blocks_per_sm)
+            }
             None => split_keys_auto(p, self.num_sms),
         };
         let one_wave = rule == SplitRule::OneWave;
+        let fa = fa_fits && (fa_cfg.all || (fa_cfg.long && one_wave));
         let n_split = p.n_kv.div_ceil(split_keys);
         // The tensor-core kernels run the live splits only (the SIMT kernel all of them).
         let (split0, n_live) = {
@@ -522,8 +629,8 @@ impl Cuda {
             // An f16 cache: its one kernel (4 key warps), the choice's row warps and stages.
             AttnKernel::Tc {
                 row_warps, stages, ..
-            } if kv16 => Some((4, row_warps, false, stages)),
-            _ if kv16 => Some((4, 0, false, 0)),
+            } if kv16 => Some((if fa { 1 } else { 4 }, row_warps, false, stages)),
+            _ if kv16 => Some((if fa { 1 } else { 4 }, 0, false, 0)),
             AttnKernel::Simt | AttnKernel::Auto => None,
             AttnKernel::Tc {
                 key_warps,
@@ -553,12 +660,14 @@ impl Cuda {
                     .filter(|_| !kv16 && fast && !fpv && one_wave && *lock(&self.attn_fast_f16))
                     .filter(|_| tc_smem_bytes(d, kw, 1, 1, TcFlavor::H16) <= lim.block);
                 let fl = match () {
+                    _ if fa => TcFlavor::Fa16Kv,
                     _ if kv16 => TcFlavor::H16Kv,
                     _ if h16.is_some() => TcFlavor::H16,
                     _ => TcFlavor::of(fpv),
                 };
-                let kern = h16kv_kernel(d)
-                    .filter(|_| kv16)
+                let kern = fa_kernel(d)
+                    .filter(|_| fa)
+                    .or_else(|| h16kv_kernel(d).filter(|_| kv16))
                     .or(h16)
                     .or_else(|| tc_kernel(d, kw, fpv, fast))
                     .or_else(|| tc_kernel(d, kw, fpv, false))
@@ -587,6 +696,10 @@ impl Cuda {
                 };
                 let blocks = n_live * p.n_kv_heads * qr.div_ceil(16 * rw);
                 let nst = match stages {
+                    0 if fa => {
+                        let regs = self.func(kern)?.num_regs().map_err(dev)? as usize;
+                        fa_stages(d, rw, regs, blocks, self.num_sms, lim)
+                    }
                     0 => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
                     n if tc_smem_bytes(d, kw, rw, n, fl) <= lim.block => n,
                     _ => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
@@ -911,6 +1024,19 @@ mod tests {
         assert_eq!(tc_stages(128, 4, 1, TcFlavor::of(false), 96, 132, h), 3);
         assert_eq!(tc_blocks_per_sm(128, 4, 1, 1, TcFlavor::of(false), h), 2);
         assert_eq!(tc_stages(128, 4, 1, TcFlavor::of(false), 264, 132, h), 1);
+        // The FA kernel (4 row warps, 195 registers: two blocks per multiprocessor at most):
+        // 120 blocks (ctx 8192, one per SM) take 4 stages (139 KB); 264 blocks 3 (104 KB, two
+        // per SM, one wave); 344 blocks 2 waves either way: 3; a part with 99 KB per block: 2.
+        assert_eq!(tc_smem_bytes(128, 1, 4, 3, TcFlavor::Fa16Kv), 3 * 2 * 64 * 136 * 2);
+        assert_eq!(fa_stages(128, 4, 195, 120, 132, h), 4);
+        assert_eq!(fa_stages(128, 4, 195, 264, 132, h), 3);
+        assert_eq!(fa_stages(128, 4, 195, 344, 132, h), 3);
+        for lim in small {
+            for blocks in [1, 120, 264, 5000] {
+                let nst = fa_stages(128, 4, 195, blocks, 132, lim);
+                assert!(tc_smem_bytes(128, 1, 4, nst, TcFlavor::Fa16Kv) <= lim.block);
+            }
+        }
         // 4 row warps (512 threads: one block per multiprocessor by registers): 2 stages (3
         // would not fit).
         assert_eq!(tc_stages(128, 4, 4, TcFlavor::of(false), 264, 132, h), 2);
