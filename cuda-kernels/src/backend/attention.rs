@@ -1027,7 +1027,10 @@ mod tests {
         // The FA kernel (4 row warps, 195 registers: two blocks per multiprocessor at most):
         // 120 blocks (ctx 8192, one per SM) take 4 stages (139 KB); 264 blocks 3 (104 KB, two
         // per SM, one wave); 344 blocks 2 waves either way: 3; a part with 99 KB per block: 2.
-        assert_eq!(tc_smem_bytes(128, 1, 4, 3, TcFlavor::Fa16Kv), 3 * 2 * 64 * 136 * 2);
+        assert_eq!(
+            tc_smem_bytes(128, 1, 4, 3, TcFlavor::Fa16Kv),
+            3 * 2 * 64 * 136 * 2
+        );
         assert_eq!(fa_stages(128, 4, 195, 120, 132, h), 4);
         assert_eq!(fa_stages(128, 4, 195, 264, 132, h), 3);
         assert_eq!(fa_stages(128, 4, 195, 344, 132, h), 3);
