@@ -348,7 +348,10 @@ fn fa_kernel(d: usize) -> Option<Kernel> {
 /// it once, before any attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnFa {
-    /// Non-causal spans of more than 2048 keys (the one-wave split rule). Default `true`.
+    /// Non-causal visible spans (`n_kv`, or the window when smaller) of more than 1040 keys:
+    /// those the one-wave split rule takes (more than 2048) and the 256-key splits between
+    /// (the 27B shape's 2048-key windows over longer contexts: its step at ctx 8192 1.018 ->
+    /// 1.013 ms, three interleaved runs). Default `true`.
     pub long: bool,
     /// Every other call too (short spans, windows, causal; no faster in the step at ctx 512
     /// and 8192 windows). Default `false`.
@@ -618,7 +621,12 @@ impl Cuda {
             None => split_keys_auto(p, self.num_sms),
         };
         let one_wave = rule == SplitRule::OneWave;
-        let fa = fa_fits && (fa_cfg.all || (fa_cfg.long && one_wave));
+        // Long spans: the one-wave rule's, and the non-causal windows over longer contexts
+        // (the 27B shape's 2048-key windows).
+        let span = p.window.map_or(p.n_kv, |w| w.min(p.n_kv));
+        let fa = fa_fits
+            && (fa_cfg.all
+                || (fa_cfg.long && (one_wave || (!p.causal && span > SHORT_NONCAUSAL_KV))));
         let n_split = p.n_kv.div_ceil(split_keys);
         // The tensor-core kernels run the live splits only (the SIMT kernel all of them).
         let (split0, n_live) = {
