@@ -1030,6 +1030,55 @@ __device__ __forceinline__ void cp_async_wait_n() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// The f16-cache chunk copies (attn_h16_impl's KV16 path, attn_fa_impl): chunk c (CK keys from
+// key jbase + c CK, kv head hk) into the tile pair `slot` of `tiles` (f16 rows of D + 8 halves:
+// K at slot * 2 TILE_B bytes, V one tile after it); keys past n_kv become zeros. Thread tid
+// copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (nth % (D / 8) == 0): its global and
+// shared addresses of chunk 0 / slot 0 once, constant steps after that, and whole chunks
+// without the bounds check.
+template <int D, int CK>
+struct Kv16Copy {
+    static constexpr int PH = D + 8, C8 = D / 8;
+    static constexpr u32 TILE_B = CK * PH * 2;
+    int RS8, kk8, n_kv;
+    long long jbase, gstep8, cstep8;
+    const u16 *kg8, *vg8;
+    u32 ks8, sstep8;
+    __device__ __forceinline__ Kv16Copy(const float *k, const float *v, u16 *tiles, int tid, int nth, long long jbase_, int hk, int Hkv,
+                                        int n_kv_)
+        : RS8(nth / C8), kk8(tid / C8), n_kv(n_kv_), jbase(jbase_) {
+        const int d8c = (tid % C8) * 8;
+        gstep8 = (long long)RS8 * Hkv * D;
+        cstep8 = (long long)CK * Hkv * D;  // halves per chunk
+        const long long goff8 = ((jbase + kk8) * Hkv + hk) * D + d8c;
+        kg8 = (const u16 *)k + goff8;
+        vg8 = (const u16 *)v + goff8;
+        ks8 = (u32)__cvta_generic_to_shared(tiles + kk8 * PH + d8c);
+        sstep8 = (u32)(RS8 * PH * 2);  // bytes between a thread's rows
+    }
+    __device__ __forceinline__ void operator()(int c, int slot) const {
+        const long long j0 = jbase + (long long)c * CK;
+        const u16 *ks = kg8 + c * cstep8, *vs = vg8 + c * cstep8;
+        u32 kd = ks8 + (u32)slot * 2 * TILE_B;
+        if (j0 + CK <= n_kv) {
+            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
+                cp_async16s(kd, ks);
+                cp_async16s(kd + TILE_B, vs);
+            }
+        } else {
+            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
+                if (j0 + kk < n_kv) {
+                    cp_async16s(kd, ks);
+                    cp_async16s(kd + TILE_B, vs);
+                } else {
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd), "r"(0u) : "memory");
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd + TILE_B), "r"(0u) : "memory");
+                }
+            }
+        }
+    }
+};
+
 // KV16 (an f16 KV cache, `attention_fast_kv16`): k and v hold f16 (h2_pack of the f32 values,
 // so the tiles, and every bit after them, equal the f32 cache's), copied by cp.async straight
 // into nst stages of f16 tiles: no staging, no conversion, half the bytes, one block barrier per
@@ -1043,7 +1092,6 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     constexpr int PH = D + 8;    // halves per row of the f16 tiles (ldmatrix rows conflict-free)
     constexpr int NO = D / 8;    // output n-tiles
     constexpr int C4 = D / 4;
-    constexpr int C8 = D / 8;    // KV16: 16-byte pieces per K / V row
     constexpr u32 TILE_B = CK * PH * 2;  // bytes of one f16 K (or V) tile
     griddep_launch();  // the combine may launch (it waits for this grid)
     griddep_wait();    // a programmatic dependent launch: q and the cache first
@@ -1093,37 +1141,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
             }
         }
     };
-    // KV16: thread tid copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (nth % C8 == 0):
-    // its global and shared addresses of chunk 0 / stage 0 once, constant steps after that, and
-    // whole chunks without the bounds check.
-    const int RS8 = nth / C8, kk8 = tid / C8, d8c = (tid % C8) * 8;
-    const long long gstep8 = (long long)RS8 * Hkv * D;
-    const long long cstep8 = (long long)CK * Hkv * D;  // halves per chunk
-    const long long goff8 = ((jbase + kk8) * Hkv + hk) * D + d8c;
-    const u16 *kg8 = (const u16 *)k + goff8, *vg8 = (const u16 *)v + goff8;
-    const u32 ks8 = (u32)__cvta_generic_to_shared(Kh + kk8 * PH + d8c);
-    const u32 sstep8 = (u32)(RS8 * PH * 2);  // bytes between a thread's rows
-    auto load_chunk16 = [&](int c, int slot) {
-        const long long j0 = jbase + (long long)c * CK;
-        const u16 *ks = kg8 + c * cstep8, *vs = vg8 + c * cstep8;
-        u32 kd = ks8 + (u32)slot * 2 * TILE_B;
-        if (j0 + CK <= n_kv) {
-            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
-                cp_async16s(kd, ks);
-                cp_async16s(kd + TILE_B, vs);
-            }
-        } else {
-            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
-                if (j0 + kk < n_kv) {
-                    cp_async16s(kd, ks);
-                    cp_async16s(kd + TILE_B, vs);
-                } else {
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd), "r"(0u) : "memory");
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd + TILE_B), "r"(0u) : "memory");
-                }
-            }
-        }
-    };
+    const Kv16Copy<D, CK> load_chunk16(k, v, Kh, tid, nth, jbase, hk, Hkv, n_kv);  // KV16
     // The first chunks' copies first (in flight while Q loads).
     if constexpr (KV16) {
         for (int p = 0; p < nst - 1; ++p) {
@@ -1337,7 +1355,6 @@ __device__ __forceinline__ void attn_fa_impl(const float *__restrict__ q, const 
     constexpr int PH = D + 8;    // halves per tile row (ldmatrix rows conflict-free)
     constexpr int NO = D / 8;    // output n-tiles
     constexpr int KS = D / 16;   // k-steps of S = Q K^T
-    constexpr int C8 = D / 8;    // 16-byte pieces per K / V row
     constexpr u32 TILE_B = CK * PH * 2;
     griddep_launch();  // the combine may launch (it waits for this grid)
     griddep_wait();    // q and the cache first
@@ -1363,35 +1380,7 @@ __device__ __forceinline__ void attn_fa_impl(const float *__restrict__ q, const 
     const int nch = c_end - c_begin;
     const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
 
-    // Thread tid copies the 8 halves d8c.. of rows kk8, kk8 + RS8, ... (as attn_h16_impl's KV16).
-    const int RS8 = nth / C8, kk8 = tid / C8, d8c = (tid % C8) * 8;
-    const long long gstep8 = (long long)RS8 * Hkv * D;
-    const long long cstep8 = (long long)CK * Hkv * D;
-    const long long goff8 = ((jbase + kk8) * Hkv + hk) * D + d8c;
-    const u16 *kg8 = (const u16 *)k + goff8, *vg8 = (const u16 *)v + goff8;
-    const u32 ks8 = (u32)__cvta_generic_to_shared(Kh + kk8 * PH + d8c);
-    const u32 sstep8 = (u32)(RS8 * PH * 2);
-    auto load_chunk16 = [&](int c, int slot) {
-        const long long j0 = jbase + (long long)c * CK;
-        const u16 *ks = kg8 + c * cstep8, *vs = vg8 + c * cstep8;
-        u32 kd = ks8 + (u32)slot * 2 * TILE_B;
-        if (j0 + CK <= n_kv) {
-            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
-                cp_async16s(kd, ks);
-                cp_async16s(kd + TILE_B, vs);
-            }
-        } else {
-            for (int kk = kk8; kk < CK; kk += RS8, ks += gstep8, vs += gstep8, kd += sstep8) {
-                if (j0 + kk < n_kv) {
-                    cp_async16s(kd, ks);
-                    cp_async16s(kd + TILE_B, vs);
-                } else {
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd), "r"(0u) : "memory");
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(kd + TILE_B), "r"(0u) : "memory");
-                }
-            }
-        }
-    };
+    const Kv16Copy<D, CK> load_chunk16(k, v, Kh, tid, nth, jbase, hk, Hkv, n_kv);
     for (int p = 0; p < nst - 1; ++p) {
         if (p < nch) load_chunk16(c_begin + p, p);
         cp_async_commit();
