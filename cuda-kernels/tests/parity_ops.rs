@@ -1849,6 +1849,63 @@ fn f16_pack_unpack_bit_for_bit() {
     eprintln!("EXACT f16_pack / f16_unpack == the CPU ({n} values)");
 }
 
+/// An f16-cache attention case: the CPU's exact attention over the cache's f16 values (`oc`,
+/// from `kr` / `vr`, the K / V rounded to f16), q and the f32 K / V on the device, their f16
+/// cache (`f16_pack`), and `attention_fast_kv16`'s output over it (`o16`, written over a
+/// poisoned buffer).
+struct Kv16Case {
+    oc: Vec<f32>,
+    kr: Vec<f32>,
+    vr: Vec<f32>,
+    qg: dflash_cuda_kernels::CudaBuf,
+    kg: dflash_cuda_kernels::CudaBuf,
+    vg: dflash_cuda_kernels::CudaBuf,
+    k16: dflash_cuda_kernels::CudaBuf,
+    v16: dflash_cuda_kernels::CudaBuf,
+    o16: Vec<f32>,
+}
+
+fn kv16_case(
+    g: &dflash_cuda_kernels::Cuda,
+    cpu: &Cpu,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+) -> Kv16Case {
+    let round = |x: &[f32]| -> Vec<f32> {
+        x.iter()
+            .map(|&v| half::f16::from_bits(dflash_backend::f16_bits(v)).to_f32())
+            .collect()
+    };
+    let (kr, vr) = (round(k), round(v));
+    let mut oc = vec![0.0; q.len()];
+    cpu.attention(&q.to_vec(), &kr, &vr, p, &mut oc).unwrap();
+    let n = p.n_kv * p.n_kv_heads * p.head_dim;
+    let (qg, kg, vg) = (
+        g.upload(q).unwrap(),
+        g.upload(k).unwrap(),
+        g.upload(v).unwrap(),
+    );
+    let (mut k16, mut v16) = (g.zeros(n / 2).unwrap(), g.zeros(n / 2).unwrap());
+    g.f16_pack(&kg, &mut k16, 0, n).unwrap();
+    g.f16_pack(&vg, &mut v16, 0, n).unwrap();
+    let mut o16 = poisoned(g, oc.len());
+    g.attention_fast_kv16(&qg, &k16, &v16, p, &mut o16).unwrap();
+    let o16 = g.download(&o16).unwrap();
+    Kv16Case {
+        oc,
+        kr,
+        vr,
+        qg,
+        kg,
+        vg,
+        k16,
+        v16,
+        o16,
+    }
+}
+
 /// `attention_fast_kv16` over an f16 cache: against the CPU's exact attention over the same
 /// f16 values within the f16 bound (Q and P still rounded to f16), rows deterministic, the
 /// bits of `attention_fast` over the f32 cache where that runs the f16 kernel (non-causal
@@ -1877,29 +1934,18 @@ fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
         (5000, 128, None, false, 1),
     ] {
         let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, nq);
-        let (cap, hkv) = (p.n_kv, p.n_kv_heads);
-        // The CPU reference over the cache's f16 values.
-        let round = |x: &[f32]| -> Vec<f32> {
-            x.iter()
-                .map(|&v| half::f16::from_bits(dflash_backend::f16_bits(v)).to_f32())
-                .collect()
-        };
-        let (kr, vr) = (round(&k), round(&v));
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &kr, &vr, &p, &mut oc).unwrap();
-        let n = cap * hkv * hd;
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
-        let (mut k16, mut v16) = (g.zeros(n / 2).unwrap(), g.zeros(n / 2).unwrap());
-        g.f16_pack(&kg, &mut k16, 0, n).unwrap();
-        g.f16_pack(&vg, &mut v16, 0, n).unwrap();
-        let mut o16 = poisoned(g, oc.len());
-        g.attention_fast_kv16(&qg, &k16, &v16, &p, &mut o16)
-            .unwrap();
-        let o16 = g.download(&o16).unwrap();
+        let cap = p.n_kv;
+        let Kv16Case {
+            oc,
+            kr,
+            vr,
+            qg,
+            kg,
+            vg,
+            k16,
+            v16,
+            o16,
+        } = kv16_case(g, &cpu, &q, &k, &v, &p);
         let what =
             format!("attention_fast_kv16 ctx={ctx} d={hd} win={win:?} causal={causal} nq={nq}");
         // Q and P rounded to f16 (relative 2^-11 each), f32 accumulation.
@@ -1986,28 +2032,9 @@ fn attention_fa_kernel_on_every_call_against_cpu() {
         })
         .unwrap();
         let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, nq);
-        let (cap, hkv) = (p.n_kv, p.n_kv_heads);
-        let round = |x: &[f32]| -> Vec<f32> {
-            x.iter()
-                .map(|&v| half::f16::from_bits(dflash_backend::f16_bits(v)).to_f32())
-                .collect()
-        };
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &round(&k), &round(&v), &p, &mut oc)
-            .unwrap();
-        let n = cap * hkv * hd;
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
-        let (mut k16, mut v16) = (g.zeros(n / 2).unwrap(), g.zeros(n / 2).unwrap());
-        g.f16_pack(&kg, &mut k16, 0, n).unwrap();
-        g.f16_pack(&vg, &mut v16, 0, n).unwrap();
-        let mut o16 = poisoned(g, oc.len());
-        g.attention_fast_kv16(&qg, &k16, &v16, &p, &mut o16)
-            .unwrap();
-        let o16 = g.download(&o16).unwrap();
+        let Kv16Case {
+            oc, k16, v16, o16, ..
+        } = kv16_case(g, &cpu, &q, &k, &v, &p);
         let what = format!(
             "FA attention_fast_kv16 ctx={ctx} d={hd} win={win:?} causal={causal} nq={nq} stages={st} row_warps={rw}"
         );
