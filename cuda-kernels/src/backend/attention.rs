@@ -1,6 +1,8 @@
 //! The attention op of the CUDA backend: the tensor-core (3xTF32) split kernel for head dims
-//! 32 / 64 / 128, the f32 SIMT split kernel for 256 (and on request), the generic one-warp-per-row
-//! kernel for other head dims, and the ordered combine of the splits (kernels/attention.cu).
+//! 32 / 64 / 128, its f16 twins (over f32 or f16 caches, and the FlashAttention-2-style
+//! f16-cache kernel for long spans, [`AttnFa`]), the f32 SIMT split kernel for 256 (and on
+//! request), the generic one-warp-per-row kernel for other head dims, and the ordered combine
+//! of the splits (kernels/attention.cu).
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
@@ -353,8 +355,8 @@ pub struct AttnFa {
     /// (the 27B shape's 2048-key windows over longer contexts: its step at ctx 8192 1.018 ->
     /// 1.013 ms, three interleaved runs). Default `true`.
     pub long: bool,
-    /// Every other call too (short spans, windows, causal; no faster in the step at ctx 512
-    /// and 8192 windows). Default `false`.
+    /// Every other call too (short spans and causal calls; no faster in the step at ctx 512).
+    /// Default `false`.
     pub all: bool,
     /// Resident blocks per multiprocessor that the one-wave rule sizes the long spans' splits
     /// for: `num_sms * blocks_per_sm / n_kv_heads - 1` splits (1..=4). Default 1 (the
