@@ -290,7 +290,7 @@ fn fa_stages(
 }
 
 /// The tensor-core kernel for head dim `d`, `kw` key warps, P V on the CUDA cores (`fpv`),
-/// and one tf32 product per term (`x1`: [`Backend::attention_fast`]; only without `fpv`).
+/// and one tf32 product per term (`x1`: [`Backend::attention_fast`](dflash_backend::Backend::attention_fast); only without `fpv`).
 fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
     if x1 {
         return Some(match (d, kw, fpv) {
@@ -340,7 +340,7 @@ fn fa_kernel(d: usize) -> Option<Kernel> {
     })
 }
 
-/// Which [`Backend::attention_fast_kv16`] calls run the FlashAttention-2-style kernel
+/// Which [`Backend::attention_fast_kv16`](dflash_backend::Backend::attention_fast_kv16) calls run the FlashAttention-2-style kernel
 /// (`attn_fa16kv_*`): a warp owns 16 query rows and computes all 64 keys of every chunk, with
 /// its Q fragments in registers, where the 4-key-warp kernel (`attn_h16kv_*`) gives each warp
 /// 16 keys of a chunk and merges the warps' states at the end. 2.4x fewer instructions (ncu,
@@ -423,7 +423,7 @@ impl Cuda {
         *lock(&self.attn_split) = None;
     }
 
-    /// Whether [`Backend::attention_fast`] runs the f16 tensor-core kernel (the default: head
+    /// Whether [`Backend::attention_fast`](dflash_backend::Backend::attention_fast) runs the f16 tensor-core kernel (the default: head
     /// dims 32 / 64 / 128 with 4 key warps over a non-causal span of more than 2048 keys, the
     /// calls the one-wave split rule takes; Q, K, V and P rounded to f16) or always the 1xTF32
     /// twin of the exact kernel (`false`; a benchmark knob: each fixes its own bits, so set it
@@ -491,7 +491,7 @@ impl Cuda {
         Ok(v)
     }
 
-    /// Whether [`Backend::attention_fast_kv16`] runs its own kernel for these parameters (head
+    /// Whether [`Backend::attention_fast_kv16`](dflash_backend::Backend::attention_fast_kv16) runs its own kernel for these parameters (head
     /// dims 32 / 64 / 128 within the device's shared memory); the others unpack the cache.
     pub(super) fn kv16_kernel_fits(&self, p: &AttnParams) -> bool {
         h16kv_kernel(p.head_dim).is_some()
