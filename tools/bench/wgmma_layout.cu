@@ -17,10 +17,20 @@
 // layouts name them per operand major-ness), and the accumulators are read back in the
 // mma.sync C-fragment order per warp (rows 16 w + g, + 8; columns 8 n + 2 t, + 1). Each variant
 // prints its max |error| against a plain f32 reference; the right one prints ~1e-6 (f16
-// operands, f32 sums). Not yet run (written after the twentieth session's device time).
+// operands, f32 sums), then the time of 256 chunks' products per block on 132 blocks.
 //
-// Build and run on the GPU machine: nvcc -O3 -arch=sm_90a -o wgmma_layout wgmma_layout.cu &&
-// ./wgmma_layout
+// H200, twenty-first session: no swizzle: S with LBO = next d block, SBO = next key block, O
+// with LBO = next key block, SBO = next d block: 3.8e-6 / 1.9e-6 (LBO / SBO the other way round:
+// an illegal address); 128-byte swizzle (both tiles: key row j's d half h at h 8192 + 128 j, its
+// 16-byte block c at (c ^ j % 8) 16): S with SBO = 1024, O with LBO = 8192 (next d half), SBO =
+// 1024 (next 8 keys): 3.8e-6 / 1.9e-6 (O with LBO / SBO swapped: wrong values). Chained products
+// of one warpgroup per SM: 736 ns per chunk (no swizzle), 762 (swizzled): ~90 cycles per
+// m64n64k16 in a chain, a third of the tensor cores' peak; the layouts read alike. What made
+// the attention kernel over the no-swizzle tiles slow was its copy (8 rows x 64 bytes per warp
+// instruction), not the tensor cores' reads (cuda-kernels/kernels/attention.cu, attn_wg_impl).
+//
+// Build and run on the GPU machine: nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o
+// wgmma_layout wgmma_layout.cu && ./wgmma_layout [variant 0 | 2 | 3]
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -88,7 +98,7 @@ __device__ __forceinline__ void wgmma_n128_t(float (&d)[64], const u32 (&a)[4], 
 // One warpgroup. q [M][D], k [NK][D], v [NK][D], p [M][NK] (f32, rounded to f16 here);
 // s_out [M][NK], o_out [M][D]. swap_s / swap_o: LBO and SBO exchanged for that product.
 __global__ void __launch_bounds__(128) wgmma_check(const float *q, const float *k, const float *v, const float *p, float *s_out,
-                                                   float *o_out, int swap_s, int swap_o) {
+                                                   float *o_out, int swap_s, int swap_o, int reps = 1) {
     __shared__ __align__(128) __half Kt[NK * D], Vt[NK * D];
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     // Tiles in core matrices: key block j / 8, d block c: ((j / 8) * 16 + c) * 64 halves, row j % 8.
@@ -119,12 +129,13 @@ __global__ void __launch_bounds__(128) wgmma_check(const float *q, const float *
     }
     // The A registers are written before the fence (wgmma reads them asynchronously).
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int r = 0; r < reps; ++r)
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
         // K-major B: the k-step's first core matrix is d block 2 ks of key block 0; the next
         // along K (d) is one core on, the next along N (keys) one row of cores on.
         const u32 lbo = swap_s ? row_of_cores : core, sbo = swap_s ? core : row_of_cores;
-        wgmma_n64(s, qf[ks], desc(kbase + 2 * ks * core, lbo, sbo), ks > 0);
+        wgmma_n64(s, qf[ks], desc(kbase + 2 * ks * core, lbo, sbo), ks > 0 || r > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -149,13 +160,87 @@ __global__ void __launch_bounds__(128) wgmma_check(const float *q, const float *
         pf[kk][3] = pack(pb[j0 + 8], pb[j0 + 9]);
     }
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int r = 0; r < reps; ++r)
 #pragma unroll
     for (int kk = 0; kk < NK / 16; ++kk) {
         // MN-major B (d contiguous): the k-step's first core matrix is key block 2 kk, d block 0;
         // the next along K (keys) is one row of cores on, the next along N (d) one core on.
         const u32 lbo = swap_o ? core : row_of_cores, sbo = swap_o ? row_of_cores : core;
-        wgmma_n128_t(o, pf[kk], desc(vbase + 2 * kk * row_of_cores, lbo, sbo), kk > 0);
+        wgmma_n128_t(o, pf[kk], desc(vbase + 2 * kk * row_of_cores, lbo, sbo), kk > 0 || r > 0);
     }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    for (int n = 0; n < D / 8; ++n) {
+        o_out[(16 * w + g) * D + 8 * n + 2 * t] = o[4 * n];
+        o_out[(16 * w + g) * D + 8 * n + 2 * t + 1] = o[4 * n + 1];
+        o_out[(16 * w + g + 8) * D + 8 * n + 2 * t] = o[4 * n + 2];
+        o_out[(16 * w + g + 8) * D + 8 * n + 2 * t + 1] = o[4 * n + 3];
+    }
+}
+
+// The same two products over 128-byte-swizzled tiles (both tiles alike: key row j of d half h at
+// h * 8192 + j * 128 bytes, its 16-byte d block c (0..7 within the half) at ((c ^ (j % 8)) * 16);
+// tiles 1024-byte aligned). S reads K "K-major" (SBO = 1024: the next 8 keys; LBO unused), k-step
+// ks at half ks / 4, + 32 (ks % 4) bytes; O reads V "MN-major" (trans-b), k-step kk at + 2048 kk,
+// with (LBO, SBO) = (8192, 1024) (swap_o = 0: LBO = next d half) or (1024, 8192) (swap_o = 1).
+__device__ __forceinline__ u64 desc_sw128(u32 saddr, u32 lbo, u32 sbo) {
+    return desc(saddr, lbo, sbo) | (1ull << 62);
+}
+__global__ void __launch_bounds__(128) wgmma_sw128_check(const float *q, const float *k, const float *v, const float *p, float *s_out,
+                                                         float *o_out, int swap_o, int reps = 1) {
+    __shared__ __align__(1024) __half Kt[NK * D], Vt[NK * D];
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    for (int i = tid; i < NK * D; i += 128) {
+        const int j = i / D, dd = i % D, hh = dd / 64, c = (dd % 64) / 8;
+        const int at = hh * 4096 + j * 64 + ((c ^ (j % 8)) * 8) + dd % 8;  // halves
+        Kt[at] = __float2half_rn(k[i]);
+        Vt[at] = __float2half_rn(v[i]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const u32 kbase = (u32)__cvta_generic_to_shared(Kt), vbase = (u32)__cvta_generic_to_shared(Vt);
+    float s[32];
+    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+    const float *qa = q + (16 * w + g) * D, *qb = qa + 8 * D;
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const int d0 = 16 * ks + 2 * t;
+        qf[ks][0] = pack(qa[d0], qa[d0 + 1]);
+        qf[ks][1] = pack(qb[d0], qb[d0 + 1]);
+        qf[ks][2] = pack(qa[d0 + 8], qa[d0 + 9]);
+        qf[ks][3] = pack(qb[d0 + 8], qb[d0 + 9]);
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int r = 0; r < reps; ++r)
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+        wgmma_n64(s, qf[ks], desc_sw128(kbase + (ks / 4) * 8192 + (ks % 4) * 32, 16, 1024), ks > 0 || r > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    for (int n = 0; n < NK / 8; ++n) {
+        s_out[(16 * w + g) * NK + 8 * n + 2 * t] = s[4 * n];
+        s_out[(16 * w + g) * NK + 8 * n + 2 * t + 1] = s[4 * n + 1];
+        s_out[(16 * w + g + 8) * NK + 8 * n + 2 * t] = s[4 * n + 2];
+        s_out[(16 * w + g + 8) * NK + 8 * n + 2 * t + 1] = s[4 * n + 3];
+    }
+    float o[64];
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    const float *pa = p + (16 * w + g) * NK, *pb = pa + 8 * NK;
+    u32 pf[NK / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; ++kk) {
+        const int j0 = 16 * kk + 2 * t;
+        pf[kk][0] = pack(pa[j0], pa[j0 + 1]);
+        pf[kk][1] = pack(pb[j0], pb[j0 + 1]);
+        pf[kk][2] = pack(pa[j0 + 8], pa[j0 + 9]);
+        pf[kk][3] = pack(pb[j0 + 8], pb[j0 + 9]);
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int r = 0; r < reps; ++r)
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; ++kk)
+        wgmma_n128_t(o, pf[kk], desc_sw128(vbase + kk * 2048, swap_o ? 1024 : 8192, swap_o ? 8192 : 1024), kk > 0 || r > 0);
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     for (int n = 0; n < D / 8; ++n) {
@@ -168,7 +253,8 @@ __global__ void __launch_bounds__(128) wgmma_check(const float *q, const float *
 
 static float h(float x) { return __half2float(__float2half_rn(x)); }
 
-int main() {
+int main(int argc, char **argv) {
+    const int only = argc > 1 ? atoi(argv[1]) : -1;
     std::vector<float> q(M * D), k(NK * D), v(NK * D), p(M * NK);
     srand(7);
     auto rnd = [] { return (float)rand() / RAND_MAX * 2.0f - 1.0f; };
@@ -202,10 +288,12 @@ int main() {
     CK(cudaMemcpy(dv, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dp, p.data(), p.size() * 4, cudaMemcpyHostToDevice));
     std::printf("| LBO / SBO | S = Q K^T max |err| | O = P V max |err| |\n|---|---:|---:|\n");
-    for (int swap = 0; swap < 2; ++swap) {
+    for (int swap = 0; swap < 4; ++swap) {
+        if (swap == 1 || (only >= 0 && swap != only)) continue;  // 1: an illegal address
         CK(cudaMemset(ds, 0xff, sr.size() * 4));
         CK(cudaMemset(dout, 0xff, orf.size() * 4));
-        wgmma_check<<<1, 128>>>(dq, dk, dv, dp, ds, dout, swap, swap);
+        if (swap < 2) wgmma_check<<<1, 128>>>(dq, dk, dv, dp, ds, dout, swap, swap);
+        else wgmma_sw128_check<<<1, 128>>>(dq, dk, dv, dp, ds, dout, swap - 2);
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
         std::vector<float> sg(sr.size()), og(orf.size());
@@ -232,9 +320,24 @@ int main() {
         };
         const double es = check(sg, sr, NK, "S"), eo = check(og, orf, D, "O");
         std::printf("| %s | %.3g | %.3g |\n",
-                    swap ? "S: LBO = next key block, SBO = next d block; O: LBO = next d block, SBO = next key block"
-                         : "S: LBO = next d block, SBO = next key block; O: LBO = next key block, SBO = next d block",
+                    swap == 3   ? "128B swizzle: S: SBO = 1024; O: LBO = 1024 (next 8 keys), SBO = 8192 (next d half)"
+                    : swap == 2 ? "128B swizzle: S: SBO = 1024; O: LBO = 8192 (next d half), SBO = 1024 (next 8 keys)"
+                                : "no swizzle: S: LBO = next d block, SBO = next key block; O: LBO = next key block, SBO = next d block",
                     es, eo);
+        // Throughput: 132 blocks, each 256 rounds of the chunk's 8 + 4 wgmma.
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        for (int it = 0; it < 2; ++it) {
+            CK(cudaEventRecord(e0));
+            if (swap < 2) wgmma_check<<<132, 128>>>(dq, dk, dv, dp, ds, dout, swap, swap, 256);
+            else wgmma_sw128_check<<<132, 128>>>(dq, dk, dv, dp, ds, dout, swap - 2, 256);
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+        }
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        std::printf("  256 chunks of S + O per block, 132 blocks: %.1f us (%.0f ns per chunk)\n", ms * 1e3, ms * 1e6 / 256);
     }
     return 0;
 }
