@@ -1507,3 +1507,265 @@ ATTN_TC(128, 2, false, true, _x1)
 ATTN_TC(32, 4, false, true, _x1)
 ATTN_TC(64, 4, false, true, _x1)
 ATTN_TC(128, 4, false, true, _x1)
+
+// The Hopper warpgroup-MMA twin of attn_fa_impl (`attn_wg16kv_d128`; only in the module compiled
+// for sm_90a, DFLASH_SM90A). One warpgroup (4 warps, 64 rows: the 16 queries x 4 heads of a kv
+// head at the 8B / 27B shapes) per block; per 64-key chunk S = Q K^T is 8 wgmma.m64n64k16 and
+// O += P V 4 wgmma.m64n128k16, both reading K / V straight from shared memory (no ldmatrix),
+// with Q and P as register A operands in mma.sync's A-fragment order and the accumulators in
+// its C-fragment order, so the softmax, rescale and store are attn_fa_impl's. The tiles are
+// 128-byte swizzled (KvSwCopy), so each warp instruction of the copy reads two whole cache rows
+// as attn_fa_impl's does: the same kernel over 8 x 16-byte core matrices (no swizzle, each warp
+// instruction 8 rows x 64 bytes) ran 27.8 us against the FA kernel's 22.3 at ctx 8192 (H200),
+// this one 19.6. Grid, chunks, masks, partials and per-row determinism as attn_fa_impl.
+#if defined(DFLASH_SM90A)
+__device__ __forceinline__ unsigned long long wg_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+// The same with the 128-byte swizzle (layout type 1, bits 62-63; the tile 1024-byte aligned).
+__device__ __forceinline__ unsigned long long wg_desc_sw128(u32 saddr, u32 lbo, u32 sbo) { return wg_desc(saddr, lbo, sbo) | (1ull << 62); }
+template <int N>
+__device__ __forceinline__ void wg_keep(float (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(r[i][e])::"memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// s (+)= A B over one k16 step: s the m64n64 f32 accumulator (this warp's C fragments, n-tile
+// nt = keys 8 nt ..), a this warp's A fragment, B (K-major) by descriptor; acc = 0 overwrites.
+__device__ __forceinline__ void wg_m64n64k16(float (&s)[8][4], const u32 (&a)[4], unsigned long long bd, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]), "+f"(s[1][3]),
+          "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3]),
+          "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]),
+          "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bd), "r"(acc));
+}
+// o += A B over one k16 step: o the m64n128 f32 accumulator, B read MN-major (imm-trans-b 1).
+__device__ __forceinline__ void wg_m64n128k16_t(float (&o)[16][4], const u32 (&a)[4], unsigned long long bd) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(o[0][0]), "+f"(o[0][1]), "+f"(o[0][2]), "+f"(o[0][3]), "+f"(o[1][0]), "+f"(o[1][1]), "+f"(o[1][2]), "+f"(o[1][3]),
+          "+f"(o[2][0]), "+f"(o[2][1]), "+f"(o[2][2]), "+f"(o[2][3]), "+f"(o[3][0]), "+f"(o[3][1]), "+f"(o[3][2]), "+f"(o[3][3]),
+          "+f"(o[4][0]), "+f"(o[4][1]), "+f"(o[4][2]), "+f"(o[4][3]), "+f"(o[5][0]), "+f"(o[5][1]), "+f"(o[5][2]), "+f"(o[5][3]),
+          "+f"(o[6][0]), "+f"(o[6][1]), "+f"(o[6][2]), "+f"(o[6][3]), "+f"(o[7][0]), "+f"(o[7][1]), "+f"(o[7][2]), "+f"(o[7][3]),
+          "+f"(o[8][0]), "+f"(o[8][1]), "+f"(o[8][2]), "+f"(o[8][3]), "+f"(o[9][0]), "+f"(o[9][1]), "+f"(o[9][2]), "+f"(o[9][3]),
+          "+f"(o[10][0]), "+f"(o[10][1]), "+f"(o[10][2]), "+f"(o[10][3]), "+f"(o[11][0]), "+f"(o[11][1]), "+f"(o[11][2]), "+f"(o[11][3]),
+          "+f"(o[12][0]), "+f"(o[12][1]), "+f"(o[12][2]), "+f"(o[12][3]), "+f"(o[13][0]), "+f"(o[13][1]), "+f"(o[13][2]), "+f"(o[13][3]),
+          "+f"(o[14][0]), "+f"(o[14][1]), "+f"(o[14][2]), "+f"(o[14][3]), "+f"(o[15][0]), "+f"(o[15][1]), "+f"(o[15][2]), "+f"(o[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(bd));
+}
+
+// Chunk c (64 keys from key jbase + 64 c, kv head hk) into the K / V tiles of stage `slot` (K at
+// slot * 2 TILE_B bytes, V TILE_B after it; tiles 1024-byte aligned), 128-byte swizzled: key row
+// j's d half h (64 values) at h * 8192 + j * 128 bytes, its 16-byte d block c (0..7) at
+// ((c ^ (j % 8)) * 16) (tools/bench/wgmma_layout.cu checked the descriptors on the H200). Thread
+// tid copies the 16-byte piece tid % 16 of rows tid / 16 + 8 i (as Kv16Copy: a warp instruction
+// reads two whole cache rows); its row's swizzle is the same for all i. Keys past n_kv become
+// zeros. 128 threads.
+template <int D>
+struct KvSwCopy {
+    static constexpr u32 TILE_B = 64 * D * 2;
+    int n_kv, r0;
+    long long jbase, cstep, rstep;  // halves: per chunk, per 8 key rows
+    const u16 *kg, *vg;
+    u32 sa;
+    __device__ __forceinline__ KvSwCopy(const float *k, const float *v, u32 tiles, int tid, long long jbase_, int hk, int Hkv, int n_kv_)
+        : n_kv(n_kv_), r0(tid / 16), jbase(jbase_) {
+        static_assert(D == 128, "two 64-value halves per key row");
+        const int p = tid % 16;
+        cstep = 64LL * Hkv * D;
+        rstep = 8LL * Hkv * D;
+        const long long goff = ((jbase + r0) * Hkv + hk) * D + 8 * p;
+        kg = (const u16 *)k + goff;
+        vg = (const u16 *)v + goff;
+        sa = tiles + (u32)((p / 8) * 8192 + r0 * 128 + (((p % 8) ^ r0) * 16));
+    }
+    __device__ __forceinline__ void operator()(int c, int slot) const {
+        const long long j0 = jbase + (long long)c * 64;
+        const u16 *ks = kg + c * cstep, *vs = vg + c * cstep;
+        const u32 kd = sa + (u32)slot * 2 * TILE_B;
+        const bool whole = j0 + 64 <= n_kv;
+#pragma unroll
+        for (int i = 0; i < 8; ++i, ks += rstep, vs += rstep) {
+            const u32 so = kd + (u32)i * 1024;
+            if (whole || j0 + r0 + 8 * i < n_kv) {
+                cp_async16s(so, ks);
+                cp_async16s(so + TILE_B, vs);
+            } else {
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(so), "r"(0u) : "memory");
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(so + TILE_B), "r"(0u) : "memory");
+            }
+        }
+    }
+};
+
+template <int D>
+__device__ __forceinline__ void attn_wg_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                             float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
+                                             long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
+                                             int split_keys, int nst, int split0) {
+    constexpr int CK = 64;      // keys per chunk
+    constexpr int NT = CK / 8;  // score n-tiles per chunk
+    constexpr int NO = D / 8;   // output n-tiles
+    constexpr int KS = D / 16;  // k-steps of S = Q K^T
+    constexpr u32 TILE_B = KvSwCopy<D>::TILE_B;
+    griddep_launch();  // the combine may launch (it waits for this grid)
+    griddep_wait();    // q and the cache first
+    extern __shared__ __align__(128) float sm[];
+    // [nst][K, V][64 keys x D], 128-byte swizzled (KvSwCopy), from the first 1024-byte boundary
+    const u32 tiles = ((u32)__cvta_generic_to_shared(sm) + 1023u) & ~1023u;
+    constexpr int ROWS = 64;
+    const IDiv G(H / Hkv);
+    const int QR = n_q * G.d;
+    const int hk = blockIdx.z;
+    const int split = split0 + blockIdx.y;
+    const int qr0 = blockIdx.x * ROWS;
+    const int tid = threadIdx.x, rw = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = qr0 + rw * 16 + g, rb = ra + 8;
+    const bool va = ra < QR, vb = rb < QR;
+    const int ia = va ? G.div(ra) : 0, ib = vb ? G.div(rb) : 0;
+    const long long qpa = q_pos0 + ia, qpb = q_pos0 + ib;
+
+    const long long jbase = (long long)split * split_keys;
+    int c_begin, c_end;
+    att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
+    const int nch = c_end - c_begin;
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
+
+    const KvSwCopy<D> load_chunk(k, v, tiles, tid, jbase, hk, Hkv, n_kv);
+    // 3 <= nst <= 5 (the host's choice): chunks ci and ci + 1 are read while ci + 2 .. land.
+    for (int p = 0; p < nst - 1; ++p) {
+        if (p < nch) load_chunk(c_begin + p, p);
+        cp_async_commit();
+    }
+    u32 qf[KS][4];
+    {
+        const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
+        const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
+        float2 x[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const float2 z = make_float2(0.f, 0.f);
+            x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
+            x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
+            x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
+            x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
+    }
+
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const float scale_l2 = scale * 1.4426950408889634f;  // scores in log2 units
+    const auto tile_k = [&](int ci) { return tiles + (u32)(ci % nst) * 2 * TILE_B; };
+    // S = Q K^T of chunk ci (64 rows x 64 keys; this warp: its 16 rows, n-tile nt = keys 8 nt ..).
+    const auto issue_s = [&](float (&s)[NT][4], int ci) {
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) wg_m64n64k16(s, qf[ks], wg_desc_sw128(tile_k(ci) + (ks / 4) * 8192 + (ks % 4) * 32, 16, 1024), ks);
+    };
+    // Software pipeline (one warpgroup: its phases would otherwise not overlap): S of the next
+    // chunk runs on the tensor cores while this chunk's softmax runs, and this chunk's P V while
+    // the next chunk's copy is awaited, its S issued and its softmax runs.
+    float s[NT][4], sn[NT][4];
+    u32 pf[NT / 2][4];  // P's A fragments: live until the P V group completes
+    if (nch > 0) {
+        cp_async_wait_n<0>();  // (the prologue's chunks; only the first is needed)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        issue_s(sn, 0);
+        wg_commit();
+        wg_wait0();
+        wg_keep(sn);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = sn[nt][e];
+    }
+    for (int ci = 0; ci < nch; ++ci) {
+        const bool more = ci + 1 < nch;
+        if (more) {
+            // Chunk ci + 1 landed (3 <= nst <= 5: the prologue issued it, or iteration ci + 2 - nst).
+            if (nst == 5) cp_async_wait_n<2>();
+            else if (nst == 4) cp_async_wait_n<1>();
+            else cp_async_wait_n<0>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();
+            issue_s(sn, ci + 1);
+        }
+        wg_commit();  // (empty after the last chunk: the group count stays the same)
+        const long long j0 = jbase + (long long)(c_begin + ci) * CK;
+        const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
+                          (window < 0 || qpos_hi < kv_pos0 + j0 + window);
+        float ala, alb;
+        att_softmax_fa<NT>(s, full, j0, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale_l2, m_a, m_b, l_a, l_b, ala, alb);
+        // P V of chunk ci - 1 done (its stage and P free; o settled), and S of ci + 1. (Waiting
+        // for the older group alone, wait_group 1, makes ptxas serialize every wgmma: it cannot
+        // tell that the o it reads next is no longer in flight.)
+        wg_wait0();
+        wg_keep(o);
+        wg_keep(sn);
+        // Refill the stage of chunk ci - 1 with chunk ci + nst - 1 (every warp is past its P V:
+        // a warpgroup MMA completes for all four warps at once).
+        if (ci + nst - 1 < nch) load_chunk(c_begin + ci + nst - 1, (ci + nst - 1) % nst);
+        cp_async_commit();
+        att_rescale(o, ala, alb);
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            pf[kk][0] = h2_pack(s[2 * kk][0], s[2 * kk][1]);
+            pf[kk][1] = h2_pack(s[2 * kk][2], s[2 * kk][3]);
+            pf[kk][2] = h2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pf[kk][3] = h2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+        wg_keep(o);
+        wg_fence();
+        const u32 vcur = tile_k(ci) + TILE_B;
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) wg_m64n128k16_t(o, pf[kk], wg_desc_sw128(vcur + kk * 2048, 8192, 1024));
+        wg_commit();
+        if (more) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] = sn[nt][e];
+        }
+    }
+    wg_wait0();
+    wg_keep(o);
+    cp_async_wait_all();
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    m_a *= 0.69314718055994531f;  // log2 units -> natural (the combine uses expf)
+    m_b *= 0.69314718055994531f;
+    attn_tc_store<D, 1, false>(o, m_a, m_b, l_a, l_b, sm, rw, 0, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_wg16kv_d128(const float *q, const float *k, const float *v, float *ws_o,
+                                                                    float *ws_ml, int n_q, int n_kv, int H, int Hkv, long long q_pos0,
+                                                                    long long kv_pos0, int causal, long long window, float scale,
+                                                                    int split_keys, int nst, int split0) {
+    attn_wg_impl<128>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0);
+}
+#endif

@@ -173,6 +173,7 @@ kernels! {
     AttnFa16KvD32 => (Attention, "attn_fa16kv_d32"),
     AttnFa16KvD64 => (Attention, "attn_fa16kv_d64"),
     AttnFa16KvD128 => (Attention, "attn_fa16kv_d128"),
+    AttnWg16KvD128 => (Attention, "attn_wg16kv_d128"),
     AttnTcD32Kw4 => (Attention, "attn_tc_d32_kw4"),
     AttnTcD64Kw4 => (Attention, "attn_tc_d64_kw4"),
     AttnTcD128Kw4 => (Attention, "attn_tc_d128_kw4"),
@@ -191,6 +192,30 @@ kernels! {
     AttnCombine => (Attention, "attn_combine"),
     AttnCombineWide => (Attention, "attn_combine_wide"),
     AttnGeneric => (Attention, "attn_generic"),
+}
+
+impl Kernel {
+    /// The one NVRTC target that has this kernel, for those that use instructions of one
+    /// architecture only (Hopper's warpgroup MMA: `sm_90a`, see [`module_arch`]); `None`: every
+    /// target.
+    pub fn only_for(self) -> Option<&'static str> {
+        match self {
+            Kernel::AttnWg16KvD128 => Some("sm_90a"),
+            _ => None,
+        }
+    }
+}
+
+/// The NVRTC target a module is compiled for on a device whose target is `arch`: the attention
+/// module for `sm_90a` on `sm_90` (compute capability 9.0: H100 / H200), where it also has the
+/// warpgroup-MMA kernel; everything else for `arch`. `sm_90a` code runs on 9.0 devices only,
+/// which is exactly where it is chosen.
+pub fn module_arch(m: Module, arch: &'static str) -> &'static str {
+    if m == Module::Attention && arch == "sm_90" {
+        "sm_90a"
+    } else {
+        arch
+    }
 }
 
 /// NVRTC target name for a compute capability (`sm_90` for (9, 0)).
@@ -229,6 +254,10 @@ pub fn compile_module_traced(
     block_trace: bool,
 ) -> Result<Ptx, CudaError> {
     let mut options = vec!["--std=c++17".to_string()];
+    if arch == "sm_90a" {
+        // The kernels that need the architecture-specific instructions (`Kernel::only_for`).
+        options.push("-DDFLASH_SM90A".into());
+    }
     if block_trace {
         options.push("-DDFLASH_BLOCK_TRACE".into());
     }
@@ -277,11 +306,12 @@ impl Registry {
             return Ok(md.clone());
         }
         let t0 = std::time::Instant::now();
-        let ptx = compile_module_traced(m, self.arch, self.block_trace)?;
+        let arch = module_arch(m, self.arch);
+        let ptx = compile_module_traced(m, arch, self.block_trace)?;
         let md = self.ctx.load_module(ptx)?;
         tracing::debug!(
             module = m.name(),
-            arch = self.arch,
+            arch,
             ms = t0.elapsed().as_millis() as u64,
             "compiled CUDA module"
         );

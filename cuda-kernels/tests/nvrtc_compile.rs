@@ -6,7 +6,7 @@
 //! no NVRTC can be loaded the test prints why and returns without checking anything.
 
 use dflash_cuda_kernels::registry::{
-    compile_module, compile_module_traced, nvrtc_available, Kernel, Module,
+    compile_module, compile_module_traced, module_arch, nvrtc_available, Kernel, Module,
 };
 
 #[test]
@@ -25,7 +25,10 @@ fn every_kernel_compiles_to_ptx() {
             let ptx =
                 compile_module(m, arch).unwrap_or_else(|e| panic!("{} for {arch}: {e}", m.name()));
             let text = ptx.to_src();
-            for k in Kernel::ALL.iter().filter(|k| k.module() == m) {
+            for k in Kernel::ALL
+                .iter()
+                .filter(|k| k.module() == m && k.only_for().is_none())
+            {
                 let entry = format!(".entry {}(", k.name());
                 assert!(
                     text.contains(&entry),
@@ -51,6 +54,40 @@ fn every_kernel_compiles_to_ptx() {
     }
 }
 
+/// The attention module as compiled for compute capability 9.0 (`module_arch`: sm_90a) has
+/// every kernel of sm_90 plus the warpgroup-MMA one, which really runs wgmma; sm_90 has none.
+#[test]
+fn the_sm90a_attention_module_has_the_wgmma_kernel() {
+    if !nvrtc_available() {
+        eprintln!(
+            "SKIPPED the_sm90a_attention_module_has_the_wgmma_kernel: libnvrtc could not be loaded"
+        );
+        return;
+    }
+    let m = Module::Attention;
+    let arch = module_arch(m, "sm_90");
+    assert_eq!(arch, "sm_90a");
+    let text = compile_module(m, arch)
+        .unwrap_or_else(|e| panic!("attention for {arch}: {e}"))
+        .to_src();
+    for k in Kernel::ALL.iter().filter(|k| k.module() == m) {
+        assert!(
+            text.contains(&format!(".entry {}(", k.name())),
+            "no entry point {} in the attention PTX for {arch}",
+            k.name()
+        );
+    }
+    assert!(text.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16"));
+    assert!(text.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"));
+    let plain = compile_module(m, "sm_90").unwrap().to_src();
+    assert!(!plain.contains("wgmma") && !plain.contains(".entry attn_wg16kv_d128("));
+    // Every other module keeps the device's own target.
+    for other in Module::ALL.into_iter().filter(|&o| o != m) {
+        assert_eq!(module_arch(other, "sm_90"), "sm_90");
+    }
+    assert_eq!(module_arch(m, "sm_80"), "sm_80");
+}
+
 /// The modules with the per-block trace compiled in (`CudaOptions::block_trace`): they compile
 /// for sm_90, and the trace really is in the PTX (the record's SM register and global timer
 /// reads, the record buffer), in every module; the plain modules have none of it.
@@ -63,7 +100,7 @@ fn the_block_trace_variant_compiles_and_records() {
         return;
     }
     for m in Module::ALL {
-        let traced = compile_module_traced(m, "sm_90", true)
+        let traced = compile_module_traced(m, module_arch(m, "sm_90"), true)
             .unwrap_or_else(|e| panic!("{} traced: {e}", m.name()))
             .to_src();
         let plain = compile_module(m, "sm_90")

@@ -2002,45 +2002,50 @@ fn attention_fa_kernel_on_every_call_against_cpu() {
     };
     let cpu = Cpu::new();
     let mut r = rng("attention_fa_kernel_on_every_call_against_cpu");
-    g.set_attn_fa(AttnFa {
-        all: true,
-        ..AttnFa::default()
-    })
-    .unwrap();
-    // (context, head dim, window, causal, queries, stages (0 = automatic), row warps)
-    for &(ctx, hd, win, causal, nq, st, rw) in &[
-        (240usize, 128usize, None, false, 16usize, 0usize, 0usize),
-        (528, 128, None, false, 16, 0, 0),
-        (528, 128, None, false, 16, 1, 4),
-        (1000, 128, None, false, 16, 2, 1),
-        (8208, 128, None, false, 16, 0, 0),
-        (8208, 128, None, false, 16, 3, 2),
-        (8192, 128, Some(2048usize), false, 16, 0, 0),
-        (3000, 64, None, false, 16, 0, 0),
-        (300, 32, None, false, 16, 0, 0),
-        (3000, 32, None, false, 9, 0, 0),
-        (4000, 128, None, true, 16, 0, 0),
-        (600, 64, Some(256), true, 5, 0, 0),
-        (5000, 128, None, false, 1, 0, 0),
-        (77, 128, None, false, 16, 0, 0),
-    ] {
-        g.set_attn_kernel(AttnKernel::Tc {
-            key_warps: 4,
-            row_warps: rw,
-            ffma_pv: false,
-            stages: st,
+    // wgmma: its warpgroup-MMA twin where the device has it (compute capability 9.0, head dim
+    // 128), then the mma.sync kernel everywhere.
+    for wgmma in [true, false] {
+        g.set_attn_fa(AttnFa {
+            all: true,
+            wgmma,
+            ..AttnFa::default()
         })
         .unwrap();
-        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, nq);
-        let Kv16Case {
-            oc, k16, v16, o16, ..
-        } = kv16_case(g, &cpu, &q, &k, &v, &p);
-        let what = format!(
-            "FA attention_fast_kv16 ctx={ctx} d={hd} win={win:?} causal={causal} nq={nq} stages={st} row_warps={rw}"
+        // (context, head dim, window, causal, queries, stages (0 = automatic), row warps)
+        for &(ctx, hd, win, causal, nq, st, rw) in &[
+            (240usize, 128usize, None, false, 16usize, 0usize, 0usize),
+            (528, 128, None, false, 16, 0, 0),
+            (528, 128, None, false, 16, 1, 4),
+            (1000, 128, None, false, 16, 2, 1),
+            (8208, 128, None, false, 16, 0, 0),
+            (8208, 128, None, false, 16, 3, 2),
+            (8192, 128, Some(2048usize), false, 16, 0, 0),
+            (3000, 64, None, false, 16, 0, 0),
+            (300, 32, None, false, 16, 0, 0),
+            (3000, 32, None, false, 9, 0, 0),
+            (4000, 128, None, true, 16, 0, 0),
+            (600, 64, Some(256), true, 5, 0, 0),
+            (5000, 128, None, false, 1, 0, 0),
+            (77, 128, None, false, 16, 0, 0),
+        ] {
+            g.set_attn_kernel(AttnKernel::Tc {
+                key_warps: 4,
+                row_warps: rw,
+                ffma_pv: false,
+                stages: st,
+            })
+            .unwrap();
+            let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, nq);
+            let Kv16Case {
+                oc, k16, v16, o16, ..
+            } = kv16_case(g, &cpu, &q, &k, &v, &p);
+            let what = format!(
+            "FA attention_fast_kv16 ctx={ctx} d={hd} win={win:?} causal={causal} nq={nq} stages={st} row_warps={rw} wgmma={wgmma}"
         );
-        report(&what, &o16, &oc, 4e-3);
-        if nq > 1 {
-            assert_rows_alone_equal(g, &q, &k16, &v16, &p, &o16, Op::FastKv16, &what);
+            report(&what, &o16, &oc, 4e-3);
+            if nq > 1 {
+                assert_rows_alone_equal(g, &q, &k16, &v16, &p, &o16, Op::FastKv16, &what);
+            }
         }
     }
     g.set_attn_kernel(AttnKernel::Auto).unwrap();

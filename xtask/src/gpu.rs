@@ -86,11 +86,12 @@ pub struct BenchArgs {
     attn_dump: Option<PathBuf>,
     /// With --attn-once --kv16: time the call (split + combine, a graph of 20 calls) under
     /// these FA choices, comma-separated: `nofa`, `fabN` (long spans, splits for N blocks per
-    /// SM), `faall` (every call), each optionally `:sN` (N stages).
+    /// SM), `faall` (every call), `nowg` (the mma.sync FA kernel), `+`-joined, each optionally
+    /// `:sN` (N stages).
     #[arg(long)]
     fa_sweep: Option<String>,
-    /// The FA f16-cache attention kernel for the whole run: `default`, `nofa`, `fabN` or
-    /// `faall` (as --fa-sweep).
+    /// The FA f16-cache attention kernel for the whole run: `default`, `nofa`, `fabN`, `faall`
+    /// or `nowg` (as --fa-sweep).
     #[arg(long, default_value = "default")]
     attn_fa: String,
     /// L2 prefetch of the coming weights during the step, MB per prefetch point: e.g.
@@ -1573,19 +1574,25 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
     Ok(md)
 }
 
-/// `default`, `nofa` (the FA kernel off), `faall` (on every f16-cache call) or `fabN` (long
-/// spans, splits for N blocks per SM).
+/// `default`, `nofa` (the FA kernel off), `faall` (on every f16-cache call), `fabN` (long
+/// spans, splits for N blocks per SM) or `nowg` (the mma.sync FA kernel, not its wgmma twin);
+/// `+`-joined (`nowg+fab2`).
 fn parse_attn_fa(name: &str) -> Result<AttnFa> {
     let mut fa = AttnFa::default();
-    match name {
-        "default" => {}
-        "nofa" => fa.long = false,
-        "faall" => fa.all = true,
-        n => {
-            fa.blocks_per_sm = n
-                .strip_prefix("fab")
-                .ok_or_else(|| anyhow!("--attn-fa {n}: expected default, nofa, faall or fabN"))?
-                .parse()?
+    for part in name.split('+') {
+        match part {
+            "default" => {}
+            "nofa" => fa.long = false,
+            "faall" => fa.all = true,
+            "nowg" => fa.wgmma = false,
+            n => {
+                fa.blocks_per_sm = n
+                    .strip_prefix("fab")
+                    .ok_or_else(|| {
+                        anyhow!("--attn-fa {n}: expected default, nofa, faall, nowg or fabN")
+                    })?
+                    .parse()?
+            }
         }
     }
     Ok(fa)
@@ -1992,7 +1999,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     // Each entry: a Q8_0A8 kernel name, optionally `+noef` (weights streamed without the
     // evict-first hint), `+nopdl` (no programmatic dependent launch of quantizer + matmul), `+asN`
-    // (attention split of N keys), `+att=NAME` (attention kernel), `+nofa` / `+faall` / `+fabN`
+    // (attention split of N keys), `+att=NAME` (attention kernel), `+nofa` / `+faall` / `+fabN` / `+nowg`
     // (the FA f16-cache kernel off / on every call / long splits for N blocks per SM).
     struct Config {
         name: String,
@@ -2068,6 +2075,8 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     cfg.attn_fa.long = false;
                 } else if opt == "faall" {
                     cfg.attn_fa.all = true;
+                } else if opt == "nowg" {
+                    cfg.attn_fa.wgmma = false;
                 } else if let Some(n) = opt.strip_prefix("fab") {
                     // The FA kernel's long-span split sized for N blocks per SM.
                     cfg.attn_fa.blocks_per_sm = n.parse()?;

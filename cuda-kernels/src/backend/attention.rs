@@ -1,6 +1,6 @@
 //! The attention op of the CUDA backend: the tensor-core (3xTF32) split kernel for head dims
 //! 32 / 64 / 128, its f16 twins (over f32 or f16 caches, and the FlashAttention-2-style
-//! f16-cache kernel for long spans, [`AttnFa`]), the f32 SIMT split kernel for 256 (and on
+//! f16-cache kernel for long spans with its Hopper warpgroup-MMA twin, [`AttnFa`]), the f32 SIMT split kernel for 256 (and on
 //! request), the generic one-warp-per-row kernel for other head dims, and the ordered combine
 //! of the splits (kernels/attention.cu).
 
@@ -9,6 +9,7 @@ use super::{
     Kernel, KvStorage, PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
 };
 use crate::error::dev;
+use crate::registry::{module_arch, Module};
 
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
@@ -159,6 +160,9 @@ enum TcFlavor {
     /// The FlashAttention-2-style f16-cache kernel (`attn_fa16kv_*`, one key warp): `nst`
     /// stages of 64-key f16 K / V tiles, Q in registers, no merge.
     Fa16Kv,
+    /// Its Hopper warpgroup-MMA twin (`attn_wg16kv_d128`): the same stages unpadded and
+    /// 128-byte swizzled, always 4 row warps (one warpgroup, 64 rows).
+    Wg16Kv,
 }
 
 impl TcFlavor {
@@ -184,6 +188,10 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fl: TcFlavor) -> us
     }
     if fl == TcFlavor::Fa16Kv {
         return nst * 2 * 64 * (d + 8) * 2;
+    }
+    if fl == TcFlavor::Wg16Kv {
+        // (+ 1 KiB: the swizzled tiles start at a 1024-byte boundary)
+        return nst * 2 * 64 * d * 2 + 1024;
     }
     if fl == TcFlavor::H16Kv {
         let main = (rw * 16 + nst * 2 * ck) * (d + 8) * 2;
@@ -260,9 +268,9 @@ fn tc_stages(
     }
 }
 
-/// Pipeline stages of the FA kernel (`regs` registers per thread, as compiled for this
-/// device): the deepest (up to 4) that needs no more waves than 2 stages. Scheduling only: no
-/// bits change.
+/// Pipeline stages of the FA kernel or its wgmma twin (`fl`; `regs` registers per thread, as
+/// compiled for this device): the deepest (up to 4; the wgmma twin: 3 to 5) that needs no more
+/// waves than 2 stages (the wgmma twin: 3). Scheduling only: no bits change.
 fn fa_stages(
     d: usize,
     rw: usize,
@@ -270,9 +278,10 @@ fn fa_stages(
     blocks: usize,
     sms: usize,
     lim: SmemLimits,
+    fl: TcFlavor,
 ) -> usize {
     let waves = |nst: usize| {
-        let smem = tc_smem_bytes(d, 1, rw, nst, TcFlavor::Fa16Kv);
+        let smem = tc_smem_bytes(d, 1, rw, nst, fl);
         let by_regs = 65536 / (32 * rw * regs.next_multiple_of(8).max(8));
         let per = if smem > lim.block {
             0
@@ -285,6 +294,11 @@ fn fa_stages(
             blocks.div_ceil(per * sms.max(1))
         }
     };
+    if fl == TcFlavor::Wg16Kv {
+        // Its loop reads two chunks while the next ones land: at least 3 stages.
+        let base = waves(3);
+        return (3..=5).rev().find(|&n| waves(n) <= base).unwrap_or(3);
+    }
     let base = waves(2).min(waves(1));
     (1..=4).rev().find(|&n| waves(n) <= base).unwrap_or(1)
 }
@@ -330,6 +344,12 @@ fn h16kv_kernel(d: usize) -> Option<Kernel> {
     })
 }
 
+/// The warpgroup-MMA twin of the FA kernel for head dim `d`, where the attention module was
+/// compiled for `sm_90a` (`module_arch`).
+fn wg_kernel(d: usize, arch: &'static str) -> Option<Kernel> {
+    (d == 128 && module_arch(Module::Attention, arch) == "sm_90a").then_some(Kernel::AttnWg16KvD128)
+}
+
 /// The FlashAttention-2-style f16-cache kernel for head dim `d`.
 fn fa_kernel(d: usize) -> Option<Kernel> {
     Some(match d {
@@ -363,6 +383,13 @@ pub struct AttnFa {
     /// 4-key-warp kernel's split: 15 splits at ctx 8192 on the H200); 2 and 3 ran the kernel
     /// alone faster (22.0 / 21.4 us) and the step slower (more partials for the combine).
     pub blocks_per_sm: usize,
+    /// On compute capability 9.0 (H100 / H200) at head dim 128: its Hopper warpgroup-MMA twin
+    /// (`attn_wg16kv_d128`: K / V read by the tensor cores straight from 128-byte-swizzled
+    /// shared memory, no ldmatrix, the next chunk's scores computed during this chunk's softmax;
+    /// its own summation order, within the same f16 bound). Default `true`. H200, 8B shape,
+    /// split + combine alone: 22.3 -> 19.6 us at ctx 8192, 12.7 -> 11.4 at 2048; the q8_0a8 step
+    /// at ctx 8192 0.663 -> 0.646 ms (two rounds each, one lease).
+    pub wgmma: bool,
 }
 
 impl Default for AttnFa {
@@ -371,6 +398,7 @@ impl Default for AttnFa {
             long: true,
             all: false,
             blocks_per_sm: 1,
+            wgmma: true,
         }
     }
 }
@@ -629,6 +657,10 @@ impl Cuda {
         let fa = fa_fits
             && (fa_cfg.all
                 || (fa_cfg.long && (one_wave || (!p.causal && span > SHORT_NONCAUSAL_KV))));
+        // Its warpgroup-MMA twin where the device has one (sm_90a, head dim 128).
+        let wg = wg_kernel(d, self.arch())
+            .filter(|_| fa && fa_cfg.wgmma)
+            .filter(|_| tc_smem_bytes(d, 1, 4, 3, TcFlavor::Wg16Kv) <= self.smem.block);
         let n_split = p.n_kv.div_ceil(split_keys);
         // The tensor-core kernels run the live splits only (the SIMT kernel all of them).
         let (split0, n_live) = {
@@ -670,19 +702,22 @@ impl Cuda {
                     .filter(|_| !kv16 && fast && !fpv && one_wave && *lock(&self.attn_fast_f16))
                     .filter(|_| tc_smem_bytes(d, kw, 1, 1, TcFlavor::H16) <= lim.block);
                 let fl = match () {
+                    _ if wg.is_some() => TcFlavor::Wg16Kv,
                     _ if fa => TcFlavor::Fa16Kv,
                     _ if kv16 => TcFlavor::H16Kv,
                     _ if h16.is_some() => TcFlavor::H16,
                     _ => TcFlavor::of(fpv),
                 };
-                let kern = fa_kernel(d)
-                    .filter(|_| fa)
+                let kern = wg
+                    .or_else(|| fa_kernel(d).filter(|_| fa))
                     .or_else(|| h16kv_kernel(d).filter(|_| kv16))
                     .or(h16)
                     .or_else(|| tc_kernel(d, kw, fpv, fast))
                     .or_else(|| tc_kernel(d, kw, fpv, false))
                     .ok_or_else(internal)?;
-                let rw = if rw > 0 {
+                let rw = if wg.is_some() {
+                    4 // one warpgroup
+                } else if rw > 0 {
                     rw
                 } else {
                     // As many rows per block as the rows allow while the grid still fills the
@@ -708,9 +743,11 @@ impl Cuda {
                 let nst = match stages {
                     0 if fa => {
                         let regs = self.func(kern)?.num_regs().map_err(dev)? as usize;
-                        fa_stages(d, rw, regs, blocks, self.num_sms, lim)
+                        fa_stages(d, rw, regs, blocks, self.num_sms, lim, fl)
                     }
                     0 => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
+                    // (the wgmma twin: 3 to 5 stages)
+                    n if wg.is_some() => n.clamp(3, 5),
                     n if tc_smem_bytes(d, kw, rw, n, fl) <= lim.block => n,
                     _ => tc_stages(d, kw, rw, fl, blocks, self.num_sms, lim),
                 };
@@ -1041,15 +1078,29 @@ mod tests {
             tc_smem_bytes(128, 1, 4, 3, TcFlavor::Fa16Kv),
             3 * 2 * 64 * 136 * 2
         );
-        assert_eq!(fa_stages(128, 4, 195, 120, 132, h), 4);
-        assert_eq!(fa_stages(128, 4, 195, 264, 132, h), 3);
-        assert_eq!(fa_stages(128, 4, 195, 344, 132, h), 3);
+        let fa = TcFlavor::Fa16Kv;
+        assert_eq!(fa_stages(128, 4, 195, 120, 132, h, fa), 4);
+        assert_eq!(fa_stages(128, 4, 195, 264, 132, h, fa), 3);
+        assert_eq!(fa_stages(128, 4, 195, 344, 132, h, fa), 3);
+        // The wgmma twin's unpadded stages (32 KB each): 5 for one block per SM; 264 blocks at
+        // 168 registers (3 per SM by registers, 2 by 3 stages' 96 KB): 3.
+        let wg = TcFlavor::Wg16Kv;
+        assert_eq!(tc_smem_bytes(128, 1, 4, 4, wg), 4 * 32768 + 1024);
+        assert_eq!(fa_stages(128, 4, 168, 120, 132, h, wg), 5);
+        assert_eq!(fa_stages(128, 4, 168, 264, 132, h, wg), 3);
         for lim in small {
             for blocks in [1, 120, 264, 5000] {
-                let nst = fa_stages(128, 4, 195, blocks, 132, lim);
-                assert!(tc_smem_bytes(128, 1, 4, nst, TcFlavor::Fa16Kv) <= lim.block);
+                for fl in [fa, wg] {
+                    let nst = fa_stages(128, 4, 195, blocks, 132, lim, fl);
+                    assert!(tc_smem_bytes(128, 1, 4, nst, fl) <= lim.block);
+                }
             }
         }
+        // The wgmma kernel exists where the attention module is compiled for sm_90a.
+        assert_eq!(wg_kernel(128, "sm_90"), Some(Kernel::AttnWg16KvD128));
+        assert_eq!(wg_kernel(64, "sm_90"), None);
+        assert_eq!(wg_kernel(128, "sm_80"), None);
+        assert_eq!(wg_kernel(128, "sm_100"), None);
         // 4 row warps (512 threads: one block per multiprocessor by registers): 2 stages (3
         // would not fit).
         assert_eq!(tc_stages(128, 4, 4, TcFlavor::of(false), 264, 132, h), 2);
