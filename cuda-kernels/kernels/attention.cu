@@ -1345,6 +1345,44 @@ __device__ __forceinline__ void att_softmax_fa(float (&s)[NT][4], bool full, lon
     m_b = mnb;
 }
 
+// Q's A-fragments of this lane's rows ra / rb (real: va / vb; query ia / ib), d 16 ks + 2 t
+// (+1, +8, +9), rounded to f16 (attn_fa_impl, attn_wg_impl): all loads issued, then rounded.
+template <int D>
+__device__ __forceinline__ void att_q_frags(const float *__restrict__ q, u32 (&qf)[D / 16][4], int ia, int ib, int ra, int rb, bool va,
+                                            bool vb, int hk, int H, const IDiv &G, int t) {
+    constexpr int KS = D / 16;
+    const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
+    const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
+    float2 x[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const float2 z = make_float2(0.f, 0.f);
+        x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
+        x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
+        x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
+        x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
+}
+
+// The end of a one-key-warp split (attn_fa_impl, attn_wg_impl): the row sums over the quad, m
+// back to natural units (the combine uses expf), the split's partial.
+template <int D>
+__device__ __forceinline__ void att_fa_store(float (&o)[D / 8][4], float m_a, float m_b, float l_a, float l_b, float *sm, int rw, int lane,
+                                             int t, int ra, int rb, bool va, bool vb, const IDiv &G, int hk, int H, int n_q,
+                                             float *__restrict__ ws_o, float *__restrict__ ws_ml) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    m_a *= 0.69314718055994531f;
+    m_b *= 0.69314718055994531f;
+    attn_tc_store<D, 1, false>(o, m_a, m_b, l_a, l_b, sm, rw, 0, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
+}
+
 template <int D>
 __device__ __forceinline__ void attn_fa_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
@@ -1385,25 +1423,8 @@ __device__ __forceinline__ void attn_fa_impl(const float *__restrict__ q, const 
         if (p < nch) load_chunk16(c_begin + p, p);
         cp_async_commit();
     }
-    // Q's A-fragments (rows g / g+8, d 16ks + 2t, +1 and + 8): all loads issued, then rounded.
     u32 qf[KS][4];
-    {
-        const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
-        const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
-        float2 x[KS][4];
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const float2 z = make_float2(0.f, 0.f);
-            x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
-            x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
-            x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
-            x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
-        }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
-    }
+    att_q_frags<D>(q, qf, ia, ib, ra, rb, va, vb, hk, H, G, t);
 
     float o[NO][4];
 #pragma unroll
@@ -1464,13 +1485,7 @@ __device__ __forceinline__ void attn_fa_impl(const float *__restrict__ q, const 
         }
     }
     cp_async_wait_all();
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    m_a *= 0.69314718055994531f;  // log2 units -> natural (the combine uses expf)
-    m_b *= 0.69314718055994531f;
-    attn_tc_store<D, 1, false>(o, m_a, m_b, l_a, l_b, sm, rw, 0, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
+    att_fa_store<D>(o, m_a, m_b, l_a, l_b, sm, rw, lane, t, ra, rb, va, vb, G, hk, H, n_q, ws_o, ws_ml);
 }
 
 #define ATTN_FA(D)                                                                                                                     \
@@ -1654,23 +1669,7 @@ __device__ __forceinline__ void attn_wg_impl(const float *__restrict__ q, const 
         cp_async_commit();
     }
     u32 qf[KS][4];
-    {
-        const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
-        const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
-        float2 x[KS][4];
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const float2 z = make_float2(0.f, 0.f);
-            x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
-            x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
-            x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
-            x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
-        }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
-    }
+    att_q_frags<D>(q, qf, ia, ib, ra, rb, va, vb, hk, H, G, t);
 
     float o[NO][4];
 #pragma unroll
@@ -1753,13 +1752,7 @@ __device__ __forceinline__ void attn_wg_impl(const float *__restrict__ q, const 
     wg_wait0();
     wg_keep(o);
     cp_async_wait_all();
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    m_a *= 0.69314718055994531f;  // log2 units -> natural (the combine uses expf)
-    m_b *= 0.69314718055994531f;
-    attn_tc_store<D, 1, false>(o, m_a, m_b, l_a, l_b, sm, rw, 0, lane, t, ra, rb, va, vb, G, hk, H, n_q, blockIdx.y, ws_o, ws_ml);
+    att_fa_store<D>(o, m_a, m_b, l_a, l_b, sm, rw, lane, t, ra, rb, va, vb, G, hk, H, n_q, ws_o, ws_ml);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_wg16kv_d128(const float *q, const float *k, const float *v, float *ws_o,
