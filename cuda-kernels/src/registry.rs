@@ -218,6 +218,32 @@ pub fn module_arch(m: Module, arch: &'static str) -> &'static str {
     }
 }
 
+/// Build module `m` (`build`: compile and load for a target) for [`module_arch`]`(m, base)`,
+/// and where that architecture-specific target fails (an NVRTC or driver that predates it),
+/// for `base` instead: its architecture-specific kernels are then missing (`Registry::has`),
+/// every other kernel is there. Returns the target used.
+fn build_with_fallback<T>(
+    m: Module,
+    base: &'static str,
+    mut build: impl FnMut(&'static str) -> Result<T, CudaError>,
+) -> Result<(&'static str, T), CudaError> {
+    let want = module_arch(m, base);
+    match build(want) {
+        Ok(t) => Ok((want, t)),
+        Err(e) if want != base => {
+            tracing::warn!(
+                module = m.name(),
+                arch = want,
+                fallback = base,
+                error = %e,
+                "architecture-specific build failed: its kernels are unavailable"
+            );
+            Ok((base, build(base)?))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// NVRTC target name for a compute capability (`sm_90` for (9, 0)).
 pub fn arch_for(major: i32, minor: i32) -> Result<&'static str, CudaError> {
     Ok(match (major, minor) {
@@ -281,7 +307,8 @@ pub(crate) struct Registry {
     ctx: Arc<CudaContext>,
     arch: &'static str,
     block_trace: bool,
-    modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
+    /// Each loaded module with the target it was compiled for.
+    modules: Mutex<HashMap<Module, (Arc<CudaModule>, &'static str)>>,
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
 }
 
@@ -300,23 +327,37 @@ impl Registry {
         self.arch
     }
 
-    fn module(&self, m: Module) -> Result<Arc<CudaModule>, CudaError> {
+    /// Module `m`, compiled and loaded at first use, with the target it was compiled for.
+    fn module(&self, m: Module) -> Result<(Arc<CudaModule>, &'static str), CudaError> {
         let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(md) = mods.get(&m) {
             return Ok(md.clone());
         }
         let t0 = std::time::Instant::now();
-        let arch = module_arch(m, self.arch);
-        let ptx = compile_module_traced(m, arch, self.block_trace)?;
-        let md = self.ctx.load_module(ptx)?;
+        let (arch, md) = build_with_fallback(m, self.arch, |arch| {
+            let ptx = compile_module_traced(m, arch, self.block_trace)?;
+            Ok(self.ctx.load_module(ptx)?)
+        })?;
         tracing::debug!(
             module = m.name(),
             arch,
             ms = t0.elapsed().as_millis() as u64,
             "compiled CUDA module"
         );
-        mods.insert(m, md.clone());
-        Ok(md)
+        mods.insert(m, (md.clone(), arch));
+        Ok((md, arch))
+    }
+
+    /// Whether kernel `k` is in its module as compiled here (compiles the module at first use):
+    /// always, except an architecture-specific kernel ([`Kernel::only_for`]) whose module fell
+    /// back to the device's plain target, or was never compiled for that one.
+    pub(crate) fn has(&self, k: Kernel) -> Result<bool, CudaError> {
+        match k.only_for() {
+            None => Ok(true),
+            Some(arch) => Ok(
+                module_arch(k.module(), self.arch) == arch && self.module(k.module())?.1 == arch
+            ),
+        }
     }
 
     pub(crate) fn get(&self, k: Kernel) -> Result<CudaFunction, CudaError> {
@@ -326,7 +367,7 @@ impl Registry {
                 return Ok(f.clone());
             }
         }
-        let md = self.module(k.module())?;
+        let (md, _) = self.module(k.module())?;
         let f = md.load_function(k.name())?;
         self.functions
             .lock()
@@ -377,7 +418,7 @@ impl Registry {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .map(|(k, v)| (*k, v.clone()))
+            .map(|(k, (md, _))| (*k, md.clone()))
             .collect()
     }
 
@@ -429,5 +470,58 @@ impl Registry {
             }
         }
         Ok((out, dropped))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fail(arch: &str) -> CudaError {
+        CudaError::Unsupported {
+            op: "nvrtc",
+            msg: format!("no {arch} here"),
+        }
+    }
+
+    /// The attention module on sm_90 is built for sm_90a; where that target fails (an older
+    /// NVRTC or driver) it is built for sm_90 instead, and the failure of the plain target, or of
+    /// a module with no architecture-specific target, is the error.
+    #[test]
+    fn an_architecture_specific_build_falls_back_to_the_plain_target() {
+        let mut tried = Vec::new();
+        let r = build_with_fallback(Module::Attention, "sm_90", |a| {
+            tried.push(a);
+            Ok(a.len())
+        });
+        assert_eq!(r.unwrap(), ("sm_90a", 6));
+        assert_eq!(tried, ["sm_90a"]);
+
+        tried.clear();
+        let r = build_with_fallback(Module::Attention, "sm_90", |a| {
+            tried.push(a);
+            if a == "sm_90a" {
+                Err(fail(a))
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!(r.unwrap().0, "sm_90");
+        assert_eq!(tried, ["sm_90a", "sm_90"]);
+
+        let r = build_with_fallback(Module::Attention, "sm_90", |a| Err::<(), _>(fail(a)));
+        assert!(matches!(r, Err(CudaError::Unsupported { msg, .. }) if msg == "no sm_90 here"));
+
+        tried.clear();
+        let r = build_with_fallback(Module::Matmul, "sm_90", |a| {
+            tried.push(a);
+            Err::<(), _>(fail(a))
+        });
+        assert!(r.is_err());
+        assert_eq!(tried, ["sm_90"]);
+        assert_eq!(
+            build_with_fallback(Module::Attention, "sm_80", Ok).unwrap(),
+            ("sm_80", "sm_80")
+        );
     }
 }

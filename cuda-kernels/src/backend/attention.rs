@@ -1,8 +1,8 @@
 //! The attention op of the CUDA backend: the tensor-core (3xTF32) split kernel for head dims
 //! 32 / 64 / 128, its f16 twins (over f32 or f16 caches, and the FlashAttention-2-style
-//! f16-cache kernel for long spans with its Hopper warpgroup-MMA twin, [`AttnFa`]), the f32 SIMT split kernel for 256 (and on
-//! request), the generic one-warp-per-row kernel for other head dims, and the ordered combine
-//! of the splits (kernels/attention.cu).
+//! f16-cache kernel for long spans with its Hopper warpgroup-MMA twin, [`AttnFa`]), the f32
+//! SIMT split kernel for 256 (and on request), the generic one-warp-per-row kernel for other
+//! head dims, and the ordered combine of the splits (kernels/attention.cu).
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
@@ -386,9 +386,10 @@ pub struct AttnFa {
     /// On compute capability 9.0 (H100 / H200) at head dim 128: its Hopper warpgroup-MMA twin
     /// (`attn_wg16kv_d128`: K / V read by the tensor cores straight from 128-byte-swizzled
     /// shared memory, no ldmatrix, the next chunk's scores computed during this chunk's softmax;
-    /// its own summation order, within the same f16 bound). Default `true`. H200, 8B shape,
-    /// split + combine alone: 22.3 -> 19.6 us at ctx 8192, 12.7 -> 11.4 at 2048; the q8_0a8 step
-    /// at ctx 8192 0.663 -> 0.646 ms (two rounds each, one lease).
+    /// its own summation order, within the same f16 bound). Default `true`; where the NVRTC or
+    /// driver cannot build sm_90a the mma.sync kernel runs. H200, 8B shape, split + combine
+    /// alone: 22.3 -> 19.6 us at ctx 8192, 12.7 -> 11.4 at 2048; the q8_0a8 step at ctx 8192
+    /// 0.665 -> 0.645 ms (27B: 1.037 -> 1.025; three interleaved rounds in one lease).
     pub wgmma: bool,
 }
 
@@ -658,9 +659,17 @@ impl Cuda {
             && (fa_cfg.all
                 || (fa_cfg.long && (one_wave || (!p.causal && span > SHORT_NONCAUSAL_KV))));
         // Its warpgroup-MMA twin where the device has one (sm_90a, head dim 128).
-        let wg = wg_kernel(d, self.arch())
-            .filter(|_| fa && fa_cfg.wgmma)
-            .filter(|_| tc_smem_bytes(d, 1, 4, 3, TcFlavor::Wg16Kv) <= self.smem.block);
+        let wg = match wg_kernel(d, self.arch()) {
+            Some(k)
+                if fa
+                    && fa_cfg.wgmma
+                    && tc_smem_bytes(d, 1, 4, 3, TcFlavor::Wg16Kv) <= self.smem.block
+                    && self.reg.has(k).map_err(BackendError::from)? =>
+            {
+                Some(k)
+            }
+            _ => None,
+        };
         let n_split = p.n_kv.div_ceil(split_keys);
         // The tensor-core kernels run the live splits only (the SIMT kernel all of them).
         let (split0, n_live) = {
