@@ -9,7 +9,12 @@
 //   bulk      each block streams one contiguous range through an S-stage ring of
 //             cp.async.bulk copies (the TMA unit), one mbarrier per stage
 // each at several blocks per SM, and the per-SM rates on part of the chip (how much one SM
-// can pull when few SMs stream, as in the step's small kernels).
+// can pull when few SMs stream, as in the step's small kernels); then the copy pattern of the
+// streamed lm_head tried in the twenty-second session (branch stream-try) with no arithmetic,
+// and rings refilled by a producer warp through `empty` mbarriers (ring_pattern, ring2).
+// `./read_bw order` times the producer-warp ring and the bulk ring alone, interleaved (in the
+// full run, after the other variants, the producer-warp rings measured ~25% slower than alone:
+// docs/bench-gpu.md); `./read_bw ncu` launches the two once each, for ncu.
 //
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90 -o read_bw read_bw.cu && ./read_bw
 #include <cuda_runtime.h>
