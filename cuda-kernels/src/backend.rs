@@ -1555,6 +1555,22 @@ impl Cuda {
         unsafe { a.launch(st, &f, cfg((blocks as u32, 1, 1), threads, 0), pdl) }
     }
 
+    /// A token for what activation slot `slot` (0 or 1) holds now, if anything: a timing aid
+    /// for ablations that leave a producer out and let its consumer read the slot's older
+    /// contents (`xtask bench gpu --a8-sweep ...+skip=N`). The values read are then not the
+    /// step's, only its timing is meaningful.
+    #[doc(hidden)]
+    pub fn a8_slot_token(&self, slot: usize) -> Option<A8Act> {
+        let s = lock(&self.scratch);
+        let (k, rows) = (*s.a8_shape.get(slot)?)?;
+        Some(A8Act {
+            k,
+            rows,
+            slot,
+            generation: s.a8_gen[slot],
+        })
+    }
+
     /// RMSNorm of rows `row0 .. row0 + rows` of `x` (width `dim`, a multiple of 32; `rows`
     /// <= 16) written straight as a Q8_0A8 activation for [`Cuda::matmul_many_q8`] (K =
     /// `dim`): the bytes a matmul's own quantizer would write from `rms_norm`'s output (same

@@ -158,7 +158,9 @@ pub struct BenchArgs {
     /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
     /// +pf=SPEC (L2 prefetch, as --l2-prefetch), +skip=LETTERS (timing ablation: launches
     /// left out, letters of nkqaogdl = norms, q/k/v, q/k norm + RoPE, attention, o, gate/up,
-    /// down, lm_head; the step's results are then meaningless; n and a need +noq8n), +fa (the
+    /// down, lm_head; the step's results are then meaningless; n and a need +noq8n; N: with
+    /// the producers, the norms whose consumer can read the first activation slot's older
+    /// contents of the same shape, at 8B all but the first and the final norm), +fa (the
     /// attention through `attention_fast`), +q8n / +noq8n (the Q8_0A8 producers on / off,
     /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
     /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
@@ -753,7 +755,12 @@ impl Model {
                 // The residual adds inside the o / down projections' stores; with q8norm the
                 // norms write the next projections' quantized activation (same bits, 3
                 // launches fewer).
+                let stale = g
+                    .a8_slot_token(0)
+                    .filter(|a| q8n && sk('N') && a.k() == s.hidden && a.rows() == rows);
                 if sk('n') {
+                } else if let Some(a) = stale {
+                    act = Some(a);
                 } else if q8n {
                     act = Some(g.rms_norm_q8(&b.h, 0, rows, &l.ln2, s.hidden, eps)?);
                 } else {
@@ -813,7 +820,15 @@ impl Model {
             } else {
                 self.prefetch_at(g, &mut cur, PfPoint::E, w0 + 7)?;
             }
+            // +skip=N: the norm before the next q/k/v left out where the first activation slot
+            // holds one of its shape (8B: the attention's); a timing ablation.
+            let stale = || {
+                g.a8_slot_token(0)
+                    .filter(|a| a.k() == s.hidden && a.rows() == rows && li + 1 < nl)
+            };
             if sk('n') {
+            } else if let Some(a) = stale().filter(|_| q8n && sk('N')) {
+                act = Some(a);
             } else if q8n {
                 // The last layer's: the final norm of the lm_head rows only.
                 let (r0, n) = if li + 1 < nl {
