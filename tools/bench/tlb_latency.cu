@@ -20,14 +20,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                                     \
-    do {                                                                                          \
-        cudaError_t e_ = (x);                                                                     \
-        if (e_ != cudaSuccess) {                                                                  \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                         \
-        }                                                                                         \
-    } while (0)
+#include "ck.cuh"
 
 constexpr int NP = 5;
 __constant__ long long kOff[NP] = {0, 64 << 10, 2 << 20, (2 << 20) + (64 << 10), 0};
