@@ -592,6 +592,14 @@ impl Model {
         if q8n && (sk('n') || sk('a')) {
             bail!("+skip=n / +skip=a leave the Q8_0A8 producers out: add +noq8n");
         }
+        // +skip=N (a timing ablation): a norm left out where the first activation slot already
+        // holds an activation of its shape (at 8B the attention's), which its consumer reads.
+        let stale = |here: bool| {
+            (q8n && sk('N') && here)
+                .then(|| g.a8_slot_token(0))
+                .flatten()
+                .filter(|a| a.k() == s.hidden && a.rows() == rows)
+        };
         // The activation the last Q8_0A8 producer wrote (q8n).
         let mut act: Option<A8Act> = None;
         let need = |a: &Option<A8Act>| a.ok_or_else(|| anyhow!("no Q8_0A8 activation written"));
@@ -755,11 +763,8 @@ impl Model {
                 // The residual adds inside the o / down projections' stores; with q8norm the
                 // norms write the next projections' quantized activation (same bits, 3
                 // launches fewer).
-                let stale = g
-                    .a8_slot_token(0)
-                    .filter(|a| q8n && sk('N') && a.k() == s.hidden && a.rows() == rows);
                 if sk('n') {
-                } else if let Some(a) = stale {
+                } else if let Some(a) = stale(true) {
                     act = Some(a);
                 } else if q8n {
                     act = Some(g.rms_norm_q8(&b.h, 0, rows, &l.ln2, s.hidden, eps)?);
@@ -820,14 +825,8 @@ impl Model {
             } else {
                 self.prefetch_at(g, &mut cur, PfPoint::E, w0 + 7)?;
             }
-            // +skip=N: the norm before the next q/k/v left out where the first activation slot
-            // holds one of its shape (8B: the attention's); a timing ablation.
-            let stale = || {
-                g.a8_slot_token(0)
-                    .filter(|a| a.k() == s.hidden && a.rows() == rows && li + 1 < nl)
-            };
             if sk('n') {
-            } else if let Some(a) = stale().filter(|_| q8n && sk('N')) {
+            } else if let Some(a) = stale(li + 1 < nl) {
                 act = Some(a);
             } else if q8n {
                 // The last layer's: the final norm of the lm_head rows only.
