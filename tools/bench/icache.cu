@@ -11,7 +11,8 @@
 // kernel before runs), and the same FMAs as a loop (its code one 64-FMA body).
 // 132 blocks x 128 threads (one per multiprocessor, as a latency-bound kernel), 8 independent
 // FMA chains per thread. us per link = replay time of a graph of 240 links / 240; the difference
-// between `same` and `cycleK` at one N is what cold code costs per launch.
+// between `same` and `cycleK` at one N is what cold code costs per launch (the `straight` rows
+// add the constant cache's misses to the instruction fetch's; `regs` has only the latter).
 //
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90 -o icache icache.cu && ./icache
 #include <cuda_runtime.h>
