@@ -26,6 +26,18 @@
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// The 8 chains' start values (values another block of the link before wrote) and their sum.
+__device__ __forceinline__ void load8(const float *in, int i, float (&x)[8]) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) x[c] = __ldcg(in + ((i * 7 + c * 131) % (gridDim.x * blockDim.x)));
+}
+__device__ __forceinline__ float sum8(const float (&x)[8]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) s += x[c];
+    return s;
+}
+
 // N FMAs over 8 chains, constants distinct per kernel id (ID) so the K kernels are distinct code.
 template <int N, int ID>
 __global__ void __launch_bounds__(128) straight(const float *in, float *out) {
@@ -33,17 +45,13 @@ __global__ void __launch_bounds__(128) straight(const float *in, float *out) {
     pdl_wait();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     float x[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) x[c] = __ldcg(in + ((i * 7 + c * 131) % (gridDim.x * blockDim.x)));
+    load8(in, i, x);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
         const float a = 1.0f + (float)((k * 37 + ID * 11) % 997) * 1e-7f;
         x[k % 8] = fmaf(x[k % 8], a, (float)(k % 13) * 1e-9f);
     }
-    float s = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) s += x[c];
-    out[i] = s;
+    out[i] = sum8(x);
 }
 
 // The same straight-line code with register operands only (no per-instruction constant: the
@@ -54,15 +62,11 @@ __global__ void __launch_bounds__(128) regs(const float *in, float *out) {
     pdl_wait();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     float x[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) x[c] = __ldcg(in + ((i * 7 + c * 131) % (gridDim.x * blockDim.x)));
+    load8(in, i, x);
     const float a0 = x[0] * 1e-30f + 1.0f, a1 = x[1] * 1e-30f + (1.0f + ID * 1e-7f), b = x[2] * 1e-30f;
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k % 8] = fmaf(x[k % 8], (k / 8) % 2 ? a1 : a0, b);
-    float s = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) s += x[c];
-    out[i] = s;
+    out[i] = sum8(x);
 }
 
 // The same body run twice through one copy of its code: once before the wait on whatever `in`
@@ -77,16 +81,13 @@ __global__ void __launch_bounds__(128) warmed(const float *in, float *out) {
     for (int pass = 0; pass < 2; ++pass) {
         if (pass == 1) pdl_wait();
         float x[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c) x[c] = __ldcg(in + ((i * 7 + c * 131) % (gridDim.x * blockDim.x)));
+        load8(in, i, x);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
             const float a = 1.0f + (float)((k * 37 + ID * 11) % 997) * 1e-7f;
             x[k % 8] = fmaf(x[k % 8], a, (float)(k % 13) * 1e-9f);
         }
-        s = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) s += x[c];
+        s = sum8(x);
     }
     out[i] = s;
 }
@@ -98,8 +99,7 @@ __global__ void __launch_bounds__(128) rolled(const float *in, float *out) {
     pdl_wait();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     float x[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) x[c] = __ldcg(in + ((i * 7 + c * 131) % (gridDim.x * blockDim.x)));
+    load8(in, i, x);
     float a = 1.0f + (float)ID * 1e-7f;
 #pragma unroll 1
     for (int r = 0; r < N / 64; ++r) {
@@ -107,10 +107,7 @@ __global__ void __launch_bounds__(128) rolled(const float *in, float *out) {
         for (int k = 0; k < 64; ++k) x[k % 8] = fmaf(x[k % 8], a, (float)(k % 13) * 1e-9f);
         a += 1e-8f;
     }
-    float s = 0.0f;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) s += x[c];
-    out[i] = s;
+    out[i] = sum8(x);
 }
 
 using Fn = void (*)(const float *, float *);
