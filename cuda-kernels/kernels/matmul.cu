@@ -385,8 +385,10 @@ __device__ __forceinline__ void mma_s8_16832(int c[4], const uint4 &a, u32 b0, u
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
-// Exact int -> f32 for |i| < 2^22 (block sums are at most 32 * 128 * 127 in magnitude).
-__device__ __forceinline__ float i2f_small(int i) { return __int_as_float(i + 0x4B400000) - 12582912.0f; }
+// Exact int -> f32 for |i| < 2^24 (block sums are at most 32 * 128 * 127 in magnitude): one
+// I2FP.F32.S32 on sm_86 and later (where the integer add + float subtract of the bits of
+// 1.5 * 2^23 take two instructions).
+__device__ __forceinline__ float i2f_small(int i) { return __int2float_rn(i); }
 
 // One block (32 k values) of one warp's tile and token group j: one mma, then the f32
 // block-ordered update of the warp's 16 x 8 outputs.
