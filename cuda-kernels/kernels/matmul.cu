@@ -826,11 +826,32 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     a8_put4(m, T, tile, j, g, t, r, prev);
 }
 
+// The blocks per multiprocessor that a split block's shared memory allows (host side:
+// a8k_smem_bytes, + the 1 KiB per block the driver reserves), at most 2048 threads: the
+// occupancy the host's one-wave choices count on. Where that occupancy leaves at most 64
+// registers per thread (the lm_heads' 4 x 2 x 2 blocks, 2 x 512 threads; the 27B gate / up's
+// 2-stage blocks, 5 x 256) it is the launch bound's minimum, so that a register more cannot
+// silently halve it (the lm_head at 65 registers ran 18% slower); elsewhere the bound names no
+// minimum (0: a minimum there made the compiler take more registers and the kernels no
+// faster).
+#if __CUDA_ARCH__ >= 900
+#define A8_SM_SMEM 233472
+#elif __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870
+#define A8_SM_SMEM 167936
+#else
+#define A8_SM_SMEM 102400
+#endif
+#define A8K_THREADS(NT, W, KS) (32 * (W) * (NT) * (KS))
+#define A8K_SMEM(NT, W, KS, S) ((S) * (KS) * (A8_KC * (NT) * 288 + (W) * A8_KC * 544) + ((KS) > 1 ? 2 * (KS) * (W) * (NT) * 512 : 0))
+#define A8K_FIT(NT, W, KS, S) (A8_SM_SMEM / (A8K_SMEM(NT, W, KS, S) + 1024))
+#define A8K_OCC(NT, W, KS, S)                                                                                         \
+    (A8K_FIT(NT, W, KS, S) * A8K_THREADS(NT, W, KS) > 2048 ? 2048 / A8K_THREADS(NT, W, KS) : A8K_FIT(NT, W, KS, S))
+#define A8K_MINB(NT, W, KS, S) (A8K_OCC(NT, W, KS, S) * A8K_THREADS(NT, W, KS) * 64 >= 65536 ? A8K_OCC(NT, W, KS, S) : 0)
 // (NT, W, KS, S): host side a8k_kernel / a8k_smem_bytes in backend.rs. The parameters of A8,
 // then rounds_apart (0: K within the block) and the chunk-sum workspace of SplitApart (ws, and
 // wso1 / wso2: where matrices 1 and 2 start in it).
 #define A8K(NAME, NT, W, KS, S)                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                              \
+    extern "C" __global__ void __launch_bounds__(A8K_THREADS(NT, W, KS), A8K_MINB(NT, W, KS, S))                               \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
              int ef, int rounds_apart, float *ws, long long wso1, long long wso2, int accum) {                                  \
@@ -861,7 +882,7 @@ A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
 // The paired gate / up launch (PAIR above): grid = ceil(N / (16 W / 2)) blocks, K within the
 // block; the down projection's activation in xq2 / xd2.
 #define A8KP(NAME, NT, W, KS, S)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * W * NT * KS)                                                              \
+    extern "C" __global__ void __launch_bounds__(A8K_THREADS(NT, W, KS), A8K_MINB(NT, W, KS, S))                               \
         NAME(const u8 *wq0, const u16 *ws0, const u8 *wq1, const u16 *ws1, int n, const u32 *xq, const float *xd, int K, int T,  \
              int ef, u32 *xq2, float *xd2, int kbp2) {                                                                          \
         const A8Mat m = {wq0, ws0, nullptr, n, nullptr, 0};                                                                     \
