@@ -1,8 +1,11 @@
-// CK(x): abort with the file, line, call and CUDA error string when a runtime call fails
-// (shared by the microbenchmarks in this folder; each is one nvcc translation unit).
+// Shared by the microbenchmarks in this folder (each is one nvcc translation unit): CK(x) aborts
+// with the file, line, call and CUDA error string when a runtime call fails; fill_random and
+// median_ms are the streaming benchmarks' (read_bw, l2_mix) buffer fill and timer.
 #pragma once
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -14,3 +17,38 @@
             std::exit(1);                                                                         \
         }                                                                                         \
     } while (0)
+
+// n 16-byte words of SplitMix64 bytes (so no compression or zero page helps a read).
+__global__ void fill_random(uint4 *p, size_t n, unsigned long long seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned long long z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        p[i] = make_uint4((unsigned)z, (unsigned)(z >> 32), (unsigned)(z * 3), (unsigned)(z >> 17));
+    }
+}
+
+// Median ms of `reps` runs of f() on stream st, each between two events, after one warm-up run.
+template <typename F>
+static float median_ms(cudaStream_t st, int reps, F f) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    f();
+    CK(cudaStreamSynchronize(st));
+    std::vector<float> t;
+    for (int r = 0; r < reps; ++r) {
+        CK(cudaEventRecord(a, st));
+        f();
+        CK(cudaEventRecord(b, st));
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return t[t.size() / 2];
+}

@@ -25,15 +25,6 @@ typedef unsigned long long u64;
 
 static cudaStream_t st;
 
-__global__ void fill(uint4 *p, size_t n, u64 seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u64 z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        p[i] = make_uint4((unsigned)z, (unsigned)(z >> 32), (unsigned)(z * 3), (unsigned)(z >> 17));
-    }
-}
-
 __device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 // Block b: weights [b nst wst, (b + 1) nst wst) of w in stages of wst bytes, and per stage xst bytes
@@ -74,26 +65,7 @@ __global__ void mix(const char *__restrict__ w, int nst, int wst, const char *__
 
 template <class F>
 static float time_ms(F f) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    f();
-    CK(cudaStreamSynchronize(st));
-    std::vector<float> t;
-    for (int r = 0; r < 7; ++r) {
-        CK(cudaEventRecord(a, st));
-        f();
-        CK(cudaEventRecord(b, st));
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return t[t.size() / 2];
+    return median_ms(st, 7, f);
 }
 
 int main() {
@@ -106,8 +78,8 @@ int main() {
     CK(cudaMalloc(&x, xlen));
     CK(cudaMalloc(&sink, 4));
     CK(cudaStreamCreate(&st));
-    fill<<<1024, 256, 0, st>>>((uint4 *)buf, bytes / 16, 1);
-    fill<<<64, 256, 0, st>>>((uint4 *)x, xlen / 16, 2);
+    fill_random<<<1024, 256, 0, st>>>((uint4 *)buf, bytes / 16, 1);
+    fill_random<<<64, 256, 0, st>>>((uint4 *)x, xlen / 16, 2);
     CK(cudaStreamSynchronize(st));
     int nsm = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));

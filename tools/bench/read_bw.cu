@@ -29,15 +29,6 @@
 
 typedef unsigned long long u64;
 
-__global__ void fill(uint4 *p, size_t n, u64 seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        u64 z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        p[i] = make_uint4((unsigned)z, (unsigned)(z >> 32), (unsigned)(z * 3), (unsigned)(z >> 17));
-    }
-}
-
 template <int U>
 __global__ void ldg(const uint4 *__restrict__ p, size_t n, unsigned *sink) {
     unsigned acc = 0;
@@ -256,26 +247,9 @@ __global__ void __launch_bounds__(32 * (CW + 1), 1) ring2(const char *__restrict
 
 static cudaStream_t st;
 
-template <typename F>
+template <class F>
 static float time_ms(F f) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    f();
-    CK(cudaStreamSynchronize(st));
-    std::vector<float> t;
-    for (int r = 0; r < 9; ++r) {
-        CK(cudaEventRecord(a, st));
-        f();
-        CK(cudaEventRecord(b, st));
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[4];
+    return median_ms(st, 9, f);
 }
 
 int main(int argc, char **argv) {
@@ -288,8 +262,8 @@ int main(int argc, char **argv) {
     CK(cudaMalloc(&dst, bytes / 2));
     CK(cudaMalloc(&sink, 4));
     CK(cudaStreamCreate(&st));
-    fill<<<1024, 256, 0, st>>>((uint4 *)buf, bytes / 16, 1);
-    fill<<<1024, 256, 0, st>>>((uint4 *)dst, bytes / 32, 2);
+    fill_random<<<1024, 256, 0, st>>>((uint4 *)buf, bytes / 16, 1);
+    fill_random<<<1024, 256, 0, st>>>((uint4 *)dst, bytes / 32, 2);
     CK(cudaStreamSynchronize(st));
     int nsm = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
