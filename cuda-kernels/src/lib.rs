@@ -15,7 +15,7 @@ mod error;
 pub mod registry;
 
 pub use backend::{
-    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, CudaOptions, CudaWeightBuf, SplitAct,
-    SKINNY_ROWS,
+    a8_split_kernel_shapes, A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, CudaOptions,
+    CudaWeightBuf, SplitAct, SKINNY_ROWS,
 };
 pub use error::CudaError;

@@ -137,3 +137,49 @@ fn a_broken_kernel_is_a_compile_error() {
     );
     assert!(r.is_err(), "NVRTC accepted a kernel with an undefined name");
 }
+
+#[test]
+fn split_kernels_launch_bounds_pin_the_occupancy_the_host_counts_on() {
+    // matmul.cu's A8K_MINB: where the blocks per SM that the host's shared memory per block
+    // allows (+ the 1 KiB the driver reserves each, at most 2048 threads) leave at most 64
+    // registers per thread, the launch bound's minimum is that count (`.minnctapersm` in the
+    // PTX), elsewhere none: the kernel's copy of the shared-memory formula against the host's.
+    if !nvrtc_available() {
+        eprintln!(
+            "SKIPPED split_kernels_launch_bounds_pin_the_occupancy_the_host_counts_on: libnvrtc could not be loaded"
+        );
+        return;
+    }
+    let ptx = compile_module(Module::Matmul, "sm_90")
+        .expect("matmul for sm_90")
+        .to_src();
+    let min_in_ptx = |name: &str| -> Option<usize> {
+        let at = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("no entry {name}"));
+        let end = at + ptx[at..].find('{').expect("a kernel body");
+        ptx[at..end]
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(".minnctapersm "))
+            .map(|n| n.trim().parse().expect(".minnctapersm count"))
+    };
+    // The H100 / H200 shared memory per multiprocessor (A8_SM_SMEM for sm_90).
+    let sm = 228 * 1024;
+    let mut bound = Vec::new();
+    for (k, threads, smem) in dflash_cuda_kernels::a8_split_kernel_shapes() {
+        let occ = (sm / (smem + 1024)).min(2048 / threads);
+        let want = (occ * threads * 64 >= 65536).then_some(occ);
+        assert_eq!(
+            min_in_ptx(k.name()),
+            want,
+            "{}: {threads} threads, {smem} B",
+            k.name()
+        );
+        if let Some(b) = want {
+            bound.push((k.name(), b));
+        }
+    }
+    // The lm_heads' 4 x 2 x 2 blocks and the 27B gate / up's 2-stage pairs are among them.
+    assert!(bound.contains(&("a8k_n2_w4_k2_s2", 2)), "{bound:?}");
+    assert!(bound.contains(&("a8kp_n2_w4_k1_s2", 5)), "{bound:?}");
+}
