@@ -626,6 +626,25 @@ A8(a8_n2_w4, 2, 4, 4)
 // writes silu(gate) * up of its 16 W / 2 features as the down projection's Q8_0A8 activation
 // (xq2 / xd2, K = N padded to KBp2 blocks; a8_quant_x's arithmetic on silu_mul's output: the
 // same bytes). Needs NT * 8 <= the block's warps and 16 W / 2 a multiple of 32.
+// A split kernel's pipeline prologue: the weights of the first PRE stages before the
+// dependency wait (griddepcontrol.wait: the kernel before has finished), then the x of the
+// first S - 1 stages with the weights of the others; S - 1 commit groups after the wait,
+// whatever PRE, so the main loop's waits count the same.
+template <int S, int PRE, class IW, class IX>
+__device__ __forceinline__ void a8_prologue(int nst, const IW &issue_w, const IX &issue_x) {
+#pragma unroll
+    for (int s = 0; s < PRE; ++s) {
+        if (s < nst) issue_w(s, s);
+        cp_async_commit();
+    }
+    griddep_wait();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue_x(s, s);
+        if (s >= PRE && s < nst) issue_w(s, s);
+        cp_async_commit();
+    }
+}
 struct A8Pair {
     A8Mat up;
     u32 *xq2;
@@ -678,7 +697,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (sid + u * SW) * 16, gx + (sid + u * SW) * 16);
         if (sid < XD_B / 16) cp_async16(base + XQ_B + sid * 16, (const u8 *)xd + (long long)b * (NT * 32) + sid * 16);
     };
-    const u64 pol = l2_stream_policy(ef);
+    const u64 pol = l2_stream_policy(ef & 1);
     auto issue_w = [&](int st, int slot) {
         const int b = first_block(st);
         if (b < 0 || !tile_ok) return;
@@ -691,19 +710,13 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     };
 
     // The first stage's weights before x exists (PDL), then the rest as in a8_mma.
+    // ef >> 1 != 0 (3-stage and deeper kernels): S - 1 weight stages before the wait, where the
+    // kernel before leaves the memory idle (the down projection after the paired gate / up).
     griddep_launch();
-    constexpr int PRE = 1;
-#pragma unroll
-    for (int s = 0; s < PRE; ++s) {
-        if (s < nst) issue_w(s, s);
-        cp_async_commit();
-    }
-    griddep_wait();
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < nst) issue_x(s, s);
-        if (s >= PRE && s < nst) issue_w(s, s);
-        cp_async_commit();
+    if (S > 2 && (ef >> 1) != 0) {
+        a8_prologue<S, (S > 2 ? S - 1 : 1)>(nst, issue_w, issue_x);
+    } else {
+        a8_prologue<S, 1>(nst, issue_w, issue_x);
     }
     // The outputs' previous values (accum), by the lanes that store them: slice 0, K within
     // the block.

@@ -480,6 +480,7 @@ pub struct Cuda {
     /// ([`Cuda::set_skinny_producers`]).
     skinny_producers: Mutex<bool>,
     a8_evict_first: Mutex<bool>,
+    a8_prewait: Mutex<Option<u32>>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
@@ -621,6 +622,7 @@ impl Cuda {
             a8_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
+            a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
@@ -706,6 +708,13 @@ impl Cuda {
     /// result (a benchmark knob).
     pub fn set_a8_evict_first(&self, on: bool) {
         *lock(&self.a8_evict_first) = on;
+    }
+    /// Extra weight stages (0-3, capped at the pipeline's depth - 1) that the 3- and 4-stage
+    /// split Q8_0A8 kernels issue before their dependency wait, for the matmuls launched
+    /// while set; None (default) = the rule in `matmul_a8` (one stage, all but one where the
+    /// paired gate / up wrote the activation). Changes no result (a benchmark knob).
+    pub fn set_a8_prewait(&self, extra: Option<u32>) {
+        *lock(&self.a8_prewait) = extra.map(|e| e.min(3));
     }
     /// A hint to the L2 cache: start fetching parts of weight matrices that the next kernels
     /// will stream, so that the memory works while latency-bound kernels (norms, attention
@@ -1308,7 +1317,19 @@ impl Cuda {
                 .dptr(&*xd, st)
                 .i32(k_i)
                 .i32(t_i);
-            a.i32(i32::from(*lock(&self.a8_evict_first)));
+            // Weight stages before the dependency wait: one, where the kernel before is
+            // latency-bound (a norm, the attention), whose loads would queue behind more
+            // (fifteenth session); all but one after the paired gate / up, whose blocks end
+            // unevenly (the last block of an SM streams alone for its last microseconds), so
+            // the memory has room for the down projection's blocks that become resident
+            // meanwhile (H200, twenty-sixth session: 8B step ctx 512 -0.5%).
+            let extra = lock(&self.a8_prewait).unwrap_or(u32::from(second));
+            let ef = i32::from(*lock(&self.a8_evict_first));
+            a.i32(if is_split {
+                ef | (extra as i32) << 1
+            } else {
+                ef
+            });
             if is_split {
                 a.i32(i32_of("matmul", "rounds", rounds_apart)?);
                 match a8_ws.as_mut() {

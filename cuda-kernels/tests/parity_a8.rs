@@ -389,23 +389,28 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
             let xg = g.upload(&x).expect("upload");
             for kern in kernels {
                 g.set_a8_kernel(kern);
-                // With and without programmatic dependent launch.
-                for pdl in [true, false] {
+                // With and without programmatic dependent launch; with PDL also with every
+                // weight stage but one issued before the dependency wait.
+                for (pdl, pw) in [(true, None), (true, Some(3)), (false, None)] {
                     g.set_a8_pdl(pdl);
+                    g.set_a8_prewait(pw);
                     let mut og = poisoned(&g, rows * n);
                     g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
                     let got = g.download(&og).expect("download");
                     assert_bits(
-                        &format!("Q8_0A8 {kern:?} pdl {pdl} n={n} k={k} rows={rows}"),
+                        &format!(
+                            "Q8_0A8 {kern:?} pdl {pdl} pre-wait {pw:?} n={n} k={k} rows={rows}"
+                        ),
                         &got,
                         &want,
                         n,
                     );
                 }
                 g.set_a8_pdl(false);
+                g.set_a8_prewait(None);
             }
         }
-        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, split apart 1x4x3 / 2x2x4 / 4x2x2, auto, with and without PDL == contract");
+        eprintln!("EXACT matmul Q8_0A8 n={n} k={k}: whole-K, split (w, ks, stages) 1x4x3 / 2x2x4 / 2x4x3 / 2x4x2 / 4x2x3 / 4x2x2 / 4x4x2, split apart 1x4x3 / 2x2x4 / 4x2x2, auto, with and without PDL, one or all but one weight stages before the wait == contract");
     }
     // Fused launches (3 matrices, different tile counts; a tall one with a partial last
     // chunk, so that blocks' item ranges cross matrix boundaries) under every choice.
@@ -652,9 +657,16 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                 .expect("down");
             let mut want = g.upload(&h0).expect("h0");
             g.add_assign(&mut want, 0, &o, rows * d).expect("add");
-            // Every paired kernel (k-slices, stages): the same bits.
-            for (ks, st) in [(2u8, 2u8), (1, 3), (1, 2)] {
+            // Every paired kernel (k-slices, stages), the down projection with its automatic
+            // pre-wait stages (all but one after the paired launch) and with one: the same bits.
+            for ((ks, st), pw) in [
+                ((2u8, 2u8), None),
+                ((1, 3), None),
+                ((1, 3), Some(0)),
+                ((1, 2), None),
+            ] {
                 g.set_a8_pair_kernel(ks, st).expect("pair kernel");
+                g.set_a8_prewait(pw);
                 let mut got = g.upload(&h0).expect("h0");
                 let act = g
                     .rms_norm_q8(&h, 0, rows, &nw, d, eps)
@@ -664,7 +676,7 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                     .expect("down_q8");
                 assert_bits(
                     &format!(
-                        "matmul_gate_up_q8 ({ks} slices, {st} stages) d={d} inter={inter} rows={rows}"
+                        "matmul_gate_up_q8 ({ks} slices, {st} stages) + down (pre-wait {pw:?}) d={d} inter={inter} rows={rows}"
                     ),
                     &g.download(&got).expect("dl"),
                     &g.download(&want).expect("dl"),
@@ -677,6 +689,7 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
     }
     assert!(g.set_a8_pair_kernel(1, 4).is_err());
     g.set_a8_pair_kernel_auto();
+    g.set_a8_prewait(None);
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
     // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding
     // tokens) and the quantizer after the generic kernel (head dim 48); over an f16 cache

@@ -165,7 +165,8 @@ pub struct BenchArgs {
     /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
     /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
     /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
-    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +gp=kKSsS
+    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +pw=DDDD
+    /// (extra weight stages before the dependency wait of q/k/v, o, gate/up, down), +gp=kKSsS
     /// (the paired gate / up kernel: k-slices, stages), +x1 (the fast attention through the
     /// 1xTF32 kernel instead of the f16 one), +mksteps (the Markov chain as two launches per
     /// step, not one persistent launch); with --markov the sweep's step is the DSpark step).
@@ -284,6 +285,9 @@ struct Model {
     /// Q8_0A8 kernel per projection (q/k/v, o, gate/up, down; None = `base_kernel`), a sweep
     /// knob (every choice gives the same bits).
     proj_kernels: [Option<A8Kernel>; 4],
+    /// Extra weight stages before the dependency wait per projection (q/k/v, o, gate/up,
+    /// down; `Cuda::set_a8_prewait`; None = the backend's rule), a sweep knob.
+    prewait: Option<[u32; 4]>,
     base_kernel: A8Kernel,
     rope: RopeSpec,
     /// Timeline marks after each op (`--timeline`): none by default.
@@ -431,6 +435,7 @@ impl Model {
             q8epi: false,
             q8pair: true,
             proj_kernels: [None; 4],
+            prewait: None,
             base_kernel: A8Kernel::Auto,
             timeline: None,
             rope: RopeSpec {
@@ -604,7 +609,11 @@ impl Model {
         let mut act: Option<A8Act> = None;
         let need = |a: &Option<A8Act>| a.ok_or_else(|| anyhow!("no Q8_0A8 activation written"));
         let (pk, bk) = (self.proj_kernels, self.base_kernel);
-        let kern = |i: usize| g.set_a8_kernel(pk[i].unwrap_or(bk));
+        let pw = self.prewait;
+        let kern = |i: usize| {
+            g.set_a8_prewait(pw.map(|p| p[i]));
+            g.set_a8_kernel(pk[i].unwrap_or(bk))
+        };
         if fused && !lib && nl > 0 && !sk('n') {
             if q8n {
                 act = Some(g.rms_norm_q8(&b.h, 0, rows, &self.layers[0].ln1, s.hidden, eps)?);
@@ -2034,6 +2043,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         markov_persistent: bool,
         pair_kernel: Option<(u8, u8)>,
         proj_kernels: [Option<A8Kernel>; 4],
+        prewait: Option<[u32; 4]>,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -2058,6 +2068,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 markov_persistent: true,
                 pair_kernel: None,
                 proj_kernels: [None; 4],
+                prewait: None,
             };
             for opt in it {
                 if opt == "noef" {
@@ -2111,6 +2122,13 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                         .position(|w| *w == which)
                         .unwrap_or(0);
                     cfg.proj_kernels[i] = Some(parse_a8_kernel(k)?);
+                } else if let Some(n) = opt.strip_prefix("pw=") {
+                    // Extra pre-wait weight stages of q/k/v, o, gate/up, down: four digits.
+                    let d: Vec<u32> = n.chars().filter_map(|c| c.to_digit(10)).collect();
+                    if d.len() != 4 || n.len() != 4 {
+                        bail!("--a8-sweep: pw=DDDD (q/k/v, o, gate/up, down), found {opt}");
+                    }
+                    cfg.prewait = Some([d[0], d[1], d[2], d[3]]);
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
@@ -2229,6 +2247,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     m.q8epi = c.q8epi;
                     m.q8pair = c.q8pair;
                     m.proj_kernels = c.proj_kernels;
+                    m.prewait = c.prewait;
                     m.base_kernel = c.kernel;
                     let st = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
                     t[i].push(st.graph.unwrap_or(f64::NAN));
@@ -2244,6 +2263,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     }
     g.set_a8_kernel(A8Kernel::Auto);
     g.set_a8_evict_first(true);
+    g.set_a8_prewait(None);
     g.set_a8_pdl(true);
     g.set_a8_pair_kernel_auto();
     g.set_attn_split_auto();
