@@ -472,6 +472,26 @@ __device__ __forceinline__ void a8_put4(const A8Mat &m, int T, int tile, int j, 
     }
 }
 
+// A Q8_0A8 kernel's pipeline prologue (whole-K and split): the weights of the first PRE
+// stages before the dependency wait (griddepcontrol.wait: the kernel before has finished),
+// then the x of the first S - 1 stages with the weights of the others; S - 1 commit groups
+// after the wait, whatever PRE, so the main loop's waits count the same.
+template <int S, int PRE, class IW, class IX>
+__device__ __forceinline__ void a8_prologue(int nst, const IW &issue_w, const IX &issue_x) {
+#pragma unroll
+    for (int s = 0; s < PRE; ++s) {
+        if (s < nst) issue_w(s, s);
+        cp_async_commit();
+    }
+    griddep_wait();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue_x(s, s);
+        if (s >= PRE && s < nst) issue_w(s, s);
+        cp_async_commit();
+    }
+}
+
 // Whole-K: a block = W tiles of 16 output features x NT token groups of 8: one warp per
 // (tile, token group), over all of K (chunk after chunk: the chain restarts every A8_CB
 // blocks = 4 stages and the chunk sums are added in order); the NT warps of a tile share its
@@ -535,19 +555,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     // whose loads wait behind it (H200, fifteenth session: 8B ctx 512 0.589 -> 0.574 ms with the
     // later triggers of rms_norm_q8, qk_norm_rope_kv and the combine; no stage: slower).
     griddep_launch();
-    constexpr int PRE = 1;
-#pragma unroll
-    for (int s = 0; s < PRE; ++s) {
-        if (s < nst) issue_w(s, s);
-        cp_async_commit();
-    }
-    griddep_wait();
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < nst) issue_x(s, s);
-        if (s >= PRE && s < nst) issue_w(s, s);
-        cp_async_commit();
-    }
+    a8_prologue<S, 1>(nst, issue_w, issue_x);
     float prev[4];
     a8_prev(m, tile_ok ? T : 0, tile, j, g, t, prev);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -626,25 +634,6 @@ A8(a8_n2_w4, 2, 4, 4)
 // writes silu(gate) * up of its 16 W / 2 features as the down projection's Q8_0A8 activation
 // (xq2 / xd2, K = N padded to KBp2 blocks; a8_quant_x's arithmetic on silu_mul's output: the
 // same bytes). Needs NT * 8 <= the block's warps and 16 W / 2 a multiple of 32.
-// A split kernel's pipeline prologue: the weights of the first PRE stages before the
-// dependency wait (griddepcontrol.wait: the kernel before has finished), then the x of the
-// first S - 1 stages with the weights of the others; S - 1 commit groups after the wait,
-// whatever PRE, so the main loop's waits count the same.
-template <int S, int PRE, class IW, class IX>
-__device__ __forceinline__ void a8_prologue(int nst, const IW &issue_w, const IX &issue_x) {
-#pragma unroll
-    for (int s = 0; s < PRE; ++s) {
-        if (s < nst) issue_w(s, s);
-        cp_async_commit();
-    }
-    griddep_wait();
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < nst) issue_x(s, s);
-        if (s >= PRE && s < nst) issue_w(s, s);
-        cp_async_commit();
-    }
-}
 struct A8Pair {
     A8Mat up;
     u32 *xq2;
