@@ -699,8 +699,8 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     };
 
     // The first stage's weights before x exists (PDL), then the rest as in a8_mma.
-    // ef >> 1 != 0 (3-stage and deeper kernels): S - 1 weight stages before the wait, where the
-    // kernel before leaves the memory idle (the down projection after the paired gate / up).
+    // ef >> 1 != 0 (bit 1; 3-stage and deeper kernels): S - 1 weight stages before the wait, where
+    // the kernel before leaves the memory idle (the down projection after the paired gate / up).
     griddep_launch();
     if (S > 2 && (ef >> 1) != 0) {
         a8_prologue<S, (S > 2 ? S - 1 : 1)>(nst, issue_w, issue_x);

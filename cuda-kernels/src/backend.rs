@@ -480,7 +480,7 @@ pub struct Cuda {
     /// ([`Cuda::set_skinny_producers`]).
     skinny_producers: Mutex<bool>,
     a8_evict_first: Mutex<bool>,
-    a8_prewait: Mutex<Option<u32>>,
+    a8_prewait: Mutex<Option<bool>>,
     attn_split: Mutex<Option<usize>>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
@@ -709,12 +709,13 @@ impl Cuda {
     pub fn set_a8_evict_first(&self, on: bool) {
         *lock(&self.a8_evict_first) = on;
     }
-    /// Extra weight stages (0-3, capped at the pipeline's depth - 1) that the 3- and 4-stage
-    /// split Q8_0A8 kernels issue before their dependency wait, for the matmuls launched
-    /// while set; None (default) = the rule in `matmul_a8` (one stage, all but one where the
-    /// paired gate / up wrote the activation). Changes no result (a benchmark knob).
-    pub fn set_a8_prewait(&self, extra: Option<u32>) {
-        *lock(&self.a8_prewait) = extra.map(|e| e.min(3));
+    /// Whether the 3- and 4-stage split Q8_0A8 kernels issue all but one of their weight
+    /// stages before their dependency wait (`Some(true)`) or one (`Some(false)`), for the
+    /// matmuls launched while set; None (default) = the rule in `matmul_a8` (all but one where
+    /// the paired gate / up wrote the activation, else one). Changes no result (a benchmark
+    /// knob).
+    pub fn set_a8_prewait(&self, all_but_one: Option<bool>) {
+        *lock(&self.a8_prewait) = all_but_one;
     }
     /// A hint to the L2 cache: start fetching parts of weight matrices that the next kernels
     /// will stream, so that the memory works while latency-bound kernels (norms, attention
@@ -1323,10 +1324,10 @@ impl Cuda {
             // unevenly (the last block of an SM streams alone for its last microseconds), so
             // the memory has room for the down projection's blocks that become resident
             // meanwhile (H200, twenty-sixth session: 8B step ctx 512 -0.5%).
-            let extra = lock(&self.a8_prewait).unwrap_or(u32::from(second));
+            let all_but_one = lock(&self.a8_prewait).unwrap_or(second);
             let ef = i32::from(*lock(&self.a8_evict_first));
             a.i32(if is_split {
-                ef | (extra as i32) << 1
+                ef | i32::from(all_but_one) << 1
             } else {
                 ef
             });

@@ -391,7 +391,7 @@ fn a8_every_kernel_choice_matches_the_contract_bit_for_bit() {
                 g.set_a8_kernel(kern);
                 // With and without programmatic dependent launch; with PDL also with every
                 // weight stage but one issued before the dependency wait.
-                for (pdl, pw) in [(true, None), (true, Some(3)), (false, None)] {
+                for (pdl, pw) in [(true, None), (true, Some(true)), (false, None)] {
                     g.set_a8_pdl(pdl);
                     g.set_a8_prewait(pw);
                     let mut og = poisoned(&g, rows * n);
@@ -662,7 +662,7 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
             for ((ks, st), pw) in [
                 ((2u8, 2u8), None),
                 ((1, 3), None),
-                ((1, 3), Some(0)),
+                ((1, 3), Some(false)),
                 ((1, 2), None),
             ] {
                 g.set_a8_pair_kernel(ks, st).expect("pair kernel");

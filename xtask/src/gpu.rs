@@ -165,8 +165,9 @@ pub struct BenchArgs {
     /// default as --no-a8-producers says), +q8e (only the residual adds inside the o / down
     /// projections, plain norms and quantizers), +nopair (with the producers: gate / up as
     /// `matmul_many_q8` and the SiLU product in the down projection's quantizer), +qkv=K / +o=K
-    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +pw=DDDD
-    /// (extra weight stages before the dependency wait of q/k/v, o, gate/up, down), +gp=kKSsS
+    /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +pw=BBBB
+    /// (1: all but one weight stage before the dependency wait, 0: one; q/k/v, o, gate/up,
+    /// down), +gp=kKSsS
     /// (the paired gate / up kernel: k-slices, stages), +x1 (the fast attention through the
     /// 1xTF32 kernel instead of the f16 one), +mksteps (the Markov chain as two launches per
     /// step, not one persistent launch); with --markov the sweep's step is the DSpark step).
@@ -285,9 +286,9 @@ struct Model {
     /// Q8_0A8 kernel per projection (q/k/v, o, gate/up, down; None = `base_kernel`), a sweep
     /// knob (every choice gives the same bits).
     proj_kernels: [Option<A8Kernel>; 4],
-    /// Extra weight stages before the dependency wait per projection (q/k/v, o, gate/up,
-    /// down; `Cuda::set_a8_prewait`; None = the backend's rule), a sweep knob.
-    prewait: Option<[u32; 4]>,
+    /// All but one weight stage before the dependency wait, per projection (q/k/v, o,
+    /// gate/up, down; `Cuda::set_a8_prewait`; None = the backend's rule), a sweep knob.
+    prewait: Option<[bool; 4]>,
     base_kernel: A8Kernel,
     rope: RopeSpec,
     /// Timeline marks after each op (`--timeline`): none by default.
@@ -2043,7 +2044,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         markov_persistent: bool,
         pair_kernel: Option<(u8, u8)>,
         proj_kernels: [Option<A8Kernel>; 4],
-        prewait: Option<[u32; 4]>,
+        prewait: Option<[bool; 4]>,
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -2123,10 +2124,13 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                         .unwrap_or(0);
                     cfg.proj_kernels[i] = Some(parse_a8_kernel(k)?);
                 } else if let Some(n) = opt.strip_prefix("pw=") {
-                    // Extra pre-wait weight stages of q/k/v, o, gate/up, down: four digits.
-                    let d: Vec<u32> = n.chars().filter_map(|c| c.to_digit(10)).collect();
-                    if d.len() != 4 || n.len() != 4 {
-                        bail!("--a8-sweep: pw=DDDD (q/k/v, o, gate/up, down), found {opt}");
+                    // All but one weight stage before the wait (1) or one (0), for q/k/v, o,
+                    // gate/up, down.
+                    let d: Vec<bool> = n.chars().map(|c| c == '1').collect();
+                    if n.len() != 4 || !n.chars().all(|c| c == '0' || c == '1') {
+                        bail!(
+                            "--a8-sweep: pw=BBBB (0 or 1 for q/k/v, o, gate/up, down), found {opt}"
+                        );
                     }
                     cfg.prewait = Some([d[0], d[1], d[2], d[3]]);
                 } else if let Some(n) = opt.strip_prefix("skip=") {
