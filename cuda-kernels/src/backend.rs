@@ -75,8 +75,8 @@ pub enum A8Kernel {
     /// Whole-K with K split over the warps of a block: `(w, ks, s)` = `w` tiles x `ks`
     /// slices, slice `i` running chunks `i, i + ks, ...`, the chunk sums added in order in
     /// shared memory, an `s`-stage pipeline. One of (1, 4, 3), (1, 2, 3),
-    /// (2, 2, 4), (2, 4, 3), (2, 4, 2), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other runs
-    /// whole-K.
+    /// (2, 2, 4), (2, 4, 3), (2, 4, 2), (4, 1, 3), (4, 2, 3), (4, 2, 2), (4, 4, 2); any other
+    /// runs whole-K.
     Split(u8, u8, u8),
     /// As [`A8Kernel::Split`], with K also split across thread blocks: a block runs one
     /// round (`ks` chunks) of one tile group and writes its chunk sums to a workspace; a second
@@ -95,6 +95,7 @@ fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
         (1, 2, 2, 4) => Kernel::A8KN1W2K2S4,
         (1, 2, 4, 3) => Kernel::A8KN1W2K4S3,
         (1, 2, 4, 2) => Kernel::A8KN1W2K4S2,
+        (1, 4, 1, 3) => Kernel::A8KN1W4K1S3,
         (1, 4, 2, 3) => Kernel::A8KN1W4K2S3,
         (1, 4, 2, 2) => Kernel::A8KN1W4K2S2,
         (1, 4, 4, 2) => Kernel::A8KN1W4K4S2,
@@ -103,6 +104,7 @@ fn a8k_kernel(nt: usize, w: usize, ks: usize, s: usize) -> Option<Kernel> {
         (2, 2, 2, 4) => Kernel::A8KN2W2K2S4,
         (2, 2, 4, 3) => Kernel::A8KN2W2K4S3,
         (2, 2, 4, 2) => Kernel::A8KN2W2K4S2,
+        (2, 4, 1, 3) => Kernel::A8KN2W4K1S3,
         (2, 4, 2, 3) => Kernel::A8KN2W4K2S3,
         (2, 4, 2, 2) => Kernel::A8KN2W4K2S2,
         (2, 4, 4, 2) => Kernel::A8KN2W4K4S2,
@@ -1149,7 +1151,11 @@ impl Cuda {
             // * enough 4-tile blocks for two per SM (gate/up, the lm_heads): 4 tiles x 2
             //   k-slices, 2 stages (x shared by 4 tiles, 2 blocks of 16 warps per SM): 8B
             //   gate/up 40.2 -> 39.2, lm_head 166 -> 169 (whole-K stays ~2% faster there);
-            //   27B gate/up 87.5 -> 61.9, lm_head 383 -> 338;
+            //   27B gate/up 87.5 -> 61.9, lm_head 383 -> 338; since the twenty-seventh
+            //   session 4 tiles x 1 slice, 3 stages (3 blocks of 8 warps per SM: the same
+            //   copies alone stream 6% faster, `tools/bench/a8_layout.cu`): 8B lm_head 170.1
+            //   -> 164.8, gate/up 38.8 -> 32.5, 27B lm_head 339.3 -> 325.3, gate/up 62.4 ->
+            //   61.6; the q8_0a8 step -0.6% to -1.0% at both shapes and contexts;
             // * up to 2 tiles per SM (the 8B o and down): 1 tile x 4 slices, 3 stages, 2
             //   blocks per SM: 8B o 12.7 -> 9.2, down 29.4 -> 19.5;
             // * more (the 27B o and down, 320 tiles: 1.2 waves of those 2-per-SM blocks; a
@@ -1170,7 +1176,7 @@ impl Cuda {
             A8Kernel::Auto => {
                 let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
                 if ctas4 >= 2 * sms {
-                    A8Kernel::Split(4, 2, 2)
+                    A8Kernel::Split(4, 1, 3)
                 } else if all_tiles <= 2 * sms {
                     A8Kernel::Split(1, 4, 3)
                 } else {

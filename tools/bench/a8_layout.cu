@@ -13,15 +13,17 @@
 //   3 codes:   codes only (what the scales cost at all)
 //   4 group:   [group of 4 tiles][stage][4 tiles x (4096 codes + 256 scales)] (a 4-tile block's
 //              stage of one slice is one contiguous 17 KB range)
+//   5 no x:    layout 0 without the x copies (what re-reading x from L2 costs the stream)
+//   6 bare:    codes only, no x (this launch shape's ceiling)
 // One launch streams one projection's bytes (as the step: ~25 us at 8B gate / up), each launch
 // from another offset of a 2 GiB buffer so nothing is in L2; median of 15, GB/s of the weight
 // bytes (codes + scales; layout 3: codes + scales as if read, so its rate is the layout's
 // ceiling). Interleaved rounds (microbenchmarks here are only compared so, read_bw.cu).
 // Twenty-seventh session (docs/bench-gpu.md): "stage" streams 2-5% faster than "split" here,
 // but the kernels over that layout (branch stage-layout-try) ran the 8B step 0.4-0.8% faster
-// and the 27B step 0.3-0.9% slower, and the lm_head alone gained 0.6 of its 161 us: the real
-// lm_head streams at this pattern's "split" rate (4.1 TB/s) and is held there by more than
-// its copies.
+// and the 27B step 0.3-0.9% slower; the launch shape mattered more: the lm_head's copies in
+// 3 blocks of 8 warps per SM (4 x 1 x 3) stream 6% faster than in the 4 x 2 x 2 blocks it ran
+// as, and so did the real lm_head (170 -> 165 us alone): Auto's choice since.
 //
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90 -o a8_layout a8_layout.cu && ./a8_layout
 #include <cuda_runtime.h>
@@ -55,6 +57,7 @@ __global__ void stream(const char *__restrict__ w, int W, int KS, int KB, const 
             const unsigned d = d0 + ks * (W * 4352 + 4608);
             for (int i = threadIdx.x; i < W * 272 + 288; i += blockDim.x) {
                 if (i >= W * 272) {  // x: 4608 bytes of one small buffer (L2)
+                    if (LAYOUT >= 5) continue;
                     const int o = (i - W * 272) * 16;
                     cpa(d + W * 4352 + o, x + (long long)kb * 576 + o);
                     continue;
@@ -67,9 +70,9 @@ __global__ void stream(const char *__restrict__ w, int W, int KS, int KB, const 
                 } else if (LAYOUT == 4) {
                     g = w + (((t / 4) * (KB / 8) + kb / 8) * 4 + t % 4) * 4352 + r * 16;
                 } else if (r < 256) {
-                    g = LAYOUT == 2 ? w + t * KB * 544 + (long long)kb * 512 + r * 16 : w + (t * KB + kb) * 512 + r * 16;
+                    g = LAYOUT == 2 ? w + t * KB * 544 + (long long)kb * 512 + r * 16 : w + (t * KB + kb) * 512 + r * 16;  // 0, 3, 5, 6
                 } else {
-                    if (LAYOUT == 3) continue;
+                    if (LAYOUT == 3 || LAYOUT == 6) continue;
                     g = LAYOUT == 2 ? w + t * KB * 544 + (long long)KB * 512 + kb * 32 + (r - 256) * 16
                                     : scales + (t * KB + kb) * 32 + (r - 256) * 16;
                 }
@@ -112,20 +115,22 @@ int main() {
     const Cfg cfgs[] = {
         {"8B gate/up (paired 1x3, 3/SM)", 384, 256, 4, 1, 3, 128},
         {"8B down (1,4,3: 2/SM)", 256, 256, 1, 4, 3, 384},
-        {"8B lm_head (4,2,2: 2/SM, 9 waves)", 2374, 512, 4, 2, 2, 128},
+        {"8B lm_head (4,2,2: 2/SM, 9 waves; Auto before)", 2374, 512, 4, 2, 2, 128},
+        {"8B lm_head as (4,1,3: 3/SM, 6 waves; Auto now)", 2374, 256, 4, 1, 3, 128},
+        {"8B lm_head as (4,4,2: 1/SM, 18 waves)", 2374, 1024, 4, 4, 2, 128},
         {"27B gate/up (paired 1x2, 5/SM)", 544, 256, 4, 1, 2, 160},
     };
-    std::printf("| launch | MB | split | stage | panel | codes only | group |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    std::printf("| launch | MB | split | stage | panel | codes only | group | split, no x | codes only, no x |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const Cfg &c : cfgs) {
         const size_t wbytes = (size_t)c.blocks * c.W * c.KB * 544;
         const size_t smem = (size_t)c.S * c.KS * (c.W * 4352 + 4608);
         const int ncopies = (int)(bytes / wbytes);
-        double gbs[5][3];
+        double gbs[7][3];
         for (int round = 0; round < 3; ++round) {
-            for (int lay = 0; lay < 5; ++lay) {
-                void (*const fs[2][5])(const char *, int, int, int, const char *, unsigned *) = {
-                    {stream<2, 0>, stream<2, 1>, stream<2, 2>, stream<2, 3>, stream<2, 4>},
-                    {stream<3, 0>, stream<3, 1>, stream<3, 2>, stream<3, 3>, stream<3, 4>}};
+            for (int lay = 0; lay < 7; ++lay) {
+                void (*const fs[2][7])(const char *, int, int, int, const char *, unsigned *) = {
+                    {stream<2, 0>, stream<2, 1>, stream<2, 2>, stream<2, 3>, stream<2, 4>, stream<2, 5>, stream<2, 6>},
+                    {stream<3, 0>, stream<3, 1>, stream<3, 2>, stream<3, 3>, stream<3, 4>, stream<3, 5>, stream<3, 6>}};
                 auto f = fs[c.S == 2 ? 0 : 1][lay];
                 CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
                 int k = 0;
@@ -137,7 +142,7 @@ int main() {
             }
         }
         std::printf("| %s | %.1f |", c.name, wbytes / 1e6);
-        for (int lay = 0; lay < 5; ++lay) std::printf(" %.0f / %.0f / %.0f |", gbs[lay][0], gbs[lay][1], gbs[lay][2]);
+        for (int lay = 0; lay < 7; ++lay) std::printf(" %.0f / %.0f / %.0f |", gbs[lay][0], gbs[lay][1], gbs[lay][2]);
         std::printf("\n");
     }
     return 0;

@@ -1254,6 +1254,7 @@ const A8_VARIANTS: &[(A8Kernel, bool, &str)] = &[
     ),
     (A8Kernel::Split(1, 4, 3), false, " split w1 k4 s3"),
     (A8Kernel::Split(2, 4, 3), false, " split w2 k4 s3"),
+    (A8Kernel::Split(4, 1, 3), false, " split w4 k1 s3"),
     (A8Kernel::Split(4, 2, 3), false, " split w4 k2 s3"),
     (A8Kernel::Split(4, 2, 2), false, " split w4 k2 s2"),
 ];
