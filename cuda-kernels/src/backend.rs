@@ -1155,7 +1155,7 @@ impl Cuda {
             //   session 4 tiles x 1 slice, 3 stages (3 blocks of 8 warps per SM: the same
             //   copies alone stream 6% faster, `tools/bench/a8_layout.cu`): 8B lm_head 170.1
             //   -> 164.8, gate/up 38.8 -> 32.5, 27B lm_head 339.3 -> 325.3, gate/up 62.4 ->
-            //   61.6; the q8_0a8 step -0.6% to -1.0% at both shapes and contexts;
+            //   61.6; the q8_0a8 step -0.9% to -1.4% at both shapes and contexts;
             // * up to 2 tiles per SM (the 8B o and down): 1 tile x 4 slices, 3 stages, 2
             //   blocks per SM: 8B o 12.7 -> 9.2, down 29.4 -> 19.5;
             // * more (the 27B o and down, 320 tiles: 1.2 waves of those 2-per-SM blocks; a
