@@ -17,7 +17,7 @@
 //   6 bare:    codes only, no x (this launch shape's ceiling)
 // One launch streams one projection's bytes (as the step: ~25 us at 8B gate / up), each launch
 // from another offset of a 2 GiB buffer so nothing is in L2; median of 15, GB/s of the weight
-// bytes (codes + scales; layout 3: codes + scales as if read, so its rate is the layout's
+// bytes (codes + scales; layouts 3 and 6: codes + scales as if read, so their rate is the layout's
 // ceiling). Interleaved rounds (microbenchmarks here are only compared so, read_bw.cu).
 // Twenty-seventh session (docs/bench-gpu.md): "stage" streams 2-5% faster than "split" here,
 // but the kernels over that layout (branch stage-layout-try) ran the 8B step 0.4-0.8% faster
