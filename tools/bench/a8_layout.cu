@@ -24,6 +24,8 @@
 // and the 27B step 0.3-0.9% slower; the launch shape mattered more: the lm_head's copies in
 // 3 blocks of 8 warps per SM (4 x 1 x 3) stream 6% faster than in the 4 x 2 x 2 blocks it ran
 // as, and so did the real lm_head (170 -> 165 us alone): Auto's choice since.
+// Twenty-eighth session: the 27B down / o and the 8B down with K in two halves across blocks
+// (rows below): the 27B down's copies ~15% faster alone (not built into a kernel yet).
 //
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90 -o a8_layout a8_layout.cu && ./a8_layout
 #include <cuda_runtime.h>
@@ -119,6 +121,19 @@ int main() {
         {"8B lm_head as (4,1,3: 3/SM, 6 waves; Auto now)", 2374, 256, 4, 1, 3, 128},
         {"8B lm_head as (4,4,2: 1/SM, 18 waves)", 2374, 1024, 4, 4, 2, 128},
         {"27B gate/up (paired 1x2, 5/SM)", 544, 256, 4, 1, 2, 160},
+        // Twenty-eighth session: the 27B down (320 tiles of 17 chunks: 2.4 blocks per SM in
+        // one wave, SMs with 3 ending ~6 us after SMs with 2) and o (320 tiles, 4 chunks) with K
+        // cut in two halves across blocks (~4.85 blocks per SM; each half as 9 chunks here).
+        {"27B down (1,2,3: 3/SM, 320 blocks; Auto)", 320, 128, 1, 2, 3, 544},
+        {"27B down halves (1,1,3: 8/SM, 640 blocks)", 640, 64, 1, 1, 3, 288},
+        {"27B down halves (1,1,4: 6/SM, 640 blocks)", 640, 64, 1, 1, 4, 288},
+        {"27B down halves (1,2,2: 6/SM, 640 blocks)", 640, 128, 1, 2, 2, 288},
+        {"27B down halves (1,2,3: 4/SM, 640 blocks, 2 waves)", 640, 128, 1, 2, 3, 288},
+        {"27B o (1,2,3: 3/SM, 320 blocks; Auto)", 320, 128, 1, 2, 3, 128},
+        {"27B o halves (1,1,3: 8/SM, 640 blocks)", 640, 64, 1, 1, 3, 64},
+        {"8B down (1,4,3) again", 256, 256, 1, 4, 3, 384},
+        {"8B down halves (1,2,3: 3/SM, 512 blocks, 1.3 waves)", 512, 128, 1, 2, 3, 192},
+        {"8B down halves (1,1,3: 8/SM, 512 blocks)", 512, 64, 1, 1, 3, 192},
     };
     std::printf("| launch | MB | split | stage | panel | codes only | group | split, no x | codes only, no x |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const Cfg &c : cfgs) {
@@ -128,10 +143,11 @@ int main() {
         double gbs[7][3];
         for (int round = 0; round < 3; ++round) {
             for (int lay = 0; lay < 7; ++lay) {
-                void (*const fs[2][7])(const char *, int, int, int, const char *, unsigned *) = {
+                void (*const fs[3][7])(const char *, int, int, int, const char *, unsigned *) = {
                     {stream<2, 0>, stream<2, 1>, stream<2, 2>, stream<2, 3>, stream<2, 4>, stream<2, 5>, stream<2, 6>},
-                    {stream<3, 0>, stream<3, 1>, stream<3, 2>, stream<3, 3>, stream<3, 4>, stream<3, 5>, stream<3, 6>}};
-                auto f = fs[c.S == 2 ? 0 : 1][lay];
+                    {stream<3, 0>, stream<3, 1>, stream<3, 2>, stream<3, 3>, stream<3, 4>, stream<3, 5>, stream<3, 6>},
+                    {stream<4, 0>, stream<4, 1>, stream<4, 2>, stream<4, 3>, stream<4, 4>, stream<4, 5>, stream<4, 6>}};
+                auto f = fs[c.S - 2][lay];
                 CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
                 int k = 0;
                 const float ms = median_ms(st, 15, [&] {

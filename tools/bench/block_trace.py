@@ -5,7 +5,11 @@ Prints, per kernel launch of one step (in order of release), when its blocks bec
 and reached the dependency wait ("at wait"), when the wait returned ("released": the kernel
 before it had finished), when the Q8_0A8 matmul blocks' main loops ended ("loop end"), and how
 many blocks arrived only after the release ("late": they found no room while the kernel before
-ran). Times in us from the step's first record.
+ran). Times in us from the step's first record. Then, per matmul launch, the loop ends'
+quantiles and each SM's last loop end by the SM's block count (an SM with more blocks than
+others ends later: the 27B paired gate / up before its queue launch, twenty-eighth session).
+A queue launch's pieces (matmul.cu A8KPQ) re-enter the split kernel's prologue, so they show as
+a second launch of the same blocks.
 
     python3 tools/bench/block_trace.py trace.csv [--shape 8B] [--ctx 512]
 
@@ -96,11 +100,13 @@ def main():
     for i, ((module, _, blocks), recs) in enumerate(launches):
         rel[(module, blocks)].append((min(r["t1_ns"] for r in recs), i))
     end_of = collections.defaultdict(list)
+    end_sm = collections.defaultdict(list)  # launch -> [(loop end, sm)]
     for r in ends:
         cand = rel.get((r["module"], r["blocks"]), [])
         j = bisect.bisect_right([c[0] for c in cand], r["t0_ns"]) - 1
         if j >= 0:
             end_of[cand[j][1]].append(r["t0_ns"])
+            end_sm[cand[j][1]].append((r["t0_ns"], r["sm"]))
 
     print(f"{keys[0][0]} ctx {keys[0][1]}: {len(launches)} launches, {len(rows)} records\n")
     print("| # | kernel (module:line) | blocks | at wait: first / median | released: first / last | late | loop end: median / last | from release to last end |")
@@ -127,6 +133,19 @@ def main():
         print(
             f"  #{i} {blocks} blocks: q10 {us(quantile(e, .1)):.2f}  q50 {us(quantile(e, .5)):.2f}  "
             f"q90 {us(quantile(e, .9)):.2f}  max {us(max(e)):.2f}  blocks per SM {dict(collections.Counter(per_sm.values()))}"
+        )
+        # Each SM's last loop end, by the SM's block count: do SMs with more blocks end later?
+        last = {}
+        for t, sm in end_sm[i]:
+            last[sm] = max(last.get(sm, t), t)
+        by_count = collections.defaultdict(list)
+        for sm, t in last.items():
+            by_count[per_sm[sm]].append(us(t))
+        print(
+            "      SMs' last loop end by blocks per SM: "
+            + ", ".join(
+                f"{k}: {statistics.median(v):.2f} (max {max(v):.2f}, {len(v)} SMs)" for k, v in sorted(by_count.items())
+            )
         )
 
 
