@@ -641,6 +641,47 @@ struct A8Pair {
     int KBp2;
 };
 
+// The paired launch's store (PAIR below): the block's gate and up sums (tot, from the
+// lanes with `live`) through shared memory (the now idle pipeline stages) into silu(gate) * up
+// of its 16 W / 2 features, quantized as the down projection's Q8_0A8 activation.
+template <int NT, int W, int KS>
+__device__ __forceinline__ void a8_pair_store(const float4 tot, bool live, int grp, int N, int T, int tl, int j, int g, int t,
+                                              int warp, int lane, const A8Pair &pair) {
+    extern __shared__ __align__(16) u8 a8_smem[];
+    constexpr int WH = W / 2;
+    // [matrix][token][16 WH features].
+    float *res = (float *)a8_smem;
+    if (live) {
+        const float r[4] = {tot.x, tot.y, tot.z, tot.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int f = (tl % WH) * 16 + g + (c >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (c & 1);
+            res[((tl / WH) * NT * 8 + tok) * 16 * WH + f] = r[c];
+        }
+    }
+    __syncthreads();
+    // One warp per token (tokens warp, warp + warps, ...): its 32-feature blocks of
+    // silu(gate) * up (silu_mul's arithmetic), quantized as a8_quant_x does; tokens
+    // T .. NT*8-1 get zeros.
+    for (int tok = warp; tok < NT * 8 && grp * WH * 16 < N; tok += W * NT * KS) {
+#pragma unroll
+        for (int qb = 0; qb < WH / 2; ++qb) {
+            const int f = qb * 32 + lane;
+            const float gv = res[tok * 16 * WH + f], uv = res[(NT * 8 + tok) * 16 * WH + f];
+            const float v = tok < T ? silu_f(gv) * uv : 0.0f;
+            a8_store_block(v, (grp * WH * 16 + qb * 32) / 32, tok, NT, pair.xq2, pair.xd2);
+        }
+        // The last group zeroes the padding blocks N/32 .. KBp2-1 of its token.
+        if ((grp + 1) * WH * 16 >= N && lane == 0) {
+            for (int b = N / 32; b < pair.KBp2; ++b) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) pair.xq2[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + (e >> 1)) * 2 + (e & 1)] = 0u;
+                pair.xd2[(long long)b * NT * 8 + tok] = 0.0f;
+            }
+        }
+    }
+}
+
 template <int NT, int W, int KS, int S, bool PAIR = false>
 __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
                                           int T, int ef, int rounds_apart, const A8Pair pair = A8Pair{}) {
@@ -788,38 +829,10 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     if (rounds_apart > 0) return;
     __syncthreads();
     if constexpr (PAIR) {
-        // [matrix][token][16 WH features] in the (now idle) pipeline stages.
-        float *res = (float *)a8_smem;
-        if (ks == 0 && tile_ok) {
-            if constexpr (KS > 1) fold(nst / NS - 1);
-            const float r[4] = {tot.x, tot.y, tot.z, tot.w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int f = (tl % WH) * 16 + g + (c >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (c & 1);
-                res[((tl / WH) * NT * 8 + tok) * 16 * WH + f] = r[c];
-            }
+        if constexpr (KS > 1) {
+            if (ks == 0 && tile_ok) fold(nst / NS - 1);
         }
-        __syncthreads();
-        // One warp per token (tokens warp, warp + warps, ...): its 32-feature blocks of
-        // silu(gate) * up (silu_mul's arithmetic), quantized as a8_quant_x does; tokens
-        // T .. NT*8-1 get zeros.
-        for (int tok = warp; tok < NT * 8 && grp * WH * 16 < N; tok += W * NT * KS) {
-#pragma unroll
-            for (int qb = 0; qb < WH / 2; ++qb) {
-                const int f = qb * 32 + lane;
-                const float gv = res[tok * 16 * WH + f], uv = res[(NT * 8 + tok) * 16 * WH + f];
-                const float v = tok < T ? silu_f(gv) * uv : 0.0f;
-                a8_store_block(v, (grp * WH * 16 + qb * 32) / 32, tok, NT, pair.xq2, pair.xd2);
-            }
-            // The last group zeroes the padding blocks N/32 .. KBp2-1 of its token.
-            if ((grp + 1) * WH * 16 >= N && lane == 0) {
-                for (int b = N / 32; b < pair.KBp2; ++b) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) pair.xq2[((long long)(b * NT + tok / 8) * 32 + (tok % 8) * 4 + (e >> 1)) * 2 + (e & 1)] = 0u;
-                    pair.xd2[(long long)b * NT * 8 + tok] = 0.0f;
-                }
-            }
-        }
+        a8_pair_store<NT, W, KS>(tot, ks == 0 && tile_ok, grp, N, T, tl, j, g, t, warp, lane, pair);
         return;
     }
     if (ks != 0 || !tile_ok) return;
@@ -899,6 +912,89 @@ A8KP(a8kp_n1_w4_k1_s3, 1, 4, 1, 3)
 A8KP(a8kp_n2_w4_k1_s3, 2, 4, 1, 3)
 A8KP(a8kp_n1_w4_k1_s2, 1, 4, 1, 2)
 A8KP(a8kp_n2_w4_k1_s2, 2, 4, 1, 2)
+
+// The paired launch with a queue for the groups left over (A8KPQ; backend.rs
+// a8_pair_queue): where the groups of 2 gate + 2 up tiles do not spread evenly over the SMs
+// (the 27B shape: 544 groups on 132 SMs in one wave of up to 5 blocks per SM; the SMs that got
+// 5 ended ~18 us after those that got 3), the grid is `whole` = bps x SMs blocks, the host's
+// shared memory per block letting no more than bps fit an SM, and block b runs group b over
+// all of K as A8KP does (the weight stream then runs at the read ceiling). The other groups
+// run as one-chunk pieces (K = one chunk of one group) from a queue, each taken by whichever
+// block is free when its group is done: a piece writes its chunk sums to cs0 / cs1
+// ([chunk][tile][token group][128], as SplitApart's), and the group's last piece to finish (a
+// counter per group) adds the chunk sums in chunk order and stores silu(gate) * up as A8KP
+// does. The same bits as A8KP (the contract's chunk sums in chunk order); no
+// block waits for another. ctr: [0] the next piece, [1] blocks done, [2 + i] pieces done of
+// group whole + i; zero between launches (the last block to finish resets [0] and [1], each
+// group's last piece its counter).
+template <int NT, int W, int KS, int S>
+__device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, const u32 *__restrict__ xq,
+                                              const float *__restrict__ xd, int K, int T, int ef, u32 *ctr, int pieces) {
+    static_assert(KS == 1 && W == 4, "2 + 2 tiles, one k-slice");
+    extern __shared__ __align__(16) u8 a8_smem[];
+    constexpr int STAGE_B = A8_KC * NT * 288 + W * A8_KC * 544;
+    constexpr int WH = W / 2;
+    u32 *tk = (u32 *)(a8_smem + S * STAGE_B);  // the host's shared memory has room for it
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tl = warp / NT, j = warp % NT;
+    const int nch = (K / 32 + A8_CB - 1) / A8_CB;
+    const int whole = gridDim.x, N = m.N, ntiles = N >> 4;
+    a8_ksplit<NT, W, KS, S, true>(m, blockIdx.x, xq, xd, K, T, ef, 0, pr);
+    for (;;) {
+        __syncthreads();  // the store before has read its shared memory
+        if (tid == 0) tk[0] = atomicAdd(&ctr[0], 1u);
+        __syncthreads();
+        const int p = (int)tk[0];
+        if (p >= pieces) break;
+        // Piece p: chunk p % nch of group whole + p / nch (its chunk sums, as SplitApart's).
+        const int grp = whole + p / nch;
+        a8_ksplit<NT, W, KS, S, true>(m, grp * nch + p % nch, xq, xd, K, T, ef, nch, pr);
+        __threadfence();  // this piece's chunk sum, before its count
+        __syncthreads();
+        bool last = false;
+        if (tid == 0) last = atomicAdd(&ctr[2 + grp - whole], 1u) == (u32)(nch - 1);
+        if (!__syncthreads_or(last)) continue;
+        __threadfence();
+        const int mt = grp * WH + tl % WH;
+        const bool live = mt * 16 < N;
+        const float *cs = (tl >= WH ? pr.up.ws : m.ws) + ((long long)(live ? mt : 0) * NT + j) * 128 + lane * 4;
+        float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int cc = 0; cc < nch && live; ++cc) {
+            const float4 v = __ldcg((const float4 *)(cs + (long long)cc * ntiles * NT * 128));
+            if (cc == 0) {
+                tot = v;
+            } else {
+                tot.x = __fadd_rn(tot.x, v.x);
+                tot.y = __fadd_rn(tot.y, v.y);
+                tot.z = __fadd_rn(tot.z, v.z);
+                tot.w = __fadd_rn(tot.w, v.w);
+            }
+        }
+        a8_pair_store<NT, W, KS>(tot, live, grp, N, T, tl, j, g, t, warp, lane, pr);
+        if (tid == 0) ctr[2 + grp - whole] = 0u;
+    }
+    // The last block to finish: the queue back to zero.
+    if (tid == 0) {
+        __threadfence();
+        if (atomicAdd(&ctr[1], 1u) == (u32)(whole - 1)) {
+            ctr[0] = 0u;
+            ctr[1] = 0u;
+        }
+    }
+}
+// A8KP's parameters, then the chunk-sum workspaces, the counters and the pieces; MINB: the
+// blocks per SM the launch bound keeps registers for (A8K_MINB at the host's padded shared
+// memory for 4 per SM).
+#define A8KPQ(NAME, NT, W, KS, S, MINB)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(A8K_THREADS(NT, W, KS), MINB)                                                 \
+        NAME(const u8 *wq0, const u16 *ws0, const u8 *wq1, const u16 *ws1, int n, const u32 *xq, const float *xd, int K, int T,  \
+             int ef, u32 *xq2, float *xd2, int kbp2, float *cs0, float *cs1, u32 *ctr, int pieces) {                            \
+        const A8Mat m = {wq0, ws0, nullptr, n, cs0, 0};                                                                        \
+        const A8Pair pr = {{wq1, ws1, nullptr, n, cs1, 0}, xq2, xd2, kbp2};                                                    \
+        a8_pair_queue<NT, W, KS, S>(m, pr, xq, xd, K, T, ef, ctr, pieces);                                                     \
+    }
+A8KPQ(a8kpq_n1_w4_k1_s2, 1, 4, 1, 2, 0)
+A8KPQ(a8kpq_n2_w4_k1_s2, 2, 4, 1, 2, 4)
 
 
 

@@ -139,6 +139,55 @@ fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits) -> (u8, u8)
     }
 }
 
+/// The paired gate / up launch with a queue for the groups left over (`A8KPQ` in matmul.cu,
+/// [`Cuda::set_a8_pair_queue`]) for `grid` groups of `nch` chunks on `sms` SMs: where the
+/// groups spread unevenly over one wave (the fullest SM's groups over the mean >= 1.1: the 27B
+/// shape's 544 groups on 132 SMs, 5 on some SMs for a mean of 4.12), `bps` = grid / sms
+/// blocks per SM (held there by their shared memory) run one group each and the rest runs as
+/// one-chunk pieces. Some(plan), or None for the plain launch. At most 4 per SM
+/// (the launch bound's registers for 16 rows).
+fn a8_pair_queue(
+    grid: usize,
+    nch: usize,
+    nt: usize,
+    sms: usize,
+    lim: SmemLimits,
+) -> Option<A8Queue> {
+    let bps = grid / sms.max(1);
+    if bps == 0 || bps > 4 || grid.div_ceil(sms) * sms * 10 < grid * 11 {
+        return None;
+    }
+    let smem = a8_pair_queue_smem(nt, bps, lim.sm);
+    if (smem + 1024) * bps > lim.sm || smem > lim.block {
+        return None;
+    }
+    let whole = bps * sms;
+    Some(A8Queue {
+        bps,
+        whole,
+        pieces: (grid - whole) * nch,
+        smem,
+    })
+}
+
+/// The queue launch's shared memory per block for `bps` blocks per SM of `sm` bytes: the
+/// 2-stage pipeline + 16 bytes, padded so that bps + 1 blocks (+ the driver's 1 KiB each) do
+/// not fit.
+fn a8_pair_queue_smem(nt: usize, bps: usize, sm: usize) -> usize {
+    let need = a8k_smem_bytes(nt, 4, 1, 2) + 16;
+    need.max((sm / (bps + 1)).saturating_sub(1024).next_multiple_of(16) + 16)
+}
+
+/// A queue launch's plan ([`a8_pair_queue`]): `whole` = `bps` x SMs blocks of `smem` bytes of
+/// shared memory, each running one group, then `pieces` from the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct A8Queue {
+    bps: usize,
+    whole: usize,
+    pieces: usize,
+    smem: usize,
+}
+
 /// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and, with
 /// more than one slice, two rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups
 /// x 32 lanes x float4; one slice adds its chunk sums in registers).
@@ -167,6 +216,13 @@ pub fn a8_split_kernel_shapes() -> Vec<(Kernel, usize, usize)> {
                 }
             }
         }
+        // The queue launch at 4 blocks per SM of 228 KiB (the 27B gate / up on the H200).
+        let k = if nt == 1 {
+            Kernel::A8KPQN1W4K1S2
+        } else {
+            Kernel::A8KPQN2W4K1S2
+        };
+        v.push((k, 128 * nt, a8_pair_queue_smem(nt, 4, 228 * 1024)));
     }
     v
 }
@@ -325,6 +381,8 @@ struct Scratch {
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
     a8_ws: Option<CudaSlice<f32>>,
+    /// The paired queue launch's counters ([`Cuda::set_a8_pair_queue`]), zero at rest.
+    a8_qctr: Option<CudaSlice<u32>>,
     /// The second activation slot: the down projection's, written by the paired gate / up
     /// launch while it reads the first.
     a8_q2: Option<CudaSlice<u32>>,
@@ -477,6 +535,9 @@ pub struct Cuda {
     a8_kernel: Mutex<A8Kernel>,
     /// The paired gate / up kernel (k-slices, stages); None: chosen per launch.
     a8_pair: Mutex<Option<(u8, u8)>>,
+    /// The paired gate / up launch's even blocks per SM with a queue of one-chunk pieces
+    /// where its groups spread unevenly (default on).
+    a8_pair_queue: Mutex<bool>,
     a8_pdl: Mutex<bool>,
     /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
     /// ([`Cuda::set_skinny_producers`]).
@@ -611,6 +672,7 @@ impl Cuda {
                 a8_q: None,
                 a8_d: None,
                 a8_ws: None,
+                a8_qctr: None,
                 a8_q2: None,
                 a8_d2: None,
                 a8_gen: [0; 2],
@@ -621,6 +683,7 @@ impl Cuda {
             smem_set: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
             a8_pair: Mutex::new(None),
+            a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
             a8_evict_first: Mutex::new(true),
@@ -673,6 +736,27 @@ impl Cuda {
     /// else (1, 2) (5 per SM) while those do (see [`Cuda::set_a8_pair_kernel`]).
     pub fn set_a8_pair_kernel_auto(&self) {
         *lock(&self.a8_pair) = None;
+    }
+    /// Where the paired gate / up launch's groups of 2 + 2 tiles spread unevenly over one wave
+    /// (the fullest SM's over the mean >= 1.1), launch as many blocks per SM as the mean allows,
+    /// one group each, and run the groups left over as one-chunk pieces from a queue, taken by
+    /// the blocks as they finish (`A8KPQ` in matmul.cu; on by default; H200, 27B shape: the
+    /// step -0.8%). The same bits either way; a benchmark knob. Only with the automatic paired
+    /// kernel ([`Cuda::set_a8_pair_kernel_auto`]).
+    pub fn set_a8_pair_queue(&self, on: bool) {
+        *lock(&self.a8_pair_queue) = on;
+    }
+    /// The queue launch's plan for a paired gate / up launch of `n` features, `k` inputs and
+    /// `rows` rows (1-16) on this device, as the launch would take it now: Some((blocks per
+    /// SM, pieces)), or None for the plain launch.
+    #[doc(hidden)]
+    pub fn a8_pair_queue_plan(&self, n: usize, k: usize, rows: usize) -> Option<(usize, usize)> {
+        if lock(&self.a8_pair).is_some() || !*lock(&self.a8_pair_queue) {
+            return None;
+        }
+        let (nt, grid) = (if rows > 8 { 2 } else { 1 }, n.div_ceil(32));
+        let nch = (k / 32).div_ceil(A8_CB).max(1);
+        a8_pair_queue(grid, nch, nt, self.num_sms, self.smem).map(|q| (q.bps, q.pieces))
     }
     pub fn set_a8_pair_kernel(&self, ks: u8, stages: u8) -> Result<()> {
         if a8kp_kernel(1, ks.into(), stages.into()).is_none() {
@@ -1886,10 +1970,18 @@ impl Cuda {
         let nt = if rows > 8 { 2 } else { 1 };
         let kbp2 = a8_kbp(n);
         let grid = n.div_ceil(16 * 4 / 2);
-        let (ks, st_n) =
-            lock(&self.a8_pair).unwrap_or_else(|| a8_pair_auto(grid, nt, self.num_sms, self.smem));
+        let chosen = *lock(&self.a8_pair);
+        let nch = (k / 32).div_ceil(A8_CB).max(1);
+        let queue = (chosen.is_none() && *lock(&self.a8_pair_queue))
+            .then(|| a8_pair_queue(grid, nch, nt, self.num_sms, self.smem))
+            .flatten();
+        let (ks, st_n) = match (chosen, queue) {
+            (Some(c), _) => c,
+            (None, Some(_)) => (1, 2),
+            (None, None) => a8_pair_auto(grid, nt, self.num_sms, self.smem),
+        };
         let (w, ks, st_n) = (4usize, usize::from(ks), usize::from(st_n));
-        let smem = a8k_smem_bytes(nt, w, ks, st_n);
+        let smem = queue.map_or(a8k_smem_bytes(nt, w, ks, st_n), |q| q.smem);
         if smem > self.smem.block {
             return Err(BackendError::Invalid {
                 op: "matmul_gate_up_q8",
@@ -1899,7 +1991,11 @@ impl Cuda {
                 ),
             });
         }
-        let kern = a8kp_kernel(nt, ks, st_n).ok_or_else(internal)?;
+        let kern = match (queue, nt) {
+            (Some(_), 1) => Kernel::A8KPQN1W4K1S2,
+            (Some(_), _) => Kernel::A8KPQN2W4K1S2,
+            (None, _) => a8kp_kernel(nt, ks, st_n).ok_or_else(internal)?,
+        };
         let f = self.func_smem(kern, smem)?;
         let mut s = lock(&self.scratch);
         if !s.a8_current(act) {
@@ -1908,11 +2004,21 @@ impl Cuda {
         // The first slot holds `act` (current: written at this size); only the second grows.
         ensure(&self.stream, &mut s.a8_q2, kbp2 * nt * 64).map_err(dev)?;
         ensure(&self.stream, &mut s.a8_d2, kbp2 * nt * 8).map_err(dev)?;
+        // The queue launch: the pieces' chunk sums (gate, then up: [chunk][tile][token
+        // group][128] each) and the counters.
+        let cs_len = nch * (n / 16) * nt * 128;
+        if let Some(q) = queue {
+            ensure(&self.stream, &mut s.a8_ws, 2 * cs_len).map_err(dev)?;
+            // [next piece, blocks done], the pieces' groups' counts.
+            ensure(&self.stream, &mut s.a8_qctr, 2 + grid - q.whole).map_err(dev)?;
+        }
         let Scratch {
             a8_q,
             a8_d,
             a8_q2,
             a8_d2,
+            a8_ws,
+            a8_qctr,
             ..
         } = &mut *s;
         let st = &*self.stream;
@@ -1930,10 +2036,22 @@ impl Cuda {
             .dptr_mut(a8_q2.as_mut().ok_or_else(internal)?, st)
             .dptr_mut(a8_d2.as_mut().ok_or_else(internal)?, st)
             .i32(i32_of("matmul_gate_up_q8", "w.rows", kbp2)?);
-        let grid = grid as u32;
+        if queue.is_some() {
+            let ws = a8_ws.as_mut().ok_or_else(internal)?;
+            let (p, _sync) = ws.device_ptr_mut(st);
+            a.u64(p)
+                .u64(p + (cs_len * std::mem::size_of::<f32>()) as u64)
+                .dptr_mut(a8_qctr.as_mut().ok_or_else(internal)?, st);
+        }
+        if let Some(q) = queue {
+            a.i32(i32_of("matmul_gate_up_q8", "pieces", q.pieces)?);
+        }
+        let grid = queue.map_or(grid, |q| q.whole) as u32;
         let pdl = *lock(&self.a8_pdl);
         // SAFETY: the parameters of A8KP in matmul.cu in order (wq0, ws0, wq1, ws1, n, xq, xd,
-        // K, T, ef, xq2, xd2, kbp2); the second slot holds kbp2 * nt blocks of nt * 8 tokens.
+        // K, T, ef, xq2, xd2, kbp2), for A8KPQ then (cs0, cs1, ctr, pieces) with 2 x cs_len
+        // floats of chunk sums and 2 + the pieces' groups of counters; the second slot holds
+        // kbp2 * nt blocks of nt * 8 tokens.
         unsafe {
             a.launch(
                 st,
@@ -3541,8 +3659,8 @@ mod tests {
     //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
     use super::{
-        a8_fit, a8_kbp, a8_pair_auto, a8_smem_bytes, a8k_kernel, a8k_smem_bytes, repack_bf16p,
-        repack_q4_0, repack_q8_a8,
+        a8_fit, a8_kbp, a8_pair_auto, a8_pair_queue, a8_smem_bytes, a8k_kernel, a8k_smem_bytes,
+        repack_bf16p, repack_q4_0, repack_q8_a8,
         skinny::{skinny_splits, SKINNY_BLOCKS_PER_SM},
         A8Kernel, SmemLimits,
     };
@@ -3708,6 +3826,27 @@ mod tests {
         // The occupancy the rule assumes: 3 and 5 blocks of each per SM.
         assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 3) + 1024), 3);
         assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 2) + 1024), 5);
+    }
+
+    #[test]
+    fn a8_pair_queue_only_where_groups_spread_unevenly() {
+        let (sms, lim) = (132, SmemLimits::SM90);
+        // 8B (384 groups: 3 on most SMs, 2.91 on average) keeps the plain launch.
+        assert_eq!(a8_pair_queue(384, 4, 2, sms, lim), None);
+        // 27B (544 groups of 5 chunks: 5 on some SMs, 4.12 on average): 4 blocks per SM, one
+        // group each, and the other 16 groups as 16 x 5 one-chunk pieces.
+        let q = a8_pair_queue(544, 5, 2, sms, lim).expect("a queue launch");
+        assert_eq!((q.bps, q.whole, q.pieces), (4, 528, 80));
+        assert_eq!(lim.sm / (q.smem + 1024), 4);
+        assert!(q.smem >= a8k_smem_bytes(2, 4, 1, 2) + 16);
+        // As many groups as SMs x a whole number: even already.
+        assert_eq!(a8_pair_queue(528, 5, 2, sms, lim), None);
+        // Fewer groups than SMs: nothing to even out; more than 5 per SM: not this launch.
+        assert_eq!(a8_pair_queue(100, 5, 2, sms, lim), None);
+        assert_eq!(a8_pair_queue(132 * 5 + 20, 5, 2, sms, lim), None);
+        // 1-8 rows: the same plan (smaller stages, the same padding rule).
+        let q1 = a8_pair_queue(544, 5, 1, sms, lim).expect("a queue launch");
+        assert_eq!((q1.whole, lim.sm / (q1.smem + 1024)), (528, 4));
     }
 
     #[test]

@@ -159,6 +159,8 @@ kernels! {
     A8KPN2W4K1S3 => (Matmul, "a8kp_n2_w4_k1_s3"),
     A8KPN1W4K1S2 => (Matmul, "a8kp_n1_w4_k1_s2"),
     A8KPN2W4K1S2 => (Matmul, "a8kp_n2_w4_k1_s2"),
+    A8KPQN1W4K1S2 => (Matmul, "a8kpq_n1_w4_k1_s2"),
+    A8KPQN2W4K1S2 => (Matmul, "a8kpq_n2_w4_k1_s2"),
     AttnSplitD32 => (Attention, "attn_split_d32"),
     AttnSplitD64 => (Attention, "attn_split_d64"),
     AttnSplitD128 => (Attention, "attn_split_d128"),

@@ -633,7 +633,18 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
     // matmul_gate_up_q8 + matmul_many_q8 (down, accumulate) == matmul_many (gate, up) +
     // matmul_silu_mul + add_assign: one and several feature groups, a padded last block of
     // the down activation (992 = 31 blocks), 1-16 rows.
-    for &(d, inter) in &[(96usize, 64usize), (416, 992), (4096, 12288)] {
+    // Then the automatic kernel with and without the queue launch, where the paired groups
+    // spread unevenly over the SMs: this device's SMs + 8 groups over 3 chunks (the last one
+    // block), and 4 x SMs + 16 groups over 5 chunks (the 27B shape on 132 SMs).
+    let sms = g.num_sms();
+    let mut queue_runs = 0usize;
+    for &(d, inter) in &[
+        (96usize, 64usize),
+        (416, 992),
+        (4096, 12288),
+        (2080, 32 * (sms + 8)),
+        (5120, 32 * (4 * sms + 16)),
+    ] {
         let mk = |r: &mut StdRng, n: usize, k: usize| {
             let wv = rand_vec(r, n * k, 1.0);
             let hw = HostWeight::from_f32("w", n, k, &wv, WeightFormat::Q8_0A8).expect("encode");
@@ -666,8 +677,26 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
                 ((1, 3), None),
                 ((1, 3), Some(false)),
                 ((1, 2), None),
+                ((0, 0), None),
+                ((0, 1), None),
             ] {
-                g.set_a8_pair_kernel(ks, st).expect("pair kernel");
+                // (0, q): the automatic kernel, the queue launch on (q = 0) or off.
+                if ks == 0 {
+                    g.set_a8_pair_kernel_auto();
+                    g.set_a8_pair_queue(st == 0);
+                    let plan = g.a8_pair_queue_plan(inter, d, rows);
+                    let uneven = inter == 32 * (sms + 8) || inter == 32 * (4 * sms + 16);
+                    if uneven {
+                        assert_eq!(
+                            plan.is_some(),
+                            st == 0,
+                            "queue plan {plan:?} for inter={inter} d={d} rows={rows} on {sms} SMs"
+                        );
+                    }
+                    queue_runs += usize::from(plan.is_some());
+                } else {
+                    g.set_a8_pair_kernel(ks, st).expect("pair kernel");
+                }
                 g.set_a8_prewait(pw);
                 let mut got = g.upload(&h0).expect("h0");
                 let act = g
@@ -689,8 +718,13 @@ fn a8_norm_into_activation_and_residual_stores_equal_the_separate_ops_bit_for_bi
             }
         }
     }
+    assert!(
+        queue_runs >= 2 * 3,
+        "the queue launch ran for both uneven shapes at 1, 9, 16 rows: {queue_runs}"
+    );
     assert!(g.set_a8_pair_kernel(1, 4).is_err());
     g.set_a8_pair_kernel_auto();
+    g.set_a8_pair_queue(true);
     g.set_a8_prewait(None);
     // attention_q8 + matmul_many_q8 (accumulate) == attention + matmul_add: the split combine
     // writing the activation (head dims 128 / 64 / 256, block and causal masks, padding

@@ -168,7 +168,8 @@ pub struct BenchArgs {
     /// / +gu=K / +down=K (that projection's Q8_0A8 kernel, an --a8-kernel name), +pw=BBBB
     /// (1: all but one weight stage before the dependency wait, 0: one; q/k/v, o, gate/up,
     /// down), +gp=kKSsS
-    /// (the paired gate / up kernel: k-slices, stages), +x1 (the fast attention through the
+    /// (the paired gate / up kernel: k-slices, stages), +noq (the paired launch without its
+    /// queue for the leftover groups), +x1 (the fast attention through the
     /// 1xTF32 kernel instead of the f16 one), +mksteps (the Markov chain as two launches per
     /// step, not one persistent launch); with --markov the sweep's step is the DSpark step).
     #[arg(long)]
@@ -2044,6 +2045,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         attn_fa: AttnFa,
         markov_persistent: bool,
         pair_kernel: Option<(u8, u8)>,
+        pair_queue: bool,
         proj_kernels: [Option<A8Kernel>; 4],
         prewait: Option<[bool; 4]>,
     }
@@ -2069,6 +2071,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 attn_fa: AttnFa::default(),
                 markov_persistent: true,
                 pair_kernel: None,
+                pair_queue: true,
                 proj_kernels: [None; 4],
                 prewait: None,
             };
@@ -2107,6 +2110,9 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 } else if let Some(n) = opt.strip_prefix("fab") {
                     // The FA kernel's long-span split sized for N blocks per SM.
                     cfg.attn_fa.blocks_per_sm = n.parse()?;
+                } else if opt == "noq" {
+                    // The paired gate / up launch without its queue of pieces.
+                    cfg.pair_queue = false;
                 } else if opt == "mksteps" {
                     cfg.markov_persistent = false;
                 } else if let Some(n) = opt.strip_prefix("gp=k") {
@@ -2239,6 +2245,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                         Some((ks, st)) => g.set_a8_pair_kernel(ks, st)?,
                         None => g.set_a8_pair_kernel_auto(),
                     }
+                    g.set_a8_pair_queue(c.pair_queue);
                     set_split(g, c.attn_split)?;
                     g.set_attn_kernel(c.attn)?;
                     g.set_attn_fast_f16(c.attn_f16);
@@ -2271,6 +2278,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_a8_prewait(None);
     g.set_a8_pdl(true);
     g.set_a8_pair_kernel_auto();
+    g.set_a8_pair_queue(true);
     g.set_attn_split_auto();
     g.set_attn_kernel(AttnKernel::Auto)?;
     g.set_attn_fast_f16(true);
