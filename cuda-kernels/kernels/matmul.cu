@@ -634,6 +634,17 @@ A8(a8_n2_w4, 2, 4, 4)
 // writes silu(gate) * up of its 16 W / 2 features as the down projection's Q8_0A8 activation
 // (xq2 / xd2, K = N padded to KBp2 blocks; a8_quant_x's arithmetic on silu_mul's output: the
 // same bytes). Needs NT * 8 <= the block's warps and 16 W / 2 a multiple of 32.
+// tot = v for a tile's first chunk sum, else tot += v (the contract's adds, in chunk order).
+__device__ __forceinline__ void a8_fold4(float4 &tot, const float4 v, bool first) {
+    if (first) {
+        tot = v;
+    } else {
+        tot.x = __fadd_rn(tot.x, v.x);
+        tot.y = __fadd_rn(tot.y, v.y);
+        tot.z = __fadd_rn(tot.z, v.z);
+        tot.w = __fadd_rn(tot.w, v.w);
+    }
+}
 struct A8Pair {
     A8Mat up;
     u32 *xq2;
@@ -760,15 +771,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         for (int q = 0; q < KS; ++q) {
             const int c = r * KS + q;
             if (c >= nch) break;
-            const float4 v = part[((((r & 1) * KS + q) * W + tl) * NT + j) * 32 + lane];
-            if (c == 0) {
-                tot = v;
-            } else {
-                tot.x = __fadd_rn(tot.x, v.x);
-                tot.y = __fadd_rn(tot.y, v.y);
-                tot.z = __fadd_rn(tot.z, v.z);
-                tot.w = __fadd_rn(tot.w, v.w);
-            }
+            a8_fold4(tot, part[((((r & 1) * KS + q) * W + tl) * NT + j) * 32 + lane], c == 0);
         }
     };
     for (int st = 0; st < nst; ++st) {
@@ -960,15 +963,7 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
         const float *cs = (tl >= WH ? pr.up.ws : m.ws) + ((long long)(live ? mt : 0) * NT + j) * 128 + lane * 4;
         float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int cc = 0; cc < nch && live; ++cc) {
-            const float4 v = __ldcg((const float4 *)(cs + (long long)cc * ntiles * NT * 128));
-            if (cc == 0) {
-                tot = v;
-            } else {
-                tot.x = __fadd_rn(tot.x, v.x);
-                tot.y = __fadd_rn(tot.y, v.y);
-                tot.z = __fadd_rn(tot.z, v.z);
-                tot.w = __fadd_rn(tot.w, v.w);
-            }
+            a8_fold4(tot, __ldcg((const float4 *)(cs + (long long)cc * ntiles * NT * 128)), cc == 0);
         }
         a8_pair_store<NT, W, KS>(tot, live, grp, N, T, tl, j, g, t, warp, lane, pr);
         if (tid == 0) ctr[2 + grp - whole] = 0u;
