@@ -751,12 +751,17 @@ impl Cuda {
     /// SM, pieces)), or None for the plain launch.
     #[doc(hidden)]
     pub fn a8_pair_queue_plan(&self, n: usize, k: usize, rows: usize) -> Option<(usize, usize)> {
+        self.pair_queue(n, k, if rows > 8 { 2 } else { 1 })
+            .map(|q| (q.bps, q.pieces))
+    }
+    /// The queue launch for a paired launch of `n` features, `k` inputs and `nt` token groups,
+    /// if the knobs and the shape take it.
+    fn pair_queue(&self, n: usize, k: usize, nt: usize) -> Option<A8Queue> {
         if lock(&self.a8_pair).is_some() || !*lock(&self.a8_pair_queue) {
             return None;
         }
-        let (nt, grid) = (if rows > 8 { 2 } else { 1 }, n.div_ceil(32));
         let nch = (k / 32).div_ceil(A8_CB).max(1);
-        a8_pair_queue(grid, nch, nt, self.num_sms, self.smem).map(|q| (q.bps, q.pieces))
+        a8_pair_queue(n.div_ceil(32), nch, nt, self.num_sms, self.smem)
     }
     pub fn set_a8_pair_kernel(&self, ks: u8, stages: u8) -> Result<()> {
         if a8kp_kernel(1, ks.into(), stages.into()).is_none() {
@@ -1972,9 +1977,7 @@ impl Cuda {
         let grid = n.div_ceil(16 * 4 / 2);
         let chosen = *lock(&self.a8_pair);
         let nch = (k / 32).div_ceil(A8_CB).max(1);
-        let queue = (chosen.is_none() && *lock(&self.a8_pair_queue))
-            .then(|| a8_pair_queue(grid, nch, nt, self.num_sms, self.smem))
-            .flatten();
+        let queue = self.pair_queue(n, k, nt);
         let (ks, st_n) = match (chosen, queue) {
             (Some(c), _) => c,
             (None, Some(_)) => (1, 2),
