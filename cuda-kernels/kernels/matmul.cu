@@ -922,40 +922,91 @@ A8KP(a8kp_n2_w4_k1_s2, 2, 4, 1, 2)
 // 5 ended ~18 us after those that got 3), the grid is `whole` = bps x SMs blocks, the host's
 // shared memory per block letting no more than bps fit an SM, and block b runs group b over
 // all of K as A8KP does (the weight stream then runs at the read ceiling). The other groups
-// run as one-chunk pieces (K = one chunk of one group) from a queue, each taken by whichever
-// block is free when its group is done: a piece writes its chunk sums to cs0 / cs1
+// run as pieces of one tile x one chunk (a8_tile_piece: 4 tiles x the chunks of each group)
+// from a queue, each taken by whichever block is free when its group is done (pieces of 4
+// tiles through the 2-stage pipeline were latency-bound: ~7 us each, a ~10 us tail at 27B):
+// a piece writes its chunk sums to cs0 / cs1
 // ([chunk][tile][token group][128], as SplitApart's), and the group's last piece to finish (a
 // counter per group) adds the chunk sums in chunk order and stores silu(gate) * up as A8KP
 // does. The same bits as A8KP (the contract's chunk sums in chunk order); no
 // block waits for another. ctr: [0] the next piece, [1] blocks done, [2 + i] pieces done of
 // group whole + i; zero between launches (the last block to finish resets [0] and [1], each
 // group's last piece its counter).
+
+// One piece of the queue: one tile (16 features of one matrix) x one chunk of K, its x and
+// weights loaded in one go (one round trip, not one per pipeline stage), its chunk sums by
+// the NT warps of token groups 0 .. NT-1 (the contract's chain: one thread per output, block
+// after block) into the workspace cs ([chunk][tile][token group][128], as SplitApart's).
+// (The matrix's fields by value: a struct picked by a condition would go through local memory.)
+template <int NT>
+__device__ __forceinline__ void a8_tile_piece(const u8 *wq, const u16 *wsc, float *ws, int N, int mt, int c,
+                                              const u32 *__restrict__ xq, const float *__restrict__ xd, int K, u64 pol) {
+    extern __shared__ __align__(16) u8 a8_smem[];
+    constexpr int XQ = NT * 256, XD = NT * 32;  // bytes per block: x codes, x scales
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, ntiles = N >> 4;
+    const int b0 = c * A8_CB, nb = min(A8_CB, KB - b0);
+    // [x codes nb][x scales nb][weight codes nb][weight scales nb], each block's bytes as in
+    // global memory (so a8_block / a8_stage read them as from a stage of nb blocks).
+    const int oxd = nb * XQ, ow = oxd + nb * XD, ows = ow + nb * 512;
+    const u32 s0 = smem_addr(a8_smem);
+    const u8 *gx = (const u8 *)xq + (long long)b0 * XQ, *gd = (const u8 *)xd + (long long)b0 * XD;
+    const long long wb = (long long)mt * KBp + b0;
+    const u8 *gw = wq + wb * 512, *gs = (const u8 *)wsc + wb * 32;
+    const int nthr = blockDim.x;
+    for (int i = tid; i < nb * (XQ / 16); i += nthr) cp_async16(s0 + i * 16, gx + i * 16);
+    for (int i = tid; i < nb * (XD / 16); i += nthr) cp_async16(s0 + oxd + i * 16, gd + i * 16);
+    for (int i = tid; i < nb * 32; i += nthr) cp_async16_pol(s0 + ow + i * 16, gw + i * 16, pol);
+    for (int i = tid; i < nb * 2; i += nthr) cp_async16_pol(s0 + ows + i * 16, gs + i * 16, pol);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (warp >= NT) return;
+    const int j = warp;
+    const uint2 *sx = (const uint2 *)a8_smem;
+    const float *sd = (const float *)(a8_smem + oxd);
+    const uint4 *sw = (const uint4 *)(a8_smem + ow);
+    const u32 *ss = (const u32 *)(a8_smem + ows);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int bb = 0;
+    for (; bb + A8_KC <= nb; bb += A8_KC) {
+        a8_stage<NT>(sw + bb * 32, ss + bb * 8, sx + bb * NT * 32, sd + bb * NT * 8, j, lane, g, t, acc);
+    }
+    for (; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+    __stcg((float4 *)(ws + ((long long)c * ntiles * NT + mt * NT + j) * 128 + lane * 4), make_float4(acc[0], acc[1], acc[2], acc[3]));
+}
+
 template <int NT, int W, int KS, int S>
 __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, const u32 *__restrict__ xq,
                                               const float *__restrict__ xd, int K, int T, int ef, u32 *ctr, int pieces) {
     static_assert(KS == 1 && W == 4, "2 + 2 tiles, one k-slice");
     extern __shared__ __align__(16) u8 a8_smem[];
-    constexpr int STAGE_B = A8_KC * NT * 288 + W * A8_KC * 544;
     constexpr int WH = W / 2;
-    u32 *tk = (u32 *)(a8_smem + S * STAGE_B);  // the host's shared memory has room for it
+    // The host's shared memory has room for it past a piece's bytes (a8_pair_queue_smem).
+    u32 *tk = (u32 *)(a8_smem + A8_CB * (NT * 288 + 544));
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int tl = warp / NT, j = warp % NT;
-    const int nch = (K / 32 + A8_CB - 1) / A8_CB;
+    const int nch = (K / 32 + A8_CB - 1) / A8_CB, per_grp = W * nch;
     const int whole = gridDim.x, N = m.N, ntiles = N >> 4;
+    const u64 pol = l2_stream_policy(ef & 1);
     a8_ksplit<NT, W, KS, S, true>(m, blockIdx.x, xq, xd, K, T, ef, 0, pr);
     for (;;) {
-        __syncthreads();  // the store before has read its shared memory
+        __syncthreads();  // the store or the piece before has read its shared memory
         if (tid == 0) tk[0] = atomicAdd(&ctr[0], 1u);
         __syncthreads();
         const int p = (int)tk[0];
         if (p >= pieces) break;
-        // Piece p: chunk p % nch of group whole + p / nch (its chunk sums, as SplitApart's).
-        const int grp = whole + p / nch;
-        a8_ksplit<NT, W, KS, S, true>(m, grp * nch + p % nch, xq, xd, K, T, ef, nch, pr);
-        __threadfence();  // this piece's chunk sum, before its count
+        // Piece p: tile q = (p % per_grp) / nch of group whole + p / per_grp (gate tiles 0, 1,
+        // up tiles 2, 3), chunk p % nch.
+        const int grp = whole + p / per_grp, q = (p % per_grp) / nch;
+        const int pt = grp * WH + q % WH;
+        const bool up = q >= WH;
+        if (pt * 16 < N)
+            a8_tile_piece<NT>(up ? pr.up.wq : m.wq, up ? pr.up.wsc : m.wsc, up ? pr.up.ws : m.ws, N, pt, p % nch, xq, xd, K, pol);
+        __threadfence();  // this piece's chunk sums, before its count
         __syncthreads();
         bool last = false;
-        if (tid == 0) last = atomicAdd(&ctr[2 + grp - whole], 1u) == (u32)(nch - 1);
+        if (tid == 0) last = atomicAdd(&ctr[2 + grp - whole], 1u) == (u32)(per_grp - 1);
         if (!__syncthreads_or(last)) continue;
         __threadfence();
         const int mt = grp * WH + tl % WH;

@@ -144,7 +144,8 @@ fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits) -> (u8, u8)
 /// groups spread unevenly over one wave (the fullest SM's groups over the mean >= 1.1: the 27B
 /// shape's 544 groups on 132 SMs, 5 on some SMs for a mean of 4.12), `bps` = grid / sms
 /// blocks per SM (held there by their shared memory) run one group each and the rest runs as
-/// one-chunk pieces. Some(plan), or None for the plain launch. At most 4 per SM
+/// pieces of one tile x one chunk (4 tiles per group). Some(plan), or None for the plain
+/// launch. At most 4 per SM
 /// (the launch bound's registers for 16 rows).
 fn a8_pair_queue(
     grid: usize,
@@ -165,16 +166,18 @@ fn a8_pair_queue(
     Some(A8Queue {
         bps,
         whole,
-        pieces: (grid - whole) * nch,
+        pieces: (grid - whole) * 4 * nch,
         smem,
     })
 }
 
 /// The queue launch's shared memory per block for `bps` blocks per SM of `sm` bytes: the
-/// 2-stage pipeline + 16 bytes, padded so that bps + 1 blocks (+ the driver's 1 KiB each) do
-/// not fit.
+/// 2-stage pipeline or a piece (one tile's chunk of weights and x: `A8_CB` blocks), whichever
+/// is larger, + 16 bytes, padded so that bps + 1 blocks (+ the driver's 1 KiB each) do not
+/// fit.
 fn a8_pair_queue_smem(nt: usize, bps: usize, sm: usize) -> usize {
-    let need = a8k_smem_bytes(nt, 4, 1, 2) + 16;
+    let piece = A8_CB * (nt * 288 + 544);
+    let need = a8k_smem_bytes(nt, 4, 1, 2).max(piece) + 16;
     need.max((sm / (bps + 1)).saturating_sub(1024).next_multiple_of(16) + 16)
 }
 
@@ -535,8 +538,8 @@ pub struct Cuda {
     a8_kernel: Mutex<A8Kernel>,
     /// The paired gate / up kernel (k-slices, stages); None: chosen per launch.
     a8_pair: Mutex<Option<(u8, u8)>>,
-    /// The paired gate / up launch's even blocks per SM with a queue of one-chunk pieces
-    /// where its groups spread unevenly (default on).
+    /// The paired gate / up launch's even blocks per SM with a queue of one-tile x one-chunk
+    /// pieces where its groups spread unevenly (default on).
     a8_pair_queue: Mutex<bool>,
     a8_pdl: Mutex<bool>,
     /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
@@ -739,9 +742,10 @@ impl Cuda {
     }
     /// Where the paired gate / up launch's groups of 2 + 2 tiles spread unevenly over one wave
     /// (the fullest SM's over the mean >= 1.1), launch as many blocks per SM as the mean allows,
-    /// one group each, and run the groups left over as one-chunk pieces from a queue, taken by
-    /// the blocks as they finish (`A8KPQ` in matmul.cu; on by default; H200, 27B shape: the
-    /// step -0.8%). The same bits either way; a benchmark knob. Only with the automatic paired
+    /// one group each, and run the groups left over as pieces of one tile x one chunk from a
+    /// queue, taken by the blocks as they finish (`A8KPQ` in matmul.cu; on by default; H200,
+    /// 27B shape: the step -0.8% with 4-tile pieces, another -0.5% at ctx 512 with 1-tile
+    /// pieces loaded in one go). The same bits either way; a benchmark knob. Only with the automatic paired
     /// kernel ([`Cuda::set_a8_pair_kernel_auto`]).
     pub fn set_a8_pair_queue(&self, on: bool) {
         *lock(&self.a8_pair_queue) = on;
@@ -3837,11 +3841,12 @@ mod tests {
         // 8B (384 groups: 3 on most SMs, 2.91 on average) keeps the plain launch.
         assert_eq!(a8_pair_queue(384, 4, 2, sms, lim), None);
         // 27B (544 groups of 5 chunks: 5 on some SMs, 4.12 on average): 4 blocks per SM, one
-        // group each, and the other 16 groups as 16 x 5 one-chunk pieces.
+        // group each, and the other 16 groups as 16 x 4 tiles x 5 chunks pieces.
         let q = a8_pair_queue(544, 5, 2, sms, lim).expect("a queue launch");
-        assert_eq!((q.bps, q.whole, q.pieces), (4, 528, 80));
+        assert_eq!((q.bps, q.whole, q.pieces), (4, 528, 320));
         assert_eq!(lim.sm / (q.smem + 1024), 4);
         assert!(q.smem >= a8k_smem_bytes(2, 4, 1, 2) + 16);
+        assert!(q.smem >= super::A8_CB * (2 * 288 + 544) + 16);
         // As many groups as SMs x a whole number: even already.
         assert_eq!(a8_pair_queue(528, 5, 2, sms, lim), None);
         // Fewer groups than SMs: nothing to even out; more than 5 per SM: not this launch.
