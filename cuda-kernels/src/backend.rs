@@ -145,8 +145,7 @@ fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits) -> (u8, u8)
 /// shape's 544 groups on 132 SMs, 5 on some SMs for a mean of 4.12), `bps` = grid / sms
 /// blocks per SM (held there by their shared memory) run one group each and the rest runs as
 /// pieces of one tile x one chunk (4 tiles per group). Some(plan), or None for the plain
-/// launch. At most 4 per SM
-/// (the launch bound's registers for 16 rows).
+/// launch. At most 4 per SM (the launch bound's registers for 16 rows).
 fn a8_pair_queue(
     grid: usize,
     nch: usize,
@@ -745,8 +744,8 @@ impl Cuda {
     /// one group each, and run the groups left over as pieces of one tile x one chunk from a
     /// queue, taken by the blocks as they finish (`A8KPQ` in matmul.cu; on by default; H200,
     /// 27B shape: the step -0.8% with 4-tile pieces, another -0.5% at ctx 512 with 1-tile
-    /// pieces loaded in one go). The same bits either way; a benchmark knob. Only with the automatic paired
-    /// kernel ([`Cuda::set_a8_pair_kernel_auto`]).
+    /// pieces loaded in one go). The same bits either way; a benchmark knob. Only with the
+    /// automatic paired kernel ([`Cuda::set_a8_pair_kernel_auto`]).
     pub fn set_a8_pair_queue(&self, on: bool) {
         *lock(&self.a8_pair_queue) = on;
     }
