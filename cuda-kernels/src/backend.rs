@@ -968,6 +968,16 @@ impl Cuda {
         Ok(f)
     }
 
+    /// The preferred shared-memory carveouts, in percent of the most the device allows (-1:
+    /// the driver's choice), of the Q8_0A8 matmuls and of every other kernel: by default
+    /// [`SMEM_CARVEOUT_A8`](crate::registry::SMEM_CARVEOUT_A8) and
+    /// [`SMEM_CARVEOUT_OTHER`](crate::registry::SMEM_CARVEOUT_OTHER). A benchmark knob (the
+    /// same bits).
+    #[doc(hidden)]
+    pub fn set_smem_carveout(&self, a8: i32, other: i32) -> Result<()> {
+        Ok(self.reg.set_carveout(a8, other)?)
+    }
+
     /// Compile and load every kernel now (keeps NVRTC out of timings and graph captures).
     pub fn warm_up(&self) -> Result<()> {
         for &k in Kernel::ALL {

@@ -306,6 +306,39 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// The shared-memory carveout the Q8_0A8 matmul kernels (`a8*`) prefer by default: all of the
+/// shared memory the device allows. These kernels follow each other through programmatic
+/// dependent launches, their blocks sharing the multiprocessors; where two of them prefer
+/// different splits of L1 and shared memory, a multiprocessor changes its split only once it
+/// has drained, and blocks that the new split would hold wait until then (H200, per-block
+/// trace: a 4-per-SM launch after a 3-per-SM one ran 3 per SM on a few SMs, the fourth block
+/// starting when the other three had ended). They read their activations through shared
+/// memory, not L1.
+pub const SMEM_CARVEOUT_A8: i32 = 100;
+
+/// The carveout every other kernel prefers by default: the driver's choice. The bf16 / q8_0 /
+/// q4_0 skinny matmuls read their activation rows through L1, and lose it under the largest
+/// carveout (H200: the 8B q8_0 draft step 1.33 -> 1.98 ms, the dense target's verify16 6.8 ->
+/// 8.7 ms with every kernel at 100).
+pub const SMEM_CARVEOUT_OTHER: i32 = -1;
+
+/// The preferred carveout of kernel `k` under the (Q8_0A8, other) pair `co`.
+fn carveout_of(k: Kernel, co: (i32, i32)) -> i32 {
+    if k.name().starts_with("a8") {
+        co.0
+    } else {
+        co.1
+    }
+}
+
+fn set_carveout(f: &CudaFunction, percent: i32) -> Result<(), CudaError> {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        percent,
+    )?;
+    Ok(())
+}
+
 /// Per-context cache: modules compiled and loaded at first use, functions looked up once.
 pub(crate) struct Registry {
     ctx: Arc<CudaContext>,
@@ -314,6 +347,9 @@ pub(crate) struct Registry {
     /// Each loaded module with the target it was compiled for.
     modules: Mutex<HashMap<Module, (Arc<CudaModule>, &'static str)>>,
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
+    /// The preferred shared-memory carveouts, (Q8_0A8 matmuls, other kernels)
+    /// ([`Registry::set_carveout`]).
+    carveout: Mutex<(i32, i32)>,
 }
 
 impl Registry {
@@ -324,7 +360,21 @@ impl Registry {
             block_trace,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            carveout: Mutex::new((SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER)),
         }
+    }
+
+    /// The preferred shared-memory carveouts (percent of the most the device allows; -1: the
+    /// driver's choice) of the Q8_0A8 matmuls and of every other kernel: the kernels loaded so
+    /// far and those loaded later.
+    pub(crate) fn set_carveout(&self, a8: i32, other: i32) -> Result<(), CudaError> {
+        let mut c = self.carveout.lock().unwrap_or_else(|p| p.into_inner());
+        let fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        for (&k, f) in fns.iter() {
+            set_carveout(f, carveout_of(k, (a8, other)))?;
+        }
+        *c = (a8, other);
+        Ok(())
     }
 
     pub(crate) fn arch(&self) -> &'static str {
@@ -373,6 +423,8 @@ impl Registry {
         }
         let (md, _) = self.module(k.module())?;
         let f = md.load_function(k.name())?;
+        let co = *self.carveout.lock().unwrap_or_else(|p| p.into_inner());
+        set_carveout(&f, carveout_of(k, co))?;
         self.functions
             .lock()
             .unwrap_or_else(|p| p.into_inner())

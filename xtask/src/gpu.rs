@@ -21,6 +21,7 @@ use dflash_backend::{
     AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch,
     Weight, WeightFormat,
 };
+use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
 use dflash_cuda_kernels::{A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf};
 
 #[derive(Args, Debug)]
@@ -171,9 +172,16 @@ pub struct BenchArgs {
     /// (the paired gate / up kernel: k-slices, stages), +noq (the paired launch without its
     /// queue for the leftover groups), +x1 (the fast attention through the
     /// 1xTF32 kernel instead of the f16 one), +mksteps (the Markov chain as two launches per
-    /// step, not one persistent launch); with --markov the sweep's step is the DSpark step).
+    /// step, not one persistent launch), +co=A/O (the preferred shared-memory carveouts in
+    /// percent, A: the Q8_0A8 matmuls', O: every other kernel's; -1: the driver's choice;
+    /// default 100/-1); with --markov the sweep's step is the DSpark step).
     #[arg(long)]
     a8_sweep: Option<String>,
+    /// The preferred shared-memory carveouts for the whole run, A/O in percent (A: the Q8_0A8
+    /// matmuls', O: every other kernel's; -1: the driver's choice); `Cuda::set_smem_carveout`
+    /// (the same bits; a benchmark knob).
+    #[arg(long, default_value = "100/-1", allow_hyphen_values = true)]
+    carveout: String,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -1652,6 +1660,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         ..Default::default()
     };
     let g = Cuda::with_options(0, opts).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
+    let (co_a8, co_other) = a
+        .carveout
+        .split_once('/')
+        .ok_or_else(|| anyhow!("--carveout A/O, found {}", a.carveout))?;
+    g.set_smem_carveout(co_a8.parse()?, co_other.parse()?)?;
     g.warm_up()?;
     B2B.store(a.b2b, std::sync::atomic::Ordering::Relaxed);
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
@@ -1798,7 +1811,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    md += &format!("Measured {date} on {dev_name} ({} SMs, {}), copy bandwidth {:.0} GB/s (read + write, 4 GiB device-to-device, median of 20).\n\n", g.num_sms(), g.arch(), bw / 1e9);
+    md += &format!("Measured {date} on {dev_name} ({} SMs, {}), copy bandwidth {:.0} GB/s (read + write, 4 GiB device-to-device, median of 20); shared-memory carveouts {} (Q8_0A8 matmuls / other kernels, percent, -1 = the driver's choice).\n\n", g.num_sms(), g.arch(), bw / 1e9, a.carveout);
 
     let ops_md = if a.no_ops {
         String::new()
@@ -2048,6 +2061,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         pair_queue: bool,
         proj_kernels: [Option<A8Kernel>; 4],
         prewait: Option<[bool; 4]>,
+        carveout: (i32, i32),
     }
     let configs: Vec<Config> = list
         .split(',')
@@ -2074,6 +2088,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                 pair_queue: true,
                 proj_kernels: [None; 4],
                 prewait: None,
+                carveout: (SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER),
             };
             for opt in it {
                 if opt == "noef" {
@@ -2140,6 +2155,13 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                         );
                     }
                     cfg.prewait = Some([d[0], d[1], d[2], d[3]]);
+                } else if let Some(n) = opt.strip_prefix("co=") {
+                    // The preferred shared-memory carveouts, A/O: the Q8_0A8 matmuls', every
+                    // other kernel's (-1: the driver's choice).
+                    let (a8, o) = n
+                        .split_once('/')
+                        .ok_or_else(|| anyhow!("--a8-sweep: co=A/O, found {opt}"))?;
+                    cfg.carveout = (a8.parse()?, o.parse()?);
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
@@ -2251,6 +2273,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     g.set_attn_fast_f16(c.attn_f16);
                     g.set_attn_fa(c.attn_fa)?;
                     g.set_markov_persistent(c.markov_persistent);
+                    g.set_smem_carveout(c.carveout.0, c.carveout.1)?;
                     m.prefetch = c.prefetch;
                     m.skip = c.skip.clone();
                     m.fast_attn = c.fast_attn;
@@ -2284,6 +2307,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     g.set_attn_fast_f16(true);
     g.set_attn_fa(AttnFa::default())?;
     g.set_markov_persistent(true);
+    g.set_smem_carveout(SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER)?;
     Ok(())
 }
 
