@@ -179,9 +179,9 @@ pub struct BenchArgs {
     a8_sweep: Option<String>,
     /// The preferred shared-memory carveouts for the whole run, A/O in percent (A: the Q8_0A8
     /// matmuls', O: every other kernel's; -1: the driver's choice); `Cuda::set_smem_carveout`
-    /// (the same bits; a benchmark knob).
-    #[arg(long, default_value = "100/-1", allow_hyphen_values = true)]
-    carveout: String,
+    /// (the same bits; a benchmark knob). Default: the library's, 100/-1.
+    #[arg(long, allow_hyphen_values = true)]
+    carveout: Option<String>,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -1660,11 +1660,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         ..Default::default()
     };
     let g = Cuda::with_options(0, opts).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
-    let (co_a8, co_other) = a
-        .carveout
-        .split_once('/')
-        .ok_or_else(|| anyhow!("--carveout A/O, found {}", a.carveout))?;
-    g.set_smem_carveout(co_a8.parse()?, co_other.parse()?)?;
+    let carveout = match &a.carveout {
+        Some(c) => parse_carveout(c).context("--carveout")?,
+        None => (SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER),
+    };
+    g.set_smem_carveout(carveout.0, carveout.1)?;
     g.warm_up()?;
     B2B.store(a.b2b, std::sync::atomic::Ordering::Relaxed);
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
@@ -1811,7 +1811,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    md += &format!("Measured {date} on {dev_name} ({} SMs, {}), copy bandwidth {:.0} GB/s (read + write, 4 GiB device-to-device, median of 20); shared-memory carveouts {} (Q8_0A8 matmuls / other kernels, percent, -1 = the driver's choice).\n\n", g.num_sms(), g.arch(), bw / 1e9, a.carveout);
+    md += &format!("Measured {date} on {dev_name} ({} SMs, {}), copy bandwidth {:.0} GB/s (read + write, 4 GiB device-to-device, median of 20); shared-memory carveouts {}/{} (Q8_0A8 matmuls / other kernels, percent, -1 = the driver's choice).\n\n", g.num_sms(), g.arch(), bw / 1e9, carveout.0, carveout.1);
 
     let ops_md = if a.no_ops {
         String::new()
@@ -2033,6 +2033,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `A/O`: the preferred shared-memory carveouts in percent of the Q8_0A8 matmuls and of every
+/// other kernel (-1: the driver's choice).
+fn parse_carveout(s: &str) -> Result<(i32, i32)> {
+    let (a8, o) = s
+        .split_once('/')
+        .ok_or_else(|| anyhow!("expected A/O (percent, -1: the driver's choice), found {s}"))?;
+    Ok((a8.parse()?, o.parse()?))
+}
+
 /// The q8_0a8 draft step under several Q8_0A8 kernel choices, side by side: two rounds over
 /// the choices (so drift between the first and the last shows), graph ms per round.
 fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
@@ -2156,12 +2165,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
                     }
                     cfg.prewait = Some([d[0], d[1], d[2], d[3]]);
                 } else if let Some(n) = opt.strip_prefix("co=") {
-                    // The preferred shared-memory carveouts, A/O: the Q8_0A8 matmuls', every
-                    // other kernel's (-1: the driver's choice).
-                    let (a8, o) = n
-                        .split_once('/')
-                        .ok_or_else(|| anyhow!("--a8-sweep: co=A/O, found {opt}"))?;
-                    cfg.carveout = (a8.parse()?, o.parse()?);
+                    cfg.carveout = parse_carveout(n).context("--a8-sweep co=")?;
                 } else if let Some(n) = opt.strip_prefix("skip=") {
                     cfg.skip = n.to_string();
                 } else {
