@@ -19,7 +19,7 @@
 // from another offset of a 2 GiB buffer so nothing is in L2; median of 15, GB/s of the weight
 // bytes (codes + scales; layouts 3 and 6: codes + scales as if read, so their rate is the layout's
 // ceiling). Interleaved rounds (microbenchmarks here are only compared so, read_bw.cu).
-// Twenty-seventh session (docs/bench-gpu.md): "stage" streams 2-5% faster than "split" here,
+// Twenty-seventh session (docs/bench-gpu-log.md): "stage" streams 2-5% faster than "split" here,
 // but the kernels over that layout (branch stage-layout-try) ran the 8B step 0.4-0.8% faster
 // and the 27B step 0.3-0.9% slower; the launch shape mattered more: the lm_head's copies in
 // 3 blocks of 8 warps per SM (4 x 1 x 3) stream 6% faster than in the 4 x 2 x 2 blocks it ran

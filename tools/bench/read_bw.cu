@@ -14,7 +14,7 @@
 // and rings refilled by a producer warp through `empty` mbarriers (ring_pattern, ring2).
 // `./read_bw order` times the producer-warp ring and the bulk ring alone, interleaved (in the
 // full run, after the other variants, the producer-warp rings measured ~25% slower than alone:
-// docs/bench-gpu.md); `./read_bw ncu` launches the two once each, for ncu.
+// docs/bench-gpu-log.md); `./read_bw ncu` launches the two once each, for ncu.
 //
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90 -o read_bw read_bw.cu && ./read_bw
 #include <cuda_runtime.h>

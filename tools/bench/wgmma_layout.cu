@@ -2,7 +2,7 @@
 // two products of the drafter's attention, before a kernel is built on it?
 //
 // The FA kernel (attn_fa16kv_*) is bound by its per-SM mma.sync + ldmatrix work per chunk
-// (docs/bench-gpu.md, twentieth session: the split ~17-19 us at ctx 8192 where its K / V reads
+// (docs/bench-gpu-log.md, twentieth session: the split ~17-19 us at ctx 8192 where its K / V reads
 // alone take 9.7 us). wgmma.m64nNk16 reads B straight from shared memory at twice mma.sync's
 // rate, and its 64-row tile is the 16 queries x 4 heads of a kv head. This program checks,
 // on one warpgroup, the layouts such a kernel would use:
