@@ -283,7 +283,7 @@ pub enum CudaWeightBuf {
     F32(CudaSlice<f32>),
     /// bf16, row-major (matrices whose K is not a multiple of 32).
     Bf16(CudaSlice<u16>),
-    /// bf16 in the skinny matmuls' mma-fragment order ([`repack_bf16p`]; `FMT_BF16P` in
+    /// bf16 in the skinny matmuls' mma-fragment order (`repack_bf16p`; `FMT_BF16P` in
     /// prelude.cuh): tiles of 16 rows (padded with zeros), per (tile, 32-wide k tile) two
     /// halves (rows g, g + 8) of 32 lanes x 8 values, lane `4 g + t` holding k `8 t .. 8 t + 7`.
     /// Every bf16 matrix with K % 32 == 0 is stored so: a warp's weight loads are 512
