@@ -331,6 +331,18 @@ fn carveout_of(k: Kernel, co: (i32, i32)) -> i32 {
     }
 }
 
+/// A carveout is -1 (the driver's choice) or a percentage.
+fn check_carveout(what: &str, v: i32) -> Result<(), CudaError> {
+    if (-1..=100).contains(&v) {
+        Ok(())
+    } else {
+        Err(CudaError::Unsupported {
+            op: "set_smem_carveout",
+            msg: format!("{what} carveout {v}: expected -1 (the driver's choice) or 0..=100"),
+        })
+    }
+}
+
 fn set_carveout(f: &CudaFunction, percent: i32) -> Result<(), CudaError> {
     f.set_attribute(
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -368,6 +380,9 @@ impl Registry {
     /// driver's choice) of the Q8_0A8 matmuls and of every other kernel: the kernels loaded so
     /// far and those loaded later.
     pub(crate) fn set_carveout(&self, a8: i32, other: i32) -> Result<(), CudaError> {
+        // Checked before any kernel changes, so a bad value leaves every carveout as it was.
+        check_carveout("Q8_0A8", a8)?;
+        check_carveout("other", other)?;
         let mut c = self.carveout.lock().unwrap_or_else(|p| p.into_inner());
         let fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
         for (&k, f) in fns.iter() {
@@ -537,6 +552,17 @@ mod tests {
         CudaError::Unsupported {
             op: "nvrtc",
             msg: format!("no {arch} here"),
+        }
+    }
+
+    #[test]
+    fn carveouts_outside_minus_one_to_100_are_refused() {
+        for v in [-1, 0, 50, 100] {
+            assert!(check_carveout("other", v).is_ok(), "{v}");
+        }
+        for v in [-2, 101, i32::MIN, i32::MAX] {
+            let e = check_carveout("Q8_0A8", v).unwrap_err().to_string();
+            assert!(e.contains(&format!("Q8_0A8 carveout {v}")), "{e}");
         }
     }
 
