@@ -10,7 +10,8 @@
 //!   weight gives exactly the f32 matmul of its dequantized values. One row reads each weight
 //!   once (memory bound); 16 rows run register tiles of 8 rows x 48 outputs (compute bound,
 //!   near the FMA peak).
-//! * `matmul` on [`WeightFormat::Q8_0A8`] (see `a8panel`): each row of `x` quantized to q8_0
+//! * `matmul` on [`WeightFormat::Q8_0A8`] and [`WeightFormat::Q4_0A8`] (see `a8panel`; q4_0
+//!   through its widened q8_0 codes): each row of `x` quantized to q8_0
 //!   once per call (reused thread-local buffers), exact int32 block dots with AVX-512 VNNI
 //!   `vpdpbusd` when the CPU has it (`Isa::Avx512` + [`vnni_supported`]), a portable integer
 //!   loop otherwise, then the f32 block accumulation of the format's contract: identical bits
@@ -304,7 +305,8 @@ enum Packed {
     F16(Vec<panel::F16Bits>),
     /// q8_0 or q4_0.
     Quant(qpanel::QPanels),
-    /// q8_0 for the integer dot with quantized activations (Q8_0A8).
+    /// q8_0 (or q4_0 widened to q8_0) for the integer dot with quantized activations
+    /// (Q8_0A8, Q4_0A8).
     A8(a8panel::A8Panels),
 }
 
@@ -327,6 +329,7 @@ impl CpuWeight {
             Packed::F16(_) => WeightFormat::F16,
             Packed::Quant(q) if q.q4 => WeightFormat::Q4_0,
             Packed::Quant(_) => WeightFormat::Q8_0,
+            Packed::A8(q) if q.q4 => WeightFormat::Q4_0A8,
             Packed::A8(_) => WeightFormat::Q8_0A8,
         }
     }
@@ -578,6 +581,7 @@ impl Backend for Cpu {
             HostData::Q8_0(b) => Packed::Quant(qpanel::QPanels::pack_q8(b, rows, cols)),
             HostData::Q4_0(b) => Packed::Quant(qpanel::QPanels::pack_q4(b, rows, cols)),
             HostData::Q8_0A8(b) => Packed::A8(a8panel::A8Panels::pack(b, rows, cols)),
+            HostData::Q4_0A8(b) => Packed::A8(a8panel::A8Panels::pack_q4(b, rows, cols)),
         };
         Ok(Weight {
             name: w.name.clone(),

@@ -47,6 +47,13 @@ pub enum WeightFormat {
     /// or an infinity cannot be quantized: `matmul` returns an error naming the weight and the
     /// row. A row's result depends only on that row (per-row determinism, as every matmul).
     Q8_0A8,
+    /// q4_0 storage (ggml blocks, as [`WeightFormat::Q4_0`]) used the way ggml's CPU backend
+    /// uses it (`vec_dot_q4_0_q8_0`): exactly [`WeightFormat::Q8_0A8`]'s contract over the
+    /// q8_0 blocks of the same values ([`dflash_quant::widen_q4_0`]: codes `code - 8` in
+    /// -8..=7, the same scale), so the same bits as a `Q8_0A8` matmul of the widened weight,
+    /// from half its bytes (18 per 32 values instead of 34). For a drafter whose matrices
+    /// stream at the memory's rate: twice the weights per byte on the int8 tensor cores.
+    Q4_0A8,
 }
 
 impl WeightFormat {
@@ -54,8 +61,14 @@ impl WeightFormat {
     pub fn is_block(self) -> bool {
         matches!(
             self,
-            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q8_0A8
+            WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q8_0A8 | WeightFormat::Q4_0A8
         )
+    }
+
+    /// The formats whose `matmul` quantizes `x` to q8_0 and takes exact integer block dots
+    /// ([`WeightFormat::Q8_0A8`]'s contract): `Q8_0A8` and `Q4_0A8`.
+    pub fn is_a8(self) -> bool {
+        matches!(self, WeightFormat::Q8_0A8 | WeightFormat::Q4_0A8)
     }
 
     /// Bytes used by `n` values (n a multiple of 32 for the block formats).
@@ -64,7 +77,7 @@ impl WeightFormat {
             WeightFormat::F32 => 4 * n,
             WeightFormat::Bf16 | WeightFormat::F16 => 2 * n,
             WeightFormat::Q8_0 | WeightFormat::Q8_0A8 => n / QK * std::mem::size_of::<BlockQ8_0>(),
-            WeightFormat::Q4_0 => n / QK * std::mem::size_of::<BlockQ4_0>(),
+            WeightFormat::Q4_0 | WeightFormat::Q4_0A8 => n / QK * std::mem::size_of::<BlockQ4_0>(),
         }
     }
 }
@@ -82,6 +95,8 @@ pub enum HostData {
     Q4_0(Vec<BlockQ4_0>),
     /// q8_0 blocks for [`WeightFormat::Q8_0A8`] (activations quantized at matmul time).
     Q8_0A8(Vec<BlockQ8_0>),
+    /// q4_0 blocks for [`WeightFormat::Q4_0A8`] (activations quantized at matmul time).
+    Q4_0A8(Vec<BlockQ4_0>),
 }
 
 impl HostData {
@@ -93,6 +108,7 @@ impl HostData {
             HostData::Q8_0(_) => WeightFormat::Q8_0,
             HostData::Q8_0A8(_) => WeightFormat::Q8_0A8,
             HostData::Q4_0(_) => WeightFormat::Q4_0,
+            HostData::Q4_0A8(_) => WeightFormat::Q4_0A8,
         }
     }
 
@@ -102,7 +118,7 @@ impl HostData {
             HostData::F32(v) => v.len(),
             HostData::Bf16(v) | HostData::F16(v) => v.len(),
             HostData::Q8_0(b) | HostData::Q8_0A8(b) => b.len() * QK,
-            HostData::Q4_0(b) => b.len() * QK,
+            HostData::Q4_0(b) | HostData::Q4_0A8(b) => b.len() * QK,
         }
     }
 
@@ -112,7 +128,7 @@ impl HostData {
             HostData::F32(v) => bytemuck::cast_slice(v),
             HostData::Bf16(v) | HostData::F16(v) => bytemuck::cast_slice(v),
             HostData::Q8_0(b) | HostData::Q8_0A8(b) => bytemuck::cast_slice(b),
-            HostData::Q4_0(b) => bytemuck::cast_slice(b),
+            HostData::Q4_0(b) | HostData::Q4_0A8(b) => bytemuck::cast_slice(b),
         }
     }
 }
@@ -167,6 +183,7 @@ impl HostWeight {
             WeightFormat::Q8_0 => HostData::Q8_0(dflash_quant::quantize_q8_0(values)?),
             WeightFormat::Q8_0A8 => HostData::Q8_0A8(dflash_quant::quantize_q8_0(values)?),
             WeightFormat::Q4_0 => HostData::Q4_0(dflash_quant::quantize_q4_0(values)?),
+            WeightFormat::Q4_0A8 => HostData::Q4_0A8(dflash_quant::quantize_q4_0(values)?),
         };
         HostWeight::new(name, rows, cols, data)
     }
@@ -179,7 +196,7 @@ impl HostWeight {
             HostData::Bf16(v) => dflash_quant::decode_bf16(v, &mut out),
             HostData::F16(v) => dflash_quant::decode_f16(v, &mut out),
             HostData::Q8_0(b) | HostData::Q8_0A8(b) => dflash_quant::dequantize_q8_0(b, &mut out),
-            HostData::Q4_0(b) => dflash_quant::dequantize_q4_0(b, &mut out),
+            HostData::Q4_0(b) | HostData::Q4_0A8(b) => dflash_quant::dequantize_q4_0(b, &mut out),
         }
         out
     }

@@ -175,6 +175,72 @@ fn bit_exact_vs_contract_on_every_isa_and_thread_count() {
     }
 }
 
+/// `WeightFormat::Q4_0A8` is the same contract over the q4_0 blocks' widened codes (`code - 8`,
+/// the same scale): the transcription above of `widen_q4_0`'s blocks, bit for bit, on every
+/// configuration; and its embedding rows are q4_0's values.
+#[test]
+fn q4_0a8_is_the_contract_over_the_widened_q4_0_codes() {
+    let bes = backends();
+    let mut rng = StdRng::seed_from_u64(0x4a8);
+    let mut cases: Vec<(usize, usize, usize)> = (1..=16)
+        .map(|rows| {
+            (
+                rows,
+                rng.random_range(1..=48usize),
+                QK * rng.random_range(1..=24usize),
+            )
+        })
+        .collect();
+    cases.extend([(16, 40, 4096), (5, 17, 3200), (1, 16, 12288), (17, 9, 1088)]);
+    for (rows, n, k) in cases {
+        let w = make_w(&mut rng, n, k);
+        let x = make_x(&mut rng, rows, k);
+        let hw = HostWeight::from_f32("w", n, k, &w, WeightFormat::Q4_0A8).unwrap();
+        let HostData::Q4_0A8(q4) = &hw.data else {
+            unreachable!()
+        };
+        let wide: Vec<BlockQ8_0> = q4.iter().map(dflash_quant::widen_q4_0).collect();
+        let want = oracle(&wide, n, k, &x, rows);
+        for (name, be) in &bes {
+            let wt = be.upload_weight(&hw).unwrap();
+            assert_eq!(wt.format, WeightFormat::Q4_0A8);
+            let mut out = vec![f32::from_bits(0x7fc0_1234); rows * n];
+            be.matmul(&x, rows, &wt, &mut out).unwrap();
+            for (i, (g, e)) in out.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    e.to_bits(),
+                    "{name}: rows {rows} n {n} k {k}: element ({}, {}) {g} vs {e}",
+                    i / n,
+                    i % n
+                );
+            }
+        }
+    }
+    // Embedding rows: exactly the q4_0 values.
+    let (n, k) = (37, 96);
+    let hw =
+        HostWeight::from_f32("emb", n, k, &make_w(&mut rng, n, k), WeightFormat::Q4_0A8).unwrap();
+    let mut want = vec![0.0f32; n * k];
+    let HostData::Q4_0A8(q4) = &hw.data else {
+        unreachable!()
+    };
+    dflash_quant::dequantize_q4_0(q4, &mut want);
+    let be = Cpu::default();
+    let wt = be.upload_weight(&hw).unwrap();
+    let ids: Vec<u32> = vec![0, 36, 5, 16];
+    let mut out = vec![0.0f32; ids.len() * k];
+    be.gather_rows(&wt, &ids, &mut out).unwrap();
+    for (t, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        assert_eq!(
+            out[t * k..(t + 1) * k],
+            want[id * k..(id + 1) * k],
+            "row {id}"
+        );
+    }
+}
+
 #[test]
 fn vnni_path_is_the_one_tested_on_this_cpu() {
     // The identity test above only covers the VNNI kernel where the CPU has it; say which.

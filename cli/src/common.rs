@@ -139,6 +139,7 @@ pub fn target_format(p: PrecisionArg) -> WeightFormat {
         PrecisionArg::Q8_0 | PrecisionArg::Mixed => WeightFormat::Q8_0,
         PrecisionArg::Q4_0 => WeightFormat::Q4_0,
         PrecisionArg::Q8_0a8 => WeightFormat::Q8_0A8,
+        PrecisionArg::Q4_0a8 => WeightFormat::Q4_0A8,
     }
 }
 
@@ -150,6 +151,7 @@ pub fn draft_precision(p: PrecisionArg) -> Precision {
         PrecisionArg::Q4_0 => Precision::Q4_0,
         PrecisionArg::Mixed => Precision::Mixed,
         PrecisionArg::Q8_0a8 => Precision::Q8_0A8,
+        PrecisionArg::Q4_0a8 => Precision::Q4_0A8,
     }
 }
 
@@ -165,6 +167,11 @@ pub fn draft_head<B: Backend>(
             be,
             target.lm_head(),
             WeightFormat::Q8_0A8,
+        )?)),
+        DraftHeadArg::Q4_0a8 => Ok(Some(crate::drafter::reencode_head(
+            be,
+            target.lm_head(),
+            WeightFormat::Q4_0A8,
         )?)),
     }
 }

@@ -45,12 +45,18 @@ enum Cmd {
 enum PrecisionArg {
     F32,
     Bf16,
+    #[value(name = "q8_0", alias = "q8")]
     Q8_0,
+    #[value(name = "q4_0", alias = "q4")]
     Q4_0,
     Mixed,
     /// q8_0 weights with activations quantized to q8_0 (integer dots: AVX-512 VNNI on the CPU).
     #[value(name = "q8_0a8", alias = "q8a8")]
     Q8_0a8,
+    /// q4_0 weights with activations quantized to q8_0 (ggml's q4_0 x q8_0 dot): half the
+    /// bytes of q8_0a8 (on CUDA the int8 tensor cores, on the CPU the same integer dot).
+    #[value(name = "q4_0a8", alias = "q4a8")]
+    Q4_0a8,
 }
 
 /// The lm_head the drafter computes its logits with.
@@ -61,6 +67,9 @@ enum DraftHeadArg {
     /// A Q8_0A8 copy of the target's lm_head (integer dots; the target keeps its own).
     #[value(name = "q8_0a8", alias = "q8a8")]
     Q8_0a8,
+    /// A Q4_0A8 copy of the target's lm_head (half the bytes of q8_0a8's).
+    #[value(name = "q4_0a8", alias = "q4a8")]
+    Q4_0a8,
 }
 
 /// The drafter's attention arithmetic.

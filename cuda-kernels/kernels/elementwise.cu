@@ -381,7 +381,7 @@ extern "C" __global__ void gather_rows(int fmt, const void *__restrict__ wq, con
 #pragma unroll
     for (int u = 0; u < GATHER_PER; ++u) {
         const int c = c0 + u * blockDim.x;
-        t[u] = c < cols ? load_w(fmt, wq, wd, row, c, cols) : 0.0f;
+        t[u] = c < cols ? load_w<true, true>(fmt, wq, wd, row, c, cols) : 0.0f;
     }
 #pragma unroll
     for (int u = 0; u < GATHER_PER; ++u) {

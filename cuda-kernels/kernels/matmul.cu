@@ -1,3 +1,4 @@
+#ifndef A8_WQ4
 // Skinny matmul out[t, o] = sum_k x[t, k] * W[o, k] for T <= 16 rows of x.
 //
 // PER-ROW DETERMINISM: every output element is reduced in an order that depends only on
@@ -325,6 +326,8 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
     }
 }
 
+#endif  // !A8_WQ4
+
 // ---------------------------------------------------------------------------------------
 // Q8_0A8: q8_0 weights x activations quantized to q8_0 (ggml's CPU q8_0 dot), on the int8
 // tensor cores (mma m16n8k32 s8.s8.s32). Contract (backend WeightFormat::Q8_0A8, the CPU
@@ -337,6 +340,20 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
 // the CPU transcription and independent of the row count and of the launch shape.
 #define A8_CB 32
 
+// The weights' bytes per (16-row tile, 32-value block) and the scale that undoes the q4 codes'
+// factor of 16. The module is compiled twice (registry.rs, Module::MatmulQ4): as is for
+// WeightFormat::Q8_0A8 (512 bytes: int8 A fragments, a lane's 16 bytes), and with A8_WQ4 for
+// WeightFormat::Q4_0A8 (256 bytes: a lane's 8 bytes are rows g and g + 8's q4_0 bytes
+// 4t .. 4t + 3 of the block, low nibbles the codes of k = 4t .., high nibbles k = 16 + 4t ..;
+// a8_frag widens them). The same kernels, launch shapes and shared memory either way.
+// The shared-memory stages hold A8_WB bytes per tile and block (Q4_0A8: half of Q8_0A8's).
+#ifdef A8_WQ4
+#define A8_WB 256
+#else
+#define A8_WB 512
+#endif
+
+#ifndef A8_WQ4
 // x [T, K] f32 -> q8_0 codes in mma B-fragment order + f32 scales (the f16 value), padded
 // to NT*8 tokens and KBp blocks with zeros (layout and arithmetic: a8_store_block in
 // prelude.cuh, byte-exact with dflash_quant::quantize_q8_0).
@@ -356,6 +373,7 @@ extern "C" __global__ void a8_quant_x(const float *__restrict__ x, const float *
     const float v = live ? (up != nullptr ? silu_f(x[xi]) * up[xi] : x[xi]) : 0.0f;
     a8_store_block(v, b, tok, NT, xq, xd);
 }
+#endif  // !A8_WQ4
 
 __device__ __forceinline__ u32 smem_addr(const void *p) {
     u32 a;
@@ -390,14 +408,40 @@ __device__ __forceinline__ void mma_s8_16832(int c[4], const uint4 &a, u32 b0, u
 // 1.5 * 2^23 take two instructions).
 __device__ __forceinline__ float i2f_small(int i) { return __int2float_rn(i); }
 
+// A lane's int8 A fragment of block bb of a stage's (or a piece's) weights `sw`. Q8_0A8: the
+// 16 bytes as stored. Q4_0A8: its 8 bytes of q4_0 codes c (0..15), each widened to the byte
+// 16 (c - 8) (the nibble moved to the high half, its top bit flipped: one shift and one LOP3
+// per word): the fragment of 16 times the widened q8_0 codes, so the mma sums are 16 isum,
+// exact in int32 and in f32 (|16 isum| <= 16 * 32 * 8 * 127 < 2^24).
+__device__ __forceinline__ uint4 a8_frag(const u8 *sw, int bb, int lane) {
+#ifdef A8_WQ4
+    const uint2 w = ((const uint2 *)sw)[bb * 32 + lane];
+    return make_uint4(((w.x << 4) & 0xf0f0f0f0u) ^ 0x80808080u, ((w.y << 4) & 0xf0f0f0f0u) ^ 0x80808080u,
+                      (w.x & 0xf0f0f0f0u) ^ 0x80808080u, (w.y & 0xf0f0f0f0u) ^ 0x80808080u);
+#else
+    return ((const uint4 *)sw)[bb * 32 + lane];
+#endif
+}
+// The weight scale of a block as the f32 products take it: Q4_0A8's mma sums are 16 isum, so
+// d_w / 16 (exact: a power of two, far from f32's range limits); d_w * d_x is exact either
+// way, so fma(16 isum, d_w / 16 * d_x, acc) rounds the same real number as the contract's
+// fma(isum, d_w * d_x, acc): the same bits.
+__device__ __forceinline__ float a8_dw(u16 h) {
+#ifdef A8_WQ4
+    return f16_to_f32(h) * 0.0625f;
+#else
+    return f16_to_f32(h);
+#endif
+}
+
 // One block (32 k values) of one warp's tile and token group j: one mma, then the f32
 // block-ordered update of the warp's 16 x 8 outputs.
 template <int NT>
-__device__ __forceinline__ void a8_block(const uint4 *sw, const u32 *ss, const uint2 *sx, const float *sd, int bb, int j, int lane,
+__device__ __forceinline__ void a8_block(const u8 *sw, const u32 *ss, const uint2 *sx, const float *sd, int bb, int j, int lane,
                                          int g, int t, float (&acc)[4]) {
-    const uint4 a = sw[bb * 32 + lane];
+    const uint4 a = a8_frag(sw, bb, lane);
     const u32 sc = ss[bb * 8 + g];
-    const float dw0 = f16_to_f32((u16)(sc & 0xffffu)), dw1 = f16_to_f32((u16)(sc >> 16));
+    const float dw0 = a8_dw((u16)(sc & 0xffffu)), dw1 = a8_dw((u16)(sc >> 16));
     const uint2 bx = sx[(bb * NT + j) * 32 + lane];
     const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
     int c[4] = {0, 0, 0, 0};
@@ -412,12 +456,12 @@ __device__ __forceinline__ void a8_block(const uint4 *sw, const u32 *ss, const u
 // first (independent, exact), then the f32 updates in block order (the same chain as
 // a8_block, block after block), so the chain waits on no load or mma latency but the first.
 template <int NT>
-__device__ __forceinline__ void a8_stage(const uint4 *sw, const u32 *ss, const uint2 *sx, const float *sd, int j, int lane, int g,
+__device__ __forceinline__ void a8_stage(const u8 *sw, const u32 *ss, const uint2 *sx, const float *sd, int j, int lane, int g,
                                          int t, float (&acc)[4]) {
     int c[A8_KC][4];
 #pragma unroll
     for (int bb = 0; bb < A8_KC; ++bb) {
-        const uint4 a = sw[bb * 32 + lane];
+        const uint4 a = a8_frag(sw, bb, lane);
         const uint2 bx = sx[(bb * NT + j) * 32 + lane];
         c[bb][0] = 0, c[bb][1] = 0, c[bb][2] = 0, c[bb][3] = 0;
         mma_s8_16832(c[bb], a, bx.x, bx.y);
@@ -425,7 +469,7 @@ __device__ __forceinline__ void a8_stage(const uint4 *sw, const u32 *ss, const u
 #pragma unroll
     for (int bb = 0; bb < A8_KC; ++bb) {
         const u32 sc = ss[bb * 8 + g];
-        const float dw0 = f16_to_f32((u16)(sc & 0xffffu)), dw1 = f16_to_f32((u16)(sc >> 16));
+        const float dw0 = a8_dw((u16)(sc & 0xffffu)), dw1 = a8_dw((u16)(sc >> 16));
         const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
         acc[0] = fmaf(i2f_small(c[bb][0]), __fmul_rn(dw0, dx.x), acc[0]);
         acc[1] = fmaf(i2f_small(c[bb][1]), __fmul_rn(dw0, dx.y), acc[1]);
@@ -503,9 +547,12 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
                                        int T, int ef) {
     extern __shared__ __align__(16) u8 a8_smem[];
     constexpr int NTH = 32 * W * NT;
-    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * A8_WB, WS_B = A8_KC * 32;
+    constexpr int WL_B = WQ_B;
     constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
     constexpr int XQ_PER_T = XQ_B / 16 / NTH;
+    constexpr int W_PER_T = WL_B / 16 / (32 * NT);  // 16-byte weight copies per thread and stage
+    static_assert(W_PER_T * 32 * NT * 16 == WL_B, "weight stage split");
     constexpr int ST_PER_CHUNK = A8_CB / A8_KC;
     static_assert(XQ_PER_T * NTH * 16 == XQ_B, "x stage split");
     static_assert(XD_B / 16 <= NTH, "x scale stage split");
@@ -522,7 +569,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     const u8 *gx = (const u8 *)xq + tid * 16;
     const u8 *gd = (const u8 *)xd + tid * 16;
     const long long pb0 = (long long)(tile_ok ? tile : 0) * KBp;
-    const u8 *gw = m.wq + pb0 * 512 + (j * 32 + lane) * 16;
+    const u8 *gw = m.wq + pb0 * A8_WB + (j * 32 + lane) * 16;
     const u8 *gs = (const u8 *)m.wsc + pb0 * 32 + lane * 16;
 
     auto issue_x = [&](int st, int slot) {
@@ -536,9 +583,9 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     auto issue_w = [&](int st, int slot) {
         if (tile_ok) {
             const u32 wb = s_wq + slot * STAGE_B + (j * 32 + lane) * 16;
-            const long long wo = (long long)st * WQ_B, so = (long long)st * WS_B;
+            const long long wo = (long long)st * WL_B, so = (long long)st * WS_B;
 #pragma unroll
-            for (int i = 0; i < A8_KC / NT; ++i) cp_async16_pol(wb + i * NT * 512, gw + wo + i * NT * 512, pol);
+            for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + i * NT * 512, gw + wo + i * NT * 512, pol);
             if (j == 0 && lane < WS_B / 16) cp_async16_pol(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so, pol);
         }
     };
@@ -571,8 +618,8 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
             const u8 *base = a8_smem + (st % S) * STAGE_B;
             const uint2 *sx = (const uint2 *)base;
             const float *sd = (const float *)(base + XQ_B);
-            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
-            const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
+            const u8 *sw = base + XQ_B + XD_B + tl * (WQ_B + WS_B);
+            const u32 *ss = (const u32 *)(sw + WQ_B);
             const int nb = KB - st * A8_KC;
             if (nb >= A8_KC) {
                 a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
@@ -698,10 +745,12 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
                                           int T, int ef, int rounds_apart, const A8Pair pair = A8Pair{}) {
     extern __shared__ __align__(16) u8 a8_smem[];
     constexpr int SW = 32 * W * NT;  // threads per slice
-    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * 512, WS_B = A8_KC * 32;
+    constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * A8_WB, WS_B = A8_KC * 32;
     constexpr int SL_B = XQ_B + XD_B + W * (WQ_B + WS_B);  // one slice's part of a stage
     constexpr int STAGE_B = KS * SL_B;
     constexpr int XQ_PER_T = XQ_B / 16 / SW;
+    constexpr int W_PER_T = A8_KC * A8_WB / 16 / (32 * NT);  // as in a8_mma
+    static_assert(W_PER_T * 32 * NT * 16 == A8_KC * A8_WB, "weight stage split");
     constexpr int NS = A8_CB / A8_KC;  // stages per chunk
     static_assert(XQ_PER_T * SW * 16 == XQ_B, "x stage split");
     static_assert(XD_B / 16 <= SW, "x scale stage split");
@@ -743,9 +792,9 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         const int b = first_block(st);
         if (b < 0 || !tile_ok) return;
         const u32 wb = s0 + slot * STAGE_B + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B);
-        const u8 *gw = m.wq + (pbt + b) * 512 + (j * 32 + lane) * 16;
+        const u8 *gw = m.wq + (pbt + b) * A8_WB + (j * 32 + lane) * 16;
 #pragma unroll
-        for (int i = 0; i < A8_KC / NT; ++i) cp_async16_pol(wb + (j * 32 + lane) * 16 + i * NT * 512, gw + i * NT * 512, pol);
+        for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + (j * 32 + lane) * 16 + i * NT * 512, gw + i * NT * 512, pol);
         if (j == 0 && lane < WS_B / 16)
             cp_async16_pol(wb + WQ_B + lane * 16, (const u8 *)m.wsc + (pbt + b) * 32 + lane * 16, pol);
     };
@@ -790,8 +839,8 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
             const u8 *base = a8_smem + (st % S) * STAGE_B + ks * SL_B;
             const uint2 *sx = (const uint2 *)base;
             const float *sd = (const float *)(base + XQ_B);
-            const uint4 *sw = (const uint4 *)(base + XQ_B + XD_B + tl * (WQ_B + WS_B));
-            const u32 *ss = (const u32 *)((const u8 *)sw + WQ_B);
+            const u8 *sw = base + XQ_B + XD_B + tl * (WQ_B + WS_B);
+            const u32 *ss = (const u32 *)(sw + WQ_B);
             const int nb = KB - b;
             if (nb >= A8_KC) {
                 a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
@@ -860,7 +909,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
 #define A8_SM_SMEM 102400
 #endif
 #define A8K_THREADS(NT, W, KS) (32 * (W) * (NT) * (KS))
-#define A8K_SMEM(NT, W, KS, S) ((S) * (KS) * (A8_KC * (NT) * 288 + (W) * A8_KC * 544) + ((KS) > 1 ? 2 * (KS) * (W) * (NT) * 512 : 0))
+#define A8K_SMEM(NT, W, KS, S) ((S) * (KS) * (A8_KC * (NT) * 288 + (W) * A8_KC * (A8_WB + 32)) + ((KS) > 1 ? 2 * (KS) * (W) * (NT) * 512 : 0))
 #define A8K_FIT(NT, W, KS, S) (A8_SM_SMEM / (A8K_SMEM(NT, W, KS, S) + 1024))
 #define A8K_OCC(NT, W, KS, S)                                                                                         \
     (A8K_FIT(NT, W, KS, S) * A8K_THREADS(NT, W, KS) > 2048 ? 2048 / A8K_THREADS(NT, W, KS) : A8K_FIT(NT, W, KS, S))
@@ -878,7 +927,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         const A8Mat m = sel == 0 ? A8Mat{wq0, ws0, out0, n0, ws, accum}                                                         \
                       : sel == 1 ? A8Mat{wq1, ws1, out1, n1, ws + wso1, accum}                                                  \
                                  : A8Mat{wq2, ws2, out2, n2, ws + wso2, accum};                                                 \
-        a8_ksplit<NT, W, KS, S>(m, bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), xq, xd, K, T, ef, rounds_apart);                   \
+        a8_ksplit<NT, W, KS, S>(m, bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), xq, xd, K, T, ef, rounds_apart);            \
     }
 A8K(a8k_n1_w1_k4_s3, 1, 1, 4, 3)
 A8K(a8k_n1_w1_k2_s3, 1, 1, 2, 3)
@@ -907,7 +956,7 @@ A8K(a8k_n2_w4_k4_s2, 2, 4, 4, 2)
              int ef, u32 *xq2, float *xd2, int kbp2) {                                                                          \
         const A8Mat m = {wq0, ws0, nullptr, n, nullptr, 0};                                                                     \
         const A8Pair pr = {{wq1, ws1, nullptr, n, nullptr, 0}, xq2, xd2, kbp2};                                                 \
-        a8_ksplit<NT, W, KS, S, true>(m, blockIdx.x, xq, xd, K, T, ef, 0, pr);                                                 \
+        a8_ksplit<NT, W, KS, S, true>(m, blockIdx.x, xq, xd, K, T, ef, 0, pr);                                          \
     }
 A8KP(a8kp_n1_w4_k2_s2, 1, 4, 2, 2)
 A8KP(a8kp_n2_w4_k2_s2, 2, 4, 2, 2)
@@ -948,15 +997,15 @@ __device__ __forceinline__ void a8_tile_piece(const u8 *wq, const u16 *wsc, floa
     const int b0 = c * A8_CB, nb = min(A8_CB, KB - b0);
     // [x codes nb][x scales nb][weight codes nb][weight scales nb], each block's bytes as in
     // global memory (so a8_block / a8_stage read them as from a stage of nb blocks).
-    const int oxd = nb * XQ, ow = oxd + nb * XD, ows = ow + nb * 512;
+    const int oxd = nb * XQ, ow = oxd + nb * XD, ows = ow + nb * A8_WB;
     const u32 s0 = smem_addr(a8_smem);
     const u8 *gx = (const u8 *)xq + (long long)b0 * XQ, *gd = (const u8 *)xd + (long long)b0 * XD;
     const long long wb = (long long)mt * KBp + b0;
-    const u8 *gw = wq + wb * 512, *gs = (const u8 *)wsc + wb * 32;
+    const u8 *gw = wq + wb * A8_WB, *gs = (const u8 *)wsc + wb * 32;
     const int nthr = blockDim.x;
     for (int i = tid; i < nb * (XQ / 16); i += nthr) cp_async16(s0 + i * 16, gx + i * 16);
     for (int i = tid; i < nb * (XD / 16); i += nthr) cp_async16(s0 + oxd + i * 16, gd + i * 16);
-    for (int i = tid; i < nb * 32; i += nthr) cp_async16_pol(s0 + ow + i * 16, gw + i * 16, pol);
+    for (int i = tid; i < nb * (A8_WB / 16); i += nthr) cp_async16_pol(s0 + ow + i * 16, gw + i * 16, pol);
     for (int i = tid; i < nb * 2; i += nthr) cp_async16_pol(s0 + ows + i * 16, gs + i * 16, pol);
     cp_async_commit();
     cp_async_wait<0>();
@@ -965,12 +1014,12 @@ __device__ __forceinline__ void a8_tile_piece(const u8 *wq, const u16 *wsc, floa
     const int j = warp;
     const uint2 *sx = (const uint2 *)a8_smem;
     const float *sd = (const float *)(a8_smem + oxd);
-    const uint4 *sw = (const uint4 *)(a8_smem + ow);
+    const u8 *sw = a8_smem + ow;
     const u32 *ss = (const u32 *)(a8_smem + ows);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int bb = 0;
     for (; bb + A8_KC <= nb; bb += A8_KC) {
-        a8_stage<NT>(sw + bb * 32, ss + bb * 8, sx + bb * NT * 32, sd + bb * NT * 8, j, lane, g, t, acc);
+        a8_stage<NT>(sw + bb * A8_WB, ss + bb * 8, sx + bb * NT * 32, sd + bb * NT * 8, j, lane, g, t, acc);
     }
     for (; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
     __stcg((float4 *)(ws + ((long long)c * ntiles * NT + mt * NT + j) * 128 + lane * 4), make_float4(acc[0], acc[1], acc[2], acc[3]));
@@ -983,7 +1032,7 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
     extern __shared__ __align__(16) u8 a8_smem[];
     constexpr int WH = W / 2;
     // The host's shared memory has room for it past a piece's bytes (a8_pair_queue_smem).
-    u32 *tk = (u32 *)(a8_smem + A8_CB * (NT * 288 + 544));
+    u32 *tk = (u32 *)(a8_smem + A8_CB * (NT * 288 + A8_WB + 32));
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int tl = warp / NT, j = warp % NT;
     const int nch = (K / 32 + A8_CB - 1) / A8_CB, per_grp = W * nch;
@@ -1037,7 +1086,7 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
              int ef, u32 *xq2, float *xd2, int kbp2, float *cs0, float *cs1, u32 *ctr, int pieces) {                            \
         const A8Mat m = {wq0, ws0, nullptr, n, cs0, 0};                                                                        \
         const A8Pair pr = {{wq1, ws1, nullptr, n, cs1, 0}, xq2, xd2, kbp2};                                                    \
-        a8_pair_queue<NT, W, KS, S>(m, pr, xq, xd, K, T, ef, ctr, pieces);                                                     \
+        a8_pair_queue<NT, W, KS, S>(m, pr, xq, xd, K, T, ef, ctr, pieces);                                              \
     }
 A8KPQ(a8kpq_n1_w4_k1_s2, 1, 4, 1, 2, 0)
 A8KPQ(a8kpq_n2_w4_k1_s2, 2, 4, 1, 2, 4)
@@ -1045,6 +1094,7 @@ A8KPQ(a8kpq_n2_w4_k1_s2, 2, 4, 1, 2, 4)
 
 
 
+#ifndef A8_WQ4
 // SplitApart's second kernel: out = acc_0 + acc_1 + ... (the chunk sums in ws, in chunk
 // order) for up to 3 matrices; one thread per output, outputs of matrix i at [e_i, e_{i+1}) of
 // the flattened index (T x N_i). ws per matrix: [chunk][tile][token group][32 lanes][4].
@@ -1165,3 +1215,4 @@ __device__ __forceinline__ void markov_step_mma_impl(int fmt1, const void *__res
 MARKOV_MMA(markov_step_mma_bf16p, FMT_BF16P)
 MARKOV_MMA(markov_step_mma_q8_0, FMT_Q8_0)
 MARKOV_MMA(markov_step_mma_q4_0, FMT_Q4_0)
+#endif  // !A8_WQ4

@@ -16,6 +16,10 @@ typedef unsigned long long u64;
 // lane 4 g + t holds row 16 tile + 8 half + g, k = 32 kt + 8 t .. + 7. A warp's 16-byte loads
 // of one half are 512 contiguous bytes; row-major bf16 reads 8 rows x 64 bytes.
 #define FMT_BF16P 6
+// q4_0 codes in the Q8_0A8 tiles and blocks (CudaWeightBuf::Q4A8): per (tile, block) 32 lanes
+// x 8 bytes, lane g * 4 + t holding rows g and g + 8's q4_0 bytes 4t .. 4t + 3 (low nibble k,
+// high nibble k + 16); the scales as FMT_Q8A8's.
+#define FMT_Q4A8 7
 __device__ __forceinline__ long long bf16p_index(long long row, int col, int cols) {
     const long long kt = col >> 5;
     const int r = (int)(row & 15), kk = col & 31;
@@ -137,9 +141,19 @@ __device__ __forceinline__ void block_argmax(float &v, u32 &i, float *rv, u32 *r
 // (row, block, quarter) holding the 8 nibbles of values 8q..8q+7 (value 8q+i at bit 2i for
 // even i, at bit 16 + 2(i-1) for odd i) + f16 scales.
 // BF16P = false: a kernel that never sees FMT_BF16P (skinny_simt: its case cost 16 registers).
-template <bool BF16P = true>
+// Q4A8 = true: one that may see FMT_Q4A8 (gather_rows; the matmuls and the Markov chain take
+// Q4_0A8 weights through their own kernels or refuse them).
+template <bool BF16P = true, bool Q4A8 = false>
 __device__ __forceinline__ float load_w(int fmt, const void *wq, const u16 *wd, long long row, int col, int cols) {
     if (BF16P && fmt == FMT_BF16P) return bf16_to_f32(((const u16 *)wq)[bf16p_index(row, col, cols)]);
+    if (Q4A8 && fmt == FMT_Q4A8) {
+        const long long kbp = (long long)((cols / 32 + A8_KC - 1) / A8_KC) * A8_KC;
+        const long long pb = (row >> 4) * kbp + (col >> 5);
+        const int r = (int)(row & 15), g = r & 7, hi = r >> 3, kk = col & 31, j = kk & 15;
+        const float d = f16_to_f32(wd[(pb * 8 + g) * 2 + hi]);
+        const u32 byte = ((const u8 *)wq)[(pb * 32 + g * 4 + (j >> 2)) * 8 + hi * 4 + (j & 3)];
+        return (float)((int)((kk >= 16 ? byte >> 4 : byte) & 0xfu) - 8) * d;
+    }
     switch (fmt) {
     case FMT_F32: return ((const float *)wq)[row * cols + col];
     case FMT_BF16: return bf16_to_f32(((const u16 *)wq)[row * cols + col]);

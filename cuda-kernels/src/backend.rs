@@ -129,9 +129,9 @@ fn a8kp_kernel(nt: usize, ks: usize, s: usize) -> Option<Kernel> {
 /// The paired gate / up kernel for `grid` blocks (see [`Cuda::set_a8_pair_kernel`]): (1, 3)
 /// while the blocks fit one wave of as many per SM as the shared memory allows, else (1, 2)
 /// while those do, else (1, 3).
-fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits) -> (u8, u8) {
+fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits, q4: bool) -> (u8, u8) {
     // Per block the driver also reserves 1 KiB of shared memory.
-    let per_sm = |st: usize| lim.sm / (a8k_smem_bytes(nt, 4, 1, st) + 1024);
+    let per_sm = |st: usize| lim.sm / (a8k_smem_bytes(nt, 4, 1, st, q4) + 1024);
     if grid <= per_sm(3) * sms || grid > per_sm(2) * sms {
         (1, 3)
     } else {
@@ -152,12 +152,13 @@ fn a8_pair_queue(
     nt: usize,
     sms: usize,
     lim: SmemLimits,
+    q4: bool,
 ) -> Option<A8Queue> {
     let bps = grid / sms.max(1);
     if bps == 0 || bps > 4 || grid.div_ceil(sms) * sms * 10 < grid * 11 {
         return None;
     }
-    let smem = a8_pair_queue_smem(nt, bps, lim.sm);
+    let smem = a8_pair_queue_smem(nt, bps, lim.sm, q4);
     if (smem + 1024) * bps > lim.sm || smem > lim.block {
         return None;
     }
@@ -174,9 +175,9 @@ fn a8_pair_queue(
 /// 2-stage pipeline or a piece (one tile's chunk of weights and x: `A8_CB` blocks), whichever
 /// is larger, + 16 bytes, padded so that bps + 1 blocks (+ the driver's 1 KiB each) do not
 /// fit.
-fn a8_pair_queue_smem(nt: usize, bps: usize, sm: usize) -> usize {
-    let piece = A8_CB * (nt * 288 + 544);
-    let need = a8k_smem_bytes(nt, 4, 1, 2).max(piece) + 16;
+fn a8_pair_queue_smem(nt: usize, bps: usize, sm: usize, q4: bool) -> usize {
+    let piece = A8_CB * (nt * 288 + a8_wb(q4) + 32);
+    let need = a8k_smem_bytes(nt, 4, 1, 2, q4).max(piece) + 16;
     need.max((sm / (bps + 1)).saturating_sub(1024).next_multiple_of(16) + 16)
 }
 
@@ -193,9 +194,19 @@ struct A8Queue {
 /// Shared memory of one split Q8_0A8 block: the pipeline (`stages` x `ks` slices) and, with
 /// more than one slice, two rounds of chunk sums (`ks` slices x `w` tiles x `nt` token groups
 /// x 32 lanes x float4; one slice adds its chunk sums in registers).
-fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize) -> usize {
+fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize, q4: bool) -> usize {
     let part = if ks > 1 { 2 * ks * w * nt * 512 } else { 0 };
-    stages * ks * (A8_KC * nt * 288 + w * A8_KC * 544) + part
+    stages * ks * (A8_KC * nt * 288 + w * A8_KC * (a8_wb(q4) + 32)) + part
+}
+
+/// Weight bytes per (16-row tile, 32-value block): Q8_0A8's int8 fragments, or Q4_0A8's nibbles
+/// (`A8_WB` in matmul.cu).
+fn a8_wb(q4: bool) -> usize {
+    if q4 {
+        256
+    } else {
+        512
+    }
 }
 
 /// Every split Q8_0A8 kernel (`A8K` and the paired `A8KP` in matmul.cu) with its threads per
@@ -205,26 +216,31 @@ fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize) -> usize {
 pub fn a8_split_kernel_shapes() -> Vec<(Kernel, usize, usize)> {
     let mut v = Vec::new();
     for nt in [1, 2] {
-        for w in [1, 2, 4] {
-            for ks in [1, 2, 4] {
-                for st in [2, 3, 4] {
-                    let shape = (32 * w * nt * ks, a8k_smem_bytes(nt, w, ks, st));
-                    if let Some(k) = a8k_kernel(nt, w, ks, st) {
-                        v.push((k, shape.0, shape.1));
-                    }
-                    if let Some(k) = a8kp_kernel(nt, ks, st).filter(|_| w == 4) {
-                        v.push((k, shape.0, shape.1));
+        for q4 in [false, true] {
+            let twin = |k: Kernel| if q4 { k.q4_twin() } else { Some(k) };
+            for w in [1, 2, 4] {
+                for ks in [1, 2, 4] {
+                    for st in [2, 3, 4] {
+                        let shape = (32 * w * nt * ks, a8k_smem_bytes(nt, w, ks, st, q4));
+                        if let Some(k) = a8k_kernel(nt, w, ks, st).and_then(twin) {
+                            v.push((k, shape.0, shape.1));
+                        }
+                        if let Some(k) = a8kp_kernel(nt, ks, st).filter(|_| w == 4).and_then(twin) {
+                            v.push((k, shape.0, shape.1));
+                        }
                     }
                 }
             }
+            // The queue launch at 4 blocks per SM of 228 KiB (the 27B gate / up on the H200).
+            let k = if nt == 1 {
+                Kernel::A8KPQN1W4K1S2
+            } else {
+                Kernel::A8KPQN2W4K1S2
+            };
+            if let Some(k) = twin(k) {
+                v.push((k, 128 * nt, a8_pair_queue_smem(nt, 4, 228 * 1024, q4)));
+            }
         }
-        // The queue launch at 4 blocks per SM of 228 KiB (the 27B gate / up on the H200).
-        let k = if nt == 1 {
-            Kernel::A8KPQN1W4K1S2
-        } else {
-            Kernel::A8KPQN2W4K1S2
-        };
-        v.push((k, 128 * nt, a8_pair_queue_smem(nt, 4, 228 * 1024)));
     }
     v
 }
@@ -233,12 +249,18 @@ pub fn a8_split_kernel_shapes() -> Vec<(Kernel, usize, usize)> {
 /// (whole-K with `whole_w` tiles per block), else 4 tiles x 2 slices x 2 stages, else whole-K
 /// with 4 tiles per block (the smallest pipelines); `None` if not even that fits. The same
 /// bits whichever runs.
-fn a8_fit(mode: A8Kernel, nt: usize, whole_w: usize, limit: usize) -> Option<(A8Kernel, usize)> {
+fn a8_fit(
+    mode: A8Kernel,
+    nt: usize,
+    whole_w: usize,
+    limit: usize,
+    q4: bool,
+) -> Option<(A8Kernel, usize)> {
     let smem = |m: A8Kernel, ww: usize| match m {
         A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
-            a8k_smem_bytes(nt, w as usize, ks as usize, st as usize)
+            a8k_smem_bytes(nt, w as usize, ks as usize, st as usize, q4)
         }
-        _ => a8_smem_bytes(nt, ww),
+        _ => a8_smem_bytes(nt, ww, q4),
     };
     let small = match mode {
         A8Kernel::SplitApart(..) => A8Kernel::SplitApart(4, 2, 2),
@@ -255,8 +277,8 @@ fn a8_kbp(cols: usize) -> usize {
 }
 
 /// Shared memory of one Q8_0A8 matmul block: `nt` token groups of 8, `w` warps.
-fn a8_smem_bytes(nt: usize, w: usize) -> usize {
-    a8_stages(w) * (A8_KC * nt * 288 + w * A8_KC * 544)
+fn a8_smem_bytes(nt: usize, w: usize, q4: bool) -> usize {
+    a8_stages(w) * (A8_KC * nt * 288 + w * A8_KC * (a8_wb(q4) + 32))
 }
 
 /// An f32 activation buffer on the device.
@@ -307,6 +329,21 @@ pub enum CudaWeightBuf {
         qs: CudaSlice<u8>,
         d: CudaSlice<u16>,
     },
+    /// [`WeightFormat::Q4_0A8`]: q4_0 codes in the tiles and blocks of [`CudaWeightBuf::Q8A8`],
+    /// 8 bytes per lane: rows `g` and `g + 8`'s q4_0 bytes `4t .. 4t + 3` of the block (lane
+    /// `g * 4 + t`; low nibbles `k = 4t ..`, high nibbles `k = 16 + 4t ..`), which the Q4_0A8
+    /// kernels widen into Q8A8's fragments; the scales as Q8A8's.
+    Q4A8 {
+        qs: CudaSlice<u8>,
+        d: CudaSlice<u16>,
+    },
+}
+
+/// An A8 weight's device parts: codes, scales, and whether the codes are Q4_0A8 nibbles.
+pub(crate) struct A8Parts<'a> {
+    pub qs: &'a CudaSlice<u8>,
+    pub d: &'a CudaSlice<u16>,
+    pub q4: bool,
 }
 
 impl CudaWeightBuf {
@@ -319,7 +356,19 @@ impl CudaWeightBuf {
             }
             CudaWeightBuf::Q8_0 { qs, d } => qs.num_bytes() + d.num_bytes(),
             CudaWeightBuf::Q4_0 { qs, d } => qs.num_bytes() + d.num_bytes(),
-            CudaWeightBuf::Q8A8 { qs, d } => qs.num_bytes() + d.num_bytes(),
+            CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
+                qs.num_bytes() + d.num_bytes()
+            }
+        }
+    }
+
+    /// The parts of a [`WeightFormat::Q8_0A8`] or [`WeightFormat::Q4_0A8`] weight (the
+    /// formats the A8 kernels take); None for the others.
+    pub(crate) fn a8(&self) -> Option<A8Parts<'_>> {
+        match self {
+            CudaWeightBuf::Q8A8 { qs, d } => Some(A8Parts { qs, d, q4: false }),
+            CudaWeightBuf::Q4A8 { qs, d } => Some(A8Parts { qs, d, q4: true }),
+            _ => None,
         }
     }
     fn fmt_code(&self) -> i32 {
@@ -330,6 +379,7 @@ impl CudaWeightBuf {
             CudaWeightBuf::Q8_0 { .. } => 3,
             CudaWeightBuf::Q4_0 { .. } => 4,
             CudaWeightBuf::Q8A8 { .. } => 5,
+            CudaWeightBuf::Q4A8 { .. } => 7,
             CudaWeightBuf::Bf16P(_) => 6,
         }
     }
@@ -753,18 +803,25 @@ impl Cuda {
     /// `rows` rows (1-16) on this device, as the launch would take it now: Some((blocks per
     /// SM, pieces)), or None for the plain launch.
     #[doc(hidden)]
-    pub fn a8_pair_queue_plan(&self, n: usize, k: usize, rows: usize) -> Option<(usize, usize)> {
-        self.pair_queue(n, k, if rows > 8 { 2 } else { 1 })
+    pub fn a8_pair_queue_plan(
+        &self,
+        n: usize,
+        k: usize,
+        rows: usize,
+        format: WeightFormat,
+    ) -> Option<(usize, usize)> {
+        let q4 = format == WeightFormat::Q4_0A8;
+        self.pair_queue(n, k, if rows > 8 { 2 } else { 1 }, q4)
             .map(|q| (q.bps, q.pieces))
     }
-    /// The queue launch for a paired launch of `n` features, `k` inputs and `nt` token groups,
-    /// if the knobs and the shape take it.
-    fn pair_queue(&self, n: usize, k: usize, nt: usize) -> Option<A8Queue> {
+    /// The queue launch for a paired launch of `n` features, `k` inputs and `nt` token groups
+    /// (Q4_0A8 weights with `q4`), if the knobs and the shape take it.
+    fn pair_queue(&self, n: usize, k: usize, nt: usize, q4: bool) -> Option<A8Queue> {
         if lock(&self.a8_pair).is_some() || !*lock(&self.a8_pair_queue) {
             return None;
         }
         let nch = (k / 32).div_ceil(A8_CB).max(1);
-        a8_pair_queue(n.div_ceil(32), nch, nt, self.num_sms, self.smem)
+        a8_pair_queue(n.div_ceil(32), nch, nt, self.num_sms, self.smem, q4)
     }
     pub fn set_a8_pair_kernel(&self, ks: u8, stages: u8) -> Result<()> {
         if a8kp_kernel(1, ks.into(), stages.into()).is_none() {
@@ -852,7 +909,7 @@ impl Cuda {
                     range(&mut a, qs.device_ptr(st).0, qs.num_bytes(), r);
                     range(&mut a, d.device_ptr(st).0, d.num_bytes(), r);
                 }
-                CudaWeightBuf::Q8A8 { qs, d } => {
+                CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
                     range(&mut a, qs.device_ptr(st).0, qs.num_bytes(), r);
                     range(&mut a, d.device_ptr(st).0, d.num_bytes(), r);
                 }
@@ -1061,6 +1118,18 @@ impl Cuda {
                 let d = half(blocks, seed ^ 0x5555, amp / 127.0, 1)?;
                 CudaWeightBuf::Q8A8 { qs, d }
             }
+            WeightFormat::Q4_0A8 => {
+                // Random nibbles over the whole repacked buffer (padding included, as above).
+                let blocks = rows.div_ceil(16) * 16 * a8_kbp(cols);
+                let mut qs = self.stream.alloc_zeros::<u8>(blocks * 16).map_err(dev)?;
+                let f = self.func(Kernel::FillRandomU32)?;
+                let words = (blocks * 4) as i64;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(&mut qs).arg(&words).arg(&seed);
+                unsafe { b.launch(grid_1d(blocks * 4, 256)) }.map_err(dev)?;
+                let d = half(blocks, seed ^ 0x5555, amp / 8.0, 1)?;
+                CudaWeightBuf::Q4A8 { qs, d }
+            }
             WeightFormat::Q4_0 => {
                 let qs = words(n / 8, seed)?;
                 let d = half(n / 32, seed ^ 0x5555, amp / 8.0, 1)?;
@@ -1134,7 +1203,7 @@ impl Cuda {
             }
             CudaWeightBuf::Q8_0 { qs, d } => b.arg(qs).arg(d),
             CudaWeightBuf::Q4_0 { qs, d } => b.arg(qs).arg(d),
-            CudaWeightBuf::Q8A8 { qs, d } => b.arg(qs).arg(d),
+            CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => b.arg(qs).arg(d),
         };
         b.arg(ids).arg(&cols).arg(&mut out.data);
         unsafe { b.launch(c) }.map_err(dev)?;
@@ -1231,6 +1300,16 @@ impl Cuda {
         if mats.is_empty() || mats.len() > 3 || rows == 0 || rows > SKINNY_ROWS {
             return Err(internal());
         }
+        let q4 = mats[0].q4;
+        if mats.iter().any(|m| m.q4 != q4) {
+            // Q8_0A8 and Q4_0A8 matrices of one x: a launch each (the same bits as one launch).
+            for one in mats.chunks_mut(1) {
+                if !self.matmul_a8(x, up, act, rows, k, one, accumulate)? {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
         let nt = if rows > 8 { 2 } else { 1 };
         let kbp = a8_kbp(k);
         let nch = (k / 32).div_ceil(A8_CB).max(1);
@@ -1298,15 +1377,16 @@ impl Cuda {
             A8Kernel::SplitApart(w, ks, st) if nch <= ks as usize => A8Kernel::Split(w, ks, st),
             m => m,
         };
-        let (mode, whole_w) =
-            a8_fit(mode, nt, whole_w, self.smem.block).ok_or_else(|| BackendError::Invalid {
+        let (mode, whole_w) = a8_fit(mode, nt, whole_w, self.smem.block, q4).ok_or_else(|| {
+            BackendError::Invalid {
                 op: "matmul",
                 msg: format!(
                     "Q8_0A8 needs {} bytes of shared memory per thread block, the device allows {}",
-                    a8_smem_bytes(nt, 4),
+                    a8_smem_bytes(nt, 4, q4),
                     self.smem.block
                 ),
-            })?;
+            }
+        })?;
         // Split kernels: the rounds (ks chunks each) of K, when split across blocks.
         let rounds_apart = match mode {
             A8Kernel::SplitApart(_, ks, _) => nch.div_ceil(ks as usize),
@@ -1317,7 +1397,7 @@ impl Cuda {
             A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
                 let (w, ks, st) = (w as usize, ks as usize, st as usize);
                 let kern = a8k_kernel(nt, w, ks, st).ok_or_else(internal)?;
-                (kern, w, a8k_smem_bytes(nt, w, ks, st), w * nt * ks)
+                (kern, w, a8k_smem_bytes(nt, w, ks, st, q4), w * nt * ks)
             }
             _ => {
                 let w = whole_w;
@@ -1329,8 +1409,13 @@ impl Cuda {
                     (_, 2) => Kernel::A8N2W2,
                     _ => Kernel::A8N2W4,
                 };
-                (kern, w, a8_smem_bytes(nt, w), w * nt)
+                (kern, w, a8_smem_bytes(nt, w, q4), w * nt)
             }
+        };
+        let kern = if q4 {
+            kern.q4_twin().ok_or_else(internal)?
+        } else {
+            kern
         };
         let f = self.func_smem(kern, smem)?;
         let fq = self.func(Kernel::A8QuantX)?;
@@ -1496,8 +1581,12 @@ impl Cuda {
     /// Q8_0A8 weights of consistent shapes, 1-16 rows, a hidden size the norm kernel takes.
     fn tail_fuses(rows: usize, h: &CudaBuf, w: &LayerTail<'_, Self>) -> bool {
         let (d, inter) = (w.wo.rows, w.w_gate.rows);
-        let a8 = |x: &Weight<Self>| matches!(x.buf, CudaWeightBuf::Q8A8 { .. });
-        [w.wo, w.w_gate, w.w_up, w.w_down].into_iter().all(a8)
+        let a8 = |x: &Weight<Self>| x.buf.a8().map(|p| p.q4);
+        // Each projection its own launch; gate and up one paired launch of one format.
+        [w.wo, w.w_gate, w.w_up, w.w_down]
+            .into_iter()
+            .all(|x| a8(x).is_some())
+            && a8(w.w_gate) == a8(w.w_up)
             && (1..=SKINNY_ROWS).contains(&rows)
             && d.is_multiple_of(32)
             && d <= 32 * norm_threads(d) as usize
@@ -1912,10 +2001,10 @@ impl Cuda {
         }
         let mut mats = Vec::with_capacity(3);
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
-            let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+            let Some(A8Parts { qs, d, q4 }) = w.buf.a8() else {
                 return Err(BackendError::Invalid {
                     op: "matmul_many_q8",
-                    msg: format!("needs Q8_0A8 weights, found {:?}", w.format),
+                    msg: format!("needs Q8_0A8 or Q4_0A8 weights, found {:?}", w.format),
                 });
             };
             if w.cols != k || w.rows == 0 {
@@ -1925,6 +2014,7 @@ impl Cuda {
             mats.push(A8Launch {
                 qs,
                 d,
+                q4,
                 n: w.rows,
                 out: o.data.slice_mut(0..rows * w.rows),
             });
@@ -1957,17 +2047,25 @@ impl Cuda {
         wu: &Weight<Self>,
     ) -> Result<Option<A8Act>> {
         let (k, n, rows) = (wg.cols, wg.rows, act.rows);
-        let (CudaWeightBuf::Q8A8 { qs: gq, d: gd }, CudaWeightBuf::Q8A8 { qs: uq, d: ud }) =
-            (&wg.buf, &wu.buf)
-        else {
+        let (Some(gp), Some(up)) = (wg.buf.a8(), wu.buf.a8()) else {
             return Err(BackendError::Invalid {
                 op: "matmul_gate_up_q8",
                 msg: format!(
-                    "needs Q8_0A8 weights, found {:?} / {:?}",
+                    "needs Q8_0A8 or Q4_0A8 weights, found {:?} / {:?}",
                     wg.format, wu.format
                 ),
             });
         };
+        if gp.q4 != up.q4 {
+            return Err(BackendError::Invalid {
+                op: "matmul_gate_up_q8",
+                msg: format!(
+                    "one launch needs gate and up in one format, found {:?} / {:?}",
+                    wg.format, wu.format
+                ),
+            });
+        }
+        let (gq, gd, uq, ud, q4) = (gp.qs, gp.d, up.qs, up.d, gp.q4);
         if wu.rows != n || wu.cols != k || n == 0 || !n.is_multiple_of(32) {
             return Err(BackendError::Invalid {
                 op: "matmul_gate_up_q8",
@@ -1990,14 +2088,14 @@ impl Cuda {
         let grid = n.div_ceil(16 * 4 / 2);
         let chosen = *lock(&self.a8_pair);
         let nch = (k / 32).div_ceil(A8_CB).max(1);
-        let queue = self.pair_queue(n, k, nt);
+        let queue = self.pair_queue(n, k, nt, q4);
         let (ks, st_n) = match (chosen, queue) {
             (Some(c), _) => c,
             (None, Some(_)) => (1, 2),
-            (None, None) => a8_pair_auto(grid, nt, self.num_sms, self.smem),
+            (None, None) => a8_pair_auto(grid, nt, self.num_sms, self.smem, q4),
         };
         let (w, ks, st_n) = (4usize, usize::from(ks), usize::from(st_n));
-        let smem = queue.map_or(a8k_smem_bytes(nt, w, ks, st_n), |q| q.smem);
+        let smem = queue.map_or(a8k_smem_bytes(nt, w, ks, st_n, q4), |q| q.smem);
         if smem > self.smem.block {
             return Err(BackendError::Invalid {
                 op: "matmul_gate_up_q8",
@@ -2011,6 +2109,11 @@ impl Cuda {
             (Some(_), 1) => Kernel::A8KPQN1W4K1S2,
             (Some(_), _) => Kernel::A8KPQN2W4K1S2,
             (None, _) => a8kp_kernel(nt, ks, st_n).ok_or_else(internal)?,
+        };
+        let kern = if q4 {
+            kern.q4_twin().ok_or_else(internal)?
+        } else {
+            kern
         };
         let f = self.func_smem(kern, smem)?;
         let mut s = lock(&self.scratch);
@@ -2113,10 +2216,10 @@ impl Cuda {
         w: &Weight<Self>,
         h: &mut CudaBuf,
     ) -> Result<()> {
-        let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+        let Some(A8Parts { qs, d, q4 }) = w.buf.a8() else {
             return Err(BackendError::Invalid {
                 op: "matmul_add",
-                msg: format!("needs Q8_0A8 weights, found {:?}", w.format),
+                msg: format!("needs Q8_0A8 or Q4_0A8 weights, found {:?}", w.format),
             });
         };
         let (k, n) = (w.cols, w.rows);
@@ -2130,6 +2233,7 @@ impl Cuda {
             let mut mats = [A8Launch {
                 qs,
                 d,
+                q4,
                 n,
                 out: h.data.slice_mut(r0 * n..(r0 + t) * n),
             }];
@@ -2499,6 +2603,8 @@ struct A8Quant {
 struct A8Launch<'a, 'b> {
     qs: &'a CudaSlice<u8>,
     d: &'a CudaSlice<u16>,
+    /// Q4_0A8 codes (the kernels' [`Kernel::q4_twin`]).
+    q4: bool,
     n: usize,
     out: cudarc::driver::CudaViewMut<'b, f32>,
 }
@@ -2525,7 +2631,7 @@ fn raw_weight(a: &mut RawArgs, w: &CudaWeightBuf, st: &CudaStream) {
         CudaWeightBuf::Q4_0 { qs, d } => {
             a.dptr(qs, st).dptr(d, st);
         }
-        CudaWeightBuf::Q8A8 { qs, d } => {
+        CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
             a.dptr(qs, st).dptr(d, st);
         }
     }
@@ -2545,7 +2651,7 @@ fn push_weight<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, w: &'a CudaWeightBuf)
         CudaWeightBuf::Q4_0 { qs, d } => {
             b.arg(qs).arg(d);
         }
-        CudaWeightBuf::Q8A8 { qs, d } => {
+        CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
             b.arg(qs).arg(d);
         }
     }
@@ -2591,6 +2697,36 @@ pub fn repack_q8_a8(
                 let lane = g * 4 + (kk % 16) / 4;
                 let reg = (kk / 16) * 2 + hi;
                 qs[(pb * 32 + lane) * 16 + reg * 4 + kk % 4] = q as u8;
+            }
+        }
+    }
+    (qs, d)
+}
+
+/// Q4_0A8 repack (layout on [`CudaWeightBuf::Q4A8`]); padding is code 8 (the value 0) with
+/// scale 0.
+pub fn repack_q4_a8(
+    blocks: &[dflash_quant::BlockQ4_0],
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<u16>) {
+    let kb = cols / 32;
+    let kbp = a8_kbp(cols);
+    let tiles = rows.div_ceil(16);
+    let mut qs = vec![0x88u8; tiles * kbp * 256];
+    let mut d = vec![0u16; tiles * kbp * 16];
+    for o in 0..rows {
+        let (tile, r) = (o / 16, o % 16);
+        let (g, hi) = (r % 8, r / 8);
+        for b in 0..kb {
+            let Some(blk) = blocks.get(o * kb + b) else {
+                return (qs, d);
+            };
+            let pb = tile * kbp + b;
+            d[(pb * 8 + g) * 2 + hi] = blk.d.to_bits();
+            for (j, &byte) in blk.qs.iter().enumerate() {
+                let lane = g * 4 + j / 4;
+                qs[(pb * 32 + lane) * 8 + hi * 4 + j % 4] = byte;
             }
         }
     }
@@ -2654,7 +2790,7 @@ impl Backend for Cuda {
             && k > 0
             && ws
                 .iter()
-                .all(|w| w.cols == k && w.rows > 0 && matches!(w.buf, CudaWeightBuf::Q8A8 { .. }));
+                .all(|w| w.cols == k && w.rows > 0 && w.buf.a8().is_some());
         // bf16 / q8_0 / q4_0 matrices of one skinny kernel: per 16 rows one x split and one
         // launch ([`Cuda::matmul_skinny_mma`]; bf16 prefills of more than 16 rows take cuBLAS
         // per matrix when the options say so, as `matmul` does).
@@ -2711,12 +2847,13 @@ impl Backend for Cuda {
             let xv = x.data.slice(r0 * k..(r0 + t) * k);
             let mut mats = Vec::with_capacity(3);
             for (w, o) in ws.iter().zip(outs.iter_mut()) {
-                let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+                let Some(A8Parts { qs, d, q4 }) = w.buf.a8() else {
                     return Err(internal());
                 };
                 mats.push(A8Launch {
                     qs,
                     d,
+                    q4,
                     n: w.rows,
                     out: o.data.slice_mut(r0 * w.rows..(r0 + t) * w.rows),
                 });
@@ -2740,7 +2877,7 @@ impl Backend for Cuda {
         w: &Weight<Self>,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        let CudaWeightBuf::Q8A8 { qs, d } = &w.buf else {
+        let Some(A8Parts { qs, d, q4 }) = w.buf.a8() else {
             self.silu_mul(gate, up, act)?;
             return self.matmul(act, rows, w, out);
         };
@@ -2756,6 +2893,7 @@ impl Backend for Cuda {
             let mut mats = [A8Launch {
                 qs,
                 d,
+                q4,
                 n,
                 out: out.data.slice_mut(r0 * n..(r0 + t) * n),
             }];
@@ -2802,9 +2940,9 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let fused = !ws.is_empty()
             && ws.len() == outs.len()
-            && ws.iter().all(|m| {
-                m.cols == dim && m.rows > 0 && matches!(m.buf, CudaWeightBuf::Q8A8 { .. })
-            })
+            && ws
+                .iter()
+                .all(|m| m.cols == dim && m.rows > 0 && m.buf.a8().is_some())
             && (1..=SKINNY_ROWS).contains(&rows)
             && x.len == rows * dim
             && dim.is_multiple_of(32)
@@ -2924,7 +3062,7 @@ impl Backend for Cuda {
         w: &Weight<Self>,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        let fused = matches!(w.buf, CudaWeightBuf::Q8A8 { .. })
+        let fused = w.buf.a8().is_some()
             && w.cols == dim
             && w.rows > 0
             && (1..=SKINNY_ROWS).contains(&rows)
@@ -3061,6 +3199,22 @@ impl Backend for Cuda {
                 }
                 let (qs, d) = repack_q8_a8(blocks, w.rows, w.cols);
                 CudaWeightBuf::Q8A8 {
+                    qs: st.clone_htod(&qs).map_err(dev)?,
+                    d: st.clone_htod(&d).map_err(dev)?,
+                }
+            }
+            HostData::Q4_0A8(blocks) => {
+                if blocks.len() * 32 != w.rows * w.cols {
+                    return Err(BackendError::Weight(format!(
+                        "{}: expected {}x{} values, found {}",
+                        w.name,
+                        w.rows,
+                        w.cols,
+                        blocks.len() * 32
+                    )));
+                }
+                let (qs, d) = repack_q4_a8(blocks, w.rows, w.cols);
+                CudaWeightBuf::Q4A8 {
                     qs: st.clone_htod(&qs).map_err(dev)?,
                     d: st.clone_htod(&d).map_err(dev)?,
                 }
@@ -3834,35 +3988,35 @@ mod tests {
     fn a8_pair_auto_fills_one_wave() {
         let (sms, lim) = (132, SmemLimits::SM90);
         // The 8B gate / up (12288 features: 384 blocks): 3 per SM hold them.
-        assert_eq!(a8_pair_auto(384, 2, sms, lim), (1, 3));
+        assert_eq!(a8_pair_auto(384, 2, sms, lim, false), (1, 3));
         // The 27B one (17408: 544 blocks): 3 per SM would be 1.37 waves, 5 per SM hold them.
-        assert_eq!(a8_pair_auto(544, 2, sms, lim), (1, 2));
+        assert_eq!(a8_pair_auto(544, 2, sms, lim, false), (1, 2));
         // More than 5 per SM hold: (1, 3) again.
-        assert_eq!(a8_pair_auto(1000, 2, sms, lim), (1, 3));
+        assert_eq!(a8_pair_auto(1000, 2, sms, lim, false), (1, 3));
         // The occupancy the rule assumes: 3 and 5 blocks of each per SM.
-        assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 3) + 1024), 3);
-        assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 2) + 1024), 5);
+        assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 3, false) + 1024), 3);
+        assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 2, false) + 1024), 5);
     }
 
     #[test]
     fn a8_pair_queue_only_where_groups_spread_unevenly() {
         let (sms, lim) = (132, SmemLimits::SM90);
         // 8B (384 groups: 3 on most SMs, 2.91 on average) keeps the plain launch.
-        assert_eq!(a8_pair_queue(384, 4, 2, sms, lim), None);
+        assert_eq!(a8_pair_queue(384, 4, 2, sms, lim, false), None);
         // 27B (544 groups of 5 chunks: 5 on some SMs, 4.12 on average): 4 blocks per SM, one
         // group each, and the other 16 groups as 16 x 4 tiles x 5 chunks pieces.
-        let q = a8_pair_queue(544, 5, 2, sms, lim).expect("a queue launch");
+        let q = a8_pair_queue(544, 5, 2, sms, lim, false).expect("a queue launch");
         assert_eq!((q.bps, q.whole, q.pieces), (4, 528, 320));
         assert_eq!(lim.sm / (q.smem + 1024), 4);
-        assert!(q.smem >= a8k_smem_bytes(2, 4, 1, 2) + 16);
+        assert!(q.smem >= a8k_smem_bytes(2, 4, 1, 2, false) + 16);
         assert!(q.smem >= super::A8_CB * (2 * 288 + 544) + 16);
         // As many groups as SMs x a whole number: even already.
-        assert_eq!(a8_pair_queue(528, 5, 2, sms, lim), None);
+        assert_eq!(a8_pair_queue(528, 5, 2, sms, lim, false), None);
         // Fewer groups than SMs: nothing to even out; more than 5 per SM: not this launch.
-        assert_eq!(a8_pair_queue(100, 5, 2, sms, lim), None);
-        assert_eq!(a8_pair_queue(132 * 5 + 20, 5, 2, sms, lim), None);
+        assert_eq!(a8_pair_queue(100, 5, 2, sms, lim, false), None);
+        assert_eq!(a8_pair_queue(132 * 5 + 20, 5, 2, sms, lim, false), None);
         // 1-8 rows: the same plan (smaller stages, the same padding rule).
-        let q1 = a8_pair_queue(544, 5, 1, sms, lim).expect("a queue launch");
+        let q1 = a8_pair_queue(544, 5, 1, sms, lim, false).expect("a queue launch");
         assert_eq!((q1.whole, lim.sm / (q1.smem + 1024)), (528, 4));
     }
 
@@ -3887,22 +4041,22 @@ mod tests {
         }
         let smem = |nt: usize, m: A8Kernel, ww: usize| match m {
             A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
-                a8k_smem_bytes(nt, w.into(), ks.into(), st.into())
+                a8k_smem_bytes(nt, w.into(), ks.into(), st.into(), false)
             }
-            _ => a8_smem_bytes(nt, ww),
+            _ => a8_smem_bytes(nt, ww, false),
         };
         for nt in [1usize, 2] {
             for &(m, ww) in &modes {
                 // sm_90: every choice runs as chosen (the H200 measurements hold).
                 assert_eq!(
-                    a8_fit(m, nt, ww, SmemLimits::SM90.block),
+                    a8_fit(m, nt, ww, SmemLimits::SM90.block, false),
                     Some((m, ww)),
                     "{m:?} nt {nt}"
                 );
                 // A100 (163 KiB) and sm_86 / sm_89 (99 KiB): something that fits, of the same
                 // family (SplitApart keeps its workspace path) or whole-K.
                 for limit in [163 * 1024, 99 * 1024] {
-                    let (f, fw) = a8_fit(m, nt, ww, limit).expect("a fitting choice");
+                    let (f, fw) = a8_fit(m, nt, ww, limit, false).expect("a fitting choice");
                     assert!(
                         smem(nt, f, fw) <= limit,
                         "{m:?} nt {nt} -> {f:?} at {limit}"
@@ -3917,7 +4071,7 @@ mod tests {
             }
             // A device with 48 KiB per block: no Q8_0A8 kernel fits (an error, not a launch
             // failure).
-            assert_eq!(a8_fit(A8Kernel::WholeK, nt, 4, 48 * 1024), None);
+            assert_eq!(a8_fit(A8Kernel::WholeK, nt, 4, 48 * 1024, false), None);
         }
     }
 }

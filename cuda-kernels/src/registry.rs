@@ -18,14 +18,18 @@ pub enum Module {
     Elementwise,
     Reduce,
     Matmul,
+    /// matmul.cu's Q8_0A8 matmul kernels compiled with `A8_WQ4`: for Q4_0A8 weights
+    /// (the other kernels of matmul.cu are left out of it).
+    MatmulQ4,
     Attention,
 }
 
 impl Module {
-    pub const ALL: [Module; 4] = [
+    pub const ALL: [Module; 5] = [
         Module::Elementwise,
         Module::Reduce,
         Module::Matmul,
+        Module::MatmulQ4,
         Module::Attention,
     ];
 
@@ -34,6 +38,7 @@ impl Module {
             Module::Elementwise => "elementwise",
             Module::Reduce => "reduce",
             Module::Matmul => "matmul",
+            Module::MatmulQ4 => "matmul_q4",
             Module::Attention => "attention",
         }
     }
@@ -43,15 +48,20 @@ impl Module {
         match self {
             Module::Elementwise => include_str!("../kernels/elementwise.cu"),
             Module::Reduce => include_str!("../kernels/reduce.cu"),
-            Module::Matmul => include_str!("../kernels/matmul.cu"),
+            Module::Matmul | Module::MatmulQ4 => include_str!("../kernels/matmul.cu"),
             Module::Attention => include_str!("../kernels/attention.cu"),
         }
     }
 
-    /// Prelude + source, as handed to NVRTC.
+    /// Prelude + source, as handed to NVRTC (with `#define A8_WQ4` for [`Module::MatmulQ4`]).
     pub fn full_source(self) -> String {
+        let define = if self == Module::MatmulQ4 {
+            "#define A8_WQ4 1\n"
+        } else {
+            ""
+        };
         format!(
-            "{PRELUDE}\n#line 1 \"{}.cu\"\n{}",
+            "{PRELUDE}\n{define}#line 1 \"{}.cu\"\n{}",
             self.name(),
             self.source()
         )
@@ -177,6 +187,39 @@ kernels! {
     AttnFa16KvD32 => (Attention, "attn_fa16kv_d32"),
     AttnFa16KvD64 => (Attention, "attn_fa16kv_d64"),
     AttnFa16KvD128 => (Attention, "attn_fa16kv_d128"),
+    // The Q8_0A8 matmul kernels compiled for Q4_0A8 weights (`Kernel::q4_twin`).
+    Q4A8N1W1 => (MatmulQ4, "a8_n1_w1"),
+    Q4A8N1W2 => (MatmulQ4, "a8_n1_w2"),
+    Q4A8N1W4 => (MatmulQ4, "a8_n1_w4"),
+    Q4A8N2W1 => (MatmulQ4, "a8_n2_w1"),
+    Q4A8N2W2 => (MatmulQ4, "a8_n2_w2"),
+    Q4A8N2W4 => (MatmulQ4, "a8_n2_w4"),
+    Q4A8KN1W1K4S3 => (MatmulQ4, "a8k_n1_w1_k4_s3"),
+    Q4A8KN1W1K2S3 => (MatmulQ4, "a8k_n1_w1_k2_s3"),
+    Q4A8KN1W2K2S4 => (MatmulQ4, "a8k_n1_w2_k2_s4"),
+    Q4A8KN1W2K4S3 => (MatmulQ4, "a8k_n1_w2_k4_s3"),
+    Q4A8KN1W2K4S2 => (MatmulQ4, "a8k_n1_w2_k4_s2"),
+    Q4A8KN1W4K1S3 => (MatmulQ4, "a8k_n1_w4_k1_s3"),
+    Q4A8KN1W4K2S3 => (MatmulQ4, "a8k_n1_w4_k2_s3"),
+    Q4A8KN1W4K2S2 => (MatmulQ4, "a8k_n1_w4_k2_s2"),
+    Q4A8KN1W4K4S2 => (MatmulQ4, "a8k_n1_w4_k4_s2"),
+    Q4A8KN2W1K4S3 => (MatmulQ4, "a8k_n2_w1_k4_s3"),
+    Q4A8KN2W1K2S3 => (MatmulQ4, "a8k_n2_w1_k2_s3"),
+    Q4A8KN2W2K2S4 => (MatmulQ4, "a8k_n2_w2_k2_s4"),
+    Q4A8KN2W2K4S3 => (MatmulQ4, "a8k_n2_w2_k4_s3"),
+    Q4A8KN2W2K4S2 => (MatmulQ4, "a8k_n2_w2_k4_s2"),
+    Q4A8KN2W4K1S3 => (MatmulQ4, "a8k_n2_w4_k1_s3"),
+    Q4A8KN2W4K2S3 => (MatmulQ4, "a8k_n2_w4_k2_s3"),
+    Q4A8KN2W4K2S2 => (MatmulQ4, "a8k_n2_w4_k2_s2"),
+    Q4A8KN2W4K4S2 => (MatmulQ4, "a8k_n2_w4_k4_s2"),
+    Q4A8KPN1W4K2S2 => (MatmulQ4, "a8kp_n1_w4_k2_s2"),
+    Q4A8KPN2W4K2S2 => (MatmulQ4, "a8kp_n2_w4_k2_s2"),
+    Q4A8KPN1W4K1S3 => (MatmulQ4, "a8kp_n1_w4_k1_s3"),
+    Q4A8KPN2W4K1S3 => (MatmulQ4, "a8kp_n2_w4_k1_s3"),
+    Q4A8KPN1W4K1S2 => (MatmulQ4, "a8kp_n1_w4_k1_s2"),
+    Q4A8KPN2W4K1S2 => (MatmulQ4, "a8kp_n2_w4_k1_s2"),
+    Q4A8KPQN1W4K1S2 => (MatmulQ4, "a8kpq_n1_w4_k1_s2"),
+    Q4A8KPQN2W4K1S2 => (MatmulQ4, "a8kpq_n2_w4_k1_s2"),
     AttnWg16KvD128 => (Attention, "attn_wg16kv_d128"),
     AttnTcD32Kw4 => (Attention, "attn_tc_d32_kw4"),
     AttnTcD64Kw4 => (Attention, "attn_tc_d64_kw4"),
@@ -199,6 +242,49 @@ kernels! {
 }
 
 impl Kernel {
+    /// The same Q8_0A8 matmul kernel compiled for [`WeightFormat::Q4_0A8`] weights (module
+    /// [`Module::MatmulQ4`]: the same source, launch parameters and shared memory; only the
+    /// weights' bytes per block and their widening differ); `None` for every other kernel.
+    ///
+    /// [`WeightFormat::Q4_0A8`]: dflash_backend::WeightFormat::Q4_0A8
+    pub fn q4_twin(self) -> Option<Kernel> {
+        Some(match self {
+            Kernel::A8N1W1 => Kernel::Q4A8N1W1,
+            Kernel::A8N1W2 => Kernel::Q4A8N1W2,
+            Kernel::A8N1W4 => Kernel::Q4A8N1W4,
+            Kernel::A8N2W1 => Kernel::Q4A8N2W1,
+            Kernel::A8N2W2 => Kernel::Q4A8N2W2,
+            Kernel::A8N2W4 => Kernel::Q4A8N2W4,
+            Kernel::A8KN1W1K4S3 => Kernel::Q4A8KN1W1K4S3,
+            Kernel::A8KN1W1K2S3 => Kernel::Q4A8KN1W1K2S3,
+            Kernel::A8KN1W2K2S4 => Kernel::Q4A8KN1W2K2S4,
+            Kernel::A8KN1W2K4S3 => Kernel::Q4A8KN1W2K4S3,
+            Kernel::A8KN1W2K4S2 => Kernel::Q4A8KN1W2K4S2,
+            Kernel::A8KN1W4K1S3 => Kernel::Q4A8KN1W4K1S3,
+            Kernel::A8KN1W4K2S3 => Kernel::Q4A8KN1W4K2S3,
+            Kernel::A8KN1W4K2S2 => Kernel::Q4A8KN1W4K2S2,
+            Kernel::A8KN1W4K4S2 => Kernel::Q4A8KN1W4K4S2,
+            Kernel::A8KN2W1K4S3 => Kernel::Q4A8KN2W1K4S3,
+            Kernel::A8KN2W1K2S3 => Kernel::Q4A8KN2W1K2S3,
+            Kernel::A8KN2W2K2S4 => Kernel::Q4A8KN2W2K2S4,
+            Kernel::A8KN2W2K4S3 => Kernel::Q4A8KN2W2K4S3,
+            Kernel::A8KN2W2K4S2 => Kernel::Q4A8KN2W2K4S2,
+            Kernel::A8KN2W4K1S3 => Kernel::Q4A8KN2W4K1S3,
+            Kernel::A8KN2W4K2S3 => Kernel::Q4A8KN2W4K2S3,
+            Kernel::A8KN2W4K2S2 => Kernel::Q4A8KN2W4K2S2,
+            Kernel::A8KN2W4K4S2 => Kernel::Q4A8KN2W4K4S2,
+            Kernel::A8KPN1W4K2S2 => Kernel::Q4A8KPN1W4K2S2,
+            Kernel::A8KPN2W4K2S2 => Kernel::Q4A8KPN2W4K2S2,
+            Kernel::A8KPN1W4K1S3 => Kernel::Q4A8KPN1W4K1S3,
+            Kernel::A8KPN2W4K1S3 => Kernel::Q4A8KPN2W4K1S3,
+            Kernel::A8KPN1W4K1S2 => Kernel::Q4A8KPN1W4K1S2,
+            Kernel::A8KPN2W4K1S2 => Kernel::Q4A8KPN2W4K1S2,
+            Kernel::A8KPQN1W4K1S2 => Kernel::Q4A8KPQN1W4K1S2,
+            Kernel::A8KPQN2W4K1S2 => Kernel::Q4A8KPQN2W4K1S2,
+            _ => return None,
+        })
+    }
+
     /// The one NVRTC target that has this kernel, for those that use instructions of one
     /// architecture only (Hopper's warpgroup MMA: `sm_90a`, see [`module_arch`]); `None`: every
     /// target.

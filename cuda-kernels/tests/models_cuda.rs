@@ -111,6 +111,7 @@ fn drafter_cuda_vs_cpu() {
         (128, Some(6), 0, Precision::F32, true, false),
         (256, None, 32, Precision::Q8_0A8, true, true),
         (128, Some(6), 0, Precision::F32, true, true),
+        (256, Some(6), 32, Precision::Q4_0A8, true, true),
     ] {
         let vocab = 300usize;
         let seed: u64 = r.random();
@@ -233,8 +234,9 @@ fn spec_stream_equals_greedy_on_cuda() {
         (512, WeightFormat::Q4_0, Precision::Q4_0, 0, None, false),
         (128, WeightFormat::F32, Precision::F32, 32, Some(3), false),
         (256, WeightFormat::Bf16, Precision::Q8_0A8, 32, None, true),
+        (256, WeightFormat::Q8_0, Precision::Q4_0A8, 0, Some(5), true),
     ];
-    // The last case's drafter with an f16 cache on every other repetition.
+    // The fast-attention drafters with an f16 cache on every other repetition.
     for (ci, &(hidden, tfmt, prec, markov_rank, window, fast)) in cases.iter().enumerate() {
         for rep in 0..3 {
             let seed: u64 = r.random();

@@ -44,6 +44,14 @@ fn every_kernel_compiles_to_ptx() {
                     "matmul PTX has no mma.sync for {arch}"
                 );
             }
+            // The Q4_0A8 twins: the int8 mma, and none of matmul.cu's other kernels.
+            if m == Module::MatmulQ4 {
+                assert!(
+                    text.contains("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"),
+                    "matmul_q4 PTX has no int8 mma for {arch}"
+                );
+                assert!(!text.contains(".entry skinny") && !text.contains(".entry markov"));
+            }
             eprintln!(
                 "{arch} {:<12} {:>8} bytes of PTX in {:?}",
                 m.name(),
@@ -150,10 +158,21 @@ fn split_kernels_launch_bounds_pin_the_occupancy_the_host_counts_on() {
         );
         return;
     }
-    let ptx = compile_module(Module::Matmul, "sm_90")
-        .expect("matmul for sm_90")
-        .to_src();
-    let min_in_ptx = |name: &str| -> Option<usize> {
+    // The Q8_0A8 kernels and their Q4_0A8 twins (the same names in their own module).
+    let ptxs: Vec<(Module, String)> = [Module::Matmul, Module::MatmulQ4]
+        .into_iter()
+        .map(|m| {
+            let p = compile_module(m, "sm_90").expect("matmul for sm_90");
+            (m, p.to_src())
+        })
+        .collect();
+    let min_in_ptx = |k: dflash_cuda_kernels::registry::Kernel| -> Option<usize> {
+        let name = k.name();
+        let ptx = &ptxs
+            .iter()
+            .find(|(m, _)| *m == k.module())
+            .expect("a matmul module")
+            .1;
         let at = ptx
             .find(&format!(".entry {name}("))
             .unwrap_or_else(|| panic!("no entry {name}"));
@@ -170,10 +189,11 @@ fn split_kernels_launch_bounds_pin_the_occupancy_the_host_counts_on() {
         let occ = (sm / (smem + 1024)).min(2048 / threads);
         let want = (occ * threads * 64 >= 65536).then_some(occ);
         assert_eq!(
-            min_in_ptx(k.name()),
+            min_in_ptx(k),
             want,
-            "{}: {threads} threads, {smem} B",
-            k.name()
+            "{} ({}): {threads} threads, {smem} B",
+            k.name(),
+            k.module().name()
         );
         if let Some(b) = want {
             bound.push((k.name(), b));

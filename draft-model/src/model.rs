@@ -28,6 +28,9 @@ pub enum Precision {
     /// on CPUs with an integer dot instruction; the drafts may differ from f32's, never the
     /// committed tokens (the target verifies them).
     Q8_0A8,
+    /// The same matrices in [`WeightFormat::Q4_0A8`]: q4_0 weights times activations
+    /// quantized to q8_0 (ggml's CPU q4_0 arithmetic), half the bytes of `Q8_0A8`.
+    Q4_0A8,
 }
 
 /// The role of a linear weight, for the precision policy.
@@ -50,6 +53,7 @@ impl Precision {
             (Precision::Q8_0, _) => WeightFormat::Q8_0,
             (Precision::Q4_0, _) => WeightFormat::Q4_0,
             (Precision::Q8_0A8, _) => WeightFormat::Q8_0A8,
+            (Precision::Q4_0A8, _) => WeightFormat::Q4_0A8,
             (Precision::Mixed, WeightRole::Mlp) => WeightFormat::Q8_0,
             (Precision::Mixed, _) => WeightFormat::Bf16,
         }
@@ -66,6 +70,7 @@ impl std::str::FromStr for Precision {
             "q4_0" | "q4" => Precision::Q4_0,
             "mixed" => Precision::Mixed,
             "q8_0a8" | "q8a8" => Precision::Q8_0A8,
+            "q4_0a8" | "q4a8" => Precision::Q4_0A8,
             other => {
                 return Err(DraftError::Unsupported {
                     what: "precision".into(),
@@ -605,5 +610,11 @@ mod tests {
             assert_eq!(s.parse::<Precision>().unwrap(), Precision::Q8_0A8, "{s}");
         }
         assert!("q8_0_a8".parse::<Precision>().is_err());
+        for role in [WeightRole::Fc, WeightRole::Attention, WeightRole::Mlp] {
+            assert_eq!(Precision::Q4_0A8.format_for(role), WeightFormat::Q4_0A8);
+        }
+        for s in ["q4_0a8", "Q4A8"] {
+            assert_eq!(s.parse::<Precision>().unwrap(), Precision::Q4_0A8, "{s}");
+        }
     }
 }

@@ -428,6 +428,19 @@ fn dq4_0_kernel(b: &[BlockQ4_0], out: &mut [f32]) {
     dispatch!(dq4_0_row, b, out)
 }
 
+/// A q4_0 block as the q8_0 block of the same values: the codes `code - 8` (in -8..=7) with
+/// the same scale, so `dequantize_q8_0` of the result gives exactly `dequantize_q4_0`'s values
+/// (both compute `code * d` in f32). What ggml's `vec_dot_q4_0_q8_0` multiplies with the
+/// activation's q8_0 codes.
+pub fn widen_q4_0(b: &BlockQ4_0) -> BlockQ8_0 {
+    let mut qs = [0i8; QK];
+    for (j, &byte) in b.qs.iter().enumerate() {
+        qs[j] = (byte & 0x0f) as i8 - 8;
+        qs[j + QK / 2] = (byte >> 4) as i8 - 8;
+    }
+    BlockQ8_0 { d: b.d, qs }
+}
+
 // ---------------------------------------------------------------------------------------
 // bf16 / f16
 

@@ -438,6 +438,24 @@ proptest! {
     }
 
     #[test]
+    fn widened_q4_0_dequantizes_to_the_same_bits(x in blocks_strategy(12), raw in any::<[u8; 16]>()) {
+        // Quantized blocks, and one block of arbitrary nibbles (every code 0..=15 reachable).
+        let mut q4 = quantize_q4_0(&x).unwrap();
+        q4.push(BlockQ4_0 { d: half::f16::from_f32(0.37), qs: raw });
+        let q8: Vec<BlockQ8_0> = q4.iter().map(widen_q4_0).collect();
+        for (a, b) in q4.iter().zip(&q8) {
+            prop_assert_eq!(a.d.to_bits(), b.d.to_bits());
+            prop_assert!(b.qs.iter().all(|&c| (-8..=7).contains(&c)));
+        }
+        let n = q4.len() * QK;
+        let (mut y4, mut y8) = (vec![0.0f32; n], vec![0.0f32; n]);
+        dequantize_row_q4_0(&q4, &mut y4).unwrap();
+        dequantize_row_q8_0(&q8, &mut y8).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&y4), bits(&y8));
+    }
+
+    #[test]
     fn bf16_f16_equal_ggml(x in blocks_strategy(6), tail in 0usize..32) {
         // any length, not just whole blocks
         let x = &x[..x.len() - tail];

@@ -35,7 +35,10 @@ pub struct BenchArgs {
     /// Drafter weight formats; `+fa` after one = its attention through `attention_fast`
     /// (1xTF32 / f16 products) instead of the exact op, `+fa16` = through
     /// `attention_fast_kv16` over f16 K / V caches (the CUDA drafter's default).
-    #[arg(long, default_value = "bf16,q8_0,q8_0a8,q8_0a8+fa,q8_0a8+fa16,q4_0")]
+    #[arg(
+        long,
+        default_value = "bf16,q8_0,q8_0a8,q8_0a8+fa,q8_0a8+fa16,q4_0,q4_0a8+fa16"
+    )]
     formats: String,
     /// Timed replays per measurement (median reported).
     #[arg(long, default_value_t = 50)]
@@ -239,6 +242,7 @@ fn parse_format(s: &str) -> Result<WeightFormat> {
         "q8_0" => WeightFormat::Q8_0,
         "q8_0a8" => WeightFormat::Q8_0A8,
         "q4_0" => WeightFormat::Q4_0,
+        "q4_0a8" => WeightFormat::Q4_0A8,
         _ => bail!("unknown format {s}"),
     })
 }
@@ -597,7 +601,7 @@ impl Model {
         let nl = self.layers.len();
         let skip = self.skip.clone();
         let sk = |c: char| skip.contains(c);
-        let a8 = fused && self.lm_head.format == WeightFormat::Q8_0A8;
+        let a8 = fused && self.lm_head.format.is_a8();
         let q8n = self.q8norm && a8;
         let q8e = (self.q8epi || self.q8norm) && a8;
         // The other formats, fused: what the targets' and the drafter's layers call (the
@@ -1186,6 +1190,7 @@ fn fmt_name(f: WeightFormat) -> &'static str {
         WeightFormat::Q8_0 => "q8_0",
         WeightFormat::Q4_0 => "q4_0",
         WeightFormat::Q8_0A8 => "q8_0a8",
+        WeightFormat::Q4_0A8 => "q4_0a8",
     }
 }
 
@@ -1443,15 +1448,16 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
         WeightFormat::Q8_0,
         WeightFormat::Q8_0A8,
         WeightFormat::Q4_0,
+        WeightFormat::Q4_0A8,
     ] {
-        // Q8_0A8: every kernel choice (same bits).
-        let kernels: &[(A8Kernel, bool, &str)] = if f == WeightFormat::Q8_0A8 {
+        // Q8_0A8, Q4_0A8: every kernel choice (same bits).
+        let kernels: &[(A8Kernel, bool, &str)] = if f.is_a8() {
             A8_VARIANTS
         } else {
             &[(A8Kernel::Auto, false, "")]
         };
         let mut all_shapes = shapes.to_vec();
-        if f == WeightFormat::Q8_0A8 {
+        if f.is_a8() {
             all_shapes.extend(SHAPES_27B);
         }
         for &(n, k, name) in &all_shapes {
@@ -1475,19 +1481,27 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
             g.set_a8_pdl(true);
         }
     }
-    // The step's fused launches (Q8_0A8 `matmul_many`: one x quantization + one launch).
-    for (ns, k, name) in [
-        (
-            vec![4096usize, 1024, 1024],
-            4096usize,
-            "q/k/v 4096+1024+1024 x4096",
-        ),
-        (vec![12288, 12288], 4096, "gate/up 2x12288 x4096"),
-        (vec![17408, 17408], 5120, "27B gate/up 2x17408 x5120"),
-    ] {
+    // The step's fused launches (Q8_0A8 / Q4_0A8 `matmul_many`: one x quantization + one
+    // launch).
+    for (f, (ns, k, name)) in [WeightFormat::Q8_0A8, WeightFormat::Q4_0A8]
+        .into_iter()
+        .flat_map(|f| {
+            [
+                (
+                    vec![4096usize, 1024, 1024],
+                    4096usize,
+                    "q/k/v 4096+1024+1024 x4096",
+                ),
+                (vec![12288, 12288], 4096, "gate/up 2x12288 x4096"),
+                (vec![17408, 17408], 5120, "27B gate/up 2x17408 x5120"),
+            ]
+            .into_iter()
+            .map(move |c| (f, c))
+        })
+    {
         let ws: Vec<_> = ns
             .iter()
-            .map(|&n| g.random_weight("w", n, k, WeightFormat::Q8_0A8, 9, 0.02))
+            .map(|&n| g.random_weight("w", n, k, f, 9, 0.02))
             .collect::<std::result::Result<_, _>>()?;
         let wr: Vec<_> = ws.iter().collect();
         let bytes: usize = ws.iter().map(|w| w.buf.device_bytes()).sum();
@@ -1506,7 +1520,8 @@ fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
                 })?;
                 let gbs = bytes as f64 / ms / 1e6;
                 md += &format!(
-                    "| matmul_many q8_0a8{kname} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                    "| matmul_many {}{kname} {name} | {rows} | {ms:.4} | {gbs:.0} | {:.0}% |\n",
+                    fmt_name(f),
                     100.0 * gbs * 1e9 / bw
                 );
             }
@@ -1880,9 +1895,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             }
             if a.markov {
                 let n = rows.len();
+                // No Markov kernel reads Q4_0A8 (the loader keeps the head in bf16 / f32): its
+                // rows run the head in q4_0, the same bytes.
+                let mf = if f == WeightFormat::Q4_0A8 {
+                    WeightFormat::Q4_0
+                } else {
+                    f
+                };
                 let (w1, w2) = (
-                    g.random_weight("w1", s.vocab, 256, f, 77, 1.0)?,
-                    g.random_weight("w2", s.vocab, 256, f, 78, 1.0 / 16.0)?,
+                    g.random_weight("w1", s.vocab, 256, mf, 77, 1.0)?,
+                    g.random_weight("w2", s.vocab, 256, mf, 78, 1.0 / 16.0)?,
                 );
                 m.markov = Some((w1, w2));
                 for (i, &ctx) in ctxs.iter().enumerate() {

@@ -26,7 +26,7 @@
 
 use std::cell::Cell;
 
-use dflash_quant::{BlockQ8_0, QK};
+use dflash_quant::{BlockQ4_0, BlockQ8_0, QK};
 
 use super::kernel::Isa;
 use super::panel::NP;
@@ -44,9 +44,22 @@ const MAX_R: usize = 8;
 pub(crate) struct A8Panels {
     pub d: Vec<f32>,
     pub qs: Vec<u8>,
+    /// Packed from q4_0 blocks ([`WeightFormat::Q4_0A8`](crate::WeightFormat::Q4_0A8)):
+    /// their widened codes, so the same kernels and the same bits.
+    pub q4: bool,
 }
 
 impl A8Panels {
+    /// q4_0 blocks through their q8_0 form ([`dflash_quant::widen_q4_0`]): the codes
+    /// `code - 8` with the same scales, which is all the integer dot needs.
+    pub fn pack_q4(blocks: &[BlockQ4_0], rows: usize, k: usize) -> A8Panels {
+        let wide: Vec<BlockQ8_0> = blocks.iter().map(dflash_quant::widen_q4_0).collect();
+        A8Panels {
+            q4: true,
+            ..A8Panels::pack(&wide, rows, k)
+        }
+    }
+
     pub fn pack(blocks: &[BlockQ8_0], rows: usize, k: usize) -> A8Panels {
         let nb = k / QK;
         let n_panels = rows.div_ceil(NP);
@@ -64,7 +77,7 @@ impl A8Panels {
                 }
             }
         }
-        A8Panels { d, qs }
+        A8Panels { d, qs, q4: false }
     }
 
     /// Values stored (including the padding): `n_panels * 16 * k`.

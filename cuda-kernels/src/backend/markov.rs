@@ -62,6 +62,17 @@ impl Cuda {
     ) -> Result<()> {
         check("markov_chain", "logits", n * vocab, logits.len)?;
         check("markov_chain", "toks", n, toks.len())?;
+        if let Some(w) = [w1, w2]
+            .into_iter()
+            .find(|w| matches!(w.buf, CudaWeightBuf::Q4A8 { .. }))
+        {
+            // No Markov kernel reads the Q4_0A8 layout (the loader stores the Markov head in
+            // bf16 or f32; a Q4_0A8 copy is a caller's choice this backend does not run).
+            return Err(BackendError::Invalid {
+                op: "markov_chain",
+                msg: format!("{}: Q4_0A8 Markov weights are not supported on CUDA (use Q8_0A8, q4_0 or bf16)", w.name),
+            });
+        }
         if w1.rows != vocab || w2.rows != vocab || w1.cols != w2.cols {
             return Err(BackendError::Invalid {
                 op: "markov_chain",

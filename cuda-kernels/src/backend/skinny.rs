@@ -78,10 +78,11 @@ impl Cuda {
         out: &mut cudarc::driver::CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
-        if let CudaWeightBuf::Q8A8 { qs, d } = &w.buf {
+        if let Some(A8Parts { qs, d, q4 }) = w.buf.a8() {
             let mut mats = [A8Launch {
                 qs,
                 d,
+                q4,
                 n,
                 out: out.slice_mut(0..rows * n),
             }];

@@ -169,6 +169,7 @@ pub(crate) fn take_rows(
         HostData::Q8_0(b) => HostData::Q8_0(pick(b, c / QK, ranges)),
         HostData::Q4_0(b) => HostData::Q4_0(pick(b, c / QK, ranges)),
         HostData::Q8_0A8(b) => HostData::Q8_0A8(pick(b, c / QK, ranges)),
+        HostData::Q4_0A8(b) => HostData::Q4_0A8(pick(b, c / QK, ranges)),
     };
     Ok(HostWeight::new(name, rows, c, data)?)
 }
