@@ -177,7 +177,7 @@ fn bit_exact_vs_contract_on_every_isa_and_thread_count() {
 
 /// `WeightFormat::Q4_0A8` is the same contract over the q4_0 blocks' widened codes (`code - 8`,
 /// the same scale): the transcription above of `widen_q4_0`'s blocks, bit for bit, on every
-/// configuration; and its embedding rows are q4_0's values.
+/// configuration (its embedding rows: `gather_rows_dequantizes_exactly`).
 #[test]
 fn q4_0a8_is_the_contract_over_the_widened_q4_0_codes() {
     let bes = backends();
@@ -216,28 +216,6 @@ fn q4_0a8_is_the_contract_over_the_widened_q4_0_codes() {
                 );
             }
         }
-    }
-    // Embedding rows: exactly the q4_0 values.
-    let (n, k) = (37, 96);
-    let hw =
-        HostWeight::from_f32("emb", n, k, &make_w(&mut rng, n, k), WeightFormat::Q4_0A8).unwrap();
-    let mut want = vec![0.0f32; n * k];
-    let HostData::Q4_0A8(q4) = &hw.data else {
-        unreachable!()
-    };
-    dflash_quant::dequantize_q4_0(q4, &mut want);
-    let be = Cpu::default();
-    let wt = be.upload_weight(&hw).unwrap();
-    let ids: Vec<u32> = vec![0, 36, 5, 16];
-    let mut out = vec![0.0f32; ids.len() * k];
-    be.gather_rows(&wt, &ids, &mut out).unwrap();
-    for (t, &id) in ids.iter().enumerate() {
-        let id = id as usize;
-        assert_eq!(
-            out[t * k..(t + 1) * k],
-            want[id * k..(id + 1) * k],
-            "row {id}"
-        );
     }
 }
 
@@ -370,10 +348,17 @@ fn error_within_the_8_bit_rounding_bound() {
 
 #[test]
 fn gather_rows_dequantizes_exactly() {
+    for fmt in [WeightFormat::Q8_0A8, WeightFormat::Q4_0A8] {
+        gather_rows_dequantize_exactly(fmt);
+    }
+}
+
+/// `gather_rows` of the format's table: the rows `to_f32` decodes (q8_0's or q4_0's values).
+fn gather_rows_dequantize_exactly(fmt: WeightFormat) {
     let mut rng = StdRng::seed_from_u64(3);
     let (n, k) = (37, 96);
     let w = make_w(&mut rng, n, k);
-    let hw = HostWeight::from_f32("emb", n, k, &w, WeightFormat::Q8_0A8).unwrap();
+    let hw = HostWeight::from_f32("emb", n, k, &w, fmt).unwrap();
     let want = hw.to_f32();
     let be = Cpu::default();
     let wt = be.upload_weight(&hw).unwrap();

@@ -2673,16 +2673,23 @@ pub fn repack_bf16p(v: &[u16], rows: usize, cols: usize) -> Vec<u16> {
     out
 }
 
-/// Q8_0A8 repack (layout on [`CudaWeightBuf::Q8A8`]); padding is code 0 with scale 0.
-pub fn repack_q8_a8(
-    blocks: &[dflash_quant::BlockQ8_0],
+/// The tiles and blocks shared by the Q8_0A8 and Q4_0A8 repacks: per (16-row tile, block
+/// padded to whole stages) `wb` bytes of codes (`pad` where no weight is) and the scales as f16
+/// pairs `(row g, row g + 8)` per (tile, block, g); `put` writes one block of row `g` /
+/// `g + 8` (`hi`) into its tile-block's bytes.
+fn repack_a8_tiles<T>(
+    blocks: &[T],
     rows: usize,
     cols: usize,
+    wb: usize,
+    pad: u8,
+    scale: impl Fn(&T) -> u16,
+    mut put: impl FnMut(&T, usize, usize, &mut [u8]),
 ) -> (Vec<u8>, Vec<u16>) {
     let kb = cols / 32;
     let kbp = a8_kbp(cols);
     let tiles = rows.div_ceil(16);
-    let mut qs = vec![0u8; tiles * kbp * 512];
+    let mut qs = vec![pad; tiles * kbp * wb];
     let mut d = vec![0u16; tiles * kbp * 16];
     for o in 0..rows {
         let (tile, r) = (o / 16, o % 16);
@@ -2692,15 +2699,27 @@ pub fn repack_q8_a8(
                 return (qs, d);
             };
             let pb = tile * kbp + b;
-            d[(pb * 8 + g) * 2 + hi] = blk.d.to_bits();
-            for (kk, &q) in blk.qs.iter().enumerate() {
-                let lane = g * 4 + (kk % 16) / 4;
-                let reg = (kk / 16) * 2 + hi;
-                qs[(pb * 32 + lane) * 16 + reg * 4 + kk % 4] = q as u8;
-            }
+            d[(pb * 8 + g) * 2 + hi] = scale(blk);
+            put(blk, g, hi, &mut qs[pb * wb..(pb + 1) * wb]);
         }
     }
     (qs, d)
+}
+
+/// Q8_0A8 repack (layout on [`CudaWeightBuf::Q8A8`]); padding is code 0 with scale 0.
+pub fn repack_q8_a8(
+    blocks: &[dflash_quant::BlockQ8_0],
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<u16>) {
+    let scale = |b: &dflash_quant::BlockQ8_0| b.d.to_bits();
+    repack_a8_tiles(blocks, rows, cols, 512, 0, scale, |blk, g, hi, out| {
+        for (kk, &q) in blk.qs.iter().enumerate() {
+            let lane = g * 4 + (kk % 16) / 4;
+            let reg = (kk / 16) * 2 + hi;
+            out[lane * 16 + reg * 4 + kk % 4] = q as u8;
+        }
+    })
 }
 
 /// Q4_0A8 repack (layout on [`CudaWeightBuf::Q4A8`]); padding is code 8 (the value 0) with
@@ -2710,27 +2729,12 @@ pub fn repack_q4_a8(
     rows: usize,
     cols: usize,
 ) -> (Vec<u8>, Vec<u16>) {
-    let kb = cols / 32;
-    let kbp = a8_kbp(cols);
-    let tiles = rows.div_ceil(16);
-    let mut qs = vec![0x88u8; tiles * kbp * 256];
-    let mut d = vec![0u16; tiles * kbp * 16];
-    for o in 0..rows {
-        let (tile, r) = (o / 16, o % 16);
-        let (g, hi) = (r % 8, r / 8);
-        for b in 0..kb {
-            let Some(blk) = blocks.get(o * kb + b) else {
-                return (qs, d);
-            };
-            let pb = tile * kbp + b;
-            d[(pb * 8 + g) * 2 + hi] = blk.d.to_bits();
-            for (j, &byte) in blk.qs.iter().enumerate() {
-                let lane = g * 4 + j / 4;
-                qs[(pb * 32 + lane) * 8 + hi * 4 + j % 4] = byte;
-            }
+    let scale = |b: &dflash_quant::BlockQ4_0| b.d.to_bits();
+    repack_a8_tiles(blocks, rows, cols, 256, 0x88, scale, |blk, g, hi, out| {
+        for (j, &byte) in blk.qs.iter().enumerate() {
+            out[(g * 4 + j / 4) * 8 + hi * 4 + j % 4] = byte;
         }
-    }
-    (qs, d)
+    })
 }
 
 fn repack_q4_0(blocks: &[dflash_quant::BlockQ4_0]) -> (Vec<u32>, Vec<u16>) {
@@ -3830,7 +3834,7 @@ mod tests {
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
     use super::{
         a8_fit, a8_kbp, a8_pair_auto, a8_pair_queue, a8_smem_bytes, a8k_kernel, a8k_smem_bytes,
-        repack_bf16p, repack_q4_0, repack_q8_a8,
+        repack_bf16p, repack_q4_0, repack_q4_a8, repack_q8_a8,
         skinny::{skinny_splits, SKINNY_BLOCKS_PER_SM},
         A8Kernel, SmemLimits,
     };
@@ -3982,6 +3986,53 @@ mod tests {
         }
         // Padding (rows 37..48, blocks 9..16) is scale 0 (every real block has a scale > 0).
         assert_eq!(d.iter().filter(|&&v| v != 0).count(), rows * kb);
+    }
+
+    #[test]
+    fn q4_a8_repack_widens_into_the_q8_a8_fragments() {
+        // The Q4_0A8 bytes, widened as a8_frag does (matmul.cu: per word (w << 4) & 0xf0f0f0f0
+        // and w & 0xf0f0f0f0, each ^ 0x80808080), are the Q8_0A8 fragments of the widened
+        // blocks times 16; the scales are the same. 37 rows x 9 blocks, as above.
+        let (rows, cols) = (37usize, 288usize);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        let q4 = dflash_quant::quantize_q4_0(&x).expect("quantize");
+        let wide: Vec<_> = q4.iter().map(dflash_quant::widen_q4_0).collect();
+        let (qs4, d4) = repack_q4_a8(&q4, rows, cols);
+        let (qs8, d8) = repack_q8_a8(&wide, rows, cols);
+        assert_eq!(d4, d8);
+        assert_eq!(qs4.len() * 2, qs8.len());
+        let word = |v: &[u8], i: usize| u32::from_le_bytes([v[i], v[i + 1], v[i + 2], v[i + 3]]);
+        let kb = cols / 32;
+        let kbp = a8_kbp(cols);
+        for pb in 0..rows.div_ceil(16) * kbp {
+            let real = pb % kbp < kb;
+            for lane in 0..32 {
+                let (w0, w1) = (
+                    word(&qs4, (pb * 32 + lane) * 8),
+                    word(&qs4, (pb * 32 + lane) * 8 + 4),
+                );
+                let frag = [
+                    ((w0 << 4) & 0xf0f0_f0f0) ^ 0x8080_8080,
+                    ((w1 << 4) & 0xf0f0_f0f0) ^ 0x8080_8080,
+                    (w0 & 0xf0f0_f0f0) ^ 0x8080_8080,
+                    (w1 & 0xf0f0_f0f0) ^ 0x8080_8080,
+                ];
+                for (reg, f) in frag.iter().enumerate() {
+                    for (i, &b) in f.to_le_bytes().iter().enumerate() {
+                        let want = qs8[(pb * 32 + lane) * 16 + reg * 4 + i] as i8;
+                        // Padding: code 8 (value 0) where Q8_0A8 pads with code 0.
+                        let want = if real { want } else { 0 };
+                        assert_eq!(
+                            b as i8 as i32,
+                            16 * want as i32,
+                            "pb {pb} lane {lane} reg {reg} byte {i}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
