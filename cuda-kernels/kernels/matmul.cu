@@ -434,47 +434,80 @@ __device__ __forceinline__ float a8_dw(u16 h) {
 #endif
 }
 
-// One block (32 k values) of one warp's tile and token group j: one mma, then the f32
-// block-ordered update of the warp's 16 x 8 outputs.
-template <int NT>
-__device__ __forceinline__ void a8_block(const u8 *sw, const u32 *ss, const uint2 *sx, const float *sd, int bb, int j, int lane,
-                                         int g, int t, float (&acc)[4]) {
+// Token groups per warp (A8_NTW): a warp of a tile runs NTW of its NT token groups of 8, so the
+// tile has NT / NTW warps (A8_WPT). The Q4_0A8 twins take both groups of 16 rows in one warp
+// (its weight fragment widened, its scales converted and its stage bookkeeping done once for
+// both mmas: those kernels are bound by their instruction issue, ncu 81% of the issue slots
+// on the lm_head); Q8_0A8 keeps a warp per group (its kernels stream at the memory's rate,
+// and more warps hide the latency of the short launches). The bits are the same either way:
+// each output's chain is still one thread's, block after block. A8_MERGE forces either.
+#ifndef A8_MERGE
+#ifdef A8_WQ4
+#define A8_MERGE 1
+#else
+#define A8_MERGE 0
+#endif
+#endif
+#define A8_NTW(NT) (A8_MERGE ? (NT) : 1)
+#define A8_WPT(NT) ((NT) / A8_NTW(NT))
+
+// One block (32 k values) of one warp's tile and token groups j0 .. j0 + NTW - 1: an mma per
+// group, then the f32 block-ordered update of the warp's 16 x 8 outputs of each group.
+template <int NT, int NTW>
+__device__ __forceinline__ void a8_block(const u8 *sw, const u32 *ss, const uint2 *sx, const float *sd, int bb, int j0, int lane,
+                                         int g, int t, float (&acc)[NTW][4]) {
     const uint4 a = a8_frag(sw, bb, lane);
     const u32 sc = ss[bb * 8 + g];
     const float dw0 = a8_dw((u16)(sc & 0xffffu)), dw1 = a8_dw((u16)(sc >> 16));
-    const uint2 bx = sx[(bb * NT + j) * 32 + lane];
-    const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
-    int c[4] = {0, 0, 0, 0};
-    mma_s8_16832(c, a, bx.x, bx.y);
-    acc[0] = fmaf(i2f_small(c[0]), __fmul_rn(dw0, dx.x), acc[0]);
-    acc[1] = fmaf(i2f_small(c[1]), __fmul_rn(dw0, dx.y), acc[1]);
-    acc[2] = fmaf(i2f_small(c[2]), __fmul_rn(dw1, dx.x), acc[2]);
-    acc[3] = fmaf(i2f_small(c[3]), __fmul_rn(dw1, dx.y), acc[3]);
+#pragma unroll
+    for (int jj = 0; jj < NTW; ++jj) {
+        const int j = j0 + jj;
+        const uint2 bx = sx[(bb * NT + j) * 32 + lane];
+        const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
+        int c[4] = {0, 0, 0, 0};
+        mma_s8_16832(c, a, bx.x, bx.y);
+        acc[jj][0] = fmaf(i2f_small(c[0]), __fmul_rn(dw0, dx.x), acc[jj][0]);
+        acc[jj][1] = fmaf(i2f_small(c[1]), __fmul_rn(dw0, dx.y), acc[jj][1]);
+        acc[jj][2] = fmaf(i2f_small(c[2]), __fmul_rn(dw1, dx.x), acc[jj][2]);
+        acc[jj][3] = fmaf(i2f_small(c[3]), __fmul_rn(dw1, dx.y), acc[jj][3]);
+    }
 }
 
-// A whole stage (A8_KC blocks) of one warp's tile and token group j: all the int8 mmas
-// first (independent, exact), then the f32 updates in block order (the same chain as
-// a8_block, block after block), so the chain waits on no load or mma latency but the first.
-template <int NT>
-__device__ __forceinline__ void a8_stage(const u8 *sw, const u32 *ss, const uint2 *sx, const float *sd, int j, int lane, int g,
-                                         int t, float (&acc)[4]) {
-    int c[A8_KC][4];
+// A whole stage (A8_KC blocks) of one warp's tile and token groups j0 ..: the int8 mmas of
+// HB blocks first (independent, exact), then their f32 updates in block order (the same chain
+// as a8_block, block after block), so the chain waits on no load or mma latency but the first
+// (HB = the whole stage for one group; half of it for two, to keep the sums in registers).
+template <int NT, int NTW>
+__device__ __forceinline__ void a8_stage(const u8 *sw, const u32 *ss, const uint2 *sx, const float *sd, int j0, int lane, int g,
+                                         int t, float (&acc)[NTW][4]) {
+    constexpr int HB = NTW == 1 ? A8_KC : A8_KC / 2;
 #pragma unroll
-    for (int bb = 0; bb < A8_KC; ++bb) {
-        const uint4 a = a8_frag(sw, bb, lane);
-        const uint2 bx = sx[(bb * NT + j) * 32 + lane];
-        c[bb][0] = 0, c[bb][1] = 0, c[bb][2] = 0, c[bb][3] = 0;
-        mma_s8_16832(c[bb], a, bx.x, bx.y);
-    }
+    for (int h = 0; h < A8_KC; h += HB) {
+        int c[HB][NTW][4];
 #pragma unroll
-    for (int bb = 0; bb < A8_KC; ++bb) {
-        const u32 sc = ss[bb * 8 + g];
-        const float dw0 = a8_dw((u16)(sc & 0xffffu)), dw1 = a8_dw((u16)(sc >> 16));
-        const float2 dx = *(const float2 *)(sd + bb * NT * 8 + j * 8 + 2 * t);
-        acc[0] = fmaf(i2f_small(c[bb][0]), __fmul_rn(dw0, dx.x), acc[0]);
-        acc[1] = fmaf(i2f_small(c[bb][1]), __fmul_rn(dw0, dx.y), acc[1]);
-        acc[2] = fmaf(i2f_small(c[bb][2]), __fmul_rn(dw1, dx.x), acc[2]);
-        acc[3] = fmaf(i2f_small(c[bb][3]), __fmul_rn(dw1, dx.y), acc[3]);
+        for (int bi = 0; bi < HB; ++bi) {
+            const uint4 a = a8_frag(sw, h + bi, lane);
+#pragma unroll
+            for (int jj = 0; jj < NTW; ++jj) {
+                const uint2 bx = sx[((h + bi) * NT + j0 + jj) * 32 + lane];
+                c[bi][jj][0] = 0, c[bi][jj][1] = 0, c[bi][jj][2] = 0, c[bi][jj][3] = 0;
+                mma_s8_16832(c[bi][jj], a, bx.x, bx.y);
+            }
+        }
+#pragma unroll
+        for (int bi = 0; bi < HB; ++bi) {
+            const int bb = h + bi;
+            const u32 sc = ss[bb * 8 + g];
+            const float dw0 = a8_dw((u16)(sc & 0xffffu)), dw1 = a8_dw((u16)(sc >> 16));
+#pragma unroll
+            for (int jj = 0; jj < NTW; ++jj) {
+                const float2 dx = *(const float2 *)(sd + bb * NT * 8 + (j0 + jj) * 8 + 2 * t);
+                acc[jj][0] = fmaf(i2f_small(c[bi][jj][0]), __fmul_rn(dw0, dx.x), acc[jj][0]);
+                acc[jj][1] = fmaf(i2f_small(c[bi][jj][1]), __fmul_rn(dw0, dx.y), acc[jj][1]);
+                acc[jj][2] = fmaf(i2f_small(c[bi][jj][2]), __fmul_rn(dw1, dx.x), acc[jj][2]);
+                acc[jj][3] = fmaf(i2f_small(c[bi][jj][3]), __fmul_rn(dw1, dx.y), acc[jj][3]);
+            }
+        }
     }
 }
 
@@ -546,19 +579,20 @@ template <int NT, int W, int S>
 __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
                                        int T, int ef) {
     extern __shared__ __align__(16) u8 a8_smem[];
-    constexpr int NTH = 32 * W * NT;
+    constexpr int NTW = A8_NTW(NT), WPT = A8_WPT(NT);  // token groups per warp, warps per tile
+    constexpr int NTH = 32 * W * WPT;
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * A8_WB, WS_B = A8_KC * 32;
     constexpr int WL_B = WQ_B;
     constexpr int STAGE_B = XQ_B + XD_B + W * (WQ_B + WS_B);
     constexpr int XQ_PER_T = XQ_B / 16 / NTH;
-    constexpr int W_PER_T = WL_B / 16 / (32 * NT);  // 16-byte weight copies per thread and stage
-    static_assert(W_PER_T * 32 * NT * 16 == WL_B, "weight stage split");
+    constexpr int W_PER_T = WL_B / 16 / (32 * WPT);  // 16-byte weight copies per thread and stage
+    static_assert(W_PER_T * 32 * WPT * 16 == WL_B, "weight stage split");
     constexpr int ST_PER_CHUNK = A8_CB / A8_KC;
     static_assert(XQ_PER_T * NTH * 16 == XQ_B, "x stage split");
     static_assert(XD_B / 16 <= NTH, "x scale stage split");
     static_assert(ST_PER_CHUNK * A8_KC == A8_CB, "whole stages per chunk");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int tl = warp / NT, j = warp % NT;
+    const int tl = warp / WPT, jw = warp % WPT, j0 = jw * NTW;
     const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nst = KBp / A8_KC;
     const int N = m.N;
     const int tile = cta * W + tl;
@@ -569,7 +603,7 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     const u8 *gx = (const u8 *)xq + tid * 16;
     const u8 *gd = (const u8 *)xd + tid * 16;
     const long long pb0 = (long long)(tile_ok ? tile : 0) * KBp;
-    const u8 *gw = m.wq + pb0 * A8_WB + (j * 32 + lane) * 16;
+    const u8 *gw = m.wq + pb0 * A8_WB + (jw * 32 + lane) * 16;
     const u8 *gs = (const u8 *)m.wsc + pb0 * 32 + lane * 16;
 
     auto issue_x = [&](int st, int slot) {
@@ -582,11 +616,11 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     const u64 pol = l2_stream_policy(ef);
     auto issue_w = [&](int st, int slot) {
         if (tile_ok) {
-            const u32 wb = s_wq + slot * STAGE_B + (j * 32 + lane) * 16;
+            const u32 wb = s_wq + slot * STAGE_B + (jw * 32 + lane) * 16;
             const long long wo = (long long)st * WL_B, so = (long long)st * WS_B;
 #pragma unroll
-            for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + i * NT * 512, gw + wo + i * NT * 512, pol);
-            if (j == 0 && lane < WS_B / 16) cp_async16_pol(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so, pol);
+            for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + i * WPT * 512, gw + wo + i * WPT * 512, pol);
+            if (jw == 0 && lane < WS_B / 16) cp_async16_pol(s_wq + slot * STAGE_B + WQ_B + lane * 16, gs + so, pol);
         }
     };
     auto issue = [&](int st, int slot) {
@@ -603,10 +637,11 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
     // later triggers of rms_norm_q8, qk_norm_rope_kv and the combine; no stage: slower).
     griddep_launch();
     a8_prologue<S, 1>(nst, issue_w, issue_x);
-    float prev[4];
-    a8_prev(m, tile_ok ? T : 0, tile, j, g, t, prev);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float prev[NTW][4];
+#pragma unroll
+    for (int jj = 0; jj < NTW; ++jj) a8_prev(m, tile_ok ? T : 0, tile, j0 + jj, g, t, prev[jj]);
+    float acc[NTW][4] = {};
+    float tot[NTW][4] = {};
 
     for (int st = 0; st < nst; ++st) {
         cp_async_wait<S - 2>();
@@ -622,30 +657,33 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
             const u32 *ss = (const u32 *)(sw + WQ_B);
             const int nb = KB - st * A8_KC;
             if (nb >= A8_KC) {
-                a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
+                a8_stage<NT, NTW>(sw, ss, sx, sd, j0, lane, g, t, acc);
             } else {
-                for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+                for (int bb = 0; bb < nb; ++bb) a8_block<NT, NTW>(sw, ss, sx, sd, bb, j0, lane, g, t, acc);
             }
             // End of a chunk: out = acc_0, then out += acc_c in chunk order.
             if (st % ST_PER_CHUNK == ST_PER_CHUNK - 1 || st == nst - 1) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    tot[c] = st < ST_PER_CHUNK ? acc[c] : __fadd_rn(tot[c], acc[c]);
-                    acc[c] = 0.0f;
-                }
+                for (int jj = 0; jj < NTW; ++jj)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        tot[jj][c] = st < ST_PER_CHUNK ? acc[jj][c] : __fadd_rn(tot[jj][c], acc[jj][c]);
+                        acc[jj][c] = 0.0f;
+                    }
             }
         }
     }
     cp_async_wait<0>();
     block_trace_end();  // the main loop's end (a no-op unless traced)
     if (!tile_ok) return;
-    a8_put4(m, T, tile, j, g, t, tot, prev);
+#pragma unroll
+    for (int jj = 0; jj < NTW; ++jj) a8_put4(m, T, tile, j0 + jj, g, t, tot[jj], prev[jj]);
 }
 
 // W tiles per block, pipeline depth S (host side: a8_stages in backend.rs); ef: the weight
 // stream evict-first in L2.
 #define A8(NAME, NT, W, S)                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * W * NT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * W * A8_WPT(NT))                                                           \
         NAME(const u8 *wq0, const u16 *ws0, float *out0, int n0, const u8 *wq1, const u16 *ws1, float *out1, int n1,            \
              const u8 *wq2, const u16 *ws2, float *out2, int n2, int c1, int c2, const u32 *xq, const float *xd, int K, int T,  \
              int ef, int accum) {                                                                                                        \
@@ -680,7 +718,7 @@ A8(a8_n2_w4, 2, 4, 4)
 // others the up tiles of the same features, and instead of storing the two results the block
 // writes silu(gate) * up of its 16 W / 2 features as the down projection's Q8_0A8 activation
 // (xq2 / xd2, K = N padded to KBp2 blocks; a8_quant_x's arithmetic on silu_mul's output: the
-// same bytes). Needs NT * 8 <= the block's warps and 16 W / 2 a multiple of 32.
+// same bytes; the block's warps take the NT * 8 tokens in turns). Needs 16 W / 2 a multiple of 32.
 // tot = v for a tile's first chunk sum, else tot += v (the contract's adds, in chunk order).
 __device__ __forceinline__ void a8_fold4(float4 &tot, const float4 v, bool first) {
     if (first) {
@@ -703,25 +741,28 @@ struct A8Pair {
 // lanes with `live`) through shared memory (the now idle pipeline stages) into silu(gate) * up
 // of its 16 W / 2 features, quantized as the down projection's Q8_0A8 activation.
 template <int NT, int W, int KS>
-__device__ __forceinline__ void a8_pair_store(const float4 tot, bool live, int grp, int N, int T, int tl, int j, int g, int t,
-                                              int warp, int lane, const A8Pair &pair) {
+__device__ __forceinline__ void a8_pair_store(const float4 (&tot)[A8_NTW(NT)], bool live, int grp, int N, int T, int tl, int j0, int g,
+                                              int t, int warp, int lane, const A8Pair &pair) {
     extern __shared__ __align__(16) u8 a8_smem[];
-    constexpr int WH = W / 2;
+    constexpr int WH = W / 2, NTW = A8_NTW(NT), WARPS = W * A8_WPT(NT) * KS;
     // [matrix][token][16 WH features].
     float *res = (float *)a8_smem;
     if (live) {
-        const float r[4] = {tot.x, tot.y, tot.z, tot.w};
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int f = (tl % WH) * 16 + g + (c >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (c & 1);
-            res[((tl / WH) * NT * 8 + tok) * 16 * WH + f] = r[c];
+        for (int jj = 0; jj < NTW; ++jj) {
+            const float r[4] = {tot[jj].x, tot[jj].y, tot[jj].z, tot[jj].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int f = (tl % WH) * 16 + g + (c >= 2 ? 8 : 0), tok = 8 * (j0 + jj) + 2 * t + (c & 1);
+                res[((tl / WH) * NT * 8 + tok) * 16 * WH + f] = r[c];
+            }
         }
     }
     __syncthreads();
     // One warp per token (tokens warp, warp + warps, ...): its 32-feature blocks of
     // silu(gate) * up (silu_mul's arithmetic), quantized as a8_quant_x does; tokens
     // T .. NT*8-1 get zeros.
-    for (int tok = warp; tok < NT * 8 && grp * WH * 16 < N; tok += W * NT * KS) {
+    for (int tok = warp; tok < NT * 8 && grp * WH * 16 < N; tok += WARPS) {
 #pragma unroll
         for (int qb = 0; qb < WH / 2; ++qb) {
             const int f = qb * 32 + lane;
@@ -744,19 +785,20 @@ template <int NT, int W, int KS, int S, bool PAIR = false>
 __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *__restrict__ xq, const float *__restrict__ xd, int K,
                                           int T, int ef, int rounds_apart, const A8Pair pair = A8Pair{}) {
     extern __shared__ __align__(16) u8 a8_smem[];
-    constexpr int SW = 32 * W * NT;  // threads per slice
+    constexpr int NTW = A8_NTW(NT), WPT = A8_WPT(NT);  // token groups per warp, warps per tile
+    constexpr int SW = 32 * W * WPT;                   // threads per slice
     constexpr int XQ_B = A8_KC * NT * 256, XD_B = A8_KC * NT * 32, WQ_B = A8_KC * A8_WB, WS_B = A8_KC * 32;
     constexpr int SL_B = XQ_B + XD_B + W * (WQ_B + WS_B);  // one slice's part of a stage
     constexpr int STAGE_B = KS * SL_B;
     constexpr int XQ_PER_T = XQ_B / 16 / SW;
-    constexpr int W_PER_T = A8_KC * A8_WB / 16 / (32 * NT);  // as in a8_mma
-    static_assert(W_PER_T * 32 * NT * 16 == A8_KC * A8_WB, "weight stage split");
+    constexpr int W_PER_T = A8_KC * A8_WB / 16 / (32 * WPT);  // as in a8_mma
+    static_assert(W_PER_T * 32 * WPT * 16 == A8_KC * A8_WB, "weight stage split");
     constexpr int NS = A8_CB / A8_KC;  // stages per chunk
     static_assert(XQ_PER_T * SW * 16 == XQ_B, "x stage split");
     static_assert(XD_B / 16 <= SW, "x scale stage split");
     static_assert(NS * A8_KC == A8_CB, "whole stages per chunk");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int ks = warp / (W * NT), wi = warp % (W * NT), tl = wi / NT, j = wi % NT;
+    const int ks = warp / (W * WPT), wi = warp % (W * WPT), tl = wi / WPT, jw = wi % WPT, j0 = jw * NTW;
     const int sid = tid % SW;  // thread index within the slice
     const int KB = K / 32, KBp = (KB + A8_KC - 1) / A8_KC * A8_KC, nch = (KB + A8_CB - 1) / A8_CB;
     // rounds_apart > 0 (= the rounds of K): K split across thread blocks too, one round
@@ -792,10 +834,10 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         const int b = first_block(st);
         if (b < 0 || !tile_ok) return;
         const u32 wb = s0 + slot * STAGE_B + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B);
-        const u8 *gw = m.wq + (pbt + b) * A8_WB + (j * 32 + lane) * 16;
+        const u8 *gw = m.wq + (pbt + b) * A8_WB + (jw * 32 + lane) * 16;
 #pragma unroll
-        for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + (j * 32 + lane) * 16 + i * NT * 512, gw + i * NT * 512, pol);
-        if (j == 0 && lane < WS_B / 16)
+        for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + (jw * 32 + lane) * 16 + i * WPT * 512, gw + i * WPT * 512, pol);
+        if (jw == 0 && lane < WS_B / 16)
             cp_async16_pol(wb + WQ_B + lane * 16, (const u8 *)m.wsc + (pbt + b) * 32 + lane * 16, pol);
     };
 
@@ -810,17 +852,23 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     }
     // The outputs' previous values (accum), by the lanes that store them: slice 0, K within
     // the block.
-    float prev[4];
-    a8_prev(m, !PAIR && ks == 0 && rounds_apart == 0 && tile_ok ? T : 0, tile, j, g, t, prev);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float prev[NTW][4];
+#pragma unroll
+    for (int jj = 0; jj < NTW; ++jj)
+        a8_prev(m, !PAIR && ks == 0 && rounds_apart == 0 && tile_ok ? T : 0, tile, j0 + jj, g, t, prev[jj]);
+    float acc[NTW][4] = {};
+    float4 tot[NTW];
+#pragma unroll
+    for (int jj = 0; jj < NTW; ++jj) tot[jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // Slice 0: add the chunk sums of round r (chunks r KS .. r KS + KS - 1) to tot, in chunk
     // order (tot = acc_0 for chunk 0).
     auto fold = [&](int r) {
         for (int q = 0; q < KS; ++q) {
             const int c = r * KS + q;
             if (c >= nch) break;
-            a8_fold4(tot, part[((((r & 1) * KS + q) * W + tl) * NT + j) * 32 + lane], c == 0);
+#pragma unroll
+            for (int jj = 0; jj < NTW; ++jj)
+                a8_fold4(tot[jj], part[((((r & 1) * KS + q) * W + tl) * NT + j0 + jj) * 32 + lane], c == 0);
         }
     };
     for (int st = 0; st < nst; ++st) {
@@ -843,36 +891,32 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
             const u32 *ss = (const u32 *)(sw + WQ_B);
             const int nb = KB - b;
             if (nb >= A8_KC) {
-                a8_stage<NT>(sw, ss, sx, sd, j, lane, g, t, acc);
+                a8_stage<NT, NTW>(sw, ss, sx, sd, j0, lane, g, t, acc);
             } else {
-                for (int bb = 0; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+                for (int bb = 0; bb < nb; ++bb) a8_block<NT, NTW>(sw, ss, sx, sd, bb, j0, lane, g, t, acc);
             }
             // End of this slice's chunk (its last stage, or the end of K): park acc_c in the
             // slot of (round parity, slice); slice 0 reads it after the next round's first
             // barrier, and the slot is written again two rounds later.
             if (st % NS == NS - 1 || b + A8_KC >= KB) {
-                if (rounds_apart > 0) {
-                    const int c = r0 * KS + ks, ntiles = (N + 15) >> 4;
-                    __stcg((float4 *)(m.ws + ((long long)c * ntiles * NT + tile * NT + j) * 128 + lane * 4),
-                           make_float4(acc[0], acc[1], acc[2], acc[3]));
-                } else if constexpr (KS == 1) {
-                    // One slice: its chunk sums added to tot right here, in chunk order (what
-                    // fold does through shared memory for several slices; no part buffer).
-                    if (tile_ok) {
-                        if (st < NS) {
-                            tot = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                        } else {
-                            tot.x = __fadd_rn(tot.x, acc[0]);
-                            tot.y = __fadd_rn(tot.y, acc[1]);
-                            tot.z = __fadd_rn(tot.z, acc[2]);
-                            tot.w = __fadd_rn(tot.w, acc[3]);
-                        }
-                    }
-                } else {
-                    part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                }
 #pragma unroll
-                for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
+                for (int jj = 0; jj < NTW; ++jj) {
+                    const float4 v = make_float4(acc[jj][0], acc[jj][1], acc[jj][2], acc[jj][3]);
+                    const int j = j0 + jj;
+                    if (rounds_apart > 0) {
+                        const int c = r0 * KS + ks, ntiles = (N + 15) >> 4;
+                        __stcg((float4 *)(m.ws + ((long long)c * ntiles * NT + tile * NT + j) * 128 + lane * 4), v);
+                    } else if constexpr (KS == 1) {
+                        // One slice: its chunk sums added to tot right here, in chunk order
+                        // (what fold does through shared memory for several slices; no part
+                        // buffer).
+                        a8_fold4(tot[jj], v, st < NS);
+                    } else {
+                        part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = v;
+                    }
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) acc[jj][q] = 0.0f;
+                }
             }
         }
     }
@@ -884,13 +928,16 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
         if constexpr (KS > 1) {
             if (ks == 0 && tile_ok) fold(nst / NS - 1);
         }
-        a8_pair_store<NT, W, KS>(tot, ks == 0 && tile_ok, grp, N, T, tl, j, g, t, warp, lane, pair);
+        a8_pair_store<NT, W, KS>(tot, ks == 0 && tile_ok, grp, N, T, tl, j0, g, t, warp, lane, pair);
         return;
     }
     if (ks != 0 || !tile_ok) return;
     if constexpr (KS > 1) fold(nst / NS - 1);
-    const float r[4] = {tot.x, tot.y, tot.z, tot.w};
-    a8_put4(m, T, tile, j, g, t, r, prev);
+#pragma unroll
+    for (int jj = 0; jj < NTW; ++jj) {
+        const float r[4] = {tot[jj].x, tot[jj].y, tot[jj].z, tot[jj].w};
+        a8_put4(m, T, tile, j0 + jj, g, t, r, prev[jj]);
+    }
 }
 
 // The blocks per multiprocessor that a split block's shared memory allows (host side:
@@ -908,7 +955,7 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
 #else
 #define A8_SM_SMEM 102400
 #endif
-#define A8K_THREADS(NT, W, KS) (32 * (W) * (NT) * (KS))
+#define A8K_THREADS(NT, W, KS) (32 * (W) * A8_WPT(NT) * (KS))
 #define A8K_SMEM(NT, W, KS, S) ((S) * (KS) * (A8_KC * (NT) * 288 + (W) * A8_KC * (A8_WB + 32)) + ((KS) > 1 ? 2 * (KS) * (W) * (NT) * 512 : 0))
 #define A8K_FIT(NT, W, KS, S) (A8_SM_SMEM / (A8K_SMEM(NT, W, KS, S) + 1024))
 #define A8K_OCC(NT, W, KS, S)                                                                                         \
@@ -1010,19 +1057,22 @@ __device__ __forceinline__ void a8_tile_piece(const u8 *wq, const u16 *wsc, floa
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    // A warp per token group whatever A8_NTW (a piece's chain is latency-bound: two warps
+    // finish it in half the time of one; the block has at least NT warps).
     if (warp >= NT) return;
     const int j = warp;
     const uint2 *sx = (const uint2 *)a8_smem;
     const float *sd = (const float *)(a8_smem + oxd);
     const u8 *sw = a8_smem + ow;
     const u32 *ss = (const u32 *)(a8_smem + ows);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[1][4] = {};
     int bb = 0;
     for (; bb + A8_KC <= nb; bb += A8_KC) {
-        a8_stage<NT>(sw + bb * A8_WB, ss + bb * 8, sx + bb * NT * 32, sd + bb * NT * 8, j, lane, g, t, acc);
+        a8_stage<NT, 1>(sw + bb * A8_WB, ss + bb * 8, sx + bb * NT * 32, sd + bb * NT * 8, j, lane, g, t, acc);
     }
-    for (; bb < nb; ++bb) a8_block<NT>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
-    __stcg((float4 *)(ws + ((long long)c * ntiles * NT + mt * NT + j) * 128 + lane * 4), make_float4(acc[0], acc[1], acc[2], acc[3]));
+    for (; bb < nb; ++bb) a8_block<NT, 1>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
+    __stcg((float4 *)(ws + ((long long)c * ntiles * NT + mt * NT + j) * 128 + lane * 4),
+           make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]));
 }
 
 template <int NT, int W, int KS, int S>
@@ -1034,7 +1084,8 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
     // The host's shared memory has room for it past a piece's bytes (a8_pair_queue_smem).
     u32 *tk = (u32 *)(a8_smem + A8_CB * (NT * 288 + A8_WB + 32));
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int tl = warp / NT, j = warp % NT;
+    constexpr int NTW = A8_NTW(NT), WPT = A8_WPT(NT);
+    const int tl = warp / WPT, j0 = (warp % WPT) * NTW;
     const int nch = (K / 32 + A8_CB - 1) / A8_CB, per_grp = W * nch;
     const int whole = gridDim.x, N = m.N, ntiles = N >> 4;
     const u64 pol = l2_stream_policy(ef & 1);
@@ -1060,12 +1111,16 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
         __threadfence();
         const int mt = grp * WH + tl % WH;
         const bool live = mt * 16 < N;
-        const float *cs = (tl >= WH ? pr.up.ws : m.ws) + ((long long)(live ? mt : 0) * NT + j) * 128 + lane * 4;
-        float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float *cs = (tl >= WH ? pr.up.ws : m.ws) + ((long long)(live ? mt : 0) * NT + j0) * 128 + lane * 4;
+        float4 tot[NTW];
+#pragma unroll
+        for (int jj = 0; jj < NTW; ++jj) tot[jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int cc = 0; cc < nch && live; ++cc) {
-            a8_fold4(tot, __ldcg((const float4 *)(cs + (long long)cc * ntiles * NT * 128)), cc == 0);
+#pragma unroll
+            for (int jj = 0; jj < NTW; ++jj)
+                a8_fold4(tot[jj], __ldcg((const float4 *)(cs + (long long)cc * ntiles * NT * 128 + jj * 128)), cc == 0);
         }
-        a8_pair_store<NT, W, KS>(tot, live, grp, N, T, tl, j, g, t, warp, lane, pr);
+        a8_pair_store<NT, W, KS>(tot, live, grp, N, T, tl, j0, g, t, warp, lane, pr);
         if (tid == 0) ctr[2 + grp - whole] = 0u;
     }
     // The last block to finish: the queue back to zero.
@@ -1079,7 +1134,7 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
 }
 // A8KP's parameters, then the chunk-sum workspaces, the counters and the pieces; MINB: the
 // blocks per SM the launch bound keeps registers for (A8K_MINB at the host's padded shared
-// memory for 4 per SM).
+// memory for 4 per SM; none where 4 blocks leave more than 64 registers per thread).
 #define A8KPQ(NAME, NT, W, KS, S, MINB)                                                                                        \
     extern "C" __global__ void __launch_bounds__(A8K_THREADS(NT, W, KS), MINB)                                                 \
         NAME(const u8 *wq0, const u16 *ws0, const u8 *wq1, const u16 *ws1, int n, const u32 *xq, const float *xd, int K, int T,  \
@@ -1089,7 +1144,7 @@ __device__ __forceinline__ void a8_pair_queue(const A8Mat &m, const A8Pair &pr, 
         a8_pair_queue<NT, W, KS, S>(m, pr, xq, xd, K, T, ef, ctr, pieces);                                              \
     }
 A8KPQ(a8kpq_n1_w4_k1_s2, 1, 4, 1, 2, 0)
-A8KPQ(a8kpq_n2_w4_k1_s2, 2, 4, 1, 2, 4)
+A8KPQ(a8kpq_n2_w4_k1_s2, 2, 4, 1, 2, 4 * A8K_THREADS(2, 4, 1) * 64 >= 65536 ? 4 : 0)
 
 
 

@@ -128,8 +128,15 @@ fn a8kp_kernel(nt: usize, ks: usize, s: usize) -> Option<Kernel> {
 
 /// The paired gate / up kernel for `grid` blocks (see [`Cuda::set_a8_pair_kernel`]): (1, 3)
 /// while the blocks fit one wave of as many per SM as the shared memory allows, else (1, 2)
-/// while those do, else (1, 3).
+/// while those do, else (1, 3). The Q4_0A8 twins for 16 rows (one warp per tile for both
+/// token groups): (2, 2), whose 2 k-slices give a block the warps of a Q8_0A8 block (H200,
+/// q4_0a8 step, graph ms, ctx 512, two rounds: 8B (1, 3) 0.560 / 0.562 -> 0.509 / 0.510;
+/// 27B, which takes the queue launch (0.872 / 0.877), without it 0.953 / 0.956 -> 0.910 /
+/// 0.909).
 fn a8_pair_auto(grid: usize, nt: usize, sms: usize, lim: SmemLimits, q4: bool) -> (u8, u8) {
+    if q4 && a8_wpt(nt, q4) < nt {
+        return (2, 2);
+    }
     // Per block the driver also reserves 1 KiB of shared memory.
     let per_sm = |st: usize| lim.sm / (a8k_smem_bytes(nt, 4, 1, st, q4) + 1024);
     if grid <= per_sm(3) * sms || grid > per_sm(2) * sms {
@@ -199,6 +206,16 @@ fn a8k_smem_bytes(nt: usize, w: usize, ks: usize, stages: usize, q4: bool) -> us
     stages * ks * (A8_KC * nt * 288 + w * A8_KC * (a8_wb(q4) + 32)) + part
 }
 
+/// Warps per tile (and k-slice) of a Q8_0A8 / Q4_0A8 kernel for `nt` token groups of 8: one
+/// per group for Q8_0A8, one for all of them for Q4_0A8 (`A8_WPT` in matmul.cu).
+fn a8_wpt(nt: usize, q4: bool) -> usize {
+    if q4 {
+        1
+    } else {
+        nt
+    }
+}
+
 /// Weight bytes per (16-row tile, 32-value block): Q8_0A8's int8 fragments, or Q4_0A8's nibbles
 /// (`A8_WB` in matmul.cu).
 fn a8_wb(q4: bool) -> usize {
@@ -221,7 +238,10 @@ pub fn a8_split_kernel_shapes() -> Vec<(Kernel, usize, usize)> {
             for w in [1, 2, 4] {
                 for ks in [1, 2, 4] {
                     for st in [2, 3, 4] {
-                        let shape = (32 * w * nt * ks, a8k_smem_bytes(nt, w, ks, st, q4));
+                        let shape = (
+                            32 * w * a8_wpt(nt, q4) * ks,
+                            a8k_smem_bytes(nt, w, ks, st, q4),
+                        );
                         if let Some(k) = a8k_kernel(nt, w, ks, st).and_then(twin) {
                             v.push((k, shape.0, shape.1));
                         }
@@ -238,7 +258,11 @@ pub fn a8_split_kernel_shapes() -> Vec<(Kernel, usize, usize)> {
                 Kernel::A8KPQN2W4K1S2
             };
             if let Some(k) = twin(k) {
-                v.push((k, 128 * nt, a8_pair_queue_smem(nt, 4, 228 * 1024, q4)));
+                v.push((
+                    k,
+                    128 * a8_wpt(nt, q4),
+                    a8_pair_queue_smem(nt, 4, 228 * 1024, q4),
+                ));
             }
         }
     }
@@ -1354,12 +1378,23 @@ impl Cuda {
             //   512 / 8192, 11:40 lease, two rounds) 0.655 / 0.813 / 1.102 / 1.219 ->
             //   0.646 / 0.803 / 1.095 / 1.208.
             A8Kernel::Auto if nch < 3 => A8Kernel::WholeK,
+            // * the Q4_0A8 twins for 16 rows (a warp per tile for both token groups: half the
+            //   warps of a Q8_0A8 block): 2 tiles per block where Q8_0A8 takes 1 (q4_0a8 step,
+            //   graph ms, ctx 512, two rounds, 8B / 27B: q/k/v 1 x 2 x 3 -> 2 x 2 x 4 0.561 ->
+            //   0.544, 0.874 -> 0.846; 8B o 1 x 4 x 3 -> 2 x 4 x 3 0.547, down 0.553).
             A8Kernel::Auto => {
                 let ctas4: usize = tiles.iter().map(|t| t.div_ceil(4)).sum();
+                let merged = a8_wpt(nt, q4) < nt;
                 if ctas4 >= 2 * sms {
                     A8Kernel::Split(4, 1, 3)
                 } else if all_tiles <= 2 * sms {
-                    A8Kernel::Split(1, 4, 3)
+                    if merged {
+                        A8Kernel::Split(2, 4, 3)
+                    } else {
+                        A8Kernel::Split(1, 4, 3)
+                    }
+                } else if merged {
+                    A8Kernel::Split(2, 2, 4)
                 } else {
                     A8Kernel::Split(1, 2, 3)
                 }
@@ -1397,7 +1432,12 @@ impl Cuda {
             A8Kernel::Split(w, ks, st) | A8Kernel::SplitApart(w, ks, st) => {
                 let (w, ks, st) = (w as usize, ks as usize, st as usize);
                 let kern = a8k_kernel(nt, w, ks, st).ok_or_else(internal)?;
-                (kern, w, a8k_smem_bytes(nt, w, ks, st, q4), w * nt * ks)
+                (
+                    kern,
+                    w,
+                    a8k_smem_bytes(nt, w, ks, st, q4),
+                    w * a8_wpt(nt, q4) * ks,
+                )
             }
             _ => {
                 let w = whole_w;
@@ -1409,7 +1449,7 @@ impl Cuda {
                     (_, 2) => Kernel::A8N2W2,
                     _ => Kernel::A8N2W4,
                 };
-                (kern, w, a8_smem_bytes(nt, w, q4), w * nt)
+                (kern, w, a8_smem_bytes(nt, w, q4), w * a8_wpt(nt, q4))
             }
         };
         let kern = if q4 {
@@ -2175,7 +2215,11 @@ impl Cuda {
             a.launch(
                 st,
                 &f,
-                cfg((grid, 1, 1), (32 * w * nt * ks) as u32, smem as u32),
+                cfg(
+                    (grid, 1, 1),
+                    (32 * w * a8_wpt(nt, q4) * ks) as u32,
+                    smem as u32,
+                ),
                 pdl,
             )
         }?;
@@ -3833,8 +3877,8 @@ mod tests {
     //! Host emulations of the device-side decode tricks and of the repacked layouts: these run
     //! everywhere (no GPU) and pin the constants and bit layouts the kernels rely on.
     use super::{
-        a8_fit, a8_kbp, a8_pair_auto, a8_pair_queue, a8_smem_bytes, a8k_kernel, a8k_smem_bytes,
-        repack_bf16p, repack_q4_0, repack_q4_a8, repack_q8_a8,
+        a8_fit, a8_kbp, a8_pair_auto, a8_pair_queue, a8_smem_bytes, a8_wpt, a8k_kernel,
+        a8k_smem_bytes, repack_bf16p, repack_q4_0, repack_q4_a8, repack_q8_a8,
         skinny::{skinny_splits, SKINNY_BLOCKS_PER_SM},
         A8Kernel, SmemLimits,
     };
@@ -4047,6 +4091,14 @@ mod tests {
         // The occupancy the rule assumes: 3 and 5 blocks of each per SM.
         assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 3, false) + 1024), 3);
         assert_eq!(lim.sm / (a8k_smem_bytes(2, 4, 1, 2, false) + 1024), 5);
+        // The Q4_0A8 twins: 2 k-slices x 2 stages for 16 rows (a warp per tile for both token
+        // groups), the Q8_0A8 rule for 1-8 rows (a warp per tile either way).
+        for grid in [384, 544, 1000] {
+            assert_eq!(a8_pair_auto(grid, 2, sms, lim, true), (2, 2));
+        }
+        assert_eq!(a8_pair_auto(384, 1, sms, lim, true), (1, 3));
+        assert_eq!(a8_wpt(2, true), 1);
+        assert_eq!((a8_wpt(2, false), a8_wpt(1, true)), (2, 1));
     }
 
     #[test]
@@ -4069,6 +4121,12 @@ mod tests {
         // 1-8 rows: the same plan (smaller stages, the same padding rule).
         let q1 = a8_pair_queue(544, 5, 1, sms, lim, false).expect("a queue launch");
         assert_eq!((q1.whole, lim.sm / (q1.smem + 1024)), (528, 4));
+        // Q4_0A8 (smaller stages): the same plan at 27B.
+        let q4 = a8_pair_queue(544, 5, 2, sms, lim, true).expect("a queue launch");
+        assert_eq!(
+            (q4.whole, q4.pieces, lim.sm / (q4.smem + 1024)),
+            (528, 320, 4)
+        );
     }
 
     #[test]

@@ -125,7 +125,8 @@ pub struct BenchArgs {
     /// Only the per-op breakdown (matmul, attention, norm at the 8B shape), then exit.
     #[arg(long)]
     ops_only: bool,
-    /// Only the timeline of the q8_0a8 + fast-attention step (the --shapes and --ctx given):
+    /// Only the timeline of the q8_0a8 + fast-attention step (the --shapes and --ctx given;
+    /// q4_0a8 where --formats starts with it, as for --trace and --a8-sweep):
     /// an event recorded after each op of a graph replay (an event-record node on a side
     /// stream per op, so no op waits for it), median over --iters replays: us from the
     /// previous mark, per op and summed per kind of op; then exit.
@@ -157,6 +158,13 @@ pub struct BenchArgs {
     /// copies per graph), then exit.
     #[arg(long)]
     norm_chain: bool,
+    /// Only the A8 matmuls at the 8B step's shapes (16 rows, the automatic kernel, Q8_0A8 and
+    /// Q4_0A8; enough distinct weight copies per graph that they stream from HBM): us per
+    /// call and the share of the copy bandwidth, then exit. Optionally a comma list of the
+    /// launches to run (q/k/v, o, gate/up, down, lm_head), each optionally `:q8` or `:q4`
+    /// (for a profiler).
+    #[arg(long, num_args = 0..=1, default_missing_value = "all")]
+    a8_probe: Option<String>,
     /// Only the q8_0a8 projections and draft step (the --shapes and --ctx given) under each of
     /// these configurations, two interleaved rounds, then exit: a comma list of --a8-kernel
     /// names, each optionally followed by +noef, +nopdl, +asN (attention split), +att=NAME,
@@ -1434,6 +1442,73 @@ fn norm_chain(g: &Cuda, iters: usize) -> Result<()> {
     Ok(())
 }
 
+/// `--a8-probe`: the 8B step's A8 projections alone, 16 rows, each launch over its own copy
+/// of the weights (copies x bytes > 2x the L2, so the weights come from HBM).
+fn a8_probe(g: &Cuda, bw: f64, iters: usize, which: &str) -> Result<String> {
+    let wanted = |name: &str, f: WeightFormat| {
+        which == "all"
+            || which.split(',').any(|w| {
+                let (n, q) = w.trim().split_once(':').unwrap_or((w.trim(), ""));
+                n == name
+                    && match q {
+                        "q8" => f == WeightFormat::Q8_0A8,
+                        "q4" => f == WeightFormat::Q4_0A8,
+                        _ => true,
+                    }
+            })
+    };
+    let rows = 16usize;
+    let mut md = format!(
+        "\n### A8 matmuls alone (16 rows, distinct weight copies; copy bandwidth {:.0} GB/s)\n\n| launch | format | us | GB/s | % of copy bw |\n|---|---|---:|---:|---:|\n",
+        bw / 1e9
+    );
+    let launches: [(&str, &[usize], usize); 5] = [
+        ("q/k/v", &[4096, 1024, 1024], 4096),
+        ("o", &[4096], 4096),
+        ("gate/up", &[12288, 12288], 4096),
+        ("down", &[4096], 12288),
+        ("lm_head", &[151936], 4096),
+    ];
+    for (name, ns, k) in launches {
+        for f in [WeightFormat::Q8_0A8, WeightFormat::Q4_0A8] {
+            if !wanted(name, f) {
+                continue;
+            }
+            let per_copy: usize = ns.iter().map(|&n| n * k).sum();
+            let copies = (240_000_000 / per_copy).clamp(1, 16);
+            let ws: Vec<Vec<Weight<Cuda>>> = (0..copies)
+                .map(|c| {
+                    ns.iter()
+                        .map(|&n| g.random_weight("w", n, k, f, 30 + c as u64, 0.02))
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                })
+                .collect::<std::result::Result<_, _>>()?;
+            let bytes: usize = ws[0].iter().map(|w| w.buf.device_bytes()).sum();
+            let x = g.random_buf(rows * k, 3, 1.0)?;
+            let mut outs: Vec<CudaBuf> = ns
+                .iter()
+                .map(|&n| g.zeros(rows * n))
+                .collect::<std::result::Result<_, _>>()?;
+            let ms = time_graph(g, iters, || {
+                for c in &ws {
+                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                    g.matmul_many(&x, rows, &wr, &mut refs)?;
+                }
+                Ok(())
+            })? / copies as f64;
+            let gbs = bytes as f64 / ms / 1e6;
+            md += &format!(
+                "| {name} | {} | {:.1} | {gbs:.0} | {:.0}% |\n",
+                fmt_name(f),
+                ms * 1e3,
+                100.0 * gbs * 1e9 / bw
+            );
+        }
+    }
+    Ok(md)
+}
+
 fn op_breakdown(g: &Cuda, bw: f64, iters: usize) -> Result<String> {
     let mut md = String::from("\n### Per-op times (8B drafter shapes, CUDA graph of 1 op replayed; GB/s = weight or K/V bytes / time)\n\n| op | rows | ms | GB/s | % of copy bw |\n|---|---:|---:|---:|---:|\n");
     let shapes = [
@@ -1774,6 +1849,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.norm_chain {
         g.set_a8_pdl(a.a8_pdl != "off");
         return norm_chain(&g, a.iters);
+    }
+    if let Some(which) = &a.a8_probe {
+        let bw = copy_bandwidth(&g)?;
+        println!("{}", a8_probe(&g, bw, a.iters, which)?);
+        return Ok(());
     }
     if a.ops_only {
         let bw = copy_bandwidth(&g)?;
@@ -2230,7 +2310,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
         let ws: Vec<Vec<Weight<Cuda>>> = (0..copies)
             .map(|c| {
                 ns.iter()
-                    .map(|&n| g.random_weight("w", n, k, WeightFormat::Q8_0A8, 9 + c as u64, 0.02))
+                    .map(|&n| g.random_weight("w", n, k, a8_format(a), 9 + c as u64, 0.02))
                     .collect::<std::result::Result<Vec<_>, _>>()
             })
             .collect::<std::result::Result<_, _>>()?;
@@ -2270,7 +2350,7 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     );
     for s in shapes {
         let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
-        let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
+        let mut m = Model::new(g, s, a8_format(a), cap, false, 42)?;
         m.fused = !a.unfused;
         m.prefetch = parse_prefetch(&a.l2_prefetch)?;
         if a.markov {
@@ -2341,13 +2421,23 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
 /// says, room for the largest context) and its buffers.
 fn fast_a8_model(g: &Cuda, a: &BenchArgs, s: &Shape, ctxs: &[usize]) -> Result<(Model, Bufs)> {
     let cap = ctxs.iter().max().copied().unwrap_or(512) + s.block;
-    let mut m = Model::new(g, s, WeightFormat::Q8_0A8, cap, false, 42)?;
+    let mut m = Model::new(g, s, a8_format(a), cap, false, 42)?;
     m.prefetch = parse_prefetch(&a.l2_prefetch)?;
     m.fast_attn = true;
     m.set_kv(g, kv_arg(a))?;
     m.q8norm = !a.no_a8_producers;
     let b = m.bufs(g, s.block)?;
     Ok((m, b))
+}
+
+/// The A8 format of `--timeline`, `--trace` and `--a8-sweep`: Q4_0A8 where --formats starts
+/// with `q4_0a8` (the same step over the Q4_0A8 twins), else Q8_0A8.
+fn a8_format(a: &BenchArgs) -> WeightFormat {
+    if a.formats.trim_start().starts_with("q4_0a8") {
+        WeightFormat::Q4_0A8
+    } else {
+        WeightFormat::Q8_0A8
+    }
 }
 
 /// One draft step (`rows` tokens at ctx) captured as a CUDA graph on the op stream.
