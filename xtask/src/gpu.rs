@@ -1442,6 +1442,67 @@ fn norm_chain(g: &Cuda, iters: usize) -> Result<()> {
     Ok(())
 }
 
+/// One projection (`matmul_many` of the matrices `ns` x `k`, as the step issues it) over
+/// `copies` distinct copies of its weights (so that they stream from HBM, not L2), for
+/// `--a8-probe` and `--a8-sweep`.
+struct ProjCopies {
+    ws: Vec<Vec<Weight<Cuda>>>,
+    x: CudaBuf,
+    outs: Vec<CudaBuf>,
+    rows: usize,
+    /// Weight bytes of one copy.
+    bytes: usize,
+}
+
+impl ProjCopies {
+    fn new(
+        g: &Cuda,
+        ns: &[usize],
+        k: usize,
+        f: WeightFormat,
+        rows: usize,
+        copies: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let ws: Vec<Vec<Weight<Cuda>>> = (0..copies.max(1))
+            .map(|c| {
+                ns.iter()
+                    .map(|&n| g.random_weight("w", n, k, f, seed + c as u64, 0.02))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let bytes = ws[0].iter().map(|w| w.buf.device_bytes()).sum();
+        let x = g.random_buf(rows * k, 3, 1.0)?;
+        let outs = ns
+            .iter()
+            .map(|&n| g.zeros(rows * n))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(ProjCopies {
+            ws,
+            x,
+            outs,
+            rows,
+            bytes,
+        })
+    }
+
+    /// ms per launch: a graph of one launch per copy, replayed (time_graph's median).
+    fn time(&mut self, g: &Cuda, iters: usize) -> Result<f64> {
+        let ProjCopies {
+            ws, x, outs, rows, ..
+        } = self;
+        let ms = time_graph(g, iters, || {
+            for c in ws.iter() {
+                let wr: Vec<&Weight<Cuda>> = c.iter().collect();
+                let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
+                g.matmul_many(x, *rows, &wr, &mut refs)?;
+            }
+            Ok(())
+        })?;
+        Ok(ms / ws.len() as f64)
+    }
+}
+
 /// `--a8-probe`: the 8B step's A8 projections alone, 16 rows, each launch over its own copy
 /// of the weights (copies x bytes > 2x the L2, so the weights come from HBM).
 fn a8_probe(g: &Cuda, bw: f64, iters: usize, which: &str) -> Result<String> {
@@ -1476,28 +1537,9 @@ fn a8_probe(g: &Cuda, bw: f64, iters: usize, which: &str) -> Result<String> {
             }
             let per_copy: usize = ns.iter().map(|&n| n * k).sum();
             let copies = (240_000_000 / per_copy).clamp(1, 16);
-            let ws: Vec<Vec<Weight<Cuda>>> = (0..copies)
-                .map(|c| {
-                    ns.iter()
-                        .map(|&n| g.random_weight("w", n, k, f, 30 + c as u64, 0.02))
-                        .collect::<std::result::Result<Vec<_>, _>>()
-                })
-                .collect::<std::result::Result<_, _>>()?;
-            let bytes: usize = ws[0].iter().map(|w| w.buf.device_bytes()).sum();
-            let x = g.random_buf(rows * k, 3, 1.0)?;
-            let mut outs: Vec<CudaBuf> = ns
-                .iter()
-                .map(|&n| g.zeros(rows * n))
-                .collect::<std::result::Result<_, _>>()?;
-            let ms = time_graph(g, iters, || {
-                for c in &ws {
-                    let wr: Vec<&Weight<Cuda>> = c.iter().collect();
-                    let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
-                    g.matmul_many(&x, rows, &wr, &mut refs)?;
-                }
-                Ok(())
-            })? / copies as f64;
-            let gbs = bytes as f64 / ms / 1e6;
+            let mut p = ProjCopies::new(g, ns, k, f, rows, copies, 30)?;
+            let ms = p.time(g, iters)?;
+            let gbs = p.bytes as f64 / ms / 1e6;
             md += &format!(
                 "| {name} | {} | {:.1} | {gbs:.0} | {:.0}% |\n",
                 fmt_name(f),
@@ -2307,31 +2349,12 @@ fn a8_sweep(g: &Cuda, a: &BenchArgs, list: &str, shapes: &[Shape], ctxs: &[usize
     } {
         let one: usize = ns.iter().map(|&n| n * (k / 32) * 34).sum();
         let copies = (150_000_000usize).div_ceil(one).max(2);
-        let ws: Vec<Vec<Weight<Cuda>>> = (0..copies)
-            .map(|c| {
-                ns.iter()
-                    .map(|&n| g.random_weight("w", n, k, a8_format(a), 9 + c as u64, 0.02))
-                    .collect::<std::result::Result<Vec<_>, _>>()
-            })
-            .collect::<std::result::Result<_, _>>()?;
-        let x = g.random_buf(16 * k, 3, 1.0)?;
-        let mut outs: Vec<CudaBuf> = ns
-            .iter()
-            .map(|&n| g.zeros(16 * n))
-            .collect::<std::result::Result<_, _>>()?;
+        let mut p = ProjCopies::new(g, &ns, k, a8_format(a), 16, copies, 9)?;
         let mut t = vec![Vec::new(); kernels.len()];
         for _round in 0..2 {
             for (i, (_, kern)) in kernels.iter().enumerate() {
                 g.set_a8_kernel(*kern);
-                let ms = time_graph(g, a.iters, || {
-                    for wc in &ws {
-                        let wr: Vec<&Weight<Cuda>> = wc.iter().collect();
-                        let mut refs: Vec<&mut CudaBuf> = outs.iter_mut().collect();
-                        g.matmul_many(&x, 16, &wr, &mut refs)?;
-                    }
-                    Ok(())
-                })?;
-                t[i].push(ms * 1e3 / copies as f64);
+                t[i].push(p.time(g, a.iters)? * 1e3);
             }
         }
         for ((kname, _), v) in kernels.iter().zip(&t) {
