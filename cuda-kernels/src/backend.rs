@@ -3212,15 +3212,24 @@ impl Backend for Cuda {
     }
 
     fn upload_weight(&self, w: &HostWeight) -> Result<Weight<Self>> {
+        // The shape first: the repacks below index by rows x cols, and nothing is uploaded
+        // for a weight that is refused.
+        if w.data.n_values() != w.rows * w.cols {
+            return Err(BackendError::Weight(format!(
+                "{}: expected {}x{} values, found {}",
+                w.name,
+                w.rows,
+                w.cols,
+                w.data.n_values()
+            )));
+        }
         let st = &self.stream;
         let buf = match &w.data {
             HostData::F32(v) => CudaWeightBuf::F32(st.clone_htod(v).map_err(dev)?),
-            HostData::Bf16(v) if w.cols.is_multiple_of(32) && v.len() == w.rows * w.cols => {
-                CudaWeightBuf::Bf16P(
-                    st.clone_htod(&repack_bf16p(v, w.rows, w.cols))
-                        .map_err(dev)?,
-                )
-            }
+            HostData::Bf16(v) if w.cols.is_multiple_of(32) => CudaWeightBuf::Bf16P(
+                st.clone_htod(&repack_bf16p(v, w.rows, w.cols))
+                    .map_err(dev)?,
+            ),
             HostData::Bf16(v) => CudaWeightBuf::Bf16(st.clone_htod(v).map_err(dev)?),
             HostData::F16(v) => CudaWeightBuf::F16(st.clone_htod(v).map_err(dev)?),
             HostData::Q8_0(blocks) => {
@@ -3236,15 +3245,6 @@ impl Backend for Cuda {
                 }
             }
             HostData::Q8_0A8(blocks) => {
-                if blocks.len() * 32 != w.rows * w.cols {
-                    return Err(BackendError::Weight(format!(
-                        "{}: expected {}x{} values, found {}",
-                        w.name,
-                        w.rows,
-                        w.cols,
-                        blocks.len() * 32
-                    )));
-                }
                 let (qs, d) = repack_q8_a8(blocks, w.rows, w.cols);
                 CudaWeightBuf::Q8A8 {
                     qs: st.clone_htod(&qs).map_err(dev)?,
@@ -3252,15 +3252,6 @@ impl Backend for Cuda {
                 }
             }
             HostData::Q4_0A8(blocks) => {
-                if blocks.len() * 32 != w.rows * w.cols {
-                    return Err(BackendError::Weight(format!(
-                        "{}: expected {}x{} values, found {}",
-                        w.name,
-                        w.rows,
-                        w.cols,
-                        blocks.len() * 32
-                    )));
-                }
                 let (qs, d) = repack_q4_a8(blocks, w.rows, w.cols);
                 CudaWeightBuf::Q4A8 {
                     qs: st.clone_htod(&qs).map_err(dev)?,
@@ -3275,15 +3266,6 @@ impl Backend for Cuda {
                 }
             }
         };
-        if w.data.n_values() != w.rows * w.cols {
-            return Err(BackendError::Weight(format!(
-                "{}: expected {}x{} values, found {}",
-                w.name,
-                w.rows,
-                w.cols,
-                w.data.n_values()
-            )));
-        }
         Ok(Weight {
             name: w.name.clone(),
             format: w.data.format(),

@@ -16,8 +16,8 @@ mod common;
 use common::{gpu, poisoned, rand_vec, report, rng};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{
-    AttnParams, Backend, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope, RopeSpec,
-    WeightFormat,
+    AttnParams, Backend, BackendError, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope,
+    RopeSpec, WeightFormat,
 };
 use dflash_cuda_kernels::{AttnFa, AttnKernel};
 use rand::Rng;
@@ -2138,6 +2138,29 @@ fn markov_chain_graph_replays() {
                 &lc,
                 2e-5,
             );
+        }
+    }
+}
+
+#[test]
+fn upload_refuses_a_weight_whose_shape_does_not_match_its_values() {
+    // A HostWeight whose public fields were edited after construction: every format is
+    // refused with an error naming the tensor, before any repack reads past its values.
+    let Some(g) = gpu("upload_refuses_a_weight_whose_shape_does_not_match_its_values") else {
+        return;
+    };
+    for fmt in FORMATS
+        .into_iter()
+        .chain([WeightFormat::Q8_0A8, WeightFormat::Q4_0A8])
+    {
+        let mut hw = HostWeight::from_f32("forged", 2, 64, &[0.5; 128], fmt).expect("encode");
+        hw.rows = 3;
+        match g.upload_weight(&hw) {
+            Err(BackendError::Weight(m)) => {
+                assert!(m.contains("forged") && m.contains("3x64"), "{fmt:?}: {m}")
+            }
+            Err(e) => panic!("{fmt:?}: the wrong error: {e}"),
+            Ok(_) => panic!("{fmt:?}: a 3x64 weight of 128 values was accepted"),
         }
     }
 }
