@@ -422,17 +422,19 @@ __device__ __forceinline__ uint4 a8_frag(const u8 *sw, int bb, int lane) {
     return ((const uint4 *)sw)[bb * 32 + lane];
 #endif
 }
-// The weight scale of a block as the f32 products take it: Q4_0A8's mma sums are 16 isum, so
-// d_w / 16 (exact: a power of two, far from f32's range limits); d_w * d_x is exact either
-// way, so fma(16 isum, d_w / 16 * d_x, acc) rounds the same real number as the contract's
-// fma(isum, d_w * d_x, acc): the same bits.
-__device__ __forceinline__ float a8_dw(u16 h) {
+// The weight scale of a block as the f32 products take it (d_w, the f16 value). Q4_0A8's mma
+// sums are 16 isum, so its chain runs fma(16 isum, d_w * d_x, acc16): d_w * d_x is exact (two
+// 11-bit significands), and each fma of the 16-times-larger operands rounds 16 times the real
+// number the contract's fma(isum, d_w * d_x, acc) rounds (a power of two; every nonzero value
+// of the chain is a multiple of 2^-75 and far below f32's largest, so none is subnormal or
+// overflows), so acc16 = 16 acc exactly, and A8_CSUM turns a chunk's sum back into the
+// contract's, once per chunk instead of a multiply per scale and block: the same bits.
+__device__ __forceinline__ float a8_dw(u16 h) { return f16_to_f32(h); }
 #ifdef A8_WQ4
-    return f16_to_f32(h) * 0.0625f;
+#define A8_CSUM(x) __fmul_rn((x), 0.0625f)
 #else
-    return f16_to_f32(h);
+#define A8_CSUM(x) (x)
 #endif
-}
 
 // Token groups per warp (A8_NTW): a warp of a tile runs NTW of its NT token groups of 8, so the
 // tile has NT / NTW warps (A8_WPT). The Q4_0A8 twins take both groups of 16 rows in one warp
@@ -449,6 +451,14 @@ __device__ __forceinline__ float a8_dw(u16 h) {
 #endif
 #endif
 #define A8_NTW(NT) (A8_MERGE ? (NT) : 1)
+// The split kernels' stage bookkeeping stepped on (a8_ksplit): the Q4_0A8 twins only.
+#ifndef A8_STEPPED
+#ifdef A8_WQ4
+#define A8_STEPPED 1
+#else
+#define A8_STEPPED 0
+#endif
+#endif
 #define A8_WPT(NT) ((NT) / A8_NTW(NT))
 
 // One block (32 k values) of one warp's tile and token groups j0 .. j0 + NTW - 1: an mma per
@@ -667,7 +677,8 @@ __device__ __forceinline__ void a8_mma(const A8Mat &m, int cta, const u32 *__res
                 for (int jj = 0; jj < NTW; ++jj)
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
-                        tot[jj][c] = st < ST_PER_CHUNK ? acc[jj][c] : __fadd_rn(tot[jj][c], acc[jj][c]);
+                        const float v = A8_CSUM(acc[jj][c]);
+                        tot[jj][c] = st < ST_PER_CHUNK ? v : __fadd_rn(tot[jj][c], v);
                         acc[jj][c] = 0.0f;
                     }
             }
@@ -815,31 +826,61 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
     const u32 s0 = smem_addr(a8_smem);
     float4 *part = (float4 *)(a8_smem + S * STAGE_B);  // [round parity][slice][W][NT][32 lanes]
     const long long pbt = (long long)(tile_ok ? tile : 0) * KBp;
-    // First block of this slice's part of stage st (or -1: no chunk / past the end of K).
-    auto first_block = [&](int st) {
-        const int c = (r0 + st / NS) * KS + ks, b = c * A8_CB + (st % NS) * A8_KC;
+    // First block of this slice's part of stage st (or -1: no chunk / past the end of K): of
+    // round r = st / NS and sub-stage u = st % NS (the main loop steps (r, u) on, no divisions).
+    auto first_block_ru = [&](int r, int u) {
+        const int c = (r0 + r) * KS + ks, b = c * A8_CB + u * A8_KC;
         return c < nch && b < KB ? b : -1;
     };
-    auto issue_x = [&](int st, int slot) {
-        const int b = first_block(st);
+    auto first_block = [&](int st) { return first_block_ru(st / NS, st % NS); };
+    // A8_STEPPED (the Q4_0A8 twins, whose kernels are bound by their instruction issue): the
+    // copies' sources and destinations computed once but for the block offset and the slot
+    // (64-bit bases; the stage's offsets in 32 bits: b < KB < 2^16 blocks), and the main loop's
+    // slots, rounds and sub-stages stepped on instead of divided. Q4_0A8 step -2% to -4%; the
+    // same for Q8_0A8 made its projections no faster alone and its step 1-2% slower (H200,
+    // thirty-fourth session), so Q8_0A8 keeps the plain forms. Scheduling only: the same bits.
+    const u32 sx0 = s0 + ks * SL_B + sid * 16;
+    const u8 *gx0 = (const u8 *)xq + sid * 16, *gd0 = (const u8 *)xd + sid * 16;
+    const u32 sw0 = s0 + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B) + (jw * 32 + lane) * 16;
+    const u32 ss0 = s0 + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B) + WQ_B + lane * 16;
+    const u8 *gw0 = m.wq + pbt * A8_WB + (jw * 32 + lane) * 16;
+    const u8 *gs0 = (const u8 *)m.wsc + pbt * 32 + lane * 16;
+    auto issue_xb = [&](int b, int slot) {
         if (b < 0) return;
-        const u32 base = s0 + slot * STAGE_B + ks * SL_B;
-        const u8 *gx = (const u8 *)xq + (long long)b * (NT * 256);
+        if constexpr (A8_STEPPED) {
+            const u32 base = sx0 + slot * STAGE_B;
+            const u8 *gx = gx0 + b * (NT * 256);
 #pragma unroll
-        for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (sid + u * SW) * 16, gx + (sid + u * SW) * 16);
-        if (sid < XD_B / 16) cp_async16(base + XQ_B + sid * 16, (const u8 *)xd + (long long)b * (NT * 32) + sid * 16);
+            for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + u * SW * 16, gx + u * SW * 16);
+            if (sid < XD_B / 16) cp_async16(base + XQ_B, gd0 + b * (NT * 32));
+        } else {
+            const u32 base = s0 + slot * STAGE_B + ks * SL_B;
+            const u8 *gx = (const u8 *)xq + (long long)b * (NT * 256);
+#pragma unroll
+            for (int u = 0; u < XQ_PER_T; ++u) cp_async16(base + (sid + u * SW) * 16, gx + (sid + u * SW) * 16);
+            if (sid < XD_B / 16) cp_async16(base + XQ_B + sid * 16, (const u8 *)xd + (long long)b * (NT * 32) + sid * 16);
+        }
     };
     const u64 pol = l2_stream_policy(ef & 1);
-    auto issue_w = [&](int st, int slot) {
-        const int b = first_block(st);
+    auto issue_wb = [&](int b, int slot) {
         if (b < 0 || !tile_ok) return;
-        const u32 wb = s0 + slot * STAGE_B + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B);
-        const u8 *gw = m.wq + (pbt + b) * A8_WB + (jw * 32 + lane) * 16;
+        if constexpr (A8_STEPPED) {
+            const u32 wb = sw0 + slot * STAGE_B;
+            const u8 *gw = gw0 + b * A8_WB;
 #pragma unroll
-        for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + (jw * 32 + lane) * 16 + i * WPT * 512, gw + i * WPT * 512, pol);
-        if (jw == 0 && lane < WS_B / 16)
-            cp_async16_pol(wb + WQ_B + lane * 16, (const u8 *)m.wsc + (pbt + b) * 32 + lane * 16, pol);
+            for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + i * WPT * 512, gw + i * WPT * 512, pol);
+            if (jw == 0 && lane < WS_B / 16) cp_async16_pol(ss0 + slot * STAGE_B, gs0 + b * 32, pol);
+        } else {
+            const u32 wb = s0 + slot * STAGE_B + ks * SL_B + XQ_B + XD_B + tl * (WQ_B + WS_B);
+            const u8 *gw = m.wq + (pbt + b) * A8_WB + (jw * 32 + lane) * 16;
+#pragma unroll
+            for (int i = 0; i < W_PER_T; ++i) cp_async16_pol(wb + (jw * 32 + lane) * 16 + i * WPT * 512, gw + i * WPT * 512, pol);
+            if (jw == 0 && lane < WS_B / 16)
+                cp_async16_pol(wb + WQ_B + lane * 16, (const u8 *)m.wsc + (pbt + b) * 32 + lane * 16, pol);
+        }
     };
+    auto issue_x = [&](int st, int slot) { issue_xb(first_block(st), slot); };
+    auto issue_w = [&](int st, int slot) { issue_wb(first_block(st), slot); };
 
     // The first stage's weights before x exists (PDL), then the rest as in a8_mma.
     // ef >> 1 != 0 (bit 1; 3-stage and deeper kernels): S - 1 weight stages before the wait, where
@@ -871,20 +912,27 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
                 a8_fold4(tot[jj], part[((((r & 1) * KS + q) * W + tl) * NT + j0 + jj) * 32 + lane], c == 0);
         }
     };
+    // Stage st: slot st % S, round rs = st / NS, sub-stage us = st % NS; the stage issued now,
+    // nx = st + S - 1: slot nslot, (rn, un). Stepped on, not divided.
+    int slot = 0, nslot = S - 1, rs = 0, us = 0, rn = (S - 1) / NS, un = (S - 1) % NS;
     for (int st = 0; st < nst; ++st) {
         cp_async_wait<S - 2>();
         __syncthreads();
         const int nx = st + S - 1;
+        if constexpr (!A8_STEPPED) {
+            slot = st % S, nslot = nx % S, rs = st / NS, us = st % NS, rn = nx / NS, un = nx % NS;
+        }
         if (nx < nst) {
-            issue_w(nx, nx % S);
-            issue_x(nx, nx % S);
+            const int bn = first_block_ru(rn, un);
+            issue_wb(bn, nslot);
+            issue_xb(bn, nslot);
         }
         cp_async_commit();
         // Round st / NS begins: every chunk of the round before is parked (the barrier above).
-        if (KS > 1 && rounds_apart == 0 && ks == 0 && tile_ok && st % NS == 0 && st > 0) fold(st / NS - 1);
-        const int b = first_block(st);
+        if (KS > 1 && rounds_apart == 0 && ks == 0 && tile_ok && us == 0 && st > 0) fold(rs - 1);
+        const int b = first_block_ru(rs, us);
         if (tile_ok && b >= 0) {
-            const u8 *base = a8_smem + (st % S) * STAGE_B + ks * SL_B;
+            const u8 *base = a8_smem + slot * STAGE_B + ks * SL_B;
             const uint2 *sx = (const uint2 *)base;
             const float *sd = (const float *)(base + XQ_B);
             const u8 *sw = base + XQ_B + XD_B + tl * (WQ_B + WS_B);
@@ -898,10 +946,11 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
             // End of this slice's chunk (its last stage, or the end of K): park acc_c in the
             // slot of (round parity, slice); slice 0 reads it after the next round's first
             // barrier, and the slot is written again two rounds later.
-            if (st % NS == NS - 1 || b + A8_KC >= KB) {
+            if (us == NS - 1 || b + A8_KC >= KB) {
 #pragma unroll
                 for (int jj = 0; jj < NTW; ++jj) {
-                    const float4 v = make_float4(acc[jj][0], acc[jj][1], acc[jj][2], acc[jj][3]);
+                    const float4 v = make_float4(A8_CSUM(acc[jj][0]), A8_CSUM(acc[jj][1]), A8_CSUM(acc[jj][2]),
+                                                 A8_CSUM(acc[jj][3]));
                     const int j = j0 + jj;
                     if (rounds_apart > 0) {
                         const int c = r0 * KS + ks, ntiles = (N + 15) >> 4;
@@ -910,14 +959,20 @@ __device__ __forceinline__ void a8_ksplit(const A8Mat &m_, int cta, const u32 *_
                         // One slice: its chunk sums added to tot right here, in chunk order
                         // (what fold does through shared memory for several slices; no part
                         // buffer).
-                        a8_fold4(tot[jj], v, st < NS);
+                        a8_fold4(tot[jj], v, rs == 0);
                     } else {
-                        part[(((((st / NS) & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = v;
+                        part[((((rs & 1) * KS + ks) * W + tl) * NT + j) * 32 + lane] = v;
                     }
 #pragma unroll
                     for (int q = 0; q < 4; ++q) acc[jj][q] = 0.0f;
                 }
             }
+        }
+        if constexpr (A8_STEPPED) {
+            slot = slot + 1 == S ? 0 : slot + 1;
+            nslot = nslot + 1 == S ? 0 : nslot + 1;
+            if (++us == NS) us = 0, ++rs;
+            if (++un == NS) un = 0, ++rn;
         }
     }
     cp_async_wait<0>();
@@ -1072,7 +1127,7 @@ __device__ __forceinline__ void a8_tile_piece(const u8 *wq, const u16 *wsc, floa
     }
     for (; bb < nb; ++bb) a8_block<NT, 1>(sw, ss, sx, sd, bb, j, lane, g, t, acc);
     __stcg((float4 *)(ws + ((long long)c * ntiles * NT + mt * NT + j) * 128 + lane * 4),
-           make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]));
+           make_float4(A8_CSUM(acc[0][0]), A8_CSUM(acc[0][1]), A8_CSUM(acc[0][2]), A8_CSUM(acc[0][3])));
 }
 
 template <int NT, int W, int KS, int S>
