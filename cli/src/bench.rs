@@ -144,7 +144,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
         &PairSpec {
             target_dir: c.target_dir(),
             draft_dir: c.draft_dir(),
-            target_precision: c.target_format(),
+            target_precision: c.target_format()?,
             draft_precision: c.draft_precision(),
             fast_attention: attn.fast(),
             kv_storage: attn.kv_storage(),

@@ -65,7 +65,7 @@ pub struct CommonArgs {
     /// Re-encode the target's matrices (default: keep the file's format).
     #[arg(long, value_enum)]
     pub target_precision: Option<PrecisionArg>,
-    /// Context capacity in positions (default: longest prompt + max_new + 64).
+    /// Context capacity in positions (default: the (longest) prompt + max_new + 64).
     #[arg(long)]
     pub ctx: Option<usize>,
     /// Multiply the borrowed embedding rows by this (gemma-class targets: sqrt(hidden)).
@@ -107,8 +107,9 @@ impl CommonArgs {
         Ok(eos)
     }
 
-    pub fn target_format(&self) -> Option<WeightFormat> {
-        self.target_precision.map(target_format)
+    /// The target's `--target-precision` (None: keep the file's format).
+    pub fn target_format(&self) -> Result<Option<WeightFormat>> {
+        self.target_precision.map(target_format).transpose()
     }
 
     pub fn draft_precision(&self) -> Precision {
@@ -132,15 +133,22 @@ impl CommonArgs {
     }
 }
 
-pub fn target_format(p: PrecisionArg) -> WeightFormat {
-    match p {
+/// The storage format `--target-precision` re-encodes the target's matrices in. `mixed` is a
+/// drafter policy (bf16 attention, q8_0 MLP) with no target counterpart: an error, not a
+/// silent q8_0.
+pub fn target_format(p: PrecisionArg) -> Result<WeightFormat> {
+    Ok(match p {
         PrecisionArg::F32 => WeightFormat::F32,
         PrecisionArg::Bf16 => WeightFormat::Bf16,
-        PrecisionArg::Q8_0 | PrecisionArg::Mixed => WeightFormat::Q8_0,
+        PrecisionArg::Q8_0 => WeightFormat::Q8_0,
         PrecisionArg::Q4_0 => WeightFormat::Q4_0,
         PrecisionArg::Q8_0a8 => WeightFormat::Q8_0A8,
         PrecisionArg::Q4_0a8 => WeightFormat::Q4_0A8,
-    }
+        PrecisionArg::Mixed => anyhow::bail!(
+            "--target-precision mixed: `mixed` is a drafter policy (bf16 attention, q8_0 MLP); \
+             the target takes one format: f32, bf16, q8_0, q4_0, q8_0a8 or q4_0a8"
+        ),
+    })
 }
 
 pub fn draft_precision(p: PrecisionArg) -> Precision {

@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dflash_backend::Backend;
-use dflash_spec_round::{RollbackArm, SpecConfig};
 use serde_json::json;
 
 mod bench;
@@ -134,12 +133,6 @@ struct GenerateArgs {
     /// Prompt text (tokenized with tokenizer.json from the target directory).
     #[arg(conflicts_with_all = ["prompt", "prompt_ids"])]
     text: Option<String>,
-    /// Target checkpoint directory (HF layout). Default: models/target.
-    #[arg(long)]
-    target: Option<PathBuf>,
-    /// Drafter checkpoint directory (HF layout). Default: models/draft.
-    #[arg(long)]
-    draft: Option<PathBuf>,
     /// Prompt text (same as the positional argument).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -158,47 +151,6 @@ struct GenerateArgs {
     /// Print one JSON object (one line) instead of text.
     #[arg(long)]
     json: bool,
-    /// Most rows per verify (anchor + drafts); default: the whole block.
-    #[arg(long)]
-    verify_cap: Option<usize>,
-    /// Keep the verify width fixed at the cap.
-    #[arg(long)]
-    no_adaptive: bool,
-    /// Round the adaptive verify width (and the drafts computed) up to a multiple of this:
-    /// the CPU matmul runs 8- and 4-row tiles, so 4/8/12/16-row verifies are the cheap ones
-    /// (1: exactly m + 2).
-    #[arg(long, default_value_t = 4)]
-    verify_multiple: usize,
-    /// Ignore the drafter's Markov head.
-    #[arg(long)]
-    no_markov: bool,
-    /// Rollback arm for hybrid targets.
-    #[arg(long, value_enum, default_value_t = ArmArg::Stash)]
-    rollback: ArmArg,
-    /// Extra EOS ids (the target config's eos_token_id is always used).
-    #[arg(long, value_delimiter = ',')]
-    eos: Vec<u32>,
-    /// Ignore the target config's eos_token_id.
-    #[arg(long)]
-    no_eos: bool,
-    /// Drafter weight precision.
-    #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_PRECISION)]
-    draft_precision: PrecisionArg,
-    /// The lm_head the drafter's logits use (the target always uses its own).
-    #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_HEAD)]
-    draft_head: DraftHeadArg,
-    /// The drafter's attention arithmetic.
-    #[arg(long, value_enum, default_value_t = common::DEFAULT_DRAFT_ATTENTION)]
-    draft_attention: DraftAttnArg,
-    /// Re-encode the target's matrices (default: keep the file's format).
-    #[arg(long, value_enum)]
-    target_precision: Option<PrecisionArg>,
-    /// Context capacity in positions (default: prompt + max_new + 64).
-    #[arg(long)]
-    ctx: Option<usize>,
-    /// Multiply the borrowed embedding rows by this (gemma-class targets: sqrt(hidden)).
-    #[arg(long, default_value_t = 1.0)]
-    emb_scale: f32,
     /// Backend threads (0: one per logical CPU). Default 1: with the small shipped pair every
     /// op is a few microseconds and thread hand-offs cost more than they save (measured on the
     /// 2-CPU reference machine: spec and plain are both fastest on one thread).
@@ -210,6 +162,8 @@ struct GenerateArgs {
     /// CUDA device ordinal (with `--device cuda`).
     #[arg(long, default_value_t = 0)]
     gpu: usize,
+    #[command(flatten)]
+    common: common::CommonArgs,
 }
 
 fn main() -> Result<()> {
@@ -281,26 +235,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn generate_on<B: Backend>(be: &B, a: GenerateArgs) -> Result<()> {
-    let target_dir = a
-        .target
-        .clone()
-        .unwrap_or_else(|| default_dir(DEFAULT_TARGET));
-    let draft_dir = a
-        .draft
-        .clone()
-        .unwrap_or_else(|| default_dir(DEFAULT_DRAFT));
+    let c = &a.common;
+    let target_dir = c.target_dir();
     let text = a.text.clone().or(a.prompt.clone());
-    let tokenizer = {
-        let p = target_dir.join("tokenizer.json");
-        if p.exists() {
-            Some(
-                tokenizers::Tokenizer::from_file(&p)
-                    .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
-            )
-        } else {
-            None
-        }
-    };
+    let tokenizer = c.tokenizer()?;
     let prompt: Vec<u32> = match (&a.prompt_ids, &text) {
         (Some(ids), _) => ids.clone(),
         (None, Some(t)) => {
@@ -319,45 +257,28 @@ fn generate_on<B: Backend>(be: &B, a: GenerateArgs) -> Result<()> {
             bail!("give a prompt: positional TEXT, --prompt TEXT or --prompt-ids 1,2,3")
         }
     };
-    let mut eos = if a.no_eos {
-        Vec::new()
-    } else {
-        eos_from_config(&target_dir)?
-    };
-    eos.extend(&a.eos);
+    let eos = c.eos()?;
 
-    let ctx_cap = a.ctx.unwrap_or(prompt.len() + a.max_new + 64);
-    let cuda = a.device == DeviceArg::Cuda;
+    let ctx_cap = c.ctx.unwrap_or(prompt.len() + a.max_new + 64);
+    let attn = c.draft_attention.on(a.device == DeviceArg::Cuda);
     let pair = load::load_pair(
         be,
         &load::PairSpec {
-            target_dir: target_dir.clone(),
-            draft_dir: draft_dir.clone(),
-            target_precision: a.target_precision.map(common::target_format),
-            draft_precision: common::draft_precision(a.draft_precision),
-            fast_attention: a.draft_attention.on(cuda).fast(),
-            kv_storage: a.draft_attention.on(cuda).kv_storage(),
+            target_dir,
+            draft_dir: c.draft_dir(),
+            target_precision: c.target_format()?,
+            draft_precision: c.draft_precision(),
+            fast_attention: attn.fast(),
+            kv_storage: attn.kv_storage(),
             ctx_cap,
             quiet: a.json,
         },
     )?;
     let load_ms = pair.load_ms;
     let mut target = pair.target;
-    let head = common::draft_head(be, target.as_ref(), a.draft_head)?;
+    let head = common::draft_head(be, target.as_ref(), c.draft_head)?;
     let mut drafter = common::spec_drafter(&pair.draft, head)?;
-    let cfg = SpecConfig {
-        verify_cap: a.verify_cap,
-        adaptive: !a.no_adaptive,
-        verify_multiple: a.verify_multiple,
-        markov: !a.no_markov,
-        rollback: match a.rollback {
-            ArmArg::Stash => RollbackArm::Stash,
-            ArmArg::Replay => RollbackArm::Replay,
-            ArmArg::Gate => RollbackArm::Gate,
-        },
-        emb_scale: a.emb_scale,
-        stats: true,
-    };
+    let cfg = c.spec_config();
 
     // ---- warm-up, untimed and not shown (page faults, scratch buffers, allocator pools), so
     // that neither timed run pays the first-touch costs: a few tokens of each

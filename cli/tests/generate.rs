@@ -146,6 +146,22 @@ fn generate_reports_bad_input() {
     ]);
     assert!(!ok);
     assert!(stderr.contains("nonexistent"), "{stderr}");
+    // `mixed` is a drafter policy: the target refuses it rather than quietly running q8_0.
+    let (ok, _, stderr) = run(&[
+        "generate",
+        "--target",
+        target.to_str().unwrap(),
+        "--draft",
+        draft.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-new",
+        "2",
+        "--target-precision",
+        "mixed",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("--target-precision mixed"), "{stderr}");
 }
 
 /// The shipped pair (models/), with the default directories and a text prompt: the streams
