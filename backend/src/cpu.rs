@@ -790,15 +790,7 @@ impl Backend for Cpu {
         out: &mut Vec<f32>,
     ) -> Result<()> {
         const OP: &str = "rms_norm";
-        if dim == 0 {
-            return Err(invalid(OP, "dim is 0"));
-        }
-        if !x.len().is_multiple_of(dim) {
-            return Err(invalid(
-                OP,
-                format!("x has {} values, not a multiple of dim {dim}", x.len()),
-            ));
-        }
+        crate::rows_of(OP, x.len(), dim)?;
         exactly(OP, "w", dim, w.len())?;
         at_least(OP, "out", x.len(), out.len())?;
         let isa = self.isa;
@@ -823,15 +815,7 @@ impl Backend for Cpu {
         out: &mut Vec<f32>,
     ) -> Result<()> {
         const OP: &str = "rms_norm_gated";
-        if dim == 0 {
-            return Err(invalid(OP, "dim is 0"));
-        }
-        if !x.len().is_multiple_of(dim) {
-            return Err(invalid(
-                OP,
-                format!("x has {} values, not a multiple of dim {dim}", x.len()),
-            ));
-        }
+        crate::rows_of(OP, x.len(), dim)?;
         exactly(OP, "w", dim, w.len())?;
         at_least(OP, "z", x.len(), z.len())?;
         at_least(OP, "out", x.len(), out.len())?;

@@ -636,6 +636,18 @@ pub fn qk_norm_rope_kv_ops<B: Backend>(
     }
 }
 
+/// The rows of a row-wise op over `len` values of rows `dim` wide (the norms): an error when
+/// `dim` is 0 or `len` is not whole rows.
+pub fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {
+    if dim == 0 || !len.is_multiple_of(dim) {
+        return Err(BackendError::Invalid {
+            op,
+            msg: format!("x has {len} values: expected whole rows of dim {dim} (> 0)"),
+        });
+    }
+    Ok(len / dim)
+}
+
 /// The half range of [`Backend::f16_pack`] / [`Backend::f16_unpack`]: whole f32 slots.
 pub fn check_f16_range(op: &'static str, h0: usize, n: usize) -> Result<()> {
     if !h0.is_multiple_of(2) || !n.is_multiple_of(2) {

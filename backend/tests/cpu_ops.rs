@@ -978,6 +978,10 @@ fn shape_errors_name_op_and_operand() {
         Err(BackendError::Invalid { op: "rms_norm", .. })
     ));
     assert!(matches!(
+        be.rms_norm(&vec![0.0; 8], &vec![], 0, 1e-6, &mut vec![0.0; 8]),
+        Err(BackendError::Invalid { op: "rms_norm", .. })
+    ));
+    assert!(matches!(
         be.rms_norm(&vec![0.0; 8], &vec![1.0; 4], 4, 1e-6, &mut vec![0.0; 4]),
         Err(BackendError::Shape {
             op: "rms_norm",

@@ -3372,21 +3372,9 @@ impl Backend for Cuda {
         eps: f32,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        if dim == 0 {
-            return Err(BackendError::Invalid {
-                op: "rms_norm",
-                msg: "dim must be > 0".into(),
-            });
-        }
+        let rows = dflash_backend::rows_of("rms_norm", x.len, dim)?;
         check("rms_norm", "w", dim, w.len)?;
-        if !x.len.is_multiple_of(dim) {
-            return Err(BackendError::Invalid {
-                op: "rms_norm",
-                msg: format!("x has {} values, not a multiple of dim {dim}", x.len),
-            });
-        }
         check("rms_norm", "out", x.len, out.len)?;
-        let rows = x.len / dim;
         if rows == 0 {
             return Ok(());
         }
@@ -3411,22 +3399,10 @@ impl Backend for Cuda {
         eps: f32,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        if dim == 0 {
-            return Err(BackendError::Invalid {
-                op: "rms_norm_gated",
-                msg: "dim must be > 0".into(),
-            });
-        }
+        let rows = dflash_backend::rows_of("rms_norm_gated", x.len, dim)?;
         check("rms_norm_gated", "w", dim, w.len)?;
-        if !x.len.is_multiple_of(dim) {
-            return Err(BackendError::Invalid {
-                op: "rms_norm_gated",
-                msg: format!("x has {} values, not a multiple of dim {dim}", x.len),
-            });
-        }
         check("rms_norm_gated", "z", x.len, z.len)?;
         check("rms_norm_gated", "out", x.len, out.len)?;
-        let rows = x.len / dim;
         if rows == 0 {
             return Ok(());
         }
