@@ -122,46 +122,43 @@ fn generate_json_matches_transformers_greedy() {
 fn generate_reports_bad_input() {
     let target = root().join("targets/tests/fixtures/qwen3_dense/model");
     let draft = root().join("draft-model/tests/fixtures/dflash_plain/draft");
-    let (ok, _, stderr) = run(&[
-        "generate",
-        "--target",
-        target.to_str().unwrap(),
-        "--draft",
-        draft.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,99999",
-        "--max-new",
-        "4",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("99999"), "{stderr}");
-    let (ok, _, stderr) = run(&[
-        "generate",
-        "--target",
-        "/nonexistent",
-        "--draft",
-        draft.to_str().unwrap(),
-        "--prompt-ids",
-        "1",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("nonexistent"), "{stderr}");
+    // `generate` on `target` and the plain fixture drafter with `rest`: it must fail, with a
+    // message that holds `what`.
+    let refused = |target: &str, rest: &[&str], what: &str| {
+        let args = [
+            &[
+                "generate",
+                "--target",
+                target,
+                "--draft",
+                draft.to_str().unwrap(),
+            ],
+            rest,
+        ];
+        let (ok, _, stderr) = run(&args.concat());
+        assert!(!ok, "{rest:?} must fail");
+        assert!(stderr.contains(what), "{rest:?}: {stderr}");
+    };
+    let target = target.to_str().unwrap();
+    refused(
+        target,
+        &["--prompt-ids", "1,2,99999", "--max-new", "4"],
+        "99999",
+    );
+    refused("/nonexistent", &["--prompt-ids", "1"], "nonexistent");
     // `mixed` is a drafter policy: the target refuses it rather than quietly running q8_0.
-    let (ok, _, stderr) = run(&[
-        "generate",
-        "--target",
-        target.to_str().unwrap(),
-        "--draft",
-        draft.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2",
-        "--max-new",
-        "2",
-        "--target-precision",
-        "mixed",
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("--target-precision mixed"), "{stderr}");
+    refused(
+        target,
+        &[
+            "--prompt-ids",
+            "1,2",
+            "--max-new",
+            "2",
+            "--target-precision",
+            "mixed",
+        ],
+        "--target-precision mixed",
+    );
 }
 
 /// The shipped pair (models/), with the default directories and a text prompt: the streams
