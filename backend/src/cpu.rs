@@ -212,6 +212,25 @@ impl Cpu {
         Some(c.table[pos0 * half..end * half].to_vec())
     }
 
+    /// Run `f` on one of the backend's pool threads (its own pool, or rayon's global one for
+    /// `Cpu::default()`), so that every parallel op `f` calls forks and joins inside the pool.
+    /// Called from any other thread, each parallel op is handed to the pool and the caller
+    /// sleeps until it is done: two thread wake-ups per op, which at the shipped pair's size
+    /// (about 80 ops per forward, most well under a millisecond) costs more than the second
+    /// core gives (`dflash bench --threads 2` on a 2-core AMD EPYC: plain decode 0.95 ms per
+    /// token from outside the pool, 0.25 inside it, 0.36 on one thread). Drive a whole decode
+    /// loop through this when the backend has more than one thread; with one thread it just
+    /// calls `f`. Results never depend on the thread `f` runs on.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        if self.threads() <= 1 {
+            return f();
+        }
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => rayon::scope(|_| f()),
+        }
+    }
+
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
             Some(p) => p.install(f),
@@ -702,7 +721,10 @@ impl Backend for Cpu {
                 Packed::A8(_) => 1,
                 _ => panel::panel_unit(isa, rows),
             };
-            n_panels.div_ceil(4 * threads).div_ceil(unit) * unit
+            // a quarter of the parallel threshold per chunk at least: threads the op has no
+            // work for stay idle instead of shredding a small matrix into one-panel chunks
+            let min_p = (self.par_min_work / 4).div_ceil((rows * k * panel::NP).max(1));
+            n_panels.div_ceil(4 * threads).max(min_p).div_ceil(unit) * unit
         };
         let chunk_o = chunk_p * panel::NP;
         let run_chunk = |c: usize, ot: &mut [f32]| {

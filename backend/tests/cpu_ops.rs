@@ -1243,3 +1243,57 @@ fn bf16_weight_packed_by_one_isa_runs_on_every_other() {
         }
     }
 }
+
+// ------------------------------------------------------------------------------- threads
+
+/// `Cpu::run` puts the closure on a pool thread when the backend has several (so its ops fork
+/// inside the pool), calls it in place with one, and ops give the same bits either way; a
+/// work floor per matmul chunk (uneven chunks) changes no bit either.
+#[test]
+fn run_on_the_pool_gives_the_same_bits() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_7157);
+    let one = Cpu::with_threads(1).unwrap();
+    let here = std::thread::current().id();
+    assert_eq!(one.run(|| std::thread::current().id()), here);
+    let global = Cpu::default();
+    assert_eq!(
+        global.run(rayon::current_thread_index).is_some(),
+        global.threads() > 1
+    );
+    for rows in [1usize, 3, 8, 16] {
+        let (n, k) = (300usize, 64usize);
+        let hw = HostWeight::from_f32(
+            "w",
+            n,
+            k,
+            &rand_vec(&mut rng, n * k, 1.0),
+            WeightFormat::Bf16,
+        )
+        .unwrap();
+        let x = rand_vec(&mut rng, rows * k, 1.0);
+        let mm = |be: &Cpu| {
+            let w = be.upload_weight(&hw).unwrap();
+            let mut out = vec![0.0f32; rows * n];
+            be.matmul(&x, rows, &w, &mut out).unwrap();
+            bits(&out)
+        };
+        let want = mm(&one);
+        // 19 panels of 16 outputs; the floor makes chunks of 3 panels (the last one shorter)
+        let floored = Cpu::with_threads(3)
+            .unwrap()
+            .with_par_min_work(4 * 3 * rows * k * 16);
+        assert!(floored.run(rayon::current_thread_index).is_some());
+        assert_eq!(
+            floored.run(|| mm(&floored)),
+            want,
+            "rows {rows}, in the pool"
+        );
+        assert_eq!(mm(&floored), want, "rows {rows}, from outside the pool");
+        let always = Cpu::with_threads(2).unwrap().with_par_min_work(0);
+        assert_eq!(
+            always.run(|| mm(&always)),
+            want,
+            "rows {rows}, every op parallel"
+        );
+    }
+}

@@ -19,6 +19,11 @@
 //!   to a token budget. [`SpecConfig`] configures it, [`Stats`] reports rounds, drafted,
 //!   accepted, tau and per-phase wall time.
 //! * [`plain_greedy`]: the reference decode through the same `Target` trait.
+//!
+//! On the CPU backend with more than one thread, drive the session from inside the backend's
+//! pool (`Cpu::run(|| ...)` of `dflash-backend`): its ops then fork in place instead of each
+//! being handed to the pool from outside, which costs more than a second core gives at small
+//! shapes.
 
 mod config;
 mod dflash;

@@ -18,9 +18,14 @@ fn main() {
     let vocab = a.get(2).copied().unwrap_or(8192);
     let ctx = a.get(3).copied().unwrap_or(256);
     let be = Cpu::new();
+    // on the pool: every op forks inside it (see `Cpu::run`)
+    be.run(|| run(&be, hidden, layers, vocab, ctx));
+}
+
+fn run(be: &Cpu, hidden: usize, layers: usize, vocab: usize, ctx: usize) {
     for fmt in [WeightFormat::F32, WeightFormat::Bf16] {
         let mut m = random_qwen3(
-            &be,
+            be,
             tiny_qwen3_config(vocab, hidden, layers, None),
             1,
             fmt,
@@ -28,7 +33,7 @@ fn main() {
         )
         .unwrap();
         let prompt: Vec<u32> = (0..ctx as u32).map(|i| i * 7 % vocab as u32).collect();
-        m.prime(&be, &prompt, &[]).unwrap();
+        m.prime(be, &prompt, &[]).unwrap();
         let mut line = format!("{fmt:?} hidden {hidden} layers {layers} vocab {vocab} ctx {ctx}:");
         let mut base = 0.0;
         for t in [1usize, 2, 4, 8, 16] {
@@ -36,8 +41,8 @@ fn main() {
             let reps = 20;
             let t0 = Instant::now();
             for _ in 0..reps {
-                m.verify(&be, &block, ctx, &[0], false).unwrap();
-                m.commit(&be, 1).unwrap();
+                m.verify(be, &block, ctx, &[0], false).unwrap();
+                m.commit(be, 1).unwrap();
                 // undo the committed row so every rep runs at the same position
                 m.prime_reset_to(ctx);
             }
