@@ -31,9 +31,10 @@ pub struct BenchArgs {
     /// Timed repetitions per prompt (each of spec and plain); the fastest is kept.
     #[arg(long, default_value_t = 1)]
     pub reps: usize,
-    /// Backend threads (0: one per logical CPU). Default 1 (see `generate --help`).
-    #[arg(long, default_value_t = crate::common::DEFAULT_THREADS)]
-    pub threads: usize,
+    /// Backend threads (0: one per logical CPU). Default: one per core this process may use
+    /// (see `generate --help`).
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// Matmuls (and other ops) below this many multiply-adds run on the calling thread
     /// (default: the backend's own threshold).
     #[arg(long)]
@@ -116,7 +117,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     match a.device {
         crate::DeviceArg::Cpu => {
             let be = crate::common::cpu_backend(a.threads, a.par_min_work)?;
-            bench_on(&be, Machine::cpu(&be), a)
+            be.run(|| bench_on(&be, Machine::cpu(&be), a))
         }
         crate::DeviceArg::Cuda => {
             let be = crate::common::cuda_backend(a.gpu)?;

@@ -151,11 +151,10 @@ struct GenerateArgs {
     /// Print one JSON object (one line) instead of text.
     #[arg(long)]
     json: bool,
-    /// Backend threads (0: one per logical CPU). Default 1: with the small shipped pair every
-    /// op is a few microseconds and thread hand-offs cost more than they save (measured on the
-    /// 2-CPU reference machine: spec and plain are both fastest on one thread).
-    #[arg(long, default_value_t = common::DEFAULT_THREADS)]
-    threads: usize,
+    /// Backend threads (0: one per logical CPU). Default: one per core this process may use
+    /// (hardware threads of one core add nothing to these compute-bound kernels).
+    #[arg(long)]
+    threads: Option<usize>,
     /// Run the target and the drafter on the CPU or on a CUDA GPU.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
@@ -225,7 +224,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     match a.device {
         DeviceArg::Cpu => {
             let be = common::cpu_backend(a.threads, None)?;
-            generate_on(&be, a)
+            be.run(|| generate_on(&be, a))
         }
         DeviceArg::Cuda => {
             let be = common::cuda_backend(a.gpu)?;
