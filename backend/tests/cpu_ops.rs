@@ -1297,3 +1297,48 @@ fn run_on_the_pool_gives_the_same_bits() {
         );
     }
 }
+
+/// 9-16 rows whose x outgrows L1 (the AVX-512 matmul's other tile shape): every row equals
+/// its one-row matmul bit for bit and the naive product within the f32 bound.
+#[test]
+fn matmul_many_rows_past_l1_match_single_rows() {
+    let mut rng = StdRng::seed_from_u64(0x11d_0b17e5);
+    // even 9 rows of x outgrow this CPU's L1
+    let k = (Isa::l1d_bytes() / (9 * 4)).next_multiple_of(32) + 32;
+    let n = 40;
+    for fmt in [WeightFormat::Bf16, WeightFormat::F32, WeightFormat::Q8_0] {
+        let hw = HostWeight::from_f32("w", n, k, &rand_vec(&mut rng, n * k, 1.0), fmt).unwrap();
+        let wdec = hw.to_f32();
+        for be in backends_all_isas() {
+            let w = be.upload_weight(&hw).unwrap();
+            for rows in 9..=16 {
+                let x = rand_vec(&mut rng, rows * k, 1.0);
+                let mut out = vec![0.0f32; rows * n];
+                be.matmul(&x, rows, &w, &mut out).unwrap();
+                let (want, mag) = naive_matmul(&x, rows, &wdec, n, k);
+                for i in 0..rows * n {
+                    assert!(
+                        close(out[i], want[i], mag[i], 1e-5),
+                        "{fmt:?} rows {rows} {i}"
+                    );
+                }
+                for r in 0..rows {
+                    let mut one = vec![0.0f32; n];
+                    be.matmul(&x[r * k..(r + 1) * k].to_vec(), 1, &w, &mut one)
+                        .unwrap();
+                    assert_eq!(
+                        bits(&one),
+                        bits(&out[r * n..(r + 1) * n]),
+                        "{fmt:?} rows {rows} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn l1d_size_is_plausible() {
+    let b = Isa::l1d_bytes();
+    assert!((8 * 1024..=4 * 1024 * 1024).contains(&b), "{b}");
+}
