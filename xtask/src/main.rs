@@ -10,6 +10,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod cpu;
 mod gpu;
 mod oracle;
 mod quant;
@@ -53,6 +54,9 @@ enum BenchCmd {
     Quant(quant::BenchArgs),
     /// The draft step on the CUDA backend vs PyTorch, HBM floor, verify vs decode (GPU machine).
     Gpu(Box<gpu::BenchArgs>),
+    /// Verify vs decode, the draft step and the projected speedup on the CPU backend at a
+    /// published checkpoint shape (random weights).
+    Cpu(cpu::BenchArgs),
 }
 
 fn main() -> Result<()> {
@@ -67,6 +71,7 @@ fn main() -> Result<()> {
         Cmd::Bench { what } => match what {
             BenchCmd::Quant(a) => quant::bench(a),
             BenchCmd::Gpu(a) => gpu::bench(*a),
+            BenchCmd::Cpu(a) => cpu::bench(a),
         },
     }
 }
