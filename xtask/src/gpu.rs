@@ -936,9 +936,7 @@ fn wall_ms(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<
 /// `--library`: the library drafter's `draft()` at a bench shape beside the bench's own step.
 fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Result<()> {
     use dflash_draft_model::random::random_tensor_map;
-    use dflash_draft_model::{
-        DraftConfig, DraftOptions, Drafter, LentWeights, LoadOptions, Precision,
-    };
+    use dflash_draft_model::{DraftOptions, Drafter, LentWeights, LoadOptions, Precision};
     println!("| shape | ctx | library draft() ms | bench step eager ms | bench step graph ms | library / bench graph | ingest of 8 rows ms |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
     for s in shapes {
@@ -956,26 +954,15 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
             })
             .collect();
         let window = s.windows.iter().flatten().next().copied();
-        let cfg = DraftConfig::from_json_str(
-            &serde_json::json!({
-                "architectures": ["DFlashDraftModel"],
-                "hidden_size": s.hidden,
-                "num_hidden_layers": s.layers,
-                "num_attention_heads": s.heads,
-                "num_key_value_heads": s.kv_heads,
-                "head_dim": s.head_dim,
-                "intermediate_size": s.inter,
-                "vocab_size": s.vocab,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 1000000.0,
-                "block_size": s.block,
-                "dflash_config": {"mask_token_id": s.vocab - 1, "target_layer_ids": taps},
-                "layer_types": types,
-                "sliding_window": window,
-            })
-            .to_string(),
-        )
-        .map_err(|e| anyhow!("{e:?}"))?;
+        let cfg = crate::cpu::zlab_draft_config(
+            [
+                s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.inter, s.vocab,
+            ],
+            s.block,
+            &taps,
+            &types,
+            window,
+        )?;
         let map = random_tensor_map(&cfg, 7);
         let opts = LoadOptions {
             precision: Precision::Q8_0A8,
