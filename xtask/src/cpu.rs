@@ -89,16 +89,6 @@ fn shape(name: &str) -> Result<Shape> {
     })
 }
 
-fn format(name: &str) -> Result<WeightFormat> {
-    Ok(match name {
-        "f32" => WeightFormat::F32,
-        "bf16" => WeightFormat::Bf16,
-        "q8_0" => WeightFormat::Q8_0,
-        "q8_0a8" => WeightFormat::Q8_0A8,
-        other => bail!("unknown --target-format {other} (f32, bf16, q8_0, q8_0a8)"),
-    })
-}
-
 /// A z-lab DFlash drafter config: `[hidden, layers, heads, kv_heads, head_dim, intermediate,
 /// vocab]`, the block, the target layers it taps, and (when not all full attention) the
 /// layer types with the sliding window. The mask token is the last id.
@@ -153,7 +143,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 
 fn bench_on(be: &Cpu, a: &BenchArgs) -> Result<()> {
     let s = shape(&a.shape)?;
-    let tfmt = format(&a.target_format)?;
+    let tfmt = crate::gpu::parse_format(&a.target_format)?;
     let t0 = Instant::now();
     let half = s.head_dim / 2;
     let cfg = Qwen3Config {

@@ -242,7 +242,7 @@ fn shape(name: &str) -> Result<Shape> {
     })
 }
 
-fn parse_format(s: &str) -> Result<WeightFormat> {
+pub(crate) fn parse_format(s: &str) -> Result<WeightFormat> {
     Ok(match s {
         "bf16" => WeightFormat::Bf16,
         "f16" => WeightFormat::F16,
