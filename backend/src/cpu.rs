@@ -219,9 +219,9 @@ impl Cpu {
     /// (about 80 ops per forward, most well under a millisecond) costs more than the second
     /// core gives (`dflash bench --threads 2 --profile` on a 2-core AMD EPYC: a 1-row verify at
     /// ctx 156 takes 0.95 ms from outside the pool, 0.27-0.31 inside it, 0.38-0.42 on one
-    /// thread). Drive a whole decode
-    /// loop through this when the backend has more than one thread; with one thread it just
-    /// calls `f`. Results never depend on the thread `f` runs on.
+    /// thread). Drive a whole decode loop through this when the backend has more than one
+    /// thread; with one thread it just calls `f`. Results never depend on the thread `f` runs
+    /// on.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         if self.threads() <= 1 {
             return f();

@@ -187,9 +187,9 @@ pub fn draft_head<B: Backend>(
 /// Backend threads of `generate` and `bench` without `--threads`: one per core this process
 /// may use, that is the logical CPUs it may run on (`available_parallelism`: affinity and
 /// cgroup quota) over the hardware threads per core (Linux sysfs; 1 where unknown). A second
-/// hardware thread of a core adds no FMA throughput to these compute-bound kernels (on the
-/// 2-logical-CPU Sapphire Rapids `--threads 2` was slower than 1); a second core does (2-core
-/// AMD EPYC: `dflash bench` 1.35-1.5x faster on both sides with 2 threads than with 1).
+/// hardware thread of a core adds no FMA throughput to these compute-bound kernels; a second
+/// core does (2-core AMD EPYC, the loop on the pool: `dflash bench` 1.32-1.43x faster plain
+/// decode and 1.45-1.52x faster spec with 2 threads than with 1).
 pub fn default_threads() -> usize {
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     (logical / smt_width()).max(1)
