@@ -26,7 +26,14 @@
 // weight + K / V bytes over it).
 //
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90a -o persistent_step persistent_step.cu
-// && ./persistent_step [ctx]
+// && ./persistent_step [ctx [iters [layers]]] (layers < 5: the check over the first layers only).
+//
+// Measured (thirty-seventh session, 2026-12-06 03:26, an H100 80GB HBM3; docs/bench-gpu-log.md):
+// the check passes (x 4.3e-3 after one layer, 2.0e-2 after five, each within the network's own
+// sensitivity to a 1e-4 input noise, 4.9e-3 / 2.0e-2; argmax 16/16), but the step takes 0.839 ms
+// against the library's launch-per-op step's 0.717 ms on the same card (floor 0.562 ms). The
+// producers stall on full rings ~277 us per step: the consumers, not the weight stream, bound it
+// (the attention ~15 us per layer, the 8-warp lockstep per chunk and the per-tile barriers).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
