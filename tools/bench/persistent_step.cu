@@ -224,12 +224,6 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // ---------------------------------------------------------------------------------------------
 // The consumers' pieces.
-struct Smem {
-    uint8_t *ring;
-    uint8_t *work;
-    uint64_t *full, *empty;
-};
-
 // Grid barrier over the consumers of every block (the producers never wait on it).
 __device__ __forceinline__ void grid_sync(unsigned *bar, unsigned target) {
     cbar();
