@@ -62,7 +62,10 @@ constexpr int NTHR = (NCW + 1) * 32;          // + the producer warp
 constexpr int GROUPS = H / 32;                // 128 column groups of the residual stream
 constexpr float EPS = 1e-6f;
 constexpr float THETA = 1000000.0f;
-constexpr int SPL = 144;                      // keys per attention split (<= 576 keys in 4 splits)
+constexpr int SPL = 144;
+#ifndef PAIR
+#define PAIR 0                                // consumers take two ring chunks per wait (K = 4096 tiles)
+#endif                      // keys per attention split (<= 576 keys in 4 splits)
 
 // Shared memory: the ring, then a work area used by the matmul phases (resident A codes +
 // scales, the cross-warp reduction scratch, a group buffer) or by the attention (K, V, q, S, P).
@@ -108,6 +111,8 @@ struct Params {
     Mat mats[NMAT];
     const Desc *descs;
     const int *dstart;           // [nblk][NPH + 1]
+    const uint8_t *const *csrc;  // every block's chunk sources in stream order (host-built)
+    const int *cstart;           // [nblk][NPH + 1]: each phase's first chunk in csrc
     const __nv_bfloat16 *emb;    // [vocab_rows][H]
     const int *ids;              // [R]
     const float *norm_in;        // [NL + 1][H]: input norms of the layers, then the final norm
@@ -133,6 +138,10 @@ struct Params {
     unsigned long long *trace;   // or null: [nblk][NPH + 1] barrier release times (ns), then
                                  // [nblk][NPH] cycles the producer waited for a free slot
     int nl_run;                  // layers run (the rest skipped; a correctness knob)
+    int pf;                      // L2 look-ahead: the producer prefetches the chunk pf ahead of each copy
+    int mode;                    // ablation (timing only): 0 full, 1 consumers skip the mmas, 2 the
+                                 // producer copies nothing (arrives only), 3 no attention, 4 barriers only,
+                                 // 5 = 1 and 2 (the ring protocol and the epilogues)
     unsigned epoch;
 };
 
@@ -173,6 +182,12 @@ __device__ __forceinline__ void cp16(void *dst, const void *src) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_wait_dyn(int n) {
+    if (n <= 0) cp_wait<0>();
+    else if (n == 1) cp_wait<1>();
+    else if (n == 2) cp_wait<2>();
+    else cp_wait<3>();
+}
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 __device__ __forceinline__ unsigned long long gtime() {
     unsigned long long t;
@@ -186,7 +201,7 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
 }
 
 __device__ __forceinline__ void mma_s8(int c[4], const uint4 a, const uint2 b) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(0), "r"(0), "r"(0), "r"(0));
@@ -333,9 +348,9 @@ struct Ring {
     uint8_t *base;
     uint64_t *full, *empty;
     unsigned idx;
-    __device__ __forceinline__ const uint8_t *wait() {
-        const unsigned slot = idx % NSLOT;
-        mbar_wait(full + slot, (idx / NSLOT) & 1);
+    __device__ __forceinline__ const uint8_t *wait(unsigned ahead = 0) {
+        const unsigned i = idx + ahead, slot = i % NSLOT;
+        mbar_wait(full + slot, (i / NSLOT) & 1);
         return base + slot * CH_BYTES;
     }
     __device__ __forceinline__ void release() {
@@ -370,6 +385,12 @@ __device__ void attention_load(const Params &P, int layer, int h, int s, uint8_t
     }
 }
 
+// Attention trace marks (block 0's first item of each layer): P.trace + atrace_off, 8 per layer.
+#define ATS(k)                                                                                  \
+    do {                                                                                        \
+        if (P.trace && blockIdx.x == 0 && h == 0 && s == 0 && threadIdx.x == 0)                 \
+            P.trace[(size_t)gridDim.x * (2 * NPH + 1) + layer * 8 + (k)] = gtime();             \
+    } while (0)
 // The attention of one (q head, key split) item, its K / V loads issued (attention_load).
 __device__ void attention_item(const Params &P, int layer, int h, int s, int nspl, uint8_t *work) {
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -384,19 +405,36 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
     // q of this head and, where the split holds block keys, the block's k / v: RMSNorm per
     // head, NeoX RoPE at position ctx + r; q also scaled by log2(e) / sqrt(HD).
     const float qscale = 1.4426950408889634f / sqrtf((float)HD);
-    for (int r = w * 2; r < w * 2 + 2; ++r) {
-        const int pos = P.ctx + r;
+    // Every value this warp needs first (one L2 round trip), then the arithmetic.
+    float vv[2][3][4];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int r = w * 2 + rr, pos = P.ctx + r;
         const bool blk_in = pos >= k0 && pos < k1;
-        for (int which = 0; which < (blk_in ? 3 : 1); ++which) {
+#pragma unroll
+        for (int which = 0; which < 3; ++which) {
             const int col0 = which == 0 ? h * HD : (which == 1 ? H + kvh * HD : H + NKV * HD + kvh * HD);
-            float v[4];
-            for (int j = 0; j < 4; ++j) v[j] = __ldcg(P.qkv + r * QKV_N + col0 + lane + 32 * j);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                vv[rr][which][j] = which == 0 || blk_in ? __ldcg(P.qkv + r * QKV_N + col0 + lane + 32 * j) : 0.f;
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int r = w * 2 + rr, pos = P.ctx + r;
+        const bool blk_in = pos >= k0 && pos < k1;
+#pragma unroll
+        for (int which = 0; which < 3; ++which) {
+            if (which > 0 && !blk_in) continue;
+            float *v = vv[rr][which];
             if (which < 2) {
                 const float *nw = (which == 0 ? P.qn : P.kn) + layer * HD;
                 const float ss = warp_sum(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]);
                 const float ri = rsqrtf(ss / (float)HD + EPS);
+#pragma unroll
                 for (int j = 0; j < 4; ++j) v[j] = v[j] * ri * nw[lane + 32 * j];
                 float o[4];
+#pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const int i = lane + 32 * j;  // pair (i, i + 64)
                     const float f = powf(THETA, -2.0f * (float)i / (float)HD);
@@ -405,13 +443,16 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
                     o[j] = v[j] * cs - v[j + 2] * sn;
                     o[j + 2] = v[j + 2] * cs + v[j] * sn;
                 }
+#pragma unroll
                 for (int j = 0; j < 4; ++j) v[j] = o[j];
             }
             if (which == 0) {
+#pragma unroll
                 for (int j = 0; j < 4; ++j) ((__half *)(Qs + r * KROW))[lane + 32 * j] = __float2half_rn(v[j] * qscale);
             } else {
                 uint8_t *dst = (which == 1 ? Ks : Vs) + (pos - k0) * KROW;
                 __half *cache = (which == 1 ? P.kc : P.vc) + (cbase + pos) * HD;
+#pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const __half hv = __float2half_rn(v[j]);
                     ((__half *)dst)[lane + 32 * j] = hv;
@@ -420,8 +461,10 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
             }
         }
     }
+    ATS(0);
     cp_wait<0>();
     cbar();
+    ATS(1);
     // S = q K^T over the split's keys: warp w takes 8-key tiles w, w + 8, ...
     unsigned qa[8][4];
     for (int ks = 0; ks < 8; ++ks) {
@@ -446,6 +489,7 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
         }
     }
     cbar();
+    ATS(2);
     // Softmax pieces per row (warp w: rows 2w, 2w + 1); P in f16, l summed from the f16 P.
     float mrow[2], lrow[2];
     for (int rr = 0; rr < 2; ++rr) {
@@ -464,6 +508,7 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
         lrow[rr] = warp_sum(l);
     }
     cbar();
+    ATS(3);
     // O = P V: warp w takes output dims 16w .. 16w + 15 (two 8-wide n tiles).
     float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     const int nks = (nk + 15) / 16;
@@ -497,6 +542,7 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
         }
     // The last split of this head merges all of them and writes the o projection's codes.
     __shared__ unsigned last;
+    ATS(4);
     cbar();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -505,20 +551,33 @@ __device__ void attention_item(const Params &P, int layer, int h, int s, int nsp
         __threadfence();
     }
     cbar();
+    ATS(5);
     if (!last) return;
+    // Merge (nspl <= 4 splits at the contexts this prototype runs): every load first.
     for (int pi = w; pi < R * 4; pi += NCW) {
         const int r = pi >> 2, kq = pi & 3, dim = kq * 32 + lane;
-        float M = -INFINITY;
-        for (int ss = 0; ss < nspl; ++ss) M = fmaxf(M, __ldcg(P.mlpart + (((size_t)h * nspl + ss) * R + r) * 2));
-        float num = 0.f, den = 0.f;
-        for (int ss = 0; ss < nspl; ++ss) {
+        float mm[4], ll[4], oo[4];
+#pragma unroll
+        for (int ss = 0; ss < 4; ++ss) {
             const size_t b = ((size_t)h * nspl + ss) * R + r;
-            const float sc = exp2f(__ldcg(P.mlpart + b * 2) - M);
-            num += sc * __ldcg(P.opart + b * HD + dim);
-            den += sc * __ldcg(P.mlpart + b * 2 + 1);
+            const bool on = ss < nspl;
+            mm[ss] = on ? __ldcg(P.mlpart + b * 2) : -INFINITY;
+            ll[ss] = on ? __ldcg(P.mlpart + b * 2 + 1) : 0.f;
+            oo[ss] = on ? __ldcg(P.opart + b * HD + dim) : 0.f;
+        }
+        float M = -INFINITY;
+#pragma unroll
+        for (int ss = 0; ss < 4; ++ss) M = fmaxf(M, mm[ss]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int ss = 0; ss < 4; ++ss) {
+            const float sc = ss < nspl ? exp2f(mm[ss] - M) : 0.f;
+            num += sc * oo[ss];
+            den += sc * ll[ss];
         }
         quant_row32(num / den, r, h * 4 + kq, P.aA, P.aS);
     }
+    ATS(6);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -541,44 +600,58 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
     __syncthreads();
 
     if (w == NCW) {
-        // Producer: every chunk of this block's schedule, in the consumers' order.
-        if (lane != 0) return;
+        // Producer: every chunk of this block's schedule, in the consumers' order. The warp
+        // reads 32 chunk sources at a time (and the look-ahead's), lane 0 issues them.
+        if (P.mode == 4) return;
         uint64_t policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        unsigned idx = 0;
-        int ph = 0;
+        const int *cs = P.cstart + b * (NPH + 1);
+        const int c0 = cs[0], c1 = cs[NPH];
+        int ph = 0, next_ph = cs[1];
         unsigned long long stall = 0;
-        for (int di = ds[0]; di < ds[NPH]; ++di) {
-            while (di >= ds[ph + 1]) {
+        if (lane == 0)
+            for (int i = c0; i < min(c1, c0 + P.pf); ++i)
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(P.csrc[i]), "r"(CH_BYTES) : "memory");
+        for (int base = c0; base < c1; base += 32) {
+            const uint8_t *mine = base + lane < c1 ? P.csrc[base + lane] : nullptr;
+            const int pfi = base + lane + P.pf;
+            const uint8_t *mine_pf = P.pf > 0 && pfi < c1 ? P.csrc[pfi] : nullptr;
+            const int n = min(32, c1 - base);
+            for (int j = 0; j < n; ++j) {
+                const uint8_t *src = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, j);
+                const uint8_t *psrc = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine_pf, j);
+                if (lane == 0) {
+                    const int ci = base + j;
+                    while (ci >= next_ph) {
+                        if (P.trace) P.trace[(size_t)nblk * (NPH + 1) + b * NPH + ph] = stall;
+                        stall = 0;
+                        ++ph;
+                        next_ph = cs[ph + 1];
+                    }
+                    const unsigned idx = (unsigned)(ci - c0);
+                    const unsigned slot = idx % NSLOT;
+                    if (idx >= NSLOT) {
+                        const long long t0 = clock64();
+                        mbar_wait(empty + slot, ((idx / NSLOT) - 1) & 1);
+                        stall += clock64() - t0;
+                    }
+                    if (P.mode == 2 || P.mode == 5) {
+                        mbar_arrive(full + slot);
+                    } else {
+                        mbar_expect_tx(full + slot, CH_BYTES);
+                        bulk_g2s(ring + slot * CH_BYTES, src, CH_BYTES, full + slot, policy);
+                        if (psrc)
+                            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(psrc), "r"(CH_BYTES) : "memory");
+                    }
+                }
+                __syncwarp();
+            }
+        }
+        if (lane == 0)
+            for (; ph < NPH; ++ph) {
                 if (P.trace) P.trace[(size_t)nblk * (NPH + 1) + b * NPH + ph] = stall;
                 stall = 0;
-                ++ph;
             }
-            const Desc d = P.descs[di];
-            const Mat m = P.mats[d.mat];
-            const int nkc = m.K / (32 * CH_KB);
-            const size_t tb = (size_t)(m.K / 32) * KB_BYTES;
-            const int ntr = d.ntiles * (d.mat2 != 0xFFFF ? 2 : 1);
-            for (int o = 0; o < ntr * nkc; ++o) {
-                const int tr = d.kcmajor ? o % ntr : o / nkc;
-                const int kc = d.kcmajor ? o / ntr : o % nkc;
-                const Mat mm = tr < d.ntiles ? m : P.mats[d.mat2];
-                const uint8_t *src = mm.w + (size_t)(d.tile + tr % d.ntiles) * tb + (size_t)kc * CH_BYTES;
-                const unsigned slot = idx % NSLOT;
-                if (idx >= NSLOT) {
-                    const long long t0 = clock64();
-                    mbar_wait(empty + slot, ((idx / NSLOT) - 1) & 1);
-                    stall += clock64() - t0;
-                }
-                mbar_expect_tx(full + slot, CH_BYTES);
-                bulk_g2s(ring + slot * CH_BYTES, src, CH_BYTES, full + slot, policy);
-                ++idx;
-            }
-        }
-        for (; ph < NPH; ++ph) {
-            if (P.trace) P.trace[(size_t)nblk * (NPH + 1) + b * NPH + ph] = stall;
-            stall = 0;
-        }
         return;
     }
 
@@ -597,6 +670,11 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
     for (int p = 0; p < NPH; ++p) {
         if (p > 0 && p < NPH - 1 && (p - 1) / 5 >= P.nl_run) {
             grid_sync(P.ctrl, (P.epoch * (NPH - 1) + p) * (unsigned)nblk);
+            continue;
+        }
+        if (P.mode == 4 || (P.mode == 3 && phase_kind(p) == K_ATT)) {
+            if (p > 0) grid_sync(P.ctrl, (P.epoch * (NPH - 1) + p) * (unsigned)nblk);
+            if (P.trace && threadIdx.x == 0) P.trace[b * (NPH + 1) + p] = gtime();
             continue;
         }
         if (p > 0 && phase_kind(p) == K_ATT && b < NH * nspl) {
@@ -623,14 +701,26 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
         if (ds[p] == ds[p + 1]) continue;
         // A matmul phase.
         const bool normed = kind == K_QKV || kind == K_GU || kind == K_LM;
-        if (normed) compute_rinv(P.sumsq, rinv);
+        // A in 4 commit groups of 32 k-blocks (one ring chunk's k range each): the first tile
+        // waits for each as it reaches it (a_left = groups not yet waited for).
+        int a_left = 0;
         if (kind != K_DOWN) {
             const uint8_t *gA = kind == K_O ? P.aA : P.nA;
             const float *gS = kind == K_O ? P.aS : P.nS;
-            load_a(Acodes, Ascale, gA, gS, 0, H / 32);
-            cp_wait<0>();
+            for (int pc = 0; pc < 4; ++pc)
+                load_a(Acodes + pc * CH_KB * 512, Ascale + pc * CH_KB * R, gA, gS, pc * CH_KB, CH_KB);
+            a_left = 4;
         }
-        cbar();
+        if (normed) compute_rinv(P.sumsq, rinv);
+        if (kind == K_DOWN) cbar();
+        // Wait (block-wide) for A's k range of chunk kc.
+        auto a_need = [&](int kc) {
+            if (a_left > 3 - kc) {
+                cp_wait_dyn(3 - kc);
+                cbar();
+                a_left = 3 - kc;
+            }
+        };
         int sb = 0;  // scratch double buffer
         for (int di = ds[p]; di < ds[p + 1]; ++di) {
             const Desc d = P.descs[di];
@@ -640,11 +730,26 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
             if (!d.kcmajor) {
                 for (int tr = 0; tr < ntr; ++tr) {
                     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-                    for (int kc = 0; kc < nkc; ++kc) {
-                        const uint8_t *ch = rg.wait();
-                        mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
+#if PAIR
+                    // Two chunks per wait: 8 independent mmas per warp in flight.
+                    for (int kc = 0; kc < nkc; kc += 2) {
+                        a_need(kc + 1);
+                        const uint8_t *ch = rg.wait(), *ch2 = rg.wait(1);
+                        if (P.mode != 1 && P.mode != 5) {
+                            mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
+                            mma_chunk(acc, ch2, Acodes, Ascale, (kc + 1) * CH_KB);
+                        }
+                        rg.release();
                         rg.release();
                     }
+#else
+                    for (int kc = 0; kc < nkc; ++kc) {
+                        a_need(kc);
+                        const uint8_t *ch = rg.wait();
+                        if (P.mode != 1 && P.mode != 5) mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
+                        rg.release();
+                    }
+#endif
                     float *sc = scratch + sb * (NCW * 128);
                     *(float4 *)(sc + w * 128 + lane * 4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
                     cbar();
@@ -686,7 +791,8 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                     for (int tr = 0; tr < 4; ++tr) {
                         if (tr < ntr) {
                             const uint8_t *ch = rg.wait();
-                            mma_chunk(acc[tr], ch, Acodes + cur * (kbc * 512), Ascale + cur * (kbc * R), 0);
+                            if (P.mode != 1 && P.mode != 5)
+                                mma_chunk(acc[tr], ch, Acodes + cur * (kbc * 512), Ascale + cur * (kbc * R), 0);
                             rg.release();
                         }
                     }
@@ -986,6 +1092,10 @@ int main(int argc, char **argv) {
     const int nl_run = argc > 3 ? std::atoi(argv[3]) : NL;
     const int nkeys = ctx + R;
     const int nspl = (nkeys + SPL - 1) / SPL;
+    if (nspl > 4) {
+        std::fprintf(stderr, "ctx %d needs %d attention splits; this prototype merges at most 4 (ctx <= %d)\n", ctx, nspl, 4 * SPL - R);
+        return 1;
+    }
     const int cap = nkeys;
     int dev = 0, nsm = 0;
     CK(cudaGetDevice(&dev));
@@ -1074,6 +1184,34 @@ int main(int argc, char **argv) {
         }
         descs_h.insert(descs_h.end(), per[b].begin(), per[b].end());
     }
+    // Every block's chunk sources in the consumers' order (the producer's walk, precomputed).
+    std::vector<const uint8_t *> csrc_h;
+    std::vector<int> cstart_h((size_t)nblk * (NPH + 1));
+    for (int b = 0; b < nblk; ++b) {
+        for (int p = 0; p <= NPH; ++p) {
+            cstart_h[b * (NPH + 1) + p] = (int)csrc_h.size();
+            if (p == NPH) break;
+            for (int di = dstart_h[b * (NPH + 1) + p]; di < dstart_h[b * (NPH + 1) + p + 1]; ++di) {
+                const Desc &d = descs_h[di];
+                const Mat &m = P.mats[d.mat];
+                const int nkc = m.K / (32 * CH_KB);
+                const size_t tb = (size_t)(m.K / 32) * KB_BYTES;
+                const int ntr = d.ntiles * (d.mat2 != 0xFFFF ? 2 : 1);
+                for (int o = 0; o < ntr * nkc; ++o) {
+                    const int tr = d.kcmajor ? o % ntr : o / nkc;
+                    const int kc = d.kcmajor ? o / ntr : o % nkc;
+                    const Mat &mm = tr < d.ntiles ? m : P.mats[d.mat2];
+                    csrc_h.push_back(mm.w + (size_t)(d.tile + tr % d.ntiles) * tb + (size_t)kc * CH_BYTES);
+                }
+            }
+        }
+    }
+    const uint8_t **csrc = dmalloc<const uint8_t *>(csrc_h.size());
+    CK(cudaMemcpy(csrc, csrc_h.data(), csrc_h.size() * sizeof(void *), cudaMemcpyHostToDevice));
+    int *cstart = dmalloc<int>(cstart_h.size());
+    CK(cudaMemcpy(cstart, cstart_h.data(), cstart_h.size() * 4, cudaMemcpyHostToDevice));
+    P.csrc = csrc;
+    P.cstart = cstart;
     Desc *descs = dmalloc<Desc>(descs_h.size());
     CK(cudaMemcpy(descs, descs_h.data(), descs_h.size() * sizeof(Desc), cudaMemcpyHostToDevice));
     int *dstart = dmalloc<int>(dstart_h.size());
@@ -1239,18 +1377,38 @@ int main(int argc, char **argv) {
         void *args[] = {&P};
         CK(cudaLaunchCooperativeKernel((void *)step_kernel, dim3(nblk), dim3(NTHR), args, SMEM, st));
     };
-    for (int i = 0; i < 3; ++i) launch_st();
-    CK(cudaStreamSynchronize(st));
-    const float one = median_ms(st, iters, launch_st);
-    const int nb2b = 20;
-    const float b2b = median_ms(st, 5, [&] {
-                          for (int i = 0; i < nb2b; ++i) launch_st();
-                      }) /
-                      nb2b;
-    // One traced launch: each phase from its barrier's release (block 0's clock) to the next,
-    // and the producers' stalls on a full ring (mean over blocks, us at the SM clock).
-    {
-        const size_t nt = (size_t)nblk * (NPH + 1) + (size_t)nblk * NPH;
+    // Each ablation mode from fresh counters: timed, then one traced launch (each phase from its
+    // barrier's release on block 0's clock to the next; the producers' stalls on a full ring, mean
+    // over blocks, us at the SM clock).
+    const char *mode_names[] = {"full", "no mma", "no copy", "no attention", "barriers only", "no mma, no copy"};
+    const int NMODE = 6;
+    float one_ms[NMODE], b2b_ms[NMODE];
+    double sum_t[NMODE][7] = {}, sum_s[NMODE][7] = {};
+    std::vector<int> ids_t(R);
+    const int pf_list[] = {16, 32, 48};
+    float pf_ms[3];
+    for (int i = 0; i < 3; ++i) {
+        CK(cudaMemset(P.ctrl, 0, (2 + NH) * 4));
+        epoch = 0;
+        P.mode = 0;
+        P.pf = pf_list[i];
+        for (int j = 0; j < 3; ++j) launch_st();
+        pf_ms[i] = median_ms(st, iters, launch_st);
+    }
+    P.pf = 0;
+    for (int mode = NMODE - 1; mode >= 0; --mode) {
+        CK(cudaMemset(P.ctrl, 0, (2 + NH) * 4));
+        epoch = 0;
+        P.mode = mode;
+        for (int i = 0; i < 3; ++i) launch_st();
+        CK(cudaStreamSynchronize(st));
+        one_ms[mode] = median_ms(st, iters, launch_st);
+        const int nb2b = 20;
+        b2b_ms[mode] = median_ms(st, 5, [&] {
+                           for (int i = 0; i < nb2b; ++i) launch_st();
+                       }) /
+                       nb2b;
+        const size_t nt = (size_t)nblk * (NPH + 1) + (size_t)nblk * NPH + NL * 8;
         unsigned long long *tr = dmalloc<unsigned long long>(nt);
         CK(cudaMemset(tr, 0, nt * 8));
         P.trace = tr;
@@ -1261,8 +1419,6 @@ int main(int argc, char **argv) {
         CK(cudaMemcpy(th.data(), tr, nt * 8, cudaMemcpyDeviceToHost));
         int clk_khz = 0;
         CK(cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, dev));
-        const char *names[] = {"embedding", "q/k/v", "attention", "o", "gate/up", "down", "lm_head+argmax"};
-        double sum_t[7] = {}, sum_s[7] = {};
         for (int p = 0; p < NPH; ++p) {
             unsigned long long t1 = 0;
             for (int b = 0; b < nblk; ++b) t1 = std::max(t1, th[b * (NPH + 1) + p + 1]);
@@ -1270,16 +1426,44 @@ int main(int argc, char **argv) {
             double st_us = 0;
             for (int b = 0; b < nblk; ++b) st_us += (double)th[(size_t)nblk * (NPH + 1) + b * NPH + p];
             st_us = st_us / nblk / (clk_khz / 1e3);
-            sum_t[phase_kind(p)] += us;
-            sum_s[phase_kind(p)] += st_us;
+            sum_t[mode][phase_kind(p)] += us;
+            sum_s[mode][phase_kind(p)] += st_us;
         }
-        std::printf("traced launch: phase (summed over layers) | us from its barrier to the next | producer stall us (mean per block)\n");
-        for (int k = 0; k < 7; ++k) std::printf("  %-16s %8.1f %8.1f\n", names[k], sum_t[k], sum_s[k]);
+        if (mode == 0) {
+            std::printf("attention, block 0 item 0, us from the phase's release: prep, K/V landed, S, softmax, PV + partials, counter, merge\n");
+            for (int l = 0; l < NL; ++l) {
+                const unsigned long long t0 = th[1 + 5 * l + 1];
+                std::printf("  layer %d:", l);
+                for (int k = 0; k < 7; ++k) {
+                    const unsigned long long t = th[(size_t)nblk * (2 * NPH + 1) + l * 8 + k];
+                    std::printf(" %.2f", t ? (double)(t - t0) / 1e3 : -1.0);
+                }
+                std::printf(" | phase %.2f\n", (double)(th[1 + 5 * l + 2] - t0) / 1e3);
+            }
+        }
         CK(cudaFree(tr));
+        if (mode == 0) CK(cudaMemcpy(ids_t.data(), P.out_ids, R * 4, cudaMemcpyDeviceToHost));
     }
+    const char *names[] = {"embedding", "q/k/v", "attention", "o", "gate/up", "down", "lm_head+argmax"};
+    std::printf("traced launches: phase (summed over layers): us from its barrier to the next / producer stall us\n");
+    std::printf("| phase |");
+    for (int m = 0; m < NMODE; ++m) std::printf(" %s |", mode_names[m]);
+    std::printf("\n|---|");
+    for (int m = 0; m < NMODE; ++m) std::printf("---:|");
+    std::printf("\n");
+    for (int k = 0; k < 7; ++k) {
+        std::printf("| %s |", names[k]);
+        for (int m = 0; m < NMODE; ++m) std::printf(" %.1f / %.1f |", sum_t[m][k], sum_s[m][k]);
+        std::printf("\n");
+    }
+    std::printf("| step ms (one launch, back to back) |");
+    for (int m = 0; m < NMODE; ++m) std::printf(" %.3f, %.3f |", one_ms[m], b2b_ms[m]);
+    std::printf("\n");
+    const float one = one_ms[0], b2b = b2b_ms[0];
+    std::printf("L2 look-ahead (chunks of %d B per block ahead of each copy):", CH_BYTES);
+    for (int i = 0; i < 3; ++i) std::printf(" %d: %.3f ms;", pf_list[i], pf_ms[i]);
+    std::printf("\n");
     // The ids must not change from launch to launch (the step rewrites the same K / V rows).
-    std::vector<int> ids_t(R);
-    CK(cudaMemcpy(ids_t.data(), P.out_ids, R * 4, cudaMemcpyDeviceToHost));
     int same = 0;
     for (int r = 0; r < R; ++r) same += ids_t[r] == ids_p[r];
     std::printf("copy bandwidth %.0f GB/s; floor %.3f ms (%.3f GB)\n", bw / 1e9, floor_ms, fbytes / 1e9);
