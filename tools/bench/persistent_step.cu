@@ -5,16 +5,14 @@
 // kernel could reach").
 //
 // One block per SM for the whole step. Warp 8 of each block is a producer: it walks a host-built
-// list of the block's weight chunks (every matmul of every layer, then the lm_head; 4.3 KB each)
-// and streams them with TMA bulk copies into the ring, held back only by free slots, never by the
-// data dependencies. Warps 0-7 are the consumers: they run the step's phases (embedding + norm,
-// q/k/v, attention, o + residual + norm, gate / up + SiLU, down + residual + norm, ..., lm_head +
-// argmax) separated by grid barriers. Every chunk has one owner warp and the ring is split into
-// per-warp sub-rings (3 slots each), so a chunk costs one wait and one release, and no block
-// barrier falls inside a tile: a matmul unit is 2, 4 or 8 tiles of 8 columns, each warp owns one
-// tile and every (8 / tiles)-th k chunk of it, and the chunks stream k-chunk-major over the unit's
-// tiles, so consecutive chunks go to different warps. So while the consumers sit in a barrier, a
-// norm or the attention, the ring fills with the next projection's weights.
+// list of the block's weight chunks (every matmul of every layer, then the lm_head) and its lane
+// 0 streams them with TMA bulk copies into a ring of shared-memory slots, held back only by free
+// slots, never by the data dependencies. Warps 0-7 are the consumers: they run the step's phases
+// (embedding + norm, q/k/v, attention, o + residual + norm, gate / up + SiLU, down + residual +
+// norm, ..., lm_head + argmax) separated by grid barriers, taking the weight chunks from the ring
+// in the same order (each warp a slice of every chunk; PAIR: two chunks per wait). So while the
+// consumers sit in a barrier, a norm or the attention, the ring fills with the next projection's
+// weights.
 //
 // The activations reach each matmul as q8_0 codes in mma fragment order: an RMSNorm is factored
 // (codes of x * w per 32-block, the row's 1 / rms applied to the matmul's result), so the
@@ -31,12 +29,17 @@
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90a -o persistent_step persistent_step.cu
 // && ./persistent_step [ctx [iters [layers]]] (layers < 5: the check over the first layers only).
 //
-// Measured (thirty-seventh session, 2026-12-06 03:26, an H100 80GB HBM3; docs/bench-gpu-log.md):
+// Measured (docs/bench-gpu-log.md, thirty-seventh and thirty-eighth sessions, H100 80GB HBM3):
 // the check passes (x 4.3e-3 after one layer, 2.0e-2 after five, each within the network's own
-// sensitivity to a 1e-4 input noise, 4.9e-3 / 2.0e-2; argmax 16/16), but the step takes 0.839 ms
-// against the library's launch-per-op step's 0.717 ms on the same card (floor 0.562 ms). The
-// producers stall on full rings ~277 us per step: the consumers, not the weight stream, bound it
-// (the attention ~15 us per layer, the 8-warp lockstep per chunk and the per-tile barriers).
+// sensitivity to a 1e-4 input noise, 4.9e-3 / 2.0e-2; argmax 16/16). The step: 0.839-0.874 ms
+// with the first producer (a descriptor walk with integer divisions per chunk: the producer
+// thread bound the stream), 0.784 ms with the host-built chunk list, 0.768 with PAIR, against the
+// library's launch-per-op step's 0.704 ms on the same lease (floor 0.559 ms). The ablations
+// printed after the check: the consumers' ring protocol, epilogues, attention and barriers
+// alone, with no weight bytes and no mmas, take 0.486 ms. An owner-warp-per-chunk version (git
+// 15c24dc: per-warp sub-rings of 4.3 KB chunks) measured 1.141 ms. Not yet run on a GPU: the
+// merge's loads in one round trip (the merge took 4.9 us of each ~13 us attention phase) and
+// CHKB=64 (17 KB bulk copies).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -58,39 +61,34 @@ constexpr int R = 16;                         // block rows
 constexpr int QKV_N = H + 2 * NKV * HD;       // 6144
 constexpr int KB_BYTES = 272;                 // one q8_0 k-block of an 8-column tile: 256 B codes + 8 f16 scales
 #ifndef CHKB
-#define CHKB 16
+#define CHKB 32
 #endif
-#ifndef SUBSLOTS
-#define SUBSLOTS 3
-#endif
-#ifndef SPLIT_KEYS
-#define SPLIT_KEYS 144
-#endif
-constexpr int CH_KB = CHKB;                   // k-blocks per ring chunk (one TMA bulk copy)
-constexpr int CH_BYTES = CH_KB * KB_BYTES;    // 4352 (16) or 8704 (32)
+constexpr int CH_KB = CHKB;                   // k-blocks per ring chunk (one TMA bulk copy; 32 or 64)
+constexpr int CH_BYTES = CH_KB * KB_BYTES;    // 8704 (32)
+constexpr int NSLOT = 130560 / CH_BYTES;      // ring slots (~130 KB of ring at either size)
 constexpr int NCW = 8;                        // consumer warps
-constexpr int NSUB = SUBSLOTS;                // ring slots per consumer warp (each chunk has one owner)
-constexpr int NSLOT = NCW * NSUB;
 constexpr int NTHR = (NCW + 1) * 32;          // + the producer warp
 constexpr int GROUPS = H / 32;                // 128 column groups of the residual stream
 constexpr float EPS = 1e-6f;
 constexpr float THETA = 1000000.0f;
-constexpr int SPL = SPLIT_KEYS;               // keys per attention split (at most 4 splits)
-constexpr int APC = 32;                       // k-blocks per resident-A piece (4 pieces for K = 4096)
+constexpr int SPL = 144;                      // keys per attention split (<= 576 keys in 4 splits)
+#ifndef PAIR
+#define PAIR 1                                // consumers take two ring chunks per wait (K = 4096 tiles)
+#endif
 
 // Shared memory: the ring, then a work area used by the matmul phases (resident A codes +
 // scales, the cross-warp reduction scratch, a group buffer) or by the attention (K, V, q, S, P).
 constexpr int A_CODES = (H / 32) * 512;       // 65536
 constexpr int A_SCALES = (H / 32) * R * 4;    // 8192
-constexpr int SCRATCH = 2 * 8 * 128 * 4;      // split-k partials or gate / up tiles, double-buffered by unit: [2][8][128]
-constexpr int GBUF = 0;                       // (the gate / up tiles share SCRATCH)
+constexpr int SCRATCH = 16384;
+constexpr int GBUF = 8 * R * 8 * 4;           // 4096
 constexpr int KROW = 272;                     // padded f16 row of 128 (bank-conflict free B loads)
 constexpr int PROW = SPL + 8;                 // P row (halves)
 constexpr int ATT_BYTES = 2 * SPL * KROW + R * KROW + R * SPL * 4 + R * PROW * 2;
-constexpr int MM_BYTES = A_CODES + A_SCALES + SCRATCH + GBUF + 64 + R * 32 * 4 + NCW * R * 8;
+constexpr int MM_BYTES = A_CODES + A_SCALES + SCRATCH + GBUF + 64;
 constexpr int WORK = ATT_BYTES > MM_BYTES ? ATT_BYTES : MM_BYTES;
 constexpr int RING = NSLOT * CH_BYTES;
-constexpr int SMEM = RING + ((WORK + 15) / 16) * 16 + (2 * NSLOT + 5) * 8 + 16;
+constexpr int SMEM = RING + ((WORK + 15) / 16) * 16 + 2 * NSLOT * 8 + 16;
 
 // Phases: 0 = embedding; per layer l: 1+5l qkv, 2+5l attention, 3+5l o, 4+5l gate/up,
 // 5+5l down; 26 = lm_head.
@@ -124,7 +122,6 @@ struct Params {
     const int *dstart;           // [nblk][NPH + 1]
     const uint8_t *const *csrc;  // every block's chunk sources in stream order (host-built)
     const int *cstart;           // [nblk][NPH + 1]: each phase's first chunk in csrc
-    const uint32_t *cslot;       // per chunk: ring slot | (its use count of that slot) << 8
     const __nv_bfloat16 *emb;    // [vocab_rows][H]
     const int *ids;              // [R]
     const float *norm_in;        // [NL + 1][H]: input norms of the layers, then the final norm
@@ -285,17 +282,6 @@ __device__ void load_a(uint8_t *codes, float *scales, const uint8_t *gA, const f
     cp_commit();
 }
 
-// load_a's copies, each thread's completion arriving on `bar` (count: the 256 consumer threads).
-__device__ void load_a_mbar(uint8_t *codes, float *scales, const uint8_t *gA, const float *gS, int kb0, int nkb,
-                            uint64_t *bar) {
-    const int tid = threadIdx.x;
-    const uint8_t *src = gA + (size_t)kb0 * 512;
-    for (int i = tid; i < nkb * 32; i += 256) cp16(codes + i * 16, src + (size_t)i * 16);
-    const uint8_t *ss = (const uint8_t *)(gS + (size_t)kb0 * R);
-    for (int i = tid; i < nkb * 4; i += 256) cp16((uint8_t *)scales + i * 16, ss + (size_t)i * 16);
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 // The q8 rule over one row of 32 columns held by a warp (lane = column): codes into the
 // fragment layout of k-block kb, the scale into S[kb][r].
 __device__ __forceinline__ void quant_row32(float v, int r, int kb, uint8_t *gA, float *gS) {
@@ -327,23 +313,23 @@ __device__ void resid_norm(const Params &P, const float *y /*smem [16][32] or nu
     }
 }
 
-// One ring chunk (CH_KB k-blocks of one 8-column tile) by one warp: acc += the chunk's
-// products; Acodes / Ascale hold A's k-blocks from kb0 on (kb0 = the chunk's first k-block
-// relative to what they hold).
+// One 8-column tile's k-blocks [kc * 32, kc * 32 + 32) from ring chunk `chunk`: warp w takes
+// 4 of them. Ascale / Acodes index k-blocks relative to `a_kb0`.
 __device__ __forceinline__ void mma_chunk(float acc[4], const uint8_t *chunk, const uint8_t *Acodes,
-                                          const float *Ascale, int kb0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll 8
-    for (int j = 0; j < CH_KB; ++j) {
-        const int kb = kb0 + j;
+                                          const float *Ascale, int kb_rel0) {
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < CH_KB / NCW; ++j) {
+        const int kbl = w * (CH_KB / NCW) + j;
+        const int kb = kb_rel0 + kbl;
         const uint4 a = *(const uint4 *)(Acodes + kb * 512 + lane * 16);
-        const uint8_t *blk = chunk + j * KB_BYTES;
-        const uint2 bw = *(const uint2 *)(blk + lane * 8);
+        const uint8_t *blk = chunk + kbl * KB_BYTES;
+        const uint2 b = *(const uint2 *)(blk + lane * 8);
         const __half2 sw = *(const __half2 *)(blk + 256 + t * 4);
         const float sw0 = __low2float(sw), sw1 = __high2float(sw);
         const float sa0 = Ascale[kb * R + g], sa1 = Ascale[kb * R + g + 8];
         int c[4];
-        mma_s8(c, a, bw);
+        mma_s8(c, a, b);
         acc[0] = fmaf((float)c[0], sa0 * sw0, acc[0]);
         acc[1] = fmaf((float)c[1], sa0 * sw1, acc[1]);
         acc[2] = fmaf((float)c[2], sa1 * sw0, acc[2]);
@@ -356,21 +342,30 @@ __device__ __forceinline__ int c_pos(int row, int col) {
     return ((row & 7) * 4 + (col >> 1)) * 4 + (row >> 3) * 2 + (col & 1);
 }
 
-// A consumer warp's share of the ring: its NSUB slots, taken in the order of its chunks.
-struct SubRing {
+// Sum the 8 warps' fragments of one tile (scratch[w][128]); threads 0..127 get (row i >> 3,
+// col i & 7). Caller: cbar() between the writes and this read.
+__device__ __forceinline__ float reduce_tile(const float *scratch) {
+    const int i = threadIdx.x;
+    const int p = c_pos(i >> 3, i & 7);
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NCW; ++w) s += scratch[w * 128 + p];
+    return s;
+}
+
+struct Ring {
     uint8_t *base;
     uint64_t *full, *empty;
-    unsigned k;  // chunks this warp has taken so far this step
-    __device__ __forceinline__ unsigned slot() const { return (threadIdx.x >> 5) * NSUB + k % NSUB; }
-    __device__ __forceinline__ const uint8_t *wait() {
-        const unsigned sl = slot();
-        mbar_wait(full + sl, (k / NSUB) & 1);
-        return base + sl * CH_BYTES;
+    unsigned idx;
+    __device__ __forceinline__ const uint8_t *wait(unsigned ahead = 0) {
+        const unsigned i = idx + ahead, slot = i % NSLOT;
+        mbar_wait(full + slot, (i / NSLOT) & 1);
+        return base + slot * CH_BYTES;
     }
     __device__ __forceinline__ void release() {
         __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbar_arrive(empty + slot());
-        ++k;
+        if ((threadIdx.x & 31) == 0) mbar_arrive(empty + idx % NSLOT);
+        ++idx;
     }
 };
 
@@ -608,26 +603,21 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
     uint8_t *work = smem + RING;
     uint64_t *full = (uint64_t *)(work + ((WORK + 15) / 16) * 16);
     uint64_t *empty = full + NSLOT;
-    uint64_t *abar = empty + NSLOT;  // [4] the resident A's pieces landed
-    uint64_t *rbar = abar + 4;       // the rows' 1 / rms written
     const int nblk = gridDim.x, b = blockIdx.x;
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int *ds = P.dstart + b * (NPH + 1);
     if (threadIdx.x == 0) {
         for (int i = 0; i < NSLOT; ++i) {
             mbar_init(full + i, 1);
-            mbar_init(empty + i, 1);
+            mbar_init(empty + i, NCW);
         }
-        for (int i = 0; i < 4; ++i) mbar_init(abar + i, NCW * 32);
-        mbar_init(rbar, NCW);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
     if (w == NCW) {
-        // Producer: every chunk of this block's schedule in stream order, each into the next
-        // free slot of its owner warp. The warp reads 32 chunk sources and slots at a time (and
-        // the look-ahead's sources); lane 0 issues them.
+        // Producer: every chunk of this block's schedule, in the consumers' order. The warp
+        // reads 32 chunk sources at a time (and the look-ahead's), lane 0 issues them.
         if (P.mode == 4) return;
         uint64_t policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -639,15 +629,12 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
             for (int i = c0; i < min(c1, c0 + P.pf); ++i)
                 asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(P.csrc[i]), "r"(CH_BYTES) : "memory");
         for (int base = c0; base < c1; base += 32) {
-            const bool in = base + lane < c1;
-            const uint8_t *mine = in ? P.csrc[base + lane] : nullptr;
-            const uint32_t myslot = in ? P.cslot[base + lane] : 0u;
+            const uint8_t *mine = base + lane < c1 ? P.csrc[base + lane] : nullptr;
             const int pfi = base + lane + P.pf;
             const uint8_t *mine_pf = P.pf > 0 && pfi < c1 ? P.csrc[pfi] : nullptr;
             const int n = min(32, c1 - base);
             for (int j = 0; j < n; ++j) {
                 const uint8_t *src = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, j);
-                const uint32_t sl = __shfl_sync(0xffffffffu, myslot, j);
                 const uint8_t *psrc = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine_pf, j);
                 if (lane == 0) {
                     const int ci = base + j;
@@ -657,10 +644,11 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                         ++ph;
                         next_ph = cs[ph + 1];
                     }
-                    const unsigned slot = sl & 0xffu, use = sl >> 8;
-                    if (use > 0) {
+                    const unsigned idx = (unsigned)(ci - c0);
+                    const unsigned slot = idx % NSLOT;
+                    if (idx >= NSLOT) {
                         const long long t0 = clock64();
-                        mbar_wait(empty + slot, (use - 1) & 1);
+                        mbar_wait(empty + slot, ((idx / NSLOT) - 1) & 1);
                         stall += clock64() - t0;
                     }
                     if (P.mode == 2 || P.mode == 5) {
@@ -684,21 +672,16 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
     }
 
     // Consumers.
-    SubRing rg{ring, full, empty, 0};
+    Ring rg{ring, full, empty, 0};
     uint8_t *Acodes = work;
     float *Ascale = (float *)(work + A_CODES);
-    float *scratch = (float *)(work + A_CODES + A_SCALES);  // [2][8][128] split-k partials
-    float *gbuf = scratch;                                    // [2][8][128] gate / up tiles
-    float *rinv = gbuf + GBUF / 4;                            // [16]
-    float *ybuf = rinv + 16;                                  // [16][32]
-    float *sbest = ybuf + R * 32;                             // [8][16][2]
+    float *scratch = (float *)(work + A_CODES + A_SCALES);
+    float *gbuf = scratch + SCRATCH / 4;
+    float *rinv = gbuf + GBUF / 4;
     const int nkeys = P.ctx + R;
     const int nspl = (nkeys + SPL - 1) / SPL;
-    unsigned aph = 0, rph = 0;  // phases of abar / rbar used so far
-    int ub = 0;                 // unit buffer parity
-    // The lm_head's running argmax of this lane's rows g and g + 8.
-    float bv0 = -INFINITY, bv1 = -INFINITY;
-    int bi0 = 0x7fffffff, bi1 = 0x7fffffff;
+    float best = -INFINITY;
+    int besti = 0;
 
     for (int p = 0; p < NPH; ++p) {
         if (p > 0 && p < NPH - 1 && (p - 1) / 5 >= P.nl_run) {
@@ -732,168 +715,160 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
             continue;
         }
         if (ds[p] == ds[p + 1]) continue;
-        // A matmul phase. Its units (descs) are ntr = 1..8 tiles; warp w owns tile w % ntr and
-        // the chunks kc = w / ntr (mod 8 / ntr) of it.
+        // A matmul phase.
         const bool normed = kind == K_QKV || kind == K_GU || kind == K_LM;
-        const unsigned apar = aph & 1, rpar = rph & 1;
+        // A in 4 commit groups of 32 k-blocks (one ring chunk's k range each): the first tile
+        // waits for each as it reaches it (a_left = groups not yet waited for).
+        int a_left = 0;
         if (kind != K_DOWN) {
             const uint8_t *gA = kind == K_O ? P.aA : P.nA;
             const float *gS = kind == K_O ? P.aS : P.nS;
             for (int pc = 0; pc < 4; ++pc)
-                load_a_mbar(Acodes + pc * APC * 512, Ascale + pc * APC * R, gA, gS, pc * APC, APC, abar + pc);
-            ++aph;
+                load_a(Acodes + pc * 32 * 512, Ascale + pc * 32 * R, gA, gS, pc * 32, 32);
+            a_left = 4;
         }
-        if (normed) {
-            compute_rinv(P.sumsq, rinv);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(rbar);
-            ++rph;
-        }
-        unsigned awaited = 0;
-        bool rdone = !normed;
-        const float *wn = kind == K_O ? P.norm_post + layer * H : P.norm_in + (layer + 1) * H;
+        if (normed) compute_rinv(P.sumsq, rinv);
+        if (kind == K_DOWN) cbar();
+        // Wait (block-wide) for A's k range of chunk kc.
+        auto a_need = [&](int kc) {
+            const int pc = (kc + 1) * CH_KB / 32 - 1;  // the last 32-block group chunk kc needs
+            if (a_left > 3 - pc) {
+                cp_wait_dyn(3 - pc);
+                cbar();
+                a_left = 3 - pc;
+            }
+        };
+        int sb = 0;  // scratch double buffer
         for (int di = ds[p]; di < ds[p + 1]; ++di) {
             const Desc d = P.descs[di];
             const Mat m = P.mats[d.mat];
             const int nkc = m.K / (32 * CH_KB);
             const int ntr = d.ntiles * (d.mat2 != 0xFFFF ? 2 : 1);
-            const int S = NCW / ntr;
-            const int tr = w % ntr, sp = w / ntr;
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            if (kind != K_DOWN) {
-                for (int kc = sp; kc < nkc; kc += S) {
-                    const int piece = kc * CH_KB / APC;
-                    if (!((awaited >> piece) & 1u)) {
-                        mbar_wait(abar + piece, apar);
-                        awaited |= 1u << piece;
+            if (!d.kcmajor) {
+                for (int tr = 0; tr < ntr; ++tr) {
+                    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if PAIR
+                    // Two chunks per wait: 8 independent mmas per warp in flight.
+                    for (int kc = 0; kc < nkc; kc += 2) {
+                        a_need(kc + 1);
+                        const uint8_t *ch = rg.wait(), *ch2 = rg.wait(1);
+                        if (P.mode != 1 && P.mode != 5) {
+                            mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
+                            mma_chunk(acc, ch2, Acodes, Ascale, (kc + 1) * CH_KB);
+                        }
+                        rg.release();
+                        rg.release();
                     }
-                    const uint8_t *ch = rg.wait();
-                    if (P.mode != 1 && P.mode != 5) mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
-                    rg.release();
+#else
+                    for (int kc = 0; kc < nkc; ++kc) {
+                        a_need(kc);
+                        const uint8_t *ch = rg.wait();
+                        if (P.mode != 1 && P.mode != 5) mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
+                        rg.release();
+                    }
+#endif
+                    float *sc = scratch + sb * (NCW * 128);
+                    *(float4 *)(sc + w * 128 + lane * 4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    cbar();
+                    if (threadIdx.x < 128) {
+                        const float v = reduce_tile(sc);
+                        const int row = threadIdx.x >> 3, col = threadIdx.x & 7;
+                        const int n = (d.tile + tr) * 8 + col;
+                        if (kind == K_QKV) {
+                            P.qkv[row * QKV_N + n] = v * rinv[row];
+                        } else if (kind == K_LM) {
+                            const float lg = v * rinv[row];
+                            if (P.logits) P.logits[(size_t)row * VOCAB + n] = lg;
+                            if (lg > best) {
+                                best = lg;
+                                besti = n;
+                            }
+                        } else {
+                            gbuf[tr * 128 + row * 8 + col] = v;
+                        }
+                    }
+                    sb ^= 1;
                 }
             } else {
-                // The down projection: A (K = 12288) in double-buffered pieces of DPK k-blocks.
-                constexpr int DPK = 64, CPP = DPK / CH_KB;
-                const int npc = m.K / 32 / DPK;
-                load_a(Acodes, Ascale, P.mA, P.mS, 0, DPK);
-                for (int pc = 0; pc < npc; ++pc) {
-                    const int cur = pc & 1;
-                    if (pc + 1 < npc) {
-                        load_a(Acodes + (cur ^ 1) * (DPK * 512), Ascale + (cur ^ 1) * (DPK * R), P.mA, P.mS, (pc + 1) * DPK,
-                               DPK);
+                // Down: all tiles through K together, A in 32-k-block chunks double-buffered.
+                float acc[4][4] = {};
+                const int kbc = CH_KB;
+                load_a(Acodes, Ascale, P.mA, P.mS, 0, kbc);
+                for (int kc = 0; kc < nkc; ++kc) {
+                    const int cur = kc & 1;
+                    if (kc + 1 < nkc) {
+                        load_a(Acodes + (cur ^ 1) * (kbc * 512), Ascale + (cur ^ 1) * (kbc * R), P.mA, P.mS,
+                               (kc + 1) * kbc, kbc);
                         cp_wait<1>();
                     } else {
                         cp_wait<0>();
                     }
                     cbar();
-                    for (int kc = pc * CPP; kc < (pc + 1) * CPP; ++kc) {
-                        if (kc % S != sp) continue;
-                        const uint8_t *ch = rg.wait();
-                        if (P.mode != 1 && P.mode != 5)
-                            mma_chunk(acc, ch, Acodes + cur * (DPK * 512), Ascale + cur * (DPK * R), (kc - pc * CPP) * CH_KB);
-                        rg.release();
+#pragma unroll
+                    for (int tr = 0; tr < 4; ++tr) {
+                        if (tr < ntr) {
+                            const uint8_t *ch = rg.wait();
+                            if (P.mode != 1 && P.mode != 5)
+                                mma_chunk(acc[tr], ch, Acodes + cur * (kbc * 512), Ascale + cur * (kbc * R), 0);
+                            rg.release();
+                        }
                     }
                     cbar();
                 }
-            }
-            // The unit's epilogue.
-            if (kind == K_LM) {
-                // One tile per warp (S = 1): logits, the running argmax.
-                if (!rdone) {
-                    mbar_wait(rbar, rpar);
-                    rdone = true;
-                }
-                const int n0 = (d.tile + tr) * 8 + 2 * t;
-                const float r0 = rinv[g], r1 = rinv[g + 8];
-                const float l0 = acc[0] * r0, l1 = acc[1] * r0, l2 = acc[2] * r1, l3 = acc[3] * r1;
-                if (P.logits) {
-                    P.logits[(size_t)g * VOCAB + n0] = l0;
-                    P.logits[(size_t)g * VOCAB + n0 + 1] = l1;
-                    P.logits[(size_t)(g + 8) * VOCAB + n0] = l2;
-                    P.logits[(size_t)(g + 8) * VOCAB + n0 + 1] = l3;
-                }
-                if (l0 > bv0) bv0 = l0, bi0 = n0;
-                if (l1 > bv0) bv0 = l1, bi0 = n0 + 1;
-                if (l2 > bv1) bv1 = l2, bi1 = n0;
-                if (l3 > bv1) bv1 = l3, bi1 = n0 + 1;
-                continue;
-            }
-            if (kind == K_GU) {
-                // Eight tiles (4 gate, 4 up; S = 1): m = silu(g) * u over the group's 32 columns.
-                float *gb = gbuf + ub * (8 * 128);
-                *(float4 *)(gb + tr * 128 + lane * 4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+                for (int tr = 0; tr < 4; ++tr)
+                    if (tr < ntr)
+                        *(float4 *)(scratch + tr * (NCW * 128) + w * 128 + lane * 4) =
+                            make_float4(acc[tr][0], acc[tr][1], acc[tr][2], acc[tr][3]);
                 cbar();
-                if (!rdone) {
-                    mbar_wait(rbar, rpar);
-                    rdone = true;
+                if (threadIdx.x < 128)
+                    for (int tr = 0; tr < ntr; ++tr) {
+                        const int row = threadIdx.x >> 3, col = threadIdx.x & 7;
+                        gbuf[tr * 128 + row * 8 + col] = reduce_tile(scratch + tr * (NCW * 128));
+                    }
+            }
+            if (kind == K_QKV || kind == K_LM) continue;
+            cbar();
+            // Group epilogues over 32 columns (gbuf[tile][row][col]).
+            if (kind == K_O || kind == K_DOWN) {
+                float *y = scratch + (NCW * 128) * 2;  // [16][32] past the two tile buffers
+                for (int i = threadIdx.x; i < R * 32; i += 256) {
+                    const int r = i >> 5, c = i & 31;
+                    y[i] = gbuf[(c >> 3) * 128 + r * 8 + (c & 7)];
                 }
+                cbar();
+                const float *wn = kind == K_O ? P.norm_post + layer * H : P.norm_in + (layer + 1) * H;
+                resid_norm(P, y, d.grp, wn, nullptr);
+            } else {  // K_GU: m = silu(g) * u, quantized for the down projection
                 for (int r = w * 2; r < w * 2 + 2; ++r) {
-                    const int c = lane, cp = c_pos(r, c & 7);
-                    const float gv = gb[(c >> 3) * 128 + cp] * rinv[r];
-                    const float uv = gb[(4 + (c >> 3)) * 128 + cp] * rinv[r];
+                    const int c = lane;
+                    const float gv = gbuf[(c >> 3) * 128 + r * 8 + (c & 7)] * rinv[r];
+                    const float uv = gbuf[(4 + (c >> 3)) * 128 + r * 8 + (c & 7)] * rinv[r];
                     const float mv = gv / (1.f + __expf(-gv)) * uv;
                     quant_row32(mv, r, d.grp, P.mA, P.mS);
                 }
-                ub ^= 1;
-                continue;
             }
-            // Split-k units: the S warps of each tile summed.
-            float *sc = scratch + ub * (8 * 128);
-            *(float4 *)(sc + w * 128 + lane * 4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
             cbar();
-            if (kind == K_QKV) {
-                if (!rdone) {
-                    mbar_wait(rbar, rpar);
-                    rdone = true;
-                }
-                for (int i = threadIdx.x; i < ntr * 128; i += NCW * 32) {
-                    const int tt = i >> 7, row = (i >> 3) & 15, col = i & 7, cp = c_pos(row, col);
-                    float v = 0.f;
-                    for (int s2 = 0; s2 < S; ++s2) v += sc[(tt + ntr * s2) * 128 + cp];
-                    P.qkv[row * QKV_N + (d.tile + tt) * 8 + col] = v * rinv[row];
-                }
-            } else {
-                // o / down: 4 tiles = one 32-column group; x += y, then the next norm's codes.
-                for (int i = threadIdx.x; i < R * 32; i += NCW * 32) {
-                    const int r = i >> 5, c = i & 31, tt = c >> 3, cp = c_pos(r, c & 7);
-                    float v = 0.f;
-                    for (int s2 = 0; s2 < S; ++s2) v += sc[(tt + ntr * s2) * 128 + cp];
-                    ybuf[i] = v;
-                }
-                cbar();
-                resid_norm(P, ybuf, d.grp, wn, nullptr);
-            }
-            ub ^= 1;
         }
     }
 
-    // Argmax over the vocabulary: each row's best over this block's tiles (lanes, then warps),
-    // then across blocks by the last block to finish.
-    for (int o = 1; o < 4; o <<= 1) {
-        const float ov0 = __shfl_xor_sync(0xffffffffu, bv0, o), ov1 = __shfl_xor_sync(0xffffffffu, bv1, o);
-        const int oi0 = __shfl_xor_sync(0xffffffffu, bi0, o), oi1 = __shfl_xor_sync(0xffffffffu, bi1, o);
-        if (ov0 > bv0 || (ov0 == bv0 && oi0 < bi0)) bv0 = ov0, bi0 = oi0;
-        if (ov1 > bv1 || (ov1 == bv1 && oi1 < bi1)) bv1 = ov1, bi1 = oi1;
-    }
-    if (t == 0) {
-        sbest[(w * R + g) * 2] = bv0;
-        sbest[(w * R + g) * 2 + 1] = __int_as_float(bi0);
-        sbest[(w * R + g + 8) * 2] = bv1;
-        sbest[(w * R + g + 8) * 2 + 1] = __int_as_float(bi1);
-    }
+    // Argmax over the vocabulary: rows' bests over this block's tiles, then across blocks by the
+    // last block to finish.
     __shared__ unsigned lastb;
-    cbar();
-    if (threadIdx.x < R) {
-        const int row = threadIdx.x;
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int k = 0; k < NCW; ++k) {
-            const float v = sbest[(k * R + row) * 2];
-            const int i = __float_as_int(sbest[(k * R + row) * 2 + 1]);
-            if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+    if (threadIdx.x < 128) {
+        for (int o = 1; o < 8; o <<= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, besti, o);
+            if (ov > best || (ov == best && oi < besti)) {
+                best = ov;
+                besti = oi;
+            }
         }
-        P.argpart[(b * R + row) * 2] = bv;
-        P.argpart[(b * R + row) * 2 + 1] = __int_as_float(bi);
+        if ((threadIdx.x & 7) == 0) {
+            const int row = threadIdx.x >> 3;
+            P.argpart[(b * R + row) * 2] = best;
+            P.argpart[(b * R + row) * 2 + 1] = __int_as_float(besti);
+        }
     }
     cbar();
     if (threadIdx.x == 0) {
@@ -1201,7 +1176,7 @@ int main(int argc, char **argv) {
         std::vector<Desc> units;
         if (kind != K_LM && kind != K_EMB && layer >= nl_run) continue;
         if (kind == K_QKV)
-            for (int t = 0; t < QKV_N / 8; t += 2) units.push_back({(uint16_t)(layer * M_PER + M_QKV), 0xFFFF, 2, 0, (uint32_t)t, 0});
+            for (int t = 0; t < QKV_N / 8; ++t) units.push_back({(uint16_t)(layer * M_PER + M_QKV), 0xFFFF, 1, 0, (uint32_t)t, 0});
         if (kind == K_O)
             for (int g = 0; g < GROUPS; ++g) units.push_back({(uint16_t)(layer * M_PER + M_O), 0xFFFF, 4, 0, (uint32_t)g * 4, (uint32_t)g});
         if (kind == K_GU)
@@ -1210,7 +1185,7 @@ int main(int argc, char **argv) {
         if (kind == K_DOWN)
             for (int g = 0; g < GROUPS; ++g) units.push_back({(uint16_t)(layer * M_PER + M_D), 0xFFFF, 4, 1, (uint32_t)g * 4, (uint32_t)g});
         if (kind == K_LM)
-            for (int t = 0; t < VOCAB / 8; t += 8) units.push_back({(uint16_t)(NL * M_PER), 0xFFFF, 8, 0, (uint32_t)t, 0});
+            for (int t = 0; t < VOCAB / 8; ++t) units.push_back({(uint16_t)(NL * M_PER), 0xFFFF, 1, 0, (uint32_t)t, 0});
         if (units.empty()) continue;
         // Contiguous runs per block for the one-tile phases (tile order rising per block).
         const int n = (int)units.size();
@@ -1226,13 +1201,10 @@ int main(int argc, char **argv) {
         }
         descs_h.insert(descs_h.end(), per[b].begin(), per[b].end());
     }
-    // Every block's chunks in stream order (each unit k-chunk-major, its tiles inner), with the
-    // owner warp's next slot: tile tr's chunk kc belongs to warp tr + ntr * (kc mod 8 / ntr).
+    // Every block's chunk sources in the consumers' order (the producer's walk, precomputed).
     std::vector<const uint8_t *> csrc_h;
-    std::vector<uint32_t> cslot_h;
     std::vector<int> cstart_h((size_t)nblk * (NPH + 1));
     for (int b = 0; b < nblk; ++b) {
-        int kw[NCW] = {};
         for (int p = 0; p <= NPH; ++p) {
             cstart_h[b * (NPH + 1) + p] = (int)csrc_h.size();
             if (p == NPH) break;
@@ -1242,19 +1214,12 @@ int main(int argc, char **argv) {
                 const int nkc = m.K / (32 * CH_KB);
                 const size_t tb = (size_t)(m.K / 32) * KB_BYTES;
                 const int ntr = d.ntiles * (d.mat2 != 0xFFFF ? 2 : 1);
-                const int S = NCW / ntr;
-                if (NCW % ntr != 0 || nkc % S != 0) {
-                    std::fprintf(stderr, "unit of %d tiles over K %d does not split over %d warps\n", ntr, m.K, NCW);
-                    return 1;
+                for (int o = 0; o < ntr * nkc; ++o) {
+                    const int tr = d.kcmajor ? o % ntr : o / nkc;
+                    const int kc = d.kcmajor ? o / ntr : o % nkc;
+                    const Mat &mm = tr < d.ntiles ? m : P.mats[d.mat2];
+                    csrc_h.push_back(mm.w + (size_t)(d.tile + tr % d.ntiles) * tb + (size_t)kc * CH_BYTES);
                 }
-                for (int kc = 0; kc < nkc; ++kc)
-                    for (int tr = 0; tr < ntr; ++tr) {
-                        const Mat &mm = tr < d.ntiles ? m : P.mats[d.mat2];
-                        csrc_h.push_back(mm.w + (size_t)(d.tile + tr % d.ntiles) * tb + (size_t)kc * CH_BYTES);
-                        const int owner = tr + ntr * (kc % S);
-                        cslot_h.push_back((uint32_t)(owner * NSUB + kw[owner] % NSUB) | (uint32_t)(kw[owner] / NSUB) << 8);
-                        ++kw[owner];
-                    }
             }
         }
     }
@@ -1262,11 +1227,8 @@ int main(int argc, char **argv) {
     CK(cudaMemcpy(csrc, csrc_h.data(), csrc_h.size() * sizeof(void *), cudaMemcpyHostToDevice));
     int *cstart = dmalloc<int>(cstart_h.size());
     CK(cudaMemcpy(cstart, cstart_h.data(), cstart_h.size() * 4, cudaMemcpyHostToDevice));
-    uint32_t *cslot = dmalloc<uint32_t>(cslot_h.size());
-    CK(cudaMemcpy(cslot, cslot_h.data(), cslot_h.size() * 4, cudaMemcpyHostToDevice));
     P.csrc = csrc;
     P.cstart = cstart;
-    P.cslot = cslot;
     Desc *descs = dmalloc<Desc>(descs_h.size());
     CK(cudaMemcpy(descs, descs_h.data(), descs_h.size() * sizeof(Desc), cudaMemcpyHostToDevice));
     int *dstart = dmalloc<int>(dstart_h.size());
