@@ -147,7 +147,6 @@ struct Params {
     unsigned long long *trace;   // or null: [nblk][NPH + 1] barrier release times (ns), then
                                  // [nblk][NPH] cycles the producer waited for a free slot
     int nl_run;                  // layers run (the rest skipped; a correctness knob)
-    int pf;                      // L2 look-ahead: the producer prefetches the chunk pf ahead of each copy
     int mode;                    // ablation (timing only): 0 full, 1 consumers skip the mmas, 2 the
                                  // producer copies nothing (arrives only), 3 no attention, 4 barriers only,
                                  // 5 = 1 and 2 (the ring protocol and the epilogues)
@@ -617,7 +616,7 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
 
     if (w == NCW) {
         // Producer: every chunk of this block's schedule, in the consumers' order. The warp
-        // reads 32 chunk sources at a time (and the look-ahead's), lane 0 issues them.
+        // reads 32 chunk sources at a time, lane 0 issues them.
         if (P.mode == 4) return;
         uint64_t policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -625,17 +624,11 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
         const int c0 = cs[0], c1 = cs[NPH];
         int ph = 0, next_ph = cs[1];
         unsigned long long stall = 0;
-        if (lane == 0)
-            for (int i = c0; i < min(c1, c0 + P.pf); ++i)
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(P.csrc[i]), "r"(CH_BYTES) : "memory");
         for (int base = c0; base < c1; base += 32) {
             const uint8_t *mine = base + lane < c1 ? P.csrc[base + lane] : nullptr;
-            const int pfi = base + lane + P.pf;
-            const uint8_t *mine_pf = P.pf > 0 && pfi < c1 ? P.csrc[pfi] : nullptr;
             const int n = min(32, c1 - base);
             for (int j = 0; j < n; ++j) {
                 const uint8_t *src = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, j);
-                const uint8_t *psrc = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine_pf, j);
                 if (lane == 0) {
                     const int ci = base + j;
                     while (ci >= next_ph) {
@@ -656,8 +649,6 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                     } else {
                         mbar_expect_tx(full + slot, CH_BYTES);
                         bulk_g2s(ring + slot * CH_BYTES, src, CH_BYTES, full + slot, policy);
-                        if (psrc)
-                            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(psrc), "r"(CH_BYTES) : "memory");
                     }
                 }
                 __syncwarp();
@@ -1402,17 +1393,6 @@ int main(int argc, char **argv) {
     float one_ms[NMODE], b2b_ms[NMODE];
     double sum_t[NMODE][7] = {}, sum_s[NMODE][7] = {};
     std::vector<int> ids_t(R);
-    const int pf_list[] = {16, 32, 48};
-    float pf_ms[3];
-    for (int i = 0; i < 3; ++i) {
-        CK(cudaMemset(P.ctrl, 0, (2 + NH) * 4));
-        epoch = 0;
-        P.mode = 0;
-        P.pf = pf_list[i];
-        for (int j = 0; j < 3; ++j) launch_st();
-        pf_ms[i] = median_ms(st, iters, launch_st);
-    }
-    P.pf = 0;
     for (int mode = NMODE - 1; mode >= 0; --mode) {
         CK(cudaMemset(P.ctrl, 0, (2 + NH) * 4));
         epoch = 0;
@@ -1477,9 +1457,6 @@ int main(int argc, char **argv) {
     for (int m = 0; m < NMODE; ++m) std::printf(" %.3f, %.3f |", one_ms[m], b2b_ms[m]);
     std::printf("\n");
     const float one = one_ms[0], b2b = b2b_ms[0];
-    std::printf("L2 look-ahead (chunks of %d B per block ahead of each copy):", CH_BYTES);
-    for (int i = 0; i < 3; ++i) std::printf(" %d: %.3f ms;", pf_list[i], pf_ms[i]);
-    std::printf("\n");
     // The ids must not change from launch to launch (the step rewrites the same K / V rows).
     int same = 0;
     for (int r = 0; r < R; ++r) same += ids_t[r] == ids_p[r];
