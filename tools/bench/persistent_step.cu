@@ -38,8 +38,9 @@
 // printed after the check: the consumers' ring protocol, epilogues, attention and barriers
 // alone, with no weight bytes and no mmas, take 0.486 ms. An owner-warp-per-chunk version (git
 // 15c24dc: per-warp sub-rings of 4.3 KB chunks) measured 1.141 ms. Not yet run on a GPU: the
-// merge's loads in one round trip (the merge took 4.9 us of each ~13 us attention phase) and
-// CHKB=64 (17 KB bulk copies).
+// merge's loads in one round trip (the merge took 4.9 us of each ~13 us attention phase), each
+// unit's descriptor loaded one unit ahead, no clock reads in an untraced producer, and CHKB=64
+// (17 KB bulk copies: half the waits and releases per byte).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -640,9 +641,13 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                     const unsigned idx = (unsigned)(ci - c0);
                     const unsigned slot = idx % NSLOT;
                     if (idx >= NSLOT) {
-                        const long long t0 = clock64();
-                        mbar_wait(empty + slot, ((idx / NSLOT) - 1) & 1);
-                        stall += clock64() - t0;
+                        if (P.trace) {
+                            const long long t0 = clock64();
+                            mbar_wait(empty + slot, ((idx / NSLOT) - 1) & 1);
+                            stall += clock64() - t0;
+                        } else {
+                            mbar_wait(empty + slot, ((idx / NSLOT) - 1) & 1);
+                        }
                     }
                     if (P.mode == 2 || P.mode == 5) {
                         mbar_arrive(full + slot);
@@ -730,8 +735,11 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
             }
         };
         int sb = 0;  // scratch double buffer
+        // Each unit's descriptor loaded one unit ahead (off the tile's critical path).
+        Desc dnext = P.descs[ds[p]];
         for (int di = ds[p]; di < ds[p + 1]; ++di) {
-            const Desc d = P.descs[di];
+            const Desc d = dnext;
+            if (di + 1 < ds[p + 1]) dnext = P.descs[di + 1];
             const Mat m = P.mats[d.mat];
             const int nkc = m.K / (32 * CH_KB);
             const int ntr = d.ntiles * (d.mat2 != 0xFFFF ? 2 : 1);
