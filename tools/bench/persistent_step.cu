@@ -668,6 +668,7 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
     }
 
     // Consumers.
+    const bool do_mma = P.mode != 1 && P.mode != 5;  // the ablations without the mmas skip them
     Ring rg{ring, full, empty, 0};
     uint8_t *Acodes = work;
     float *Ascale = (float *)(work + A_CODES);
@@ -751,7 +752,7 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                     for (int kc = 0; kc < nkc; kc += 2) {
                         a_need(kc + 1);
                         const uint8_t *ch = rg.wait(), *ch2 = rg.wait(1);
-                        if (P.mode != 1 && P.mode != 5) {
+                        if (do_mma) {
                             mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
                             mma_chunk(acc, ch2, Acodes, Ascale, (kc + 1) * CH_KB);
                         }
@@ -762,7 +763,7 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                     for (int kc = 0; kc < nkc; ++kc) {
                         a_need(kc);
                         const uint8_t *ch = rg.wait();
-                        if (P.mode != 1 && P.mode != 5) mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
+                        if (do_mma) mma_chunk(acc, ch, Acodes, Ascale, kc * CH_KB);
                         rg.release();
                     }
 #endif
@@ -807,7 +808,7 @@ __global__ void __launch_bounds__(NTHR, 1) step_kernel(const Params P) {
                     for (int tr = 0; tr < 4; ++tr) {
                         if (tr < ntr) {
                             const uint8_t *ch = rg.wait();
-                            if (P.mode != 1 && P.mode != 5)
+                            if (do_mma)
                                 mma_chunk(acc[tr], ch, Acodes + cur * (kbc * 512), Ascale + cur * (kbc * R), 0);
                             rg.release();
                         }
