@@ -1,5 +1,6 @@
 //! `Cuda: Backend` over cudarc: one context, one stream, kernels from the registry.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -660,6 +661,19 @@ fn grid_1d(n: usize, block: u32) -> LaunchConfig {
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// The device copy of `spec`'s RoPE frequencies, uploaded once per distinct table.
+fn rope_freqs<'a>(
+    stream: &Arc<CudaStream>,
+    cache: &'a mut HashMap<Vec<u32>, CudaSlice<f32>>,
+    spec: &RopeSpec,
+) -> Result<&'a CudaSlice<f32>> {
+    let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
+    Ok(match cache.entry(key) {
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(e) => e.insert(stream.clone_htod(&spec.inv_freq).map_err(dev)?),
+    })
 }
 
 fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
@@ -1793,13 +1807,8 @@ impl Cuda {
         if rows * (n_heads + n_kv_heads) == 0 {
             return Ok(());
         }
-        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
         let mut cache = lock(&self.rope_cache);
-        if !cache.contains_key(&key) {
-            let s = self.stream.clone_htod(&spec.inv_freq).map_err(dev)?;
-            cache.insert(key.clone(), s);
-        }
-        let freqs = cache.get(&key).ok_or_else(internal)?;
+        let freqs = rope_freqs(&self.stream, &mut cache, spec)?;
         let f = self.func(Kernel::QkNormRopeKv)?;
         let (h_i, hk_i, hd_i, hr_i, p0) = (
             i32_of("qk_norm_rope_kv", "n_heads", n_heads)?,
@@ -3440,13 +3449,8 @@ impl Backend for Cuda {
         if n == 0 {
             return Ok(());
         }
-        let key: Vec<u32> = spec.inv_freq.iter().map(|f| f.to_bits()).collect();
         let mut cache = lock(&self.rope_cache);
-        if !cache.contains_key(&key) {
-            let s = self.stream.clone_htod(&spec.inv_freq).map_err(dev)?;
-            cache.insert(key.clone(), s);
-        }
-        let freqs = cache.get(&key).ok_or_else(internal)?;
+        let freqs = rope_freqs(&self.stream, &mut cache, spec)?;
         let f = self.func(Kernel::Rope)?;
         let (r, h, d, hr, p0) = (
             rows as i32,
