@@ -29,18 +29,19 @@
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90a -o persistent_step persistent_step.cu
 // && ./persistent_step [ctx [iters [layers]]] (layers < 5: the check over the first layers only).
 //
-// Measured (docs/bench-gpu-log.md, thirty-seventh and thirty-eighth sessions, H100 80GB HBM3):
+// Measured (docs/bench-gpu-log.md, thirty-seventh to thirty-ninth sessions, H100 80GB HBM3):
 // the check passes (x 4.3e-3 after one layer, 2.0e-2 after five, each within the network's own
 // sensitivity to a 1e-4 input noise, 4.9e-3 / 2.0e-2; argmax 16/16). The step: 0.839-0.874 ms
 // with the first producer (a descriptor walk with integer divisions per chunk: the producer
-// thread bound the stream), 0.784 ms with the host-built chunk list, 0.768 with PAIR, against the
-// library's launch-per-op step's 0.704 ms on the same lease (floor 0.559 ms). The ablations
-// printed after the check: the consumers' ring protocol, epilogues, attention and barriers
-// alone, with no weight bytes and no mmas, take 0.486 ms. An owner-warp-per-chunk version (git
-// 15c24dc: per-warp sub-rings of 4.3 KB chunks) measured 1.141 ms. Not yet run on a GPU: the
-// merge's loads in one round trip (the merge took 4.9 us of each ~13 us attention phase), each
-// unit's descriptor loaded one unit ahead, no clock reads in an untraced producer, and CHKB=64
-// (17 KB bulk copies: half the waits and releases per byte).
+// thread bound the stream), 0.784 ms with the host-built chunk list, 0.768 with PAIR, 0.741 with
+// the merge's loads in one round trip and each unit's descriptor loaded a unit ahead, against
+// the library's launch-per-op step's 0.704 ms on the same lease (floor 0.558-0.560 ms). The
+// ablations printed after the check (this build): no mma 0.717, no weight copies 0.683, no
+// attention 0.690, the consumers' ring protocol, epilogues, attention and barriers alone (no
+// bytes, no mmas) 0.493 ms. CHKB=64 (17 KB bulk copies) takes the last to 0.379 ms but the step
+// to 0.759 (PAIR) / 0.752 (PAIR=0): its consumers cheaper, its stream no better covered. An
+// owner-warp-per-chunk version (git 15c24dc: per-warp sub-rings) measured 1.141 ms with 4.3 KB
+// chunks and 0.762 ms with 8.7 KB ones (-DCHKB=32 -DSUBSLOTS=2, whose check fails: not chased).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
