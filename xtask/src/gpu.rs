@@ -49,6 +49,10 @@ pub struct BenchArgs {
     /// Skip the dense-target verify/decode table.
     #[arg(long)]
     no_target: bool,
+    /// Weight formats of the dense target in the verify/decode table (bf16 = the checkpoint
+    /// as published; q8_0a8 / q4_0a8 = what `--target-precision` re-encodes it to).
+    #[arg(long, default_value = "bf16")]
+    target_formats: String,
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
     #[arg(long)]
     markov: bool,
@@ -2032,7 +2036,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
     }
 
-    // Dense target: verify 16 vs decode 1 (Qwen3-8B shape, bf16).
+    // Dense target: verify 16 vs decode 1 (Qwen3-8B shape, bf16 and the re-encoded formats).
     let mut target_rows = Vec::new();
     if !a.no_target {
         let s = Shape {
@@ -2042,19 +2046,25 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             ..shape("8b")?
         };
         let cap = ctxs.iter().max().copied().unwrap_or(512) + 16;
-        let mut m = Model::new(&g, &s, WeightFormat::Bf16, cap, false, 4242)?;
-        m.fused = !a.unfused;
-        let mut b16 = m.bufs(&g, 16)?;
-        let mut b1 = m.bufs(&g, 1)?;
-        for &ctx in &ctxs {
-            let v = time_forward(&g, &mut m, &mut b16, 16, ctx, true, 0, a.iters.min(20))?;
-            let d = time_forward(&g, &mut m, &mut b1, 1, ctx, true, 0, a.iters.min(20))?;
-            let floor = m.floor_bytes(1, ctx) as f64 / bw * 1e3;
-            println!(
-                "target ctx {ctx}: verify16 {:?} decode1 {:?} floor(decode) {floor:.3} ms",
-                v.graph, d.graph
-            );
-            target_rows.push((ctx, v, d, floor));
+        for tf in a.target_formats.split(',') {
+            let tf = parse_format(tf.trim())?;
+            let mut m = Model::new(&g, &s, tf, cap, false, 4242)?;
+            m.fused = !a.unfused;
+            m.q8norm = !a.no_a8_producers;
+            let mut b16 = m.bufs(&g, 16)?;
+            let mut b1 = m.bufs(&g, 1)?;
+            for &ctx in &ctxs {
+                let v = time_forward(&g, &mut m, &mut b16, 16, ctx, true, 0, a.iters.min(20))?;
+                let d = time_forward(&g, &mut m, &mut b1, 1, ctx, true, 0, a.iters.min(20))?;
+                let floor = m.floor_bytes(1, ctx) as f64 / bw * 1e3;
+                println!(
+                    "target {} ctx {ctx}: verify16 {:?} decode1 {:?} floor(decode) {floor:.3} ms",
+                    fmt_name(tf),
+                    v.graph,
+                    d.graph
+                );
+                target_rows.push((tf, ctx, v, d, floor));
+            }
         }
     }
 
@@ -2123,18 +2133,20 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
     }
     if !target_rows.is_empty() {
-        md += "\n### Dense target at the Qwen3-8B shape (36 layers, bf16 weights): verify 16 vs decode 1 (CUDA graph)\n\n";
-        md += "| ctx | decode1 ms | verify16 ms | verify16 / decode1 | decode1 HBM floor ms |\n|---:|---:|---:|---:|---:|\n";
-        for (ctx, v, d, floor) in &target_rows {
+        md += "\n### Dense target at the Qwen3-8B shape (36 layers): verify 16 vs decode 1 (CUDA graph)\n\n";
+        md += "| target weights | ctx | decode1 ms | verify16 ms | verify16 / decode1 | decode1 HBM floor ms | decode1 / floor |\n|---|---:|---:|---:|---:|---:|---:|\n";
+        for (tf, ctx, v, d, floor) in &target_rows {
             let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
             md += &format!(
-                "| {ctx} | {dm:.3} | {vm:.3} | {:.2}x | {floor:.3} |\n",
-                vm / dm
+                "| {} | {ctx} | {dm:.3} | {vm:.3} | {:.2}x | {floor:.3} | {:.2}x |\n",
+                fmt_name(*tf),
+                vm / dm,
+                dm / floor
             );
         }
         md += "\n### Projected end-to-end speedup at tau 6.5 (PROJECTION, not a measurement)\n\n";
-        md += "tau = 6.5 committed tokens per round (published Qwen3-8B-DFlash-b16 acceptance on GSM8K); one round = one draft step + one verify16; plain greedy = one decode1 per token: speedup = 6.5 x decode1 / (draft + verify16), from the times above (graph replays).\n\n| ctx | drafter weights | draft ms | verify16 ms | decode1 ms | projected speedup |\n|---:|---|---:|---:|---:|---:|\n";
-        for (ctx, v, d, _) in &target_rows {
+        md += "tau = 6.5 committed tokens per round (published Qwen3-8B-DFlash-b16 acceptance on GSM8K); one round = one draft step + one verify16; plain greedy = one decode1 per token of the same target: speedup = 6.5 x decode1 / (draft + verify16), from the times above (graph replays).\n\n| target weights | ctx | drafter weights | draft ms | verify16 ms | decode1 ms | projected speedup |\n|---|---:|---|---:|---:|---:|---:|\n";
+        for (tf, ctx, v, d, _) in &target_rows {
             for r in rows
                 .iter()
                 .filter(|r| r.ctx == *ctx && r.shape == "Qwen3-8B-DFlash-b16")
@@ -2142,7 +2154,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 let draft = r.t.graph.unwrap_or(r.t.eager);
                 let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
                 md += &format!(
-                    "| {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
+                    "| {} | {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
+                    fmt_name(*tf),
                     variant_name(r.fmt, r.fast, r.kv),
                     6.5 * dm / (draft + vm)
                 );
