@@ -52,3 +52,34 @@ static float median_ms(cudaStream_t st, int reps, F f) {
     CK(cudaEventDestroy(b));
     return t[t.size() / 2];
 }
+
+// cp.async helpers and the streaming loop of `confined` and `l2_warm`: a ring of NS stages of
+// ST16 16-byte words in shared memory, `issue(st)` copying stage st into slot st % NS; each
+// thread consumes one word per stage (the xor keeps the copies).
+__device__ __forceinline__ void ck_cp16(unsigned s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+}
+__device__ __forceinline__ void ck_cp16_hint(unsigned s, const void *g, unsigned long long pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void ck_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ck_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+template <int NS, int ST16, class Issue>
+__device__ __forceinline__ void ck_ring_stream(int nst, const uint4 *ring, Issue issue, unsigned *sink) {
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+        if (s < nst) issue(s);
+        ck_commit();
+    }
+    unsigned acc = 0;
+    for (int st = 0; st < nst; ++st) {
+        ck_wait<NS - 2>();
+        __syncthreads();
+        if (st + NS - 1 < nst) issue(st + NS - 1);
+        ck_commit();
+        const uint4 v = ring[(st % NS) * ST16 + threadIdx.x];
+        acc ^= v.x ^ v.w;
+    }
+    ck_wait<0>();
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}

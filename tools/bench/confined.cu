@@ -98,11 +98,6 @@ __device__ __forceinline__ u64 evict_first_policy() {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
     return p;
 }
-__device__ __forceinline__ void cp16(unsigned s, const void *g, u64 pol) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // B: block b streams words [b * per16, (b + 1) * per16) through an NS-slot ring of 32 KB stages.
 template <int NS>
@@ -118,24 +113,9 @@ __global__ void __launch_bounds__(256) bg_stream(const uint4 *__restrict__ src, 
         const unsigned sb = s0 + (st % NS) * ST16 * 16;
         const uint4 *g = p + (u64)st * ST16;
 #pragma unroll
-        for (int u = 0; u < ST16 / 256; ++u) cp16(sb + (tid + u * 256) * 16, g + tid + u * 256, pol);
+        for (int u = 0; u < ST16 / 256; ++u) ck_cp16_hint(sb + (tid + u * 256) * 16, g + tid + u * 256, pol);
     };
-#pragma unroll
-    for (int s = 0; s < NS - 1; ++s) {
-        if (s < nst) issue(s);
-        commit();
-    }
-    unsigned acc = 0;
-    for (int st = 0; st < nst; ++st) {
-        wait_group<NS - 2>();
-        __syncthreads();
-        if (st + NS - 1 < nst) issue(st + NS - 1);
-        commit();
-        const uint4 v = ring[(st % NS) * ST16 + tid];
-        acc ^= v.x ^ v.w;
-    }
-    wait_group<0>();
-    if (acc == 0x9e3779b9u) sink[0] = acc;
+    ck_ring_stream<NS, ST16>(nst, ring, issue, sink);
 }
 
 int main() {

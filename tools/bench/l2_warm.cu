@@ -41,16 +41,11 @@ __device__ __forceinline__ u64 policy_normal() {
     asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
     return p;
 }
-// Without an L2 hint (with one, as the matmuls issue it, this kernel raised an illegal
-// instruction on an H100; not chased): the stream reads each block's prefetched leading part
-// first, so its own misses do not evict what it is about to hit.
-__device__ __forceinline__ void cp16(unsigned s, const void *g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// The stream: block b takes words [b * per16, (b + 1) * per16), 4 slots of 32 KB.
+// The stream: block b takes words [b * per16, (b + 1) * per16), 4 slots of 32 KB. Without an
+// L2 hint (with one, as the matmuls issue it, this kernel raised an illegal instruction on an
+// H100; not chased): the stream reads each block's prefetched leading part first, so its own
+// misses do not evict what it is about to hit.
 __global__ void __launch_bounds__(256) stream(const uint4 *__restrict__ src, u64 per16, u64 n16, unsigned *sink) {
     extern __shared__ __align__(16) uint4 ring[];
     constexpr int NS = 4, ST16 = 2048;
@@ -63,29 +58,14 @@ __global__ void __launch_bounds__(256) stream(const uint4 *__restrict__ src, u64
 #pragma unroll
         for (int u = 0; u < ST16 / 256; ++u) {
             const u64 j = b0 + (u64)st * ST16 + tid + u * 256;
-            if (j < b1) cp16(sb + (tid + u * 256) * 16, src + j);
+            if (j < b1) ck_cp16(sb + (tid + u * 256) * 16, src + j);
         }
     };
-#pragma unroll
-    for (int s = 0; s < NS - 1; ++s) {
-        if (s < nst) issue(s);
-        commit();
-    }
-    unsigned acc = 0;
-    for (int st = 0; st < nst; ++st) {
-        wait_group<NS - 2>();
-        __syncthreads();
-        if (st + NS - 1 < nst) issue(st + NS - 1);
-        commit();
-        const uint4 v = ring[(st % NS) * ST16 + tid];
-        acc ^= v.x ^ v.w;
-    }
-    wait_group<0>();
-    if (acc == 0x9e3779b9u) sink[0] = acc;
+    ck_ring_stream<NS, ST16>(nst, ring, issue, sink);
 }
 
-// Loads (evict_normal) of words [lo, hi) of each of `parts` equal ranges of per16 words, from
-// offset frac_lo * per16 to frac_hi * per16 within each range.
+// Loads (evict_normal, the data dropped) of the first f of each of `parts` ranges of per16
+// words.
 __global__ void prefetch(const uint4 *__restrict__ src, u64 per16, int parts, double f, unsigned *sink) {
     const u64 pol = policy_normal();
     unsigned acc = 0;
