@@ -53,6 +53,32 @@ static float median_ms(cudaStream_t st, int reps, F f) {
     return t[t.size() / 2];
 }
 
+// Median us of `reps` runs of timed() on stream st between two events, each after setup()
+// (untimed: flushes, warm-ups, concurrent work on other streams), the device synchronized
+// after each run; the first `warm` runs are dropped.
+template <typename S, typename F>
+static float median_us_after(cudaStream_t st, int reps, int warm, S setup, F timed) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<float> t;
+    for (int r = 0; r < warm + reps; ++r) {
+        setup();
+        CK(cudaEventRecord(a, st));
+        timed();
+        CK(cudaEventRecord(b, st));
+        CK(cudaDeviceSynchronize());
+        CK(cudaGetLastError());
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        if (r >= warm) t.push_back(ms * 1e3f);
+    }
+    std::sort(t.begin(), t.end());
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return t[t.size() / 2];
+}
+
 // cp.async helpers and the streaming loop of `confined` and `l2_warm`: a ring of NS stages of
 // ST16 16-byte words in shared memory, `issue(st)` copying stage st into slot st % NS; each
 // thread consumes one word per stage (the xor keeps the copies).

@@ -149,9 +149,7 @@ int main() {
     cudaStream_t sS, sB;
     CK(cudaStreamCreateWithFlags(&sS, cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&sB, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1, b0, b1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    cudaEvent_t b0, b1;
     CK(cudaEventCreate(&b0));
     CK(cudaEventCreate(&b1));
 
@@ -187,22 +185,14 @@ int main() {
         const float4 *src = from_hbm ? hbm : l2buf;
         const u64 mask4 = (from_hbm ? hbm_bytes : l2_bytes) / 16 - 1;  // rounds start at multiples of 1024
         const int smem = beside ? 1024 : big;
-        std::vector<float> v;
-        for (int i = 0; i < 26; ++i) {
-            if (!from_hbm) small_chain<<<nbS, 256, smem, sS>>>(src, mask4, 0, R, out);  // warm L2
-            if (nbB > 0) launch_bg(nbB, ns, 1ull << 30);
-            spin<<<1, 256, 0, sS>>>(15000);
-            CK(cudaEventRecord(e0, sS));
-            small_chain<<<nbS, 256, smem, sS>>>(src, mask4, from_hbm ? salt++ : 0, R, out);
-            CK(cudaEventRecord(e1, sS));
-            CK(cudaDeviceSynchronize());
-            CK(cudaGetLastError());
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (i > 0) v.push_back(ms * 1e3f);
-        }
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
+        return median_us_after(
+            sS, 25, 1,
+            [&] {
+                if (!from_hbm) small_chain<<<nbS, 256, smem, sS>>>(src, mask4, 0, R, out);  // warm L2
+                if (nbB > 0) launch_bg(nbB, ns, 1ull << 30);
+                spin<<<1, 256, 0, sS>>>(15000);
+            },
+            [&] { small_chain<<<nbS, 256, smem, sS>>>(src, mask4, from_hbm ? salt++ : 0, R, out); });
     };
     // The trade: B's in-flight bytes (blocks x slots x 32 KB, one slot being consumed) against
     // its rate alone and the latency S sees beside it.

@@ -96,23 +96,10 @@ int main() {
     cudaStream_t s, so;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&so, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
 
     // Copy bandwidth (read + write), as the bench's floor measures it.
-    std::vector<float> cms;
-    for (int i = 0; i < 9; ++i) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaMemcpyAsync(c1, c0, cbytes, cudaMemcpyDeviceToDevice, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        cms.push_back(ms);
-    }
-    std::sort(cms.begin(), cms.end());
-    const double copy_bw = 2.0 * cbytes / (cms[4] * 1e-3) / 1e9;
+    const float copy_ms = median_ms(s, 9, [&] { CK(cudaMemcpyAsync(c1, c0, cbytes, cudaMemcpyDeviceToDevice, s)); });
+    const double copy_bw = 2.0 * cbytes / (copy_ms * 1e-3) / 1e9;
     printf("copy bandwidth %.0f GB/s (read + write, 1 GiB, median of 9); W = %.0f MB: %.1f us at it\n", copy_bw,
            wbytes / 1e6, wbytes / (copy_bw * 1e9) * 1e6);
 
@@ -139,24 +126,17 @@ int main() {
             CK(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, m.win ? mp : 0));
             const float hit = m.win ? std::min(1.0f, (float)mp / (float)m.win) : 0.0f;
             set_window(s, w, m.win, hit);
-            std::vector<float> v;
-            for (int i = 0; i < 20; ++i) {
-                if (m.target) {
-                    // The target's verify stand-in, on the other stream (no window), then W.
-                    launch_read(so, t, tbytes, sink);
-                    CK(cudaMemcpyAsync(c1, c0, cbytes, cudaMemcpyDeviceToDevice, so));
-                    CK(cudaStreamSynchronize(so));
-                }
-                CK(cudaEventRecord(e0, s));
-                launch_read(s, w, wbytes, sink);
-                CK(cudaEventRecord(e1, s));
-                CK(cudaEventSynchronize(e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                if (i >= 5) v.push_back(ms * 1e3f);
-            }
-            std::sort(v.begin(), v.end());
-            const double us = v[v.size() / 2];
+            // The target's verify stand-in, on the other stream (no window), then W.
+            const double us = median_us_after(
+                s, 15, 5,
+                [&] {
+                    if (m.target) {
+                        launch_read(so, t, tbytes, sink);
+                        CK(cudaMemcpyAsync(c1, c0, cbytes, cudaMemcpyDeviceToDevice, so));
+                        CK(cudaStreamSynchronize(so));
+                    }
+                },
+                [&] { launch_read(s, w, wbytes, sink); });
             const int bi = m.target ? 1 : 0;
             if (m.win == 0) base[bi] = us;
             printf("| %s (round %d) | %.1f | %.3f | %.1f | %+.1f us | %.0f |\n", m.name, round + 1, m.win / 1e6, hit, us,

@@ -103,34 +103,23 @@ int main() {
     fill_random<<<1024, 256>>>(w, wmax / 16, 2);
     CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * 32768));
     CK(cudaDeviceSynchronize());
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
 
     // One trial: flush, optional prefetch (tile: per block range; else the leading part), the
     // timed stream.
     auto trial = [&](u64 bytes, int blocks, double f, bool tile) {
         const u64 n16 = bytes / 16, per16 = (n16 + blocks - 1) / blocks;
-        std::vector<float> v;
-        for (int i = 0; i < 16; ++i) {
-            flush<<<sms * 4, 256>>>(fl, fbytes / 16, sink);
-            if (f > 0) {
-                if (tile)
-                    prefetch<<<sms * 4, 256>>>(w, per16, blocks, f, sink);
-                else
-                    prefetch<<<sms * 4, 256>>>(w, n16, 1, f, sink);
-            }
-            CK(cudaEventRecord(e0));
-            stream<<<blocks, 256, 4 * 32768>>>(w, per16, n16, sink);
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            CK(cudaGetLastError());
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (i > 0) v.push_back(ms * 1e3f);
-        }
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
+        return median_us_after(
+            0, 15, 1,
+            [&] {
+                flush<<<sms * 4, 256>>>(fl, fbytes / 16, sink);
+                if (f > 0) {
+                    if (tile)
+                        prefetch<<<sms * 4, 256>>>(w, per16, blocks, f, sink);
+                    else
+                        prefetch<<<sms * 4, 256>>>(w, n16, 1, f, sink);
+                }
+            },
+            [&] { stream<<<blocks, 256, 4 * 32768>>>(w, per16, n16, sink); });
     };
     printf("\n| matrix MB | blocks | cold us | lead 0.25 | lead 0.5 | tile 0.25 | tile 0.5 | tile 1.0 |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int round = 0; round < 2; ++round) {
