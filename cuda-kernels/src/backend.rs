@@ -2860,16 +2860,7 @@ impl Backend for Cuda {
             && k > 0
             && rows > 0
             && !cublas_rows
-            && ws
-                .first()
-                .and_then(|w| self.skinny_kernel(w, rows.min(SKINNY_ROWS)))
-                .is_some_and(|kern| {
-                    ws.iter().all(|w| {
-                        w.cols == k
-                            && w.rows > 0
-                            && self.skinny_kernel(w, rows.min(SKINNY_ROWS)) == Some(kern)
-                    })
-                });
+            && self.skinny_common(ws, k, rows.min(SKINNY_ROWS));
         if skinny {
             check("matmul", "x", rows * k, x.len)?;
             for (w, o) in ws.iter().zip(outs.iter()) {
@@ -3841,7 +3832,7 @@ mod tests {
     use super::{
         a8_fit, a8_kbp, a8_pair_auto, a8_pair_queue, a8_smem_bytes, a8_wpt, a8k_kernel,
         a8k_smem_bytes, repack_bf16p, repack_q4_0, repack_q4_a8, repack_q8_a8,
-        skinny::{skinny_splits, SKINNY_BLOCKS_PER_SM},
+        skinny::{skinny_r4, skinny_splits, SKINNY_BLOCKS_PER_SM},
         A8Kernel, SmemLimits,
     };
 
@@ -3898,6 +3889,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn skinny_r4_keeps_the_split_and_bf16_decode_on_32_row_tiles() {
+        for sms in [66usize, 108, 132] {
+            for t32 in [1usize, 32, 192, 384, 660, 768, 1088, 1600, 4748] {
+                for kt in [3usize, 128, 160, 384] {
+                    for rows in [1usize, 8, 9, 16] {
+                        for q in [false, true] {
+                            if !skinny_r4(t32, kt, rows, q, sms) {
+                                continue;
+                            }
+                            // 64-row tiles only where the split is one (R never changes
+                            // a split, so never a bit), and bf16 at 1-8 rows never.
+                            assert!(
+                                skinny_splits(t32, kt, sms).0 == 1,
+                                "{t32} {kt} {rows} {q} {sms}"
+                            );
+                            assert!(q || rows > 8, "{t32} {kt} {rows} {sms}");
+                        }
+                    }
+                }
+            }
+        }
+        // The measured cases (H200, 132 SMs): the 8B paired gate / up at 16 rows takes the
+        // 64-row tiles, the 27B one (1.37 waves of them) and the 8B q/k/v do not.
+        assert!(skinny_r4(768, 128, 16, false, 132));
+        assert!(!skinny_r4(768, 128, 1, false, 132));
+        assert!(skinny_r4(768, 128, 1, true, 132));
+        assert!(!skinny_r4(1088, 160, 16, false, 132));
+        assert!(!skinny_r4(192, 128, 16, true, 132));
     }
 
     #[test]

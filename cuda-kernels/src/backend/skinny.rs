@@ -14,6 +14,35 @@ const SKINNY_TILE_ROWS: usize = 32;
 /// 128 threads on sm_90: 5), the occupancy their split-k fills.
 pub(super) const SKINNY_BLOCKS_PER_SM: usize = 5;
 
+/// Blocks per SM of the 64-row skinny kernels with 9-16 rows (`__launch_bounds__` in
+/// matmul.cu: the q8_0 / q4_0 / bf16 `_n2_r4` kernels), the wave [`skinny_r4`] measures.
+pub(super) const SKINNY_R4_BLOCKS_PER_SM: usize = 3;
+
+/// Whether a skinny launch of `t32` column tiles of 32 rows (summed over its matrices) over
+/// `kt` k tiles, for `rows` rows of x, runs the 64-row kernels instead of the 32-row ones
+/// (vocabulary heads aside: [`Cuda::skinny_kernel`] gives them 64-row tiles always). Both
+/// kernels sum every output in the same order for the same split (the k tiles a warp walks,
+/// the fixed-order warp sum, the split partials in order: R only sets how many 16-row tiles a
+/// warp carries), and the split is always [`skinny_splits`] of the 32-row tiles, so this
+/// choice may depend on the row count without changing a bit. 64-row tiles where the launch
+/// is unsplit and its 64-row blocks fill their last wave at least as well (at
+/// [`SKINNY_R4_BLOCKS_PER_SM`]) as the 32-row ones do (at [`SKINNY_BLOCKS_PER_SM`]): at 9-16
+/// rows (each k tile's x, as many bytes as its weights at 16 rows, read half as often) and for
+/// q8_0 / q4_0 weights at any row count (their small loads: more in flight per warp).
+///
+/// H200, the 8B paired gate / up (24576 x 4096, 384 blocks for 396 slots): bf16 51.6 / 71.3 ->
+/// 52.1 / 56.0 us at 1 / 16 rows (`tools/bench/skinny_share.cu`); the dense 8B target's
+/// verify16 6.78 -> 6.19 ms (bf16), q8_0 decode1 6.11 -> 5.75 and verify16 7.36 -> 6.66; with
+/// bf16 at one row the target's decode1 was 5.77 -> 5.88, hence 32-row tiles there. The 27B
+/// gate / up (34816 rows: 544 blocks, 1.37 waves) keeps 32-row tiles (97.8 -> 104.6 us).
+pub(super) fn skinny_r4(t32: usize, kt: usize, rows: usize, quantized: bool, sms: usize) -> bool {
+    // Blocks over the slots of the waves they take: b1 / w1 >= b2 / w2 in integers.
+    let waves = |b: usize, per_sm: usize| b.div_ceil(per_sm * sms).max(1) * per_sm * sms;
+    let (b4, b2) = (t32.div_ceil(2), t32);
+    let fills = b4 * waves(b2, SKINNY_BLOCKS_PER_SM) >= b2 * waves(b4, SKINNY_R4_BLOCKS_PER_SM);
+    skinny_splits(t32, kt, sms).0 == 1 && fills && (rows > 8 || quantized)
+}
+
 /// Split-k of the tensor-core skinny matmul for `nb` column tiles over `kt` 32-wide k tiles:
 /// (splits, k tiles per split). As many splits as fill one wave at [`SKINNY_BLOCKS_PER_SM`]
 /// (more warps streaming; a second, partial wave costs more than it adds), at most 8 (their
@@ -33,14 +62,26 @@ pub(super) fn skinny_splits(nb: usize, kt: usize, sms: usize) -> (usize, usize) 
 
 impl Cuda {
     /// The tensor-core skinny kernel (bf16 / q8_0 / q4_0 weights, K % 32 == 0) for the row
-    /// tile size of `w` and `rows` rows; None for the other formats and shapes. Very tall
-    /// matrices (vocabulary heads) take 64-row tiles (x re-read from L2 half as often); the
-    /// choice depends on N and the SM count only.
-    pub(super) fn skinny_kernel(&self, w: &Weight<Self>, rows: usize) -> Option<(Kernel, usize)> {
+    /// tile size of `w`, `rows` rows and a launch of `t32` column tiles of 32 rows (summed over
+    /// the matrices of one `matmul_many` launch); None for the other formats and shapes.
+    /// 32- or 64-row tiles as [`skinny_r4`] says (the same bits either way).
+    pub(super) fn skinny_kernel(
+        &self,
+        w: &Weight<Self>,
+        rows: usize,
+        t32: usize,
+    ) -> Option<(Kernel, usize)> {
         if !w.cols.is_multiple_of(32) {
             return None;
         }
-        let tall = w.rows.div_ceil(SKINNY_TILE_ROWS) >= 8 * self.num_sms;
+        let quantized = matches!(
+            w.buf,
+            CudaWeightBuf::Q8_0 { .. } | CudaWeightBuf::Q4_0 { .. }
+        );
+        // Vocabulary heads (at least 8 x SMs tiles of 32 rows each): 64-row tiles at every row
+        // count (their split is one either way).
+        let head = w.rows.div_ceil(SKINNY_TILE_ROWS) >= 8 * self.num_sms;
+        let tall = head || skinny_r4(t32, w.cols / 32, rows, quantized, self.num_sms);
         let kern = match (&w.buf, rows > 8, tall) {
             (CudaWeightBuf::Bf16(_), false, false) => Kernel::SkinnyBf16N1,
             (CudaWeightBuf::Bf16(_), true, false) => Kernel::SkinnyBf16N2,
@@ -90,7 +131,10 @@ impl Cuda {
                 .matmul_a8(Some(x), None, None, rows, k, &mut mats, false)
                 .map(|_| ());
         }
-        if self.skinny_kernel(w, rows).is_some() {
+        if self
+            .skinny_kernel(w, rows, n.div_ceil(SKINNY_TILE_ROWS))
+            .is_some()
+        {
             return self.matmul_skinny_mma(x, rows, &mut [(w, out.slice_mut(0..rows * n))]);
         }
         let (n_i, k_i, t_i) = (
@@ -139,10 +183,16 @@ impl Cuda {
     ) -> Result<bool> {
         let (w0, _) = mats.first().ok_or_else(internal)?;
         let k = w0.cols;
-        let (kern, tile_rows) = self.skinny_kernel(w0, rows).ok_or_else(internal)?;
+        let t32: usize = mats
+            .iter()
+            .map(|(w, _)| w.rows.div_ceil(SKINNY_TILE_ROWS))
+            .sum();
+        let (kern, tile_rows) = self.skinny_kernel(w0, rows, t32).ok_or_else(internal)?;
         if mats.len() > 3
             || mats.iter().any(|(w, _)| {
-                w.cols != k || w.rows == 0 || self.skinny_kernel(w, rows) != Some((kern, tile_rows))
+                w.cols != k
+                    || w.rows == 0
+                    || self.skinny_kernel(w, rows, t32) != Some((kern, tile_rows))
             })
         {
             return Err(internal());
@@ -151,8 +201,9 @@ impl Cuda {
         // One split-k for the whole launch, from its column tiles together (so the launch
         // fills one wave as a single matrix of their total height would), K and the SM count:
         // never from the row count, so a row's bits do not depend on how many rows run.
-        let tiles: usize = mats.iter().map(|(w, _)| w.rows.div_ceil(tile_rows)).sum();
-        let (splits, tps) = skinny_splits(tiles, kt, self.num_sms);
+        // From the 32-row tiles whichever kernel runs, so the 64-row kernels (the same sums
+        // for the same split) keep every bit ([`skinny_r4`]).
+        let (splits, tps) = skinny_splits(t32, kt, self.num_sms);
         let plan: Vec<(usize, usize, usize)> = mats
             .iter()
             .map(|(w, _)| (w.rows.div_ceil(tile_rows), splits, tps))
@@ -253,14 +304,20 @@ impl Cuda {
     pub(super) fn skinny_group(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
         (1..=SKINNY_ROWS).contains(&rows)
             && (1..=3).contains(&ws.len())
-            && ws
-                .first()
-                .and_then(|w| self.skinny_kernel(w, rows))
-                .is_some_and(|kern| {
-                    ws.iter().all(|w| {
-                        w.cols == k && w.rows > 0 && self.skinny_kernel(w, rows) == Some(kern)
-                    })
+            && self.skinny_common(ws, k, rows)
+    }
+
+    /// Whether `ws` (K = `k`) all take one tensor-core skinny kernel for `rows` (1-16) rows
+    /// in one launch of their total height.
+    pub(super) fn skinny_common(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
+        let t32: usize = ws.iter().map(|w| w.rows.div_ceil(SKINNY_TILE_ROWS)).sum();
+        ws.first()
+            .and_then(|w| self.skinny_kernel(w, rows, t32))
+            .is_some_and(|kern| {
+                ws.iter().all(|w| {
+                    w.cols == k && w.rows > 0 && self.skinny_kernel(w, rows, t32) == Some(kern)
                 })
+            })
     }
 
     /// The skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch) of a
