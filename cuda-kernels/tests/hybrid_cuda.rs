@@ -9,7 +9,7 @@ mod hybrid_common;
 
 use common::{gpu, report, rng};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::Backend;
+use dflash_backend::{Backend, KvStorage};
 use dflash_cuda_kernels::Cuda;
 use dflash_draft_model::random::{random_tensor_map, tiny_config as draft_tiny_config};
 use dflash_draft_model::{Drafter as DraftModel, LoadOptions as DraftLoad};
@@ -26,6 +26,7 @@ fn target<B: Backend>(
     cap: usize,
     arm: RollbackArm,
     steer: Option<(u32, f32)>,
+    kv: KvStorage,
 ) -> HybridTarget<B> {
     let src = random_tensors_steered(cfg, seed, 1.0, steer);
     let names = TensorNames {
@@ -35,6 +36,7 @@ fn target<B: Backend>(
     let opts = LoadOptions {
         precision: None,
         ctx_cap: Some(cap),
+        kv_storage: kv,
     };
     let mut t =
         HybridTarget::from_source(be, cfg.clone(), &src, &names, opts).expect("hybrid target");
@@ -52,8 +54,16 @@ fn hybrid_target_cuda_vs_cpu() {
     for (pattern, next_style) in [("lfl", false), ("llf", true), ("lflf", false)] {
         let cfg = tiny_config(64, 32, pattern, next_style);
         let seed: u64 = r.random();
-        let mut tc = target(&cpu, &cfg, seed, 64, RollbackArm::Stash, None);
-        let mut tg = target(g, &cfg, seed, 64, RollbackArm::Stash, None);
+        let mut tc = target(
+            &cpu,
+            &cfg,
+            seed,
+            64,
+            RollbackArm::Stash,
+            None,
+            KvStorage::F32,
+        );
+        let mut tg = target(g, &cfg, seed, 64, RollbackArm::Stash, None, KvStorage::F32);
         let toks: Vec<u32> = (0..19).map(|_| r.random_range(0..64)).collect();
         let fc = tc.run(&cpu, &toks, &[], LogitRows::All).expect("cpu run");
         let fg = tg.run(g, &toks, &[], LogitRows::All).expect("cuda run");
@@ -78,7 +88,12 @@ fn hybrid_spec_equals_greedy_on_cuda_every_arm() {
     let mut r = rng("hybrid_spec_equals_greedy_on_cuda_every_arm");
     let mut accepted = 0;
     for arm in [RollbackArm::Stash, RollbackArm::Replay, RollbackArm::Gate] {
-        for (pattern, next_style, markov) in [("lfl", false, 0usize), ("llf", true, 32)] {
+        // The last pattern with the full-attention layers' K / V in f16.
+        for (pattern, next_style, markov, kv) in [
+            ("lfl", false, 0usize, KvStorage::F32),
+            ("llf", true, 32, KvStorage::F32),
+            ("lflf", false, 0, KvStorage::F16),
+        ] {
             let cfg = tiny_config(64, 32, pattern, next_style);
             let seed: u64 = r.random();
             let prompt: Vec<u32> = (0..r.random_range(1..10))
@@ -86,7 +101,7 @@ fn hybrid_spec_equals_greedy_on_cuda_every_arm() {
                 .collect();
             let max_new = r.random_range(8..=48usize);
             let cap = prompt.len() + 64 + 16;
-            let mut t = target(g, &cfg, seed, cap, arm, Some((5, 2.0)));
+            let mut t = target(g, &cfg, seed, cap, arm, Some((5, 2.0)), kv);
             let expected = plain_greedy(g, &mut t, &prompt, max_new, &[]).expect("greedy");
             let dcfg =
                 draft_tiny_config(32, 2, 4, 2, 64, 8, &[-1, 1], None, markov).expect("draft cfg");
@@ -106,7 +121,7 @@ fn hybrid_spec_equals_greedy_on_cuda_every_arm() {
             );
             accepted += stats.accepted;
             eprintln!(
-                "SPEC==GREEDY cuda hybrid {arm:?} {pattern} next_style {next_style} markov {markov}: {} tokens identical, rounds {} drafted {} accepted {}",
+                "SPEC==GREEDY cuda hybrid {arm:?} {pattern} next_style {next_style} markov {markov} K / V {kv:?}: {} tokens identical, rounds {} drafted {} accepted {}",
                 got.len(),
                 stats.rounds,
                 stats.drafted,

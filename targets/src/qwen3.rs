@@ -159,6 +159,24 @@ pub struct LoadOptions {
     pub precision: Option<WeightFormat>,
     /// KV / state capacity in positions (`None`: `max_position_embeddings`, at most 4096).
     pub ctx_cap: Option<usize>,
+    /// How the full-attention layers' K / V caches store their values. [`KvStorage::F32`]
+    /// (the default): the exact attention. [`KvStorage::F16`]: half the cache memory and its
+    /// bytes read; the attention runs [`Backend::attention_fast_kv16`] (over the f16 values;
+    /// on CUDA with f16 products, about bf16 SDPA's precision). Verify and decode share the
+    /// cache and the kernels, whose rows never depend on the row count, so speculative
+    /// decoding still commits exactly what plain greedy decode of the same target does.
+    pub kv_storage: KvStorage,
+}
+
+/// The K / V cache width `kvw` (values per position) in `storage`: [`KvStorage::F16`] packs
+/// two values per slot and needs an even width.
+pub(crate) fn check_kv_width(storage: KvStorage, kvw: usize) -> Result<()> {
+    if storage == KvStorage::F16 && !kvw.is_multiple_of(2) {
+        return Err(TargetError::Unsupported(format!(
+            "an f16 K / V cache needs an even n_kv_heads * head_dim, found {kvw}"
+        )));
+    }
+    Ok(())
 }
 
 struct Layer<B: Backend> {
@@ -222,6 +240,7 @@ pub struct Qwen3Dense<B: Backend> {
     w: Arc<Weights<B>>,
     k_cache: Vec<B::Buf>,
     v_cache: Vec<B::Buf>,
+    kv: KvStorage,
     cap: usize,
     pos: usize,
     /// Rows of the last verify not yet committed (`start`, `rows`).
@@ -293,9 +312,10 @@ impl<B: Backend> Qwen3Dense<B> {
             tracing::warn!(tensor = %name, "checkpoint tensor not used by the Qwen3 dense target");
         }
         let cap = opts.ctx_cap.unwrap_or(cfg.max_positions.min(4096));
-        Self::assemble(be, cfg, embed, lm_head, norm, layers, cap)
+        Self::assemble(be, cfg, embed, lm_head, norm, layers, cap, opts.kv_storage)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         be: &B,
         cfg: Qwen3Config,
@@ -304,6 +324,7 @@ impl<B: Backend> Qwen3Dense<B> {
         norm: B::Buf,
         layers: Vec<Layer<B>>,
         cap: usize,
+        kv: KvStorage,
     ) -> Result<Self> {
         cfg.validate()?;
         Self::with_cache(
@@ -316,21 +337,24 @@ impl<B: Backend> Qwen3Dense<B> {
                 layers,
             }),
             cap,
+            kv,
         )
     }
 
-    fn with_cache(be: &B, w: Arc<Weights<B>>, cap: usize) -> Result<Self> {
+    fn with_cache(be: &B, w: Arc<Weights<B>>, cap: usize, kv: KvStorage) -> Result<Self> {
         let kvw = w.cfg.n_kv_heads * w.cfg.head_dim;
+        check_kv_width(kv, kvw)?;
         let mut k_cache = Vec::with_capacity(w.cfg.n_layers);
         let mut v_cache = Vec::with_capacity(w.cfg.n_layers);
         for _ in 0..w.cfg.n_layers {
-            k_cache.push(be.zeros(cap * kvw)?);
-            v_cache.push(be.zeros(cap * kvw)?);
+            k_cache.push(be.zeros(kv.slots(cap * kvw))?);
+            v_cache.push(be.zeros(kv.slots(cap * kvw))?);
         }
         Ok(Qwen3Dense {
             w,
             k_cache,
             v_cache,
+            kv,
             cap,
             pos: 0,
             pending: None,
@@ -338,9 +362,24 @@ impl<B: Backend> Qwen3Dense<B> {
         })
     }
 
-    /// Another instance over the same weights with its own empty cache of `cap` positions.
+    /// Another instance over the same weights with its own empty cache of `cap` positions
+    /// (stored as this one's).
     pub fn share(&self, be: &B, cap: usize) -> Result<Self> {
-        Self::with_cache(be, Arc::clone(&self.w), cap)
+        Self::with_cache(be, Arc::clone(&self.w), cap, self.kv)
+    }
+
+    /// How the K / V caches store their values ([`LoadOptions::kv_storage`]).
+    pub fn kv_storage(&self) -> KvStorage {
+        self.kv
+    }
+
+    /// Store the K / V caches as `kv` says from now on: new empty caches of the same
+    /// capacity (every cached position is dropped) unless they are stored so already.
+    pub fn set_kv_storage(&mut self, be: &B, kv: KvStorage) -> Result<()> {
+        if kv != self.kv {
+            *self = Self::with_cache(be, Arc::clone(&self.w), self.cap, kv)?;
+        }
+        Ok(())
     }
 
     /// A model from host weights given by name (tests and random models): the same tensor
@@ -419,7 +458,7 @@ impl<B: Backend> Qwen3Dense<B> {
                 wd,
             });
         }
-        Self::assemble(be, cfg, embed, lm_head, norm, layers, cap)
+        Self::assemble(be, cfg, embed, lm_head, norm, layers, cap, KvStorage::F32)
     }
 
     /// The model's shape.
@@ -602,7 +641,7 @@ impl<B: Backend> Qwen3Dense<B> {
                 k: &mut self.k_cache[li],
                 v: &mut self.v_cache[li],
                 row0: start,
-                storage: KvStorage::F32,
+                storage: self.kv,
             };
             be.qk_norm_rope_kv(&*q, &*k, &*v, t, t, &qk, qn, kn, cache)?;
             let p = AttnParams {
@@ -617,7 +656,11 @@ impl<B: Backend> Qwen3Dense<B> {
                 window: c.windows[li],
                 scale: (hd as f32).powf(-0.5),
             };
-            be.attention(&*qn, &self.k_cache[li], &self.v_cache[li], &p, att)?;
+            let (kc, vc) = (&self.k_cache[li], &self.v_cache[li]);
+            match self.kv {
+                KvStorage::F32 => be.attention(&*qn, kc, vc, &p, att)?,
+                KvStorage::F16 => be.attention_fast_kv16(&*qn, kc, vc, &p, att)?,
+            }
             let tail = LayerTail {
                 wo: &layer.wo,
                 post_norm: &layer.post_norm,

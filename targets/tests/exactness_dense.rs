@@ -5,7 +5,7 @@ mod common;
 
 use common::{bad_fn, pattern, Pattern, ScriptDrafter};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, WeightFormat};
+use dflash_backend::{Backend, KvStorage, WeightFormat};
 use dflash_spec_round::{generate, plain_greedy, Session, SpecConfig, StopReason, Target};
 use dflash_targets::random::{random_qwen3, tiny_qwen3_config};
 use proptest::prelude::*;
@@ -20,6 +20,8 @@ struct Case {
     seed: u64,
     window: Option<usize>,
     bf16: bool,
+    /// The target's K / V cache in f16 (its attention then `attention_fast_kv16`).
+    kv16: bool,
     prompt: Vec<u32>,
     n_drafts: usize,
     cap_sel: usize,
@@ -37,6 +39,7 @@ fn case() -> impl Strategy<Value = Case> {
             any::<u64>(),
             prop_oneof![Just(None), Just(Some(3usize)), Just(Some(7usize))],
             any::<bool>(),
+            any::<bool>(),
         ),
         prop::collection::vec(0u32..VOCAB as u32, 1..12),
         (1usize..8, 0usize..16, any::<bool>()),
@@ -50,7 +53,7 @@ fn case() -> impl Strategy<Value = Case> {
     )
         .prop_map(
             |(
-                (seed, window, bf16),
+                (seed, window, bf16, kv16),
                 prompt,
                 (n_drafts, cap_sel, adaptive),
                 (max_new, eos_at, pattern, tight_ctx),
@@ -59,6 +62,7 @@ fn case() -> impl Strategy<Value = Case> {
                 seed,
                 window,
                 bf16,
+                kv16,
                 prompt,
                 n_drafts,
                 cap_sel,
@@ -87,6 +91,10 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
         c.prompt.len() + 64 + 8
     };
     let mut target = random_qwen3(&be, cfg, c.seed, fmt, ctx_cap).unwrap();
+    if c.kv16 {
+        target.set_kv_storage(&be, KvStorage::F16).unwrap();
+        prop_assert_eq!(target.kv_storage(), KvStorage::F16);
+    }
     // The stream to script the drafter from: plain greedy without EOS, as long as possible.
     let long = plain_greedy(&be, &mut target, &c.prompt, 200, &[]).unwrap();
     let eos: Vec<u32> = c.eos_at.map(|i| long[i % long.len()]).into_iter().collect();
@@ -182,6 +190,7 @@ fn corner_cases() {
         seed: 11,
         window: Some(3),
         bf16: false,
+        kv16: false,
         prompt: vec![1, 2, 3, 4, 5],
         n_drafts: 7,
         cap_sel: 0,
@@ -229,6 +238,19 @@ fn corner_cases() {
             ..base.clone()
         })
         .unwrap();
+    }
+    // The K / V cache in f16: every verify cap, a tight context, with and without a window.
+    for cap_sel in 0..8 {
+        for (window, tight_ctx) in [(Some(3), false), (None, true)] {
+            run_case(&Case {
+                kv16: true,
+                cap_sel,
+                window,
+                tight_ctx,
+                ..base.clone()
+            })
+            .unwrap();
+        }
     }
 }
 

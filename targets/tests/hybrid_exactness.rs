@@ -8,7 +8,7 @@ mod hybrid_common;
 
 use common::{bad_fn, pattern, Pattern, ScriptDrafter};
 use dflash_backend::cpu::Cpu;
-use dflash_backend::{Backend, WeightFormat};
+use dflash_backend::{Backend, KvStorage, WeightFormat};
 use dflash_draft_model::random::{random_tensor_map, tiny_config as draft_tiny_config};
 use dflash_draft_model::{Drafter as DraftModel, LoadOptions as DraftLoad};
 use dflash_spec_round::{
@@ -33,6 +33,8 @@ struct Case {
     next_style: bool,
     moe: bool,
     bf16: bool,
+    /// The full-attention layers' K / V caches in f16.
+    kv16: bool,
     prompt: Vec<u32>,
     n_drafts: usize,
     cap_sel: usize,
@@ -67,6 +69,7 @@ fn case() -> impl Strategy<Value = Case> {
             any::<bool>(),
             prop::bool::weighted(0.2),
             prop::bool::weighted(0.25),
+            prop::bool::weighted(0.3),
         ),
         prop::collection::vec(0u32..VOCAB as u32, 1..12),
         (1usize..8, 0usize..16, any::<bool>()),
@@ -80,7 +83,7 @@ fn case() -> impl Strategy<Value = Case> {
     )
         .prop_map(
             |(
-                (seed, arm, layers, next_style, bf16, moe),
+                (seed, arm, layers, next_style, bf16, moe, kv16),
                 prompt,
                 (n_drafts, cap_sel, adaptive),
                 (max_new, eos_at, pattern, tight_ctx),
@@ -92,6 +95,7 @@ fn case() -> impl Strategy<Value = Case> {
                 next_style,
                 moe,
                 bf16,
+                kv16,
                 prompt,
                 n_drafts,
                 cap_sel,
@@ -115,7 +119,12 @@ fn run_case(c: &Case) -> Result<Stats, TestCaseError> {
         c.prompt.len() + 64 + 8
     };
     let precision = c.bf16.then_some(WeightFormat::Bf16);
-    let mut target = random_target_with(&cfg, c.seed, 1.0, ctx_cap, c.arm, None, precision);
+    let kv = if c.kv16 {
+        KvStorage::F16
+    } else {
+        KvStorage::F32
+    };
+    let mut target = random_target_with(&cfg, c.seed, 1.0, ctx_cap, c.arm, None, precision, kv);
     let long = plain_greedy(&be, &mut target, &c.prompt, 200, &[]).unwrap();
     let eos: Vec<u32> = c.eos_at.map(|i| long[i % long.len()]).into_iter().collect();
     let expected = plain_greedy(&be, &mut target, &c.prompt, c.max_new, &eos).unwrap();
@@ -200,6 +209,7 @@ fn corner_cases_every_arm() {
             next_style: arm == RollbackArm::Replay,
             moe: arm == RollbackArm::Gate,
             bf16: false,
+            kv16: false,
             prompt: vec![1, 2, 3, 4, 5],
             n_drafts: 7,
             cap_sel: 0,
@@ -251,6 +261,19 @@ fn corner_cases_every_arm() {
             })
             .unwrap();
         }
+        // The full-attention layers' K / V in f16 (the Gate arm compares their rows after
+        // the verify and after the replay): every verify cap, a tight context.
+        for cap_sel in 0..8 {
+            for tight_ctx in [false, true] {
+                run_case(&Case {
+                    kv16: true,
+                    cap_sel,
+                    tight_ctx,
+                    ..base.clone()
+                })
+                .unwrap();
+            }
+        }
     }
 }
 
@@ -291,6 +314,7 @@ fn run_drafter(c: &DCase) -> Result<Stats, TestCaseError> {
         c.arm,
         c.steer.map(|s| (steer_tok, s)),
         None,
+        KvStorage::F32,
     );
     let long = plain_greedy(&be, &mut target, &c.prompt, 64, &[]).unwrap();
     let mut dcfg = draft_tiny_config(

@@ -230,6 +230,7 @@ fn target(be: &Faulty, arm: RollbackArm) -> HybridTarget<Faulty> {
     let opts = LoadOptions {
         precision: None,
         ctx_cap: Some(64),
+        ..LoadOptions::default()
     };
     let mut t = HybridTarget::from_source(be, cfg, &src, &names, opts).unwrap();
     t.set_rollback(arm);

@@ -203,6 +203,7 @@ fn precision_option_reencodes_weights() {
             LoadOptions {
                 precision: Some(fmt),
                 ctx_cap: Some(64),
+                ..LoadOptions::default()
             },
         )
         .unwrap();
@@ -225,6 +226,54 @@ fn precision_option_reencodes_weights() {
             assert!(diff > 0.0, "q8_0 changed nothing: the option was ignored");
         }
     }
+}
+
+/// `kv_storage: F16`: the K / V cache holds f16 values (half the slots), the logits stay
+/// within the f16 rounding of K and V of the f32 cache's (here about 1e-4 relative) and do
+/// change (the option is not ignored); a row's logits do not depend on how many rows the
+/// forward runs (decode == verify, the property speculative decoding rests on).
+#[test]
+fn kv_storage_f16_halves_the_cache_and_stays_close() {
+    use dflash_backend::KvStorage;
+    use dflash_spec_round::Target;
+    let be = Cpu::new();
+    let x = logits(&be, &fixture_model());
+    let toks = [1u32, 5, 9, 200, 7];
+    let opts = LoadOptions {
+        ctx_cap: Some(64),
+        kv_storage: KvStorage::F16,
+        ..LoadOptions::default()
+    };
+    let mut m = Qwen3Dense::<Cpu>::load(&be, fixture_model(), opts).unwrap();
+    assert_eq!(m.kv_storage(), KvStorage::F16);
+    let f = m.forward(&be, &toks, 0, &[], LogitRows::All).unwrap();
+    let y = be.download(f.logits.as_ref().unwrap()).unwrap();
+    let max_ref = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = x
+        .iter()
+        .zip(&y)
+        .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    assert!(diff / max_ref <= 2e-3, "rel err {}", diff / max_ref);
+    assert!(
+        diff > 0.0,
+        "f16 K / V changed nothing: the option was ignored"
+    );
+    // Row by row (a decode of each token) == the rows of the one forward above.
+    let vocab = y.len() / toks.len();
+    let mut one = Qwen3Dense::<Cpu>::load(&be, fixture_model(), opts).unwrap();
+    for (i, &t) in toks.iter().enumerate() {
+        let f = one.verify(&be, &[t], i, &[], true).unwrap();
+        one.commit(&be, 1).unwrap();
+        let r = be.download(f.logits.as_ref().unwrap()).unwrap();
+        assert!(
+            r.iter()
+                .zip(&y[i * vocab..(i + 1) * vocab])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "row {i}: decode != the row of the 5-row forward"
+        );
+    }
+    // A shared instance stores its cache the same way.
+    assert_eq!(m.share(&be, 8).unwrap().kv_storage(), KvStorage::F16);
 }
 
 #[test]

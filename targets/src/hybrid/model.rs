@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use dflash_backend::{
-    AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, QkNormRope, Weight,
+    f16_pair_values, AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, QkNormRope, Weight,
 };
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
@@ -54,6 +54,8 @@ pub struct HybridTarget<B: Backend> {
     cfg: HybridConfig,
     w: ModelWeights<B>,
     states: Vec<LayerState<B>>,
+    /// How the full-attention layers' K / V caches store their values.
+    kv: KvStorage,
     cap: usize,
     pos: usize,
     arm: RollbackArm,
@@ -97,6 +99,8 @@ impl<B: Backend> HybridTarget<B> {
             return Err(SpecError::Config("context cap of 0 positions".into()).into());
         }
         let kvw = cfg.n_kv_heads * cfg.head_dim;
+        let kv = opts.kv_storage;
+        crate::qwen3::check_kv_width(kv, kvw)?;
         let mut states = Vec::with_capacity(cfg.n_layers);
         for kind in &cfg.layer_kinds {
             states.push(match kind {
@@ -105,8 +109,8 @@ impl<B: Backend> HybridTarget<B> {
                     rec: be.zeros(cfg.lin_v_heads * cfg.lin_dk * cfg.lin_dv)?,
                 },
                 LayerKind::Full => LayerState::Full {
-                    k: be.zeros(cap * kvw)?,
-                    v: be.zeros(cap * kvw)?,
+                    k: be.zeros(kv.slots(cap * kvw))?,
+                    v: be.zeros(kv.slots(cap * kvw))?,
                 },
             });
         }
@@ -114,6 +118,7 @@ impl<B: Backend> HybridTarget<B> {
             cfg,
             w,
             states,
+            kv,
             cap,
             pos: 0,
             arm: RollbackArm::default(),
@@ -349,7 +354,7 @@ impl<B: Backend> HybridTarget<B> {
                         k: kc,
                         v: vc,
                         row0: start,
-                        storage: KvStorage::F32,
+                        storage: self.kv,
                     };
                     be.qk_norm_rope_kv(&q, &k, &v, t, t, &qk, &mut qn, &mut kn, cache)?;
                     let p = AttnParams {
@@ -365,7 +370,10 @@ impl<B: Backend> HybridTarget<B> {
                         scale: (1.0 / (hd as f64).sqrt()) as f32,
                     };
                     let mut att = be.zeros(t * qw)?;
-                    be.attention(&qn, kc, vc, &p, &mut att)?;
+                    match self.kv {
+                        KvStorage::F32 => be.attention(&qn, kc, vc, &p, &mut att)?,
+                        KvStorage::F16 => be.attention_fast_kv16(&qn, kc, vc, &p, &mut att)?,
+                    }
                     be.mul_sigmoid(&mut att, &gate)?;
                     be.matmul(&att, t, &fw.o, &mut o)?;
                     stashes.push(None);
@@ -473,8 +481,18 @@ impl<B: Backend> HybridTarget<B> {
             .map(|s| match s {
                 LayerState::Full { k, v } => {
                     let (k, v) = (be.download(k)?, be.download(v)?);
-                    let r = start * kvw..(start + n) * kvw;
-                    Ok(Some((k[r.clone()].to_vec(), v[r].to_vec())))
+                    // The values of rows start..start + n (an f16 cache unpacked: two per
+                    // slot, rows of an even width).
+                    let rows = |c: Vec<f32>| -> Vec<f32> {
+                        match self.kv {
+                            KvStorage::F32 => c[start * kvw..(start + n) * kvw].to_vec(),
+                            KvStorage::F16 => c[start * kvw / 2..(start + n) * kvw / 2]
+                                .iter()
+                                .flat_map(|s| f16_pair_values(s.to_bits()))
+                                .collect(),
+                        }
+                    };
+                    Ok(Some((rows(k), rows(v))))
                 }
                 LayerState::Linear { .. } => Ok(None),
             })

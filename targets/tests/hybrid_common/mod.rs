@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use dflash_backend::cpu::Cpu;
-use dflash_backend::RopeSpec;
+use dflash_backend::{KvStorage, RopeSpec};
 use dflash_spec_round::{RollbackArm, Target};
 use dflash_targets::hybrid::{
     HostTensors, HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames,
@@ -457,10 +457,12 @@ pub fn random_target(
     cap: usize,
     arm: RollbackArm,
 ) -> HybridTarget<Cpu> {
-    random_target_with(cfg, seed, emb_std, cap, arm, None, None)
+    random_target_with(cfg, seed, emb_std, cap, arm, None, None, KvStorage::F32)
 }
 
-/// As [`random_target`], with steering (see [`random_tensors_steered`]) and a weight format.
+/// As [`random_target`], with steering (see [`random_tensors_steered`]), a weight format and
+/// the full-attention layers' K / V storage.
+#[allow(clippy::too_many_arguments)]
 pub fn random_target_with(
     cfg: &HybridConfig,
     seed: u64,
@@ -469,6 +471,7 @@ pub fn random_target_with(
     arm: RollbackArm,
     steer: Option<(u32, f32)>,
     precision: Option<dflash_backend::WeightFormat>,
+    kv: KvStorage,
 ) -> HybridTarget<Cpu> {
     let be = Cpu::new();
     let src = random_tensors_steered(cfg, seed, emb_std, steer);
@@ -479,6 +482,7 @@ pub fn random_target_with(
     let opts = LoadOptions {
         precision,
         ctx_cap: Some(cap),
+        kv_storage: kv,
     };
     let mut t = HybridTarget::from_source(&be, cfg.clone(), &src, &names, opts).unwrap();
     t.set_rollback(arm);
