@@ -149,6 +149,7 @@ fn bench_on<B: Backend>(be: &B, machine: Machine, a: BenchArgs) -> Result<()> {
             draft_precision: c.draft_precision(),
             fast_attention: attn.fast(),
             kv_storage: attn.kv_storage(),
+            target_kv_storage: c.target_kv.storage(),
             ctx_cap,
             quiet: a.json,
         },

@@ -8,7 +8,9 @@ use dflash_backend::{Backend, Weight, WeightFormat};
 use dflash_draft_model::Precision;
 use dflash_spec_round::{RollbackArm, SpecConfig, Target};
 
-use crate::{ArmArg, DraftAttnArg, DraftHeadArg, PrecisionArg, DEFAULT_DRAFT, DEFAULT_TARGET};
+use crate::{
+    ArmArg, DraftAttnArg, DraftHeadArg, PrecisionArg, TargetKvArg, DEFAULT_DRAFT, DEFAULT_TARGET,
+};
 
 /// Drafter precision of `generate` and `bench` unless `--draft-precision` says otherwise.
 /// Q8_0A8 with its Q8_0A8 head: on the 2-core AVX-512 VNNI Xeon, `dflash bench --threads 1
@@ -65,6 +67,9 @@ pub struct CommonArgs {
     /// Re-encode the target's matrices (default: keep the file's format).
     #[arg(long, value_enum)]
     pub target_precision: Option<PrecisionArg>,
+    /// How the target's K / V cache stores its values.
+    #[arg(long, value_enum, default_value_t = TargetKvArg::F32)]
+    pub target_kv: TargetKvArg,
     /// Context capacity in positions (default: the (longest) prompt + max_new + 64).
     #[arg(long)]
     pub ctx: Option<usize>,

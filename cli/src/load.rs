@@ -21,6 +21,8 @@ pub struct PairSpec {
     pub fast_attention: bool,
     /// How the draft KV cache stores K and V (f16 needs `fast_attention`).
     pub kv_storage: dflash_backend::KvStorage,
+    /// How the target's K / V cache stores its values.
+    pub target_kv_storage: dflash_backend::KvStorage,
     /// Context capacity of the target (positions).
     pub ctx_cap: usize,
     /// No progress display.
@@ -79,6 +81,7 @@ pub fn load_pair<B: Backend>(be: &B, spec: &PairSpec) -> Result<Pair<B>> {
         dflash_targets::LoadOptions {
             precision: spec.target_precision,
             ctx_cap: Some(spec.ctx_cap),
+            kv_storage: spec.target_kv_storage,
         },
     )
     .with_context(|| format!("loading the target from {}", spec.target_dir.display()))?;

@@ -112,6 +112,26 @@ impl DraftAttnArg {
     }
 }
 
+/// How the target's K / V cache stores its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum TargetKvArg {
+    /// f32, the exact attention.
+    F32,
+    /// f16: half the cache memory (twice the context in the same memory) and its bytes read;
+    /// the attention over the f16 values (on CUDA with f16 products, about bf16 SDPA's
+    /// precision). Speculative and plain decode share it: the streams stay identical.
+    F16,
+}
+
+impl TargetKvArg {
+    fn storage(self) -> dflash_backend::KvStorage {
+        match self {
+            TargetKvArg::F32 => dflash_backend::KvStorage::F32,
+            TargetKvArg::F16 => dflash_backend::KvStorage::F16,
+        }
+    }
+}
+
 /// Where the target and the drafter run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum DeviceArg {
@@ -269,6 +289,7 @@ fn generate_on<B: Backend>(be: &B, a: GenerateArgs) -> Result<()> {
             draft_precision: c.draft_precision(),
             fast_attention: attn.fast(),
             kv_storage: attn.kv_storage(),
+            target_kv_storage: c.target_kv.storage(),
             ctx_cap,
             quiet: a.json,
         },

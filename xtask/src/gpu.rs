@@ -50,7 +50,8 @@ pub struct BenchArgs {
     #[arg(long)]
     no_target: bool,
     /// Weight formats of the dense target in the verify/decode table (bf16 = the checkpoint
-    /// as published; q8_0a8 / q4_0a8 = what `--target-precision` re-encodes it to).
+    /// as published; q8_0a8 / q4_0a8 = what `--target-precision` re-encodes it to); `+kv16`
+    /// after one: its K / V cache in f16 (`--target-kv f16`).
     #[arg(long, default_value = "bf16")]
     target_formats: String,
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
@@ -2046,9 +2047,23 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             ..shape("8b")?
         };
         let cap = ctxs.iter().max().copied().unwrap_or(512) + 16;
-        for tf in a.target_formats.split(',') {
-            let tf = parse_format(tf.trim())?;
+        for entry in a.target_formats.split(',') {
+            // `FORMAT+kv16`: the target's K / V cache in f16 (`LoadOptions::kv_storage`, its
+            // attention through `attention_fast_kv16`).
+            let (name, kv16) = match entry.trim().strip_suffix("+kv16") {
+                Some(n) => (n, true),
+                None => (entry.trim(), false),
+            };
+            let tf = parse_format(name)?;
+            let label = if kv16 {
+                format!("{} + f16 KV", fmt_name(tf))
+            } else {
+                fmt_name(tf).to_string()
+            };
             let mut m = Model::new(&g, &s, tf, cap, false, 4242)?;
+            if kv16 {
+                m.set_kv(&g, KvStorage::F16)?;
+            }
             m.fused = !a.unfused;
             m.q8norm = !a.no_a8_producers;
             let mut b16 = m.bufs(&g, 16)?;
@@ -2058,12 +2073,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 let d = time_forward(&g, &mut m, &mut b1, 1, ctx, true, 0, a.iters.min(20))?;
                 let floor = m.floor_bytes(1, ctx) as f64 / bw * 1e3;
                 println!(
-                    "target {} ctx {ctx}: verify16 {:?} decode1 {:?} floor(decode) {floor:.3} ms",
-                    fmt_name(tf),
+                    "target {label} ctx {ctx}: verify16 {:?} decode1 {:?} floor(decode) {floor:.3} ms",
                     v.graph,
                     d.graph
                 );
-                target_rows.push((tf, ctx, v, d, floor));
+                target_rows.push((label.clone(), ctx, v, d, floor));
             }
         }
     }
@@ -2135,18 +2149,17 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if !target_rows.is_empty() {
         md += "\n### Dense target at the Qwen3-8B shape (36 layers): verify 16 vs decode 1 (CUDA graph)\n\n";
         md += "| target weights | ctx | decode1 ms | verify16 ms | verify16 / decode1 | decode1 HBM floor ms | decode1 / floor |\n|---|---:|---:|---:|---:|---:|---:|\n";
-        for (tf, ctx, v, d, floor) in &target_rows {
+        for (label, ctx, v, d, floor) in &target_rows {
             let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
             md += &format!(
-                "| {} | {ctx} | {dm:.3} | {vm:.3} | {:.2}x | {floor:.3} | {:.2}x |\n",
-                fmt_name(*tf),
+                "| {label} | {ctx} | {dm:.3} | {vm:.3} | {:.2}x | {floor:.3} | {:.2}x |\n",
                 vm / dm,
                 dm / floor
             );
         }
         md += "\n### Projected end-to-end speedup at tau 6.5 (PROJECTION, not a measurement)\n\n";
         md += "tau = 6.5 committed tokens per round (published Qwen3-8B-DFlash-b16 acceptance on GSM8K); one round = one draft step + one verify16; plain greedy = one decode1 per token of the same target: speedup = 6.5 x decode1 / (draft + verify16), from the times above (graph replays).\n\n| target weights | ctx | drafter weights | draft ms | verify16 ms | decode1 ms | projected speedup |\n|---|---:|---|---:|---:|---:|---:|\n";
-        for (tf, ctx, v, d, _) in &target_rows {
+        for (label, ctx, v, d, _) in &target_rows {
             for r in rows
                 .iter()
                 .filter(|r| r.ctx == *ctx && r.shape == "Qwen3-8B-DFlash-b16")
@@ -2154,8 +2167,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 let draft = r.t.graph.unwrap_or(r.t.eager);
                 let (vm, dm) = (v.graph.unwrap_or(v.eager), d.graph.unwrap_or(d.eager));
                 md += &format!(
-                    "| {} | {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
-                    fmt_name(*tf),
+                    "| {label} | {ctx} | {} | {draft:.3} | {vm:.3} | {dm:.3} | {:.2}x |\n",
                     variant_name(r.fmt, r.fast, r.kv),
                     6.5 * dm / (draft + vm)
                 );
