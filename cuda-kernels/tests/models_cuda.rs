@@ -21,10 +21,14 @@ use dflash_targets::LogitRows;
 use rand::Rng;
 
 fn tol(f: WeightFormat) -> f32 {
-    if f == WeightFormat::F32 {
-        1e-4
-    } else {
-        1e-3
+    match f {
+        WeightFormat::F32 => 1e-4,
+        // Activations quantized to int8 per 32-block: a code moves a whole step wherever a
+        // last-bit difference between the two backends' norms crosses a rounding boundary, so
+        // two correct implementations end ~1e-2 apart after a few layers
+        // (`tools/bench/q8_sensitivity.py`: 1.9e-2 after five layers for a 1e-6 input noise).
+        f if f.is_a8() => 3e-2,
+        _ => 1e-3,
     }
 }
 
@@ -44,14 +48,21 @@ fn qwen3_dense_target_cuda_vs_cpu() {
         (256, Some(9), WeightFormat::Q4_0, false),
         (256, None, WeightFormat::Bf16, true),
         (128, Some(5), WeightFormat::F32, true),
+        (256, None, WeightFormat::Q8_0A8, false),
+        (256, Some(9), WeightFormat::Q8_0A8, true),
     ] {
         let seed: u64 = r.random();
         let cfg = tiny_qwen3_config(256, hidden, 3, window);
         let mut tc =
             random_qwen3_steered(&cpu, cfg.clone(), seed, fmt, 64, None).expect("cpu target");
         let mut tg = random_qwen3_steered(g, cfg, seed, fmt, 64, None).expect("cuda target");
-        // Q and P rounded to f16 on CUDA (~1e-3 per attention output), through 3 layers.
-        let bound = if kv16 { 1e-2 } else { tol(fmt) };
+        // Q and P rounded to f16 on CUDA (~1e-3 per attention output), through 3 layers; with
+        // int8 activations that noise also moves codes downstream (one such run: 1.9e-2).
+        let bound = match (kv16, fmt.is_a8()) {
+            (false, _) => tol(fmt),
+            (true, false) => 1e-2,
+            (true, true) => 5e-2,
+        };
         if kv16 {
             tc.set_kv_storage(&cpu, KvStorage::F16)
                 .expect("cpu f16 cache");
@@ -249,6 +260,7 @@ fn spec_stream_equals_greedy_on_cuda() {
         (128, WeightFormat::F32, Precision::F32, 32, Some(3), false),
         (256, WeightFormat::Bf16, Precision::Q8_0A8, 32, None, true),
         (256, WeightFormat::Q8_0, Precision::Q4_0A8, 0, Some(5), true),
+        (256, WeightFormat::Q8_0A8, Precision::Q8_0A8, 32, None, true),
     ];
     // The fast-attention drafters with an f16 cache on every other repetition.
     for (ci, &(hidden, tfmt, prec, markov_rank, window, fast)) in cases.iter().enumerate() {

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch,
-    Weight, WeightFormat,
+    AttnOp, AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec,
+    TailScratch, Weight, WeightFormat,
 };
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
@@ -656,11 +656,6 @@ impl<B: Backend> Qwen3Dense<B> {
                 window: c.windows[li],
                 scale: (hd as f32).powf(-0.5),
             };
-            let (kc, vc) = (&self.k_cache[li], &self.v_cache[li]);
-            match self.kv {
-                KvStorage::F32 => be.attention(&*qn, kc, vc, &p, att)?,
-                KvStorage::F16 => be.attention_fast_kv16(&*qn, kc, vc, &p, att)?,
-            }
             let tail = LayerTail {
                 wo: &layer.wo,
                 post_norm: &layer.post_norm,
@@ -676,7 +671,14 @@ impl<B: Backend> Qwen3Dense<B> {
                 up: &mut *u,
                 act: &mut *a,
             };
-            be.layer_tail(&*att, t, x, &tail, scratch)?;
+            // The attention, then o, the residual add + norm and the MLP (a backend may hand
+            // the attention's output to the o projection directly: the same bits).
+            let op = match self.kv {
+                KvStorage::F32 => AttnOp::Exact,
+                KvStorage::F16 => AttnOp::FastKv16,
+            };
+            let (kc, vc) = (&self.k_cache[li], &self.v_cache[li]);
+            be.attention_layer_tail(&*qn, kc, vc, &p, op, att, x, &tail, scratch)?;
             write_taps(be, li as i32, &*x, &mut tap_buf)?;
         }
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
