@@ -716,6 +716,25 @@ pub enum AttnOp {
     FastKv16,
 }
 
+impl AttnOp {
+    /// Run this attention op of `p.n_q` queries into `out`.
+    pub fn run<B: Backend>(
+        self,
+        be: &B,
+        q: &B::Buf,
+        k: &B::Buf,
+        v: &B::Buf,
+        p: &AttnParams,
+        out: &mut B::Buf,
+    ) -> Result<()> {
+        match self {
+            AttnOp::Exact => be.attention(q, k, v, p, out),
+            AttnOp::Fast => be.attention_fast(q, k, v, p, out),
+            AttnOp::FastKv16 => be.attention_fast_kv16(q, k, v, p, out),
+        }
+    }
+}
+
 /// [`Backend::attention_layer_tail`] as the attention op then [`Backend::layer_tail`] (the
 /// trait's default).
 #[allow(clippy::too_many_arguments)]
@@ -731,11 +750,7 @@ pub fn attention_layer_tail_ops<B: Backend>(
     w: &LayerTail<'_, B>,
     s: TailScratch<'_, B>,
 ) -> Result<()> {
-    match op {
-        AttnOp::Exact => be.attention(q, k, v, p, attn)?,
-        AttnOp::Fast => be.attention_fast(q, k, v, p, attn)?,
-        AttnOp::FastKv16 => be.attention_fast_kv16(q, k, v, p, attn)?,
-    }
+    op.run(be, q, k, v, p, attn)?;
     be.layer_tail(attn, p.n_q, h, w, s)
 }
 

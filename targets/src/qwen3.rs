@@ -168,6 +168,15 @@ pub struct LoadOptions {
     pub kv_storage: KvStorage,
 }
 
+/// The attention a target runs over its caches stored as `storage` (see
+/// [`LoadOptions::kv_storage`]).
+pub(crate) fn attn_op(storage: KvStorage) -> AttnOp {
+    match storage {
+        KvStorage::F32 => AttnOp::Exact,
+        KvStorage::F16 => AttnOp::FastKv16,
+    }
+}
+
 /// The K / V cache width `kvw` (values per position) in `storage`: [`KvStorage::F16`] packs
 /// two values per slot and needs an even width.
 pub(crate) fn check_kv_width(storage: KvStorage, kvw: usize) -> Result<()> {
@@ -673,11 +682,7 @@ impl<B: Backend> Qwen3Dense<B> {
             };
             // The attention, then o, the residual add + norm and the MLP (a backend may hand
             // the attention's output to the o projection directly: the same bits).
-            let op = match self.kv {
-                KvStorage::F32 => AttnOp::Exact,
-                KvStorage::F16 => AttnOp::FastKv16,
-            };
-            let (kc, vc) = (&self.k_cache[li], &self.v_cache[li]);
+            let (kc, vc, op) = (&self.k_cache[li], &self.v_cache[li], attn_op(self.kv));
             be.attention_layer_tail(&*qn, kc, vc, &p, op, att, x, &tail, scratch)?;
             write_taps(be, li as i32, &*x, &mut tap_buf)?;
         }

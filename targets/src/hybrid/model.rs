@@ -370,10 +370,7 @@ impl<B: Backend> HybridTarget<B> {
                         scale: (1.0 / (hd as f64).sqrt()) as f32,
                     };
                     let mut att = be.zeros(t * qw)?;
-                    match self.kv {
-                        KvStorage::F32 => be.attention(&qn, kc, vc, &p, &mut att)?,
-                        KvStorage::F16 => be.attention_fast_kv16(&qn, kc, vc, &p, &mut att)?,
-                    }
+                    crate::qwen3::attn_op(self.kv).run(be, &qn, kc, vc, &p, &mut att)?;
                     be.mul_sigmoid(&mut att, &gate)?;
                     be.matmul(&att, t, &fw.o, &mut o)?;
                     stashes.push(None);
