@@ -52,7 +52,7 @@ pub struct BenchArgs {
     /// Weight formats of the dense target in the verify/decode table (bf16 = the checkpoint
     /// as published; q8_0a8 / q4_0a8 = what `--target-precision` re-encodes it to); `+kv16`
     /// after one: its K / V cache in f16 (`--target-kv f16`).
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16,bf16+kv16")]
     target_formats: String,
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
     #[arg(long)]
