@@ -551,6 +551,54 @@ fn attention_causal_decode_equals_verify_rows() {
     }
 }
 
+/// The CPU's `attention_fast_kv16` (one slice conversion of the f16 rows) gives the bits of
+/// the trait's default (value-by-value unpack, then the attention), and both equal the exact
+/// attention over the f16-rounded values; also over a cache longer than `n_kv`.
+#[test]
+fn attention_fast_kv16_equals_the_unpacking_default() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let be = Cpu::default();
+    for &(nh, nkv, hd, ctx, t, causal, window) in &[
+        (4usize, 2usize, 16usize, 37usize, 5usize, true, None),
+        (8, 2, 64, 300, 1, true, Some(64usize)),
+        (4, 4, 32, 90, 16, false, None),
+    ] {
+        let total = ctx + t;
+        let cap = total + 7;
+        let kvals = rand_vec(&mut rng, cap * nkv * hd, 3.0);
+        let vvals = rand_vec(&mut rng, cap * nkv * hd, 3.0);
+        let q = rand_vec(&mut rng, t * nh * hd, 1.0);
+        let n = cap * nkv * hd;
+        let (mut k16, mut v16) = (vec![0.0f32; n / 2], vec![0.0f32; n / 2]);
+        be.f16_pack(&kvals, &mut k16, 0, n).unwrap();
+        be.f16_pack(&vvals, &mut v16, 0, n).unwrap();
+        let p = AttnParams {
+            n_q: t,
+            n_kv: total,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal,
+            window,
+            scale: 0.125,
+        };
+        let mut got = vec![f32::NAN; t * nh * hd];
+        be.attention_fast_kv16(&q, &k16, &v16, &p, &mut got)
+            .unwrap();
+        let mut want = vec![f32::NAN; t * nh * hd];
+        dflash_backend::attention_fast_kv16_ops(&be, &q, &k16, &v16, &p, &mut want).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{nh} {nkv} {hd} {ctx} {t}");
+        let (mut kr, mut vr) = (vec![0.0f32; n], vec![0.0f32; n]);
+        be.f16_unpack(&k16, 0, n, &mut kr).unwrap();
+        be.f16_unpack(&v16, 0, n, &mut vr).unwrap();
+        let mut exact = vec![f32::NAN; t * nh * hd];
+        be.attention(&q, &kr, &vr, &p, &mut exact).unwrap();
+        assert_eq!(bits(&got), bits(&exact), "exact over the f16 values");
+    }
+}
+
 #[test]
 fn attention_query_with_no_visible_key_is_zero() {
     let be = Cpu::default();
