@@ -1,6 +1,7 @@
 // Shared by the microbenchmarks in this folder (each is one nvcc translation unit): CK(x) aborts
 // with the file, line, call and CUDA error string when a runtime call fails; fill_random and
-// median_ms are the streaming benchmarks' (read_bw, l2_mix) buffer fill and timer.
+// median_ms are the streaming benchmarks' (read_bw, l2_mix) buffer fill and timer; copy_gbs and
+// graph_us_per_launch the skinny benchmarks' copy bandwidth and per-launch time.
 #pragma once
 #include <algorithm>
 #include <cstdio>
@@ -109,3 +110,27 @@ __device__ __forceinline__ void ck_ring_stream(int nst, const uint4 *ring, Issue
     ck_wait<0>();
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
+
+// Device-to-device copy bandwidth in GB/s, bytes read + written: the median of 12 copies of nb
+// bytes from the start of buf (2 nb bytes) to its second half.
+inline double copy_gbs(void *buf, size_t nb, cudaStream_t st) {
+    const float ms = median_ms(st, 12, [&] { CK(cudaMemcpyAsync((char *)buf + nb, buf, nb, cudaMemcpyDeviceToDevice, st)); });
+    return 2.0 * nb / (ms * 1e-3) / 1e9;
+}
+
+// Microseconds per launch: launch(l) for l = 0 .. launches - 1 captured as one CUDA graph on st,
+// replayed `reps` times after one warm-up replay (median replay / launches).
+template <typename F>
+static double graph_us_per_launch(cudaStream_t st, int launches, int reps, F launch) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int l = 0; l < launches; ++l) launch(l);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const float ms = median_ms(st, reps, [&] { CK(cudaGraphLaunch(exec, st)); });
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    return ms * 1e3 / launches;
+}
+

@@ -227,28 +227,9 @@ int main() {
     CK(cudaMemset(counters, 0, 1 << 20));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-
     // Copy bandwidth: 1 GiB device to device, read + write.
-    float copy_gbs;
-    {
-        const size_t nb = 1ull << 30;
-        std::vector<float> ts;
-        for (int i = 0; i < 12; ++i) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaMemcpyAsync((char *)pool + nb, pool, nb, cudaMemcpyDeviceToDevice, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms);
-        }
-        std::sort(ts.begin(), ts.end());
-        copy_gbs = 2.0 * nb / (ts[ts.size() / 2] * 1e-3) / 1e9;
-    }
-    std::printf("%s, %d SMs, copy bandwidth %.0f GB/s (read + write)\n", prop.name, sms, copy_gbs);
+    const double bw_gbs = copy_gbs(pool, 1ull << 30, st);
+    std::printf("%s, %d SMs, copy bandwidth %.0f GB/s (read + write)\n", prop.name, sms, bw_gbs);
     std::printf("| shape | N x K | MB | T | kernel | us | %% of copy bw |\n|---|---|---:|---:|---|---:|---:|\n");
 
     const Shape shapes[] = {{"8B q/k/v", 6144, 4096}, {"8B o", 4096, 4096},   {"8B gate/up", 24576, 4096},
@@ -310,32 +291,12 @@ int main() {
                     }
 #undef L_
                 };
-                const int L = 24;
-                cudaGraph_t graph;
-                cudaGraphExec_t exec;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                for (int l = 0; l < L; ++l) launch((const u16 *)((const char *)pool + (size_t)(l % copies) * wbytes));
-                CK(cudaStreamEndCapture(st, &graph));
-                CK(cudaGraphInstantiate(&exec, graph, 0));
-                CK(cudaGraphLaunch(exec, st));
-                CK(cudaStreamSynchronize(st));
-                std::vector<float> ts;
-                for (int i = 0; i < 9; ++i) {
-                    CK(cudaEventRecord(e0, st));
-                    CK(cudaGraphLaunch(exec, st));
-                    CK(cudaEventRecord(e1, st));
-                    CK(cudaEventSynchronize(e1));
-                    float ms;
-                    CK(cudaEventElapsedTime(&ms, e0, e1));
-                    ts.push_back(ms);
-                }
-                std::sort(ts.begin(), ts.end());
-                const double us = ts[ts.size() / 2] * 1e3 / L;
-                const double pct = 100.0 * (wbytes / (us * 1e-6)) / (copy_gbs * 1e9);
+                const double us = graph_us_per_launch(st, 24, 9, [&](int l) {
+                    launch((const u16 *)((const char *)pool + (size_t)(l % copies) * wbytes));
+                });
+                const double pct = 100.0 * (wbytes / (us * 1e-6)) / (bw_gbs * 1e9);
                 std::printf("| %s | %d x %d (%d x %d blocks) | %.1f | %d | %s | %.1f | %.0f%% |\n", sh.name, sh.n, sh.k,
                             variant >= 6 ? rb : tiles, variant >= 6 ? S2 : S, wbytes / 1e6, T, names[variant], us, pct);
-                CK(cudaGraphExecDestroy(exec));
-                CK(cudaGraphDestroy(graph));
             }
         }
     }

@@ -201,28 +201,10 @@ int main() {
     CK(cudaMemset(counters, 0, 1 << 20));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
 
-    float copy_gbs;
-    {
-        const size_t nb = 1ull << 30;
-        std::vector<float> ts;
-        for (int i = 0; i < 12; ++i) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaMemcpyAsync((char *)pool + nb, pool, nb, cudaMemcpyDeviceToDevice, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms);
-        }
-        std::sort(ts.begin(), ts.end());
-        copy_gbs = 2.0 * nb / (ts[ts.size() / 2] * 1e-3) / 1e9;
-        fill<<<4096, 256>>>(pool, pool_bytes / 2, 1u);
-    }
-    std::printf("%s, %d SMs, copy bandwidth %.0f GB/s (read + write)\n", prop.name, sms, copy_gbs);
+    const double bw_gbs = copy_gbs(pool, 1ull << 30, st);
+    fill<<<4096, 256>>>(pool, pool_bytes / 2, 1u);  // the copy's second half back to distinct bytes
+    std::printf("%s, %d SMs, copy bandwidth %.0f GB/s (read + write)\n", prop.name, sms, bw_gbs);
 
     const Variant vars[] = {
         V("G1 KW4 R2 (library)", 2, 1, 4, 5, 8),
@@ -287,36 +269,16 @@ int main() {
                     }
                     maxrel = md / std::max(mx, 1e-30);
                 }
-                const int L = 24;
-                cudaGraph_t graph;
-                cudaGraphExec_t exec;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                for (int l = 0; l < L; ++l) launch((const u16 *)((const char *)pool + (size_t)(l % copies) * wbytes), out);
-                CK(cudaStreamEndCapture(st, &graph));
-                CK(cudaGraphInstantiate(&exec, graph, 0));
-                CK(cudaGraphLaunch(exec, st));
-                CK(cudaStreamSynchronize(st));
-                std::vector<float> ts;
-                for (int i = 0; i < 9; ++i) {
-                    CK(cudaEventRecord(e0, st));
-                    CK(cudaGraphLaunch(exec, st));
-                    CK(cudaEventRecord(e1, st));
-                    CK(cudaEventSynchronize(e1));
-                    float ms;
-                    CK(cudaEventElapsedTime(&ms, e0, e1));
-                    ts.push_back(ms);
-                }
-                std::sort(ts.begin(), ts.end());
-                us[ti] = ts[ts.size() / 2] * 1e3 / L;
-                CK(cudaGraphExecDestroy(exec));
-                CK(cudaGraphDestroy(graph));
+                us[ti] = graph_us_per_launch(st, 24, 9, [&](int l) {
+                    launch((const u16 *)((const char *)pool + (size_t)(l % copies) * wbytes), out);
+                });
             }
             // The 8B layer's four launches (not the lm_head, not the 27B shapes).
             if (sh.name[0] == '8' && sh.n != 151936) {
                 tot[vi][0] += us[0];
                 tot[vi][1] += us[1];
             }
-            const double f = wbytes / 1e3 / copy_gbs;  // us at the copy bandwidth
+            const double f = wbytes / 1e3 / bw_gbs;  // us at the copy bandwidth
             std::printf("| %s | %s | %d x %d (%d/SM) | %.1f | %.1f | %.0f%% | %.0f%% | %.1e |\n", sh.name, v.name, B, S, occ, us[0],
                         us[1], 100.0 * f / us[0], 100.0 * f / us[1], maxrel);
         }
