@@ -51,6 +51,12 @@ fn write_dir(name: &str, cfg: &serde_json::Value, t: &Tensors) -> PathBuf {
     d
 }
 
+/// (max |x - y|, max |x|) over two logit vectors.
+fn max_diff(x: &[f32], y: &[f32]) -> (f32, f32) {
+    let diff = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    (diff, x.iter().fold(0f32, |m, v| m.max(v.abs())))
+}
+
 fn logits(be: &Cpu, dir: &Path) -> Vec<f32> {
     let mut m = Qwen3Dense::<Cpu>::load(be, dir, LoadOptions::default()).unwrap();
     let f = m
@@ -211,11 +217,7 @@ fn precision_option_reencodes_weights() {
             .forward(&be, &[1, 5, 9, 200, 7], 0, &[], LogitRows::All)
             .unwrap();
         let y = be.download(f.logits.as_ref().unwrap()).unwrap();
-        let max_ref = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = x
-            .iter()
-            .zip(&y)
-            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        let (diff, max_ref) = max_diff(&x, &y);
         // bf16 -> f32 is exact: identical logits; q8_0 is a real re-quantisation.
         assert!(
             diff / max_ref <= bound,
@@ -248,11 +250,7 @@ fn kv_storage_f16_halves_the_cache_and_stays_close() {
     assert_eq!(m.kv_storage(), KvStorage::F16);
     let f = m.forward(&be, &toks, 0, &[], LogitRows::All).unwrap();
     let y = be.download(f.logits.as_ref().unwrap()).unwrap();
-    let max_ref = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = x
-        .iter()
-        .zip(&y)
-        .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    let (diff, max_ref) = max_diff(&x, &y);
     assert!(diff / max_ref <= 2e-3, "rel err {}", diff / max_ref);
     assert!(
         diff > 0.0,
