@@ -277,10 +277,12 @@ ATTN(256)
 // Q8_0A8 activation of token i = row / H (K = H D; warp w: block (h D + 32 w) / 32, h = row %
 // H; a8_store_block in prelude.cuh: the bytes a8_quant_x writes from out); the grid then has
 // NT*8*H blocks: those past rows_total write the padding tokens' zeros, and the block of head
-// H - 1 of each token zeroes its padding blocks K/32 .. KBp-1.
+// H - 1 of each token zeroes its padding blocks K/32 .. KBp-1. With hi != null the block also
+// writes its D values as the skinny matmuls' bf16 hi / lo x of the o projection (index row * D
+// + d, the layout of out; split_bf16's bits of out, without that launch).
 template <int ATT_CMB_PRE>
 __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
-                                                  float *out, int H, int NT, int KBp, u32 *xq, float *xd) {
+                                                  float *out, int H, int NT, int KBp, u32 *xq, float *xd, u16 *hi, u16 *lo) {
     griddep_wait();  // a programmatic dependent launch: the split partials first
     if (xq != nullptr && (long long)blockIdx.x >= rows_total) {  // a padding token: zeros
         const int i = blockIdx.x / H, h = blockIdx.x % H;
@@ -367,6 +369,12 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
     }
     const float y = L > 0.0f ? acc / L : 0.0f;
     if (col) out[row * D + tid] = y;
+    if (hi != nullptr && col) {
+        u32 h2, l2;
+        split_bf16x2(y, 0.0f, h2, l2);
+        hi[row * D + tid] = (u16)(h2 & 0xffffu);
+        lo[row * D + tid] = (u16)(l2 & 0xffffu);
+    }
     if (xq != nullptr) {
         const int i = (int)(row / H), h = (int)(row % H);
         a8_store_block(y, (h * D >> 5) + warp, i, NT, xq, xd);
@@ -374,12 +382,12 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
     }
 }
 extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out,
-                                        int H, int NT, int KBp, u32 *xq, float *xd) {
-    attn_combine_impl<16>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd);
+                                        int H, int NT, int KBp, u32 *xq, float *xd, u16 *hi, u16 *lo) {
+    attn_combine_impl<16>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd, hi, lo);
 }
 extern "C" __global__ void attn_combine_wide(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D,
-                                             float *out, int H, int NT, int KBp, u32 *xq, float *xd) {
-    attn_combine_impl<64>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd);
+                                             float *out, int H, int NT, int KBp, u32 *xq, float *xd, u16 *hi, u16 *lo) {
+    attn_combine_impl<64>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd, hi, lo);
 }
 
 // Generic fallback for head dims the tiled kernel does not take: one warp per (query, head),

@@ -22,6 +22,7 @@ use crate::registry::{arch_for, Kernel, Registry};
 mod attention;
 mod markov;
 mod skinny;
+use attention::{AttnAct, AttnExtra};
 pub use attention::{AttnFa, AttnKernel};
 
 type Result<T> = std::result::Result<T, BackendError>;
@@ -622,6 +623,8 @@ pub struct Cuda {
     a8_evict_first: Mutex<bool>,
     a8_prewait: Mutex<Option<bool>>,
     attn_split: Mutex<Option<usize>>,
+    /// Causal rows' splits by the keys they see ([`Cuda::set_attn_causal_splits`]).
+    attn_causal_splits: Mutex<Vec<(usize, usize)>>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
     attn_fa: Mutex<AttnFa>,
@@ -779,6 +782,7 @@ impl Cuda {
             a8_evict_first: Mutex::new(true),
             a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
+            attn_causal_splits: Mutex::new(attention::CAUSAL_SPLITS.to_vec()),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
             attn_fa: Mutex::new(AttnFa::default()),
@@ -1681,13 +1685,22 @@ impl Cuda {
     fn tail_skinny_run(
         &self,
         attn: &CudaBuf,
+        attn_act: Option<SplitAct>,
         rows: usize,
         h: &mut CudaBuf,
         w: &LayerTail<'_, Self>,
         s: TailScratch<'_, Self>,
     ) -> Result<()> {
         let (d, inter) = (w.wo.rows, w.w_gate.rows);
-        self.matmul(attn, rows, w.wo, s.o)?;
+        // The o projection from the attention's hi / lo where its combine wrote them (and no
+        // other launch has since), else from `attn`.
+        let from_act = match attn_act {
+            Some(a) => self.matmul_many_split(&a, &[w.wo], &mut [&mut *s.o], false)?,
+            None => false,
+        };
+        if !from_act {
+            self.matmul(attn, rows, w.wo, s.o)?;
+        }
         let act = self.add_rms_norm_split(h, s.o, w.post_norm, rows, d, w.eps)?;
         if !self.matmul_many_split(
             &act,
@@ -1991,7 +2004,9 @@ impl Cuda {
         if kv == KvStorage::F16 && !self.kv16_kernel_fits(p) {
             // The unpacking path, then the quantizer below.
             attention_fast_kv16_ops(self, q, k, v, p, out)?;
-        } else if let Some(act) = self.attention_op(q, k, v, p, fast, kv, Some((nt, kbp)), out)? {
+        } else if let Some(AttnAct::A8(act)) =
+            self.attention_op(q, k, v, p, fast, kv, AttnExtra::Q8 { nt, kbp }, out)?
+        {
             return Ok(act);
         }
         {
@@ -3047,7 +3062,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         if !Self::tail_fuses(rows, h, w) {
             if self.tail_skinny(rows, attn, h, w) {
-                return self.tail_skinny_run(attn, rows, h, w, s);
+                return self.tail_skinny_run(attn, None, rows, h, w, s);
             }
             return layer_tail_ops(self, attn, rows, h, w, s);
         }
@@ -3091,6 +3106,24 @@ impl Backend for Cuda {
                 } else {
                     self.layer_tail(attn, rows, h, w, s)
                 }
+            }
+            // A tail of skinny matmuls: the combine also writes the o projection's bf16 hi /
+            // lo x (one split launch fewer, the same bits).
+            _ if (1..=SKINNY_ROWS).contains(&rows)
+                && w.wo.cols == kdim
+                && (op != AttnOp::FastKv16 || self.kv16_kernel_fits(p))
+                && self.tail_skinny(rows, attn, h, w) =>
+            {
+                let (fast, kv) = match op {
+                    AttnOp::Exact => (false, KvStorage::F32),
+                    AttnOp::Fast => (true, KvStorage::F32),
+                    AttnOp::FastKv16 => (true, KvStorage::F16),
+                };
+                let act = match self.attention_op(q, k, v, p, fast, kv, AttnExtra::Split, attn)? {
+                    Some(AttnAct::Split(a)) => Some(a),
+                    _ => None,
+                };
+                self.tail_skinny_run(attn, act, rows, h, w, s)
             }
             _ => attention_layer_tail_ops(self, q, k, v, p, op, attn, h, w, s),
         }
@@ -3472,7 +3505,7 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, false, KvStorage::F32, None, out)
+        self.attention_op(q, k, v, p, false, KvStorage::F32, AttnExtra::None, out)
             .map(|_| ())
     }
 
@@ -3486,7 +3519,7 @@ impl Backend for Cuda {
         p: &AttnParams,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        self.attention_op(q, k, v, p, true, KvStorage::F32, None, out)
+        self.attention_op(q, k, v, p, true, KvStorage::F32, AttnExtra::None, out)
             .map(|_| ())
     }
 
@@ -3505,7 +3538,7 @@ impl Backend for Cuda {
         if !self.kv16_kernel_fits(p) {
             return attention_fast_kv16_ops(self, q, k, v, p, out);
         }
-        self.attention_op(q, k, v, p, true, KvStorage::F16, None, out)
+        self.attention_op(q, k, v, p, true, KvStorage::F16, AttnExtra::None, out)
             .map(|_| ())
     }
 

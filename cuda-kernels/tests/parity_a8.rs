@@ -916,10 +916,7 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
     let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     let mut r = rng("a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit");
     for fmt in A8_FORMATS {
-        use dflash_backend::{
-            attention_layer_tail_ops, layer_tail_ops, norm_rows_matmul_ops, AttnOp, AttnParams,
-            LayerTail,
-        };
+        use dflash_backend::{layer_tail_ops, norm_rows_matmul_ops, LayerTail};
         // (hidden, heads * head_dim, intermediate): the shipped drafter's size class and the 8B's.
         for &(d, kq, inter) in &[(256usize, 256usize, 768usize), (4096, 4096, 12288)] {
             let mut mk = |n: usize, k: usize| {
@@ -966,101 +963,8 @@ fn a8_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                     d,
                 );
                 // attention_layer_tail (the attention writing the o projection's activation) ==
-                // the attention op + layer_tail: h and the attention output, each op (the exact
-                // one runs the default), a context of 300 keys + the block, f32 and f16 caches.
-                let (hd, n_ctx) = (128usize, 300usize);
-                let (nh, nkv) = (kq / hd, (kq / hd / 4).max(1));
-                let n_kv = n_ctx + rows;
-                let p = AttnParams {
-                    n_q: rows,
-                    n_kv,
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                    q_pos0: n_ctx,
-                    kv_pos0: 0,
-                    causal: false,
-                    window: None,
-                    scale: (hd as f32).powf(-0.5),
-                };
-                let q = g.upload(&rand_vec(&mut r, rows * kq, 1.0)).expect("q");
-                let kf = g
-                    .upload(&rand_vec(&mut r, n_kv * nkv * hd, 1.0))
-                    .expect("k");
-                let vf = g
-                    .upload(&rand_vec(&mut r, n_kv * nkv * hd, 1.0))
-                    .expect("v");
-                let (mut k16, mut v16) = (
-                    poisoned(g, n_kv * nkv * hd / 2),
-                    poisoned(g, n_kv * nkv * hd / 2),
-                );
-                g.f16_pack(&kf, &mut k16, 0, n_kv * nkv * hd)
-                    .expect("pack k");
-                g.f16_pack(&vf, &mut v16, 0, n_kv * nkv * hd)
-                    .expect("pack v");
-                for op in [AttnOp::Exact, AttnOp::Fast, AttnOp::FastKv16] {
-                    let (k, v) = if op == AttnOp::FastKv16 {
-                        (&k16, &v16)
-                    } else {
-                        (&kf, &vf)
-                    };
-                    let mut res = Vec::new();
-                    for fused in [false, true] {
-                        let mut h = g.upload(&h0).expect("h");
-                        let mut attn_out = poisoned(g, rows * kq);
-                        let mut tb = TailBufs::new(g, rows, d, inter);
-                        let s = tb.scratch();
-                        if fused {
-                            g.attention_layer_tail(
-                                &q,
-                                k,
-                                v,
-                                &p,
-                                op,
-                                &mut attn_out,
-                                &mut h,
-                                &tail,
-                                s,
-                            )
-                            .expect("attention_layer_tail");
-                            // The fused tail ran (the separate ops would have written xn).
-                            assert!(
-                                g.download(&tb.xn).expect("dl").iter().all(|v| v.is_nan()),
-                                "attention_layer_tail fell back to the separate ops"
-                            );
-                        } else {
-                            attention_layer_tail_ops(
-                                g,
-                                &q,
-                                k,
-                                v,
-                                &p,
-                                op,
-                                &mut attn_out,
-                                &mut h,
-                                &tail,
-                                s,
-                            )
-                            .expect("ops");
-                        }
-                        res.push((
-                            g.download(&h).expect("dl"),
-                            g.download(&attn_out).expect("dl"),
-                        ));
-                    }
-                    assert_bits(
-                        &format!("attention_layer_tail {op:?} d={d} rows={rows}: h"),
-                        &res[1].0,
-                        &res[0].0,
-                        d,
-                    );
-                    assert_bits(
-                        &format!("attention_layer_tail {op:?} d={d} rows={rows}: attn"),
-                        &res[1].1,
-                        &res[0].1,
-                        kq,
-                    );
-                }
+                // the attention op + layer_tail.
+                check_attention_layer_tail(g, &mut r, &tail, rows, kq, &h0, &format!("{fmt:?}"));
                 // norm_rows_matmul (a final norm + the lm_head over rows 1..) == the separate ops,
                 // xn unwritten.
                 if rows > 1 {
@@ -1368,6 +1272,7 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                     &outs[0],
                     d,
                 );
+                check_attention_layer_tail(g, &mut r, &tail, rows, kq, &h0, &format!("{fmt:?}"));
                 // norm_matmul_many (q/k/v-like: 3 matrices) == rms_norm + matmul_many.
                 let x = g.upload(&rand_vec(&mut r, rows * d, 2.0)).expect("x");
                 let ws = [&wq, &wk, &wk];
@@ -1424,5 +1329,90 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
             assert!(g.download(&o2).expect("dl").iter().all(|v| v.is_nan()));
         }
     }
-    eprintln!("EXACT bf16 / q8_0 / q4_0 layer_tail and norm_matmul_many with the skinny producers == the separate ops; stale activations launch nothing");
+    eprintln!("EXACT bf16 / q8_0 / q4_0 layer_tail, attention_layer_tail (exact / fast / fast over f16 caches) and norm_matmul_many with the skinny producers == the separate ops; stale activations launch nothing");
+}
+
+/// `attention_layer_tail` (the attention's combine writing the o projection's activation:
+/// Q8_0A8 for A8 weights, the skinny matmuls' bf16 hi / lo for the others) == the attention
+/// op + `layer_tail`: h and the attention output, each op (the exact one included), a context
+/// of 300 keys + the block, f32 and f16 caches; xn unwritten (the fused tail ran).
+fn check_attention_layer_tail(
+    g: &dflash_cuda_kernels::Cuda,
+    r: &mut StdRng,
+    tail: &dflash_backend::LayerTail<'_, dflash_cuda_kernels::Cuda>,
+    rows: usize,
+    kq: usize,
+    h0: &[f32],
+    label: &str,
+) {
+    use dflash_backend::{attention_layer_tail_ops, AttnOp, AttnParams};
+    let (d, inter) = (tail.wo.rows, tail.w_gate.rows);
+    let (hd, n_ctx) = (128usize, 300usize);
+    let (nh, nkv) = (kq / hd, (kq / hd / 4).max(1));
+    let n_kv = n_ctx + rows;
+    let p = AttnParams {
+        n_q: rows,
+        n_kv,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        q_pos0: n_ctx,
+        kv_pos0: 0,
+        causal: false,
+        window: None,
+        scale: (hd as f32).powf(-0.5),
+    };
+    let q = g.upload(&rand_vec(r, rows * kq, 1.0)).expect("q");
+    let kf = g.upload(&rand_vec(r, n_kv * nkv * hd, 1.0)).expect("k");
+    let vf = g.upload(&rand_vec(r, n_kv * nkv * hd, 1.0)).expect("v");
+    let (mut k16, mut v16) = (
+        poisoned(g, n_kv * nkv * hd / 2),
+        poisoned(g, n_kv * nkv * hd / 2),
+    );
+    g.f16_pack(&kf, &mut k16, 0, n_kv * nkv * hd)
+        .expect("pack k");
+    g.f16_pack(&vf, &mut v16, 0, n_kv * nkv * hd)
+        .expect("pack v");
+    for op in [AttnOp::Exact, AttnOp::Fast, AttnOp::FastKv16] {
+        let (k, v) = if op == AttnOp::FastKv16 {
+            (&k16, &v16)
+        } else {
+            (&kf, &vf)
+        };
+        let mut res = Vec::new();
+        for fused in [false, true] {
+            let mut h = g.upload(h0).expect("h");
+            let mut attn_out = poisoned(g, rows * kq);
+            let mut tb = TailBufs::new(g, rows, d, inter);
+            let s = tb.scratch();
+            if fused {
+                g.attention_layer_tail(&q, k, v, &p, op, &mut attn_out, &mut h, tail, s)
+                    .expect("attention_layer_tail");
+                // The fused tail ran (the separate ops would have written xn).
+                assert!(
+                    g.download(&tb.xn).expect("dl").iter().all(|v| v.is_nan()),
+                    "{label} {op:?}: attention_layer_tail fell back to the separate ops"
+                );
+            } else {
+                attention_layer_tail_ops(g, &q, k, v, &p, op, &mut attn_out, &mut h, tail, s)
+                    .expect("ops");
+            }
+            res.push((
+                g.download(&h).expect("dl"),
+                g.download(&attn_out).expect("dl"),
+            ));
+        }
+        assert_bits(
+            &format!("{label} attention_layer_tail {op:?} d={d} rows={rows}: h"),
+            &res[1].0,
+            &res[0].0,
+            d,
+        );
+        assert_bits(
+            &format!("{label} attention_layer_tail {op:?} d={d} rows={rows}: attn"),
+            &res[1].1,
+            &res[0].1,
+            kq,
+        );
+    }
 }

@@ -2164,3 +2164,97 @@ fn upload_refuses_a_weight_whose_shape_does_not_match_its_values() {
         }
     }
 }
+
+/// Causal rows taking the split of the keys they see (`set_attn_causal_splits`; a verify
+/// whose rows straddle a threshold runs as one call per split): the exact, fast and f16-cache
+/// ops against the CPU, and decode == verify bit for bit (queries 0 / 7 / 15 alone over the
+/// keys up to their positions), for verifies below, across and above thresholds, windows,
+/// the SIMT kernel (head dim 256); `attention_q8` across a threshold (no combine-written
+/// activation there: its quantizer) gives the attention's bits. Bad tables are refused.
+#[test]
+fn attention_causal_splits() {
+    if gpu("attention_causal_splits").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_causal_splits");
+    // A private backend: the knob changes every causal call's bits.
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    for bad in [
+        vec![],
+        vec![(64usize, 256usize)],
+        vec![(0, 256), (0, 512)],
+        vec![(0, 100)],
+        vec![(0, 256), (1000, 512)],
+        vec![(0, 8192)],
+    ] {
+        assert!(g.set_attn_causal_splits(&bad).is_err(), "{bad:?} accepted");
+    }
+    g.set_attn_causal_splits(&[(0, 128), (512, 256), (1024, 512), (2048, 1024)])
+        .expect("table");
+    for &(ctx, hd, win, nq) in &[
+        (300usize, 128usize, None, 16usize),
+        (500, 128, None, 16),
+        (1020, 128, None, 16),
+        (1030, 64, None, 16),
+        (2040, 128, None, 16),
+        (5000, 128, None, 16),
+        (5000, 128, Some(700usize), 16),
+        (5000, 64, Some(3000), 9),
+        (1015, 256, None, 16),
+    ] {
+        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, true, nq);
+        let what = format!("causal splits ctx={ctx} d={hd} win={win:?} nq={nq}");
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let mut oe = poisoned(g, oc.len());
+        g.attention(&qg, &kg, &vg, &p, &mut oe).unwrap();
+        let oe = g.download(&oe).unwrap();
+        report(&format!("{what} exact"), &oe, &oc, 2e-5);
+        assert_rows_alone_equal(
+            g,
+            &q,
+            &kg,
+            &vg,
+            &p,
+            &oe,
+            Op::Exact,
+            &format!("{what} exact"),
+        );
+        let mut of = poisoned(g, oc.len());
+        g.attention_fast(&qg, &kg, &vg, &p, &mut of).unwrap();
+        let of = g.download(&of).unwrap();
+        report(&format!("{what} fast"), &of, &oc, 4e-3);
+        assert_rows_alone_equal(g, &q, &kg, &vg, &p, &of, Op::Fast, &format!("{what} fast"));
+        if hd != 256 {
+            let c = kv16_case(g, &cpu, &q, &k, &v, &p);
+            report(&format!("{what} f16 cache"), &c.o16, &c.oc, 4e-3);
+            assert_rows_alone_equal(
+                g,
+                &q,
+                &c.k16,
+                &c.v16,
+                &p,
+                &c.o16,
+                Op::FastKv16,
+                &format!("{what} f16 cache"),
+            );
+        }
+        if hd % 32 == 0 && hd <= 256 {
+            let mut o8 = poisoned(g, oc.len());
+            g.attention_q8(&qg, &kg, &vg, &p, false, KvStorage::F32, &mut o8)
+                .unwrap();
+            assert_same_bits(
+                &format!("{what}: attention_q8's output vs attention"),
+                &g.download(&o8).unwrap(),
+                &oe,
+            );
+        }
+    }
+    eprintln!("attention with causal splits by the keys a row sees: exact / fast / f16 cache match the CPU; decode == verify bit for bit");
+}

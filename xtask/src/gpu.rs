@@ -18,8 +18,8 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{
-    AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch,
-    Weight, WeightFormat,
+    AttnOp, AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec,
+    TailScratch, Weight, WeightFormat,
 };
 use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
 use dflash_cuda_kernels::{A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf};
@@ -76,6 +76,12 @@ pub struct BenchArgs {
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
     #[arg(long)]
     attn_split: Option<usize>,
+    /// The causal rows' splits (the targets' attention under the automatic split):
+    /// `KEYS:SPLIT,...`, a row that sees at least KEYS keys takes SPLIT keys per split (the
+    /// last entry that applies), e.g. `0:256,16384:512,32768:1024`
+    /// (`Cuda::set_attn_causal_splits`; default the library's table).
+    #[arg(long)]
+    attn_causal: Option<String>,
     /// Attention kernel for the step: auto (the library default), simt (f32 CUDA cores),
     /// tc2, tc4 (tensor cores, 2 / 4 key warps per chunk), tc2f, tc4f (the same with P V on
     /// the CUDA cores), each optionally followed by rN (row warps per block) and sN (pipeline
@@ -116,6 +122,11 @@ pub struct BenchArgs {
     /// The step with the separate ops instead of the fused launches (same bits).
     #[arg(long)]
     unfused: bool,
+    /// bf16 / q8_0 / q4_0 weights: the attention then `Backend::layer_tail` as two calls (the
+    /// o projection's x split by its own launch) instead of `Backend::attention_layer_tail`,
+    /// whose combine writes that x, as the targets and the drafter call it (same bits).
+    #[arg(long)]
+    separate_attn_tail: bool,
     /// bf16 / q8_0 / q4_0 weights: the norms and the SiLU product write f32 rows that a split
     /// launch converts for each skinny matmul, and the down projection's output is added by
     /// its own launch, instead of the producers writing the skinny matmuls' x (same bits;
@@ -288,6 +299,10 @@ struct Model {
     /// Fused launches (q/k norm + RoPE + KV write, residual add + RMSNorm, SiLU into the
     /// down projection's quantizer); false = the separate ops (same bits).
     fused: bool,
+    /// Fused bf16 / q8_0 / q4_0 layers: the attention and the layer tail through
+    /// [`Backend::attention_layer_tail`] (as the targets and the drafter call them); false =
+    /// the attention, then [`Backend::layer_tail`] (same bits).
+    attn_tail: bool,
     /// L2 prefetch budgets (bytes) at the step's prefetch points (see [`PfPoint`]); zeros =
     /// no prefetch launches.
     prefetch: [usize; 5],
@@ -454,6 +469,7 @@ impl Model {
             layers,
             markov,
             fused: true,
+            attn_tail: true,
             prefetch: [0; 5],
             skip: String::new(),
             fast_attn: false,
@@ -740,6 +756,42 @@ impl Model {
                 window: l.window,
                 scale: (hd as f32).powf(-0.5),
             };
+            if lib && self.attn_tail && !sk('a') && !sk('o') {
+                // The attention and the tail as the targets' and the drafter's layers call them.
+                let op = match (self.kv, self.fast_attn) {
+                    (KvStorage::F16, _) => AttnOp::FastKv16,
+                    (_, true) => AttnOp::Fast,
+                    _ => AttnOp::Exact,
+                };
+                let tail = LayerTail {
+                    wo: &l.wo,
+                    post_norm: &l.ln2,
+                    eps,
+                    w_gate: &l.wg,
+                    w_up: &l.wu,
+                    w_down: &l.wd,
+                };
+                let scratch = TailScratch {
+                    o: &mut b.o,
+                    xn: &mut b.x,
+                    gate: &mut b.gate,
+                    up: &mut b.up,
+                    act: &mut b.act,
+                };
+                g.attention_layer_tail(
+                    &b.q,
+                    &l.kc,
+                    &l.vc,
+                    &p,
+                    op,
+                    &mut b.attn,
+                    &mut b.h,
+                    &tail,
+                    scratch,
+                )?;
+                mark(&|| format!("L{li} attention + tail"))?;
+                continue;
+            }
             if sk('a') {
             } else if q8n {
                 // The split combine also writes the o projection's quantized activation.
@@ -1799,6 +1851,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     });
     g.set_skinny_producers(!a.no_skinny_producers);
     g.set_attn_fa(parse_attn_fa(&a.attn_fa)?)?;
+    if let Some(table) = &a.attn_causal {
+        let parsed = table
+            .split(',')
+            .map(|e| {
+                let (k0, sk) = e
+                    .split_once(':')
+                    .ok_or_else(|| anyhow!("--attn-causal {e}: expected KEYS:SPLIT"))?;
+                Ok((k0.trim().parse::<usize>()?, sk.trim().parse::<usize>()?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        g.set_attn_causal_splits(&parsed)?;
+    }
 
     if let Some(ctx) = a.attn_once {
         // One attention shape, a few calls, nothing else (for a profiler).
@@ -1974,6 +2038,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             m.fast_attn = fast;
             m.set_kv(&g, kv)?;
             m.fused = !a.unfused;
+            m.attn_tail = !a.separate_attn_tail;
             m.q8norm = !a.no_a8_producers;
             m.prefetch = parse_prefetch(&a.l2_prefetch)?;
             let mut b = m.bufs(&g, s.block)?;
@@ -2065,6 +2130,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 m.set_kv(&g, KvStorage::F16)?;
             }
             m.fused = !a.unfused;
+            m.attn_tail = !a.separate_attn_tail;
             m.q8norm = !a.no_a8_producers;
             let mut b16 = m.bufs(&g, 16)?;
             let mut b1 = m.bufs(&g, 1)?;

@@ -6,13 +6,33 @@
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
-    Kernel, KvStorage, PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
+    Kernel, KvStorage, PushKernelArg, RawArgs, Result, Scratch, SmemLimits, SplitAct,
 };
 use crate::error::dev;
 use crate::registry::{module_arch, Module};
+use cudarc::driver::{CudaView, CudaViewMut};
 
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
+
+/// What the attention's split combine writes besides its f32 output: the next projection's
+/// activation, in the layout its matmul reads ([`Cuda::attention_op`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum AttnExtra {
+    /// The f32 output only.
+    None,
+    /// The Q8_0A8 activation of `nt` token groups and `kbp` padded blocks (first slot).
+    Q8 { nt: usize, kbp: usize },
+    /// The skinny matmuls' bf16 hi / lo x ([`SplitAct`]).
+    Split,
+}
+
+/// The activation [`Cuda::attention_op`]'s combine wrote (its token).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum AttnAct {
+    A8(A8Act),
+    Split(SplitAct),
+}
 /// Non-causal attention over at most this many keys (a context of up to 1024 positions plus
 /// a 16-row block) splits them into about 6 (automatic split): a sixth of the span rounded up
 /// to 64 keys, at least 128, in blocks of 2 row warps where the grid still reaches half the
@@ -39,6 +59,36 @@ pub(super) const SHORT_NONCAUSAL_KV: usize = 1040;
 /// gave 17 splits = 136 blocks, a second wave of 4 blocks that cost ~27% of the kernel's time
 /// in ncu); 4112 -> 320.
 pub(super) const WAVE_NONCAUSAL_KV: usize = 2048;
+
+/// Keys per split of a causal row under the automatic split, by the keys the row sees (its
+/// position + 1 - `kv_pos0`, at most its window): (from this many keys, keys per split), the
+/// last entry that applies. A function of the row alone, so a row of a verify sums its keys in the pieces of
+/// its own one-row decode (decode == verify bit for bit); a verify whose rows straddle a
+/// threshold runs as one call per split. Long contexts in longer splits: fewer blocks, each
+/// streaming more keys, and fewer partial outputs (a 16-row verify at ctx 32768 wrote 129
+/// splits' partials, 34 MB per layer at the 8B shape: a quarter of its f16 K / V again).
+/// H100, the dense 8B target (`xtask bench gpu`, one split size for every row, ms, f32 / f16
+/// cache): at ctx 32768 256 -> 1024 keys took verify16 16.41 -> 14.04 / 11.70 -> 9.34 and
+/// decode1 11.58 -> 10.46 / 9.50 -> 8.51; at ctx 8192 1024 keys cost decode1 7.99 -> 8.48, at
+/// 512 even 512 keys cost 7.09 -> 7.58 (3 splits x 8 kv heads fill few multiprocessors).
+pub(super) const CAUSAL_SPLITS: [(usize, usize); 4] =
+    [(0, ATT_SPLIT), (16384, 512), (32768, 1024), (65536, 2048)];
+
+/// The keys causal query row `i` of `p` sees: those up to its position, within its window (0
+/// before the first key).
+pub(super) fn causal_keys(p: &AttnParams, i: usize) -> usize {
+    let k = (p.q_pos0 + i + 1).saturating_sub(p.kv_pos0);
+    p.window.map_or(k, |w| k.min(w))
+}
+
+/// The keys per split a [`CAUSAL_SPLITS`]-style table gives a row that sees `keys` keys.
+pub(super) fn causal_split_keys(keys: usize, table: &[(usize, usize)]) -> usize {
+    table
+        .iter()
+        .take_while(|&&(from, _)| from <= keys)
+        .last()
+        .map_or(ATT_SPLIT, |&(_, sk)| sk)
+}
 
 /// The automatic split of [`Cuda::set_attn_split_auto`]: a function of `n_kv`, the window,
 /// causality, `n_kv_heads` and the device's multiprocessor count, never of the query rows.
@@ -446,10 +496,33 @@ impl Cuda {
     /// for one wave of blocks (at most
     /// `num_sms / n_kv_heads - 1` splits). A function of `n_kv`, the
     /// window, `n_kv_heads` and the device, never of the query rows, so rows stay
-    /// deterministic across calls of any height; causal calls, where decode must equal verify
-    /// bit for bit, always take 256.
+    /// deterministic across calls of any height; causal rows, where decode must equal verify
+    /// bit for bit, take the split of the keys they see ([`CAUSAL_SPLITS`]).
     pub fn set_attn_split_auto(&self) {
         *lock(&self.attn_split) = None;
+    }
+
+    /// The causal rows' splits under the automatic split (default [`CAUSAL_SPLITS`]):
+    /// `(from this many keys seen, keys per split)` entries, the first from 0, thresholds
+    /// increasing, every value a multiple of 64, splits of 64..=4096 keys. Each table fixes its
+    /// own bits (decode == verify holds under any one): a benchmark knob, set once before any
+    /// attention.
+    pub fn set_attn_causal_splits(&self, table: &[(usize, usize)]) -> Result<()> {
+        let ok = table.first().is_some_and(|e| e.0 == 0)
+            && table.windows(2).all(|w| w[0].0 < w[1].0)
+            && table.iter().all(|&(from, sk)| {
+                from.is_multiple_of(64) && sk.is_multiple_of(64) && (64..=4096).contains(&sk)
+            });
+        if !ok {
+            return Err(BackendError::Invalid {
+                op: "set_attn_causal_splits",
+                msg: format!(
+                    "{table:?}: expected (keys seen, keys per split) entries from 0, increasing, all multiples of 64, splits of 64..=4096 keys"
+                ),
+            });
+        }
+        *lock(&self.attn_causal_splits) = table.to_vec();
+        Ok(())
     }
 
     /// Whether [`Backend::attention_fast`](dflash_backend::Backend::attention_fast) runs the f16 tensor-core kernel (the default: head
@@ -568,8 +641,9 @@ impl Cuda {
         Ok(())
     }
 
-    /// The attention op; `q8 = Some((token groups, padded blocks))`: the split combine also
-    /// writes the Q8_0A8 activation into the first scratch slot (returns its token if it did).
+    /// The attention op; `extra`: what the split combine writes besides `out` (the next
+    /// projection's activation; returned if it did: the paths without a combine write `out`
+    /// only).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_op(
         &self,
@@ -579,9 +653,92 @@ impl Cuda {
         p: &AttnParams,
         fast: bool,
         kv: KvStorage,
-        q8: Option<(usize, usize)>,
+        extra: AttnExtra,
         out: &mut CudaBuf,
-    ) -> Result<Option<A8Act>> {
+    ) -> Result<Option<AttnAct>> {
+        let w = p.n_heads * p.head_dim;
+        let auto_causal = p.causal && lock(&self.attn_split).is_none();
+        if !auto_causal || p.n_q <= 1 {
+            let split = auto_causal
+                .then(|| causal_split_keys(causal_keys(p, 0), &lock(&self.attn_causal_splits)));
+            return self.attention_rows(
+                &q.data.slice(..),
+                k,
+                v,
+                p,
+                fast,
+                kv,
+                extra,
+                split,
+                &mut out.data.slice_mut(..),
+            );
+        }
+        // Causal rows under the automatic split: each row's keys in the splits its own
+        // position chooses ([`CAUSAL_SPLITS`]), so a row of a verify has the bits of its
+        // decode; rows on both sides of a threshold run as one call per split.
+        let table = lock(&self.attn_causal_splits).clone();
+        let split_of = |i: usize| causal_split_keys(causal_keys(p, i), &table);
+        let mut groups: Vec<(usize, usize, usize)> = Vec::new();
+        for i in 0..p.n_q {
+            let sk = split_of(i);
+            match groups.last_mut() {
+                Some(g) if g.2 == sk => g.1 = i + 1,
+                _ => groups.push((i, i + 1, sk)),
+            }
+        }
+        if let [(_, _, sk)] = groups[..] {
+            return self.attention_rows(
+                &q.data.slice(..),
+                k,
+                v,
+                p,
+                fast,
+                kv,
+                extra,
+                Some(sk),
+                &mut out.data.slice_mut(..),
+            );
+        }
+        let op = "attention";
+        check(op, "q", p.n_q * w, q.len)?;
+        check(op, "out", p.n_q * w, out.len)?;
+        for (i0, i1, sk) in groups {
+            let pg = AttnParams {
+                n_q: i1 - i0,
+                q_pos0: p.q_pos0 + i0,
+                ..*p
+            };
+            self.attention_rows(
+                &q.data.slice(i0 * w..i1 * w),
+                k,
+                v,
+                &pg,
+                fast,
+                kv,
+                AttnExtra::None,
+                Some(sk),
+                &mut out.data.slice_mut(i0 * w..i1 * w),
+            )?;
+        }
+        // (No activation: the callers quantize or split `out`.)
+        Ok(None)
+    }
+
+    /// [`Cuda::attention_op`] over the rows of views `q` / `out`; `split`: the keys per split of
+    /// a causal call under the automatic split (None: the other rules).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows(
+        &self,
+        q: &CudaView<'_, f32>,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        fast: bool,
+        kv: KvStorage,
+        extra: AttnExtra,
+        split: Option<usize>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<Option<AttnAct>> {
         let kv16 = kv == KvStorage::F16;
         let op = match (fast, kv16) {
             (_, true) => "attention_fast_kv16",
@@ -607,11 +764,11 @@ impl Cuda {
                 msg: format!("head_dim {}: no f16-cache kernel", p.head_dim),
             });
         }
-        check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
+        check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len())?;
         let kv_slots = kv.slots(p.n_kv * p.n_kv_heads * p.head_dim);
         check(op, "k (f32 slots)", kv_slots, k.len)?;
         check(op, "v (f32 slots)", kv_slots, v.len)?;
-        check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
+        check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len())?;
         if p.n_q == 0 {
             return Ok(None);
         }
@@ -643,13 +800,13 @@ impl Cuda {
         let fa_fits = kv16
             && fa_kernel(d).is_some()
             && tc_smem_bytes(d, 1, 1, 1, TcFlavor::Fa16Kv) <= self.smem.block;
-        let (split_keys, rule) = match *lock(&self.attn_split) {
-            Some(k) => (k, SplitRule::Fixed),
+        let (split_keys, rule) = match (split, *lock(&self.attn_split)) {
+            (Some(k), _) | (None, Some(k)) => (k, SplitRule::Fixed),
             // The FA kernel's long spans: splits for `blocks_per_sm` blocks per multiprocessor.
-            None if fa_fits && fa_cfg.long => {
+            (None, None) if fa_fits && fa_cfg.long => {
                 split_keys_auto(p, self.num_sms * fa_cfg.blocks_per_sm)
             }
-            None => split_keys_auto(p, self.num_sms),
+            (None, None) => split_keys_auto(p, self.num_sms),
         };
         let one_wave = rule == SplitRule::OneWave;
         // Long spans: the one-wave rule's, and the non-causal windows over longer contexts
@@ -793,7 +950,7 @@ impl Cuda {
                 );
                 let st = &*self.stream;
                 let mut a = RawArgs::default();
-                a.dptr(&q.data, st)
+                a.dptr(q, st)
                     .dptr(&k.data, st)
                     .dptr(&v.data, st)
                     .dptr_mut(&mut *wo, st)
@@ -848,31 +1005,54 @@ impl Cuda {
                     .i32(ns)
                     .i64(rt)
                     .i32(di)
-                    .dptr_mut(&mut out.data, st)
+                    .dptr_mut(out, st)
                     .i32(h);
                 // The Q8_0A8 activation too (one warp per 32 values of a row): padding tokens
-                // up to nt * 8 get blocks of their own.
-                let q8 = q8.filter(|&(nt, _)| d.is_multiple_of(32) && d <= 256 && p.n_q <= nt * 8);
-                let blocks = match q8 {
-                    Some((nt, kbp)) => {
+                // up to nt * 8 get blocks of their own. Or the skinny matmuls' bf16 hi / lo x
+                // (the combine's D <= 256 threads cover a row).
+                let extra = match extra {
+                    AttnExtra::Q8 { nt, .. }
+                        if !(d.is_multiple_of(32) && d <= 256 && p.n_q <= nt * 8) =>
+                    {
+                        AttnExtra::None
+                    }
+                    AttnExtra::Split if d > 256 => AttnExtra::None,
+                    e => e,
+                };
+                let (blocks, wrote) = match extra {
+                    AttnExtra::Q8 { nt, kbp } => {
                         let (xq, xd) = s.a8_first(&self.stream, kbp, nt)?;
                         a.i32(nt as i32)
                             .i32(i32_of(op, "n_heads * head_dim", kbp)?)
                             .dptr_mut(xq, st)
-                            .dptr_mut(xd, st);
-                        nt * 8 * p.n_heads
+                            .dptr_mut(xd, st)
+                            .u64(0)
+                            .u64(0);
+                        let act = s.a8_written(0, p.n_heads * d, p.n_q);
+                        (nt * 8 * p.n_heads, Some(AttnAct::A8(act)))
                     }
-                    None => {
-                        a.i32(0).i32(0).u64(0).u64(0);
-                        rows_total
+                    AttnExtra::Split => {
+                        let (act, hi, lo) = s.split_written(&self.stream, p.n_heads * d, p.n_q)?;
+                        a.i32(0)
+                            .i32(0)
+                            .u64(0)
+                            .u64(0)
+                            .dptr_mut(hi, st)
+                            .dptr_mut(lo, st);
+                        (rows_total, Some(AttnAct::Split(act)))
+                    }
+                    AttnExtra::None => {
+                        a.i32(0).i32(0).u64(0).u64(0).u64(0).u64(0);
+                        (rows_total, None)
                     }
                 };
                 let c = cfg((blocks as u32, 1, 1), d.min(256) as u32, 0);
                 // SAFETY: attn_combine's parameters in order (ws_o, ws_ml, n_split, rows_total,
-                // D, out, H, NT, KBp, xq, xd); with xq the scratch holds the activation of
-                // nt * 8 tokens x kbp blocks (a8_first sized it).
+                // D, out, H, NT, KBp, xq, xd, hi, lo); with xq the scratch holds the activation
+                // of nt * 8 tokens x kbp blocks (a8_first sized it), with hi / lo n_q rows of
+                // n_heads * D (split_written sized them).
                 unsafe { a.launch(st, &fc, c, pdl) }?;
-                return Ok(q8.map(|_| s.a8_written(0, p.n_heads * d, p.n_q)));
+                return Ok(wrote);
             }
             _ => {
                 if d > 512 {
@@ -884,7 +1064,7 @@ impl Cuda {
                 let f = self.func(Kernel::AttnGeneric)?;
                 let di = d as i32;
                 let mut b = self.stream.launch_builder(&f);
-                b.arg(&q.data).arg(&k.data).arg(&v.data).arg(&mut out.data);
+                b.arg(q).arg(&k.data).arg(&v.data).arg(out);
                 b.arg(&nq)
                     .arg(&nkv)
                     .arg(&h)
@@ -1023,6 +1203,54 @@ mod tests {
                     assert_eq!((lo, hi), (0, n_split));
                 }
             }
+        }
+    }
+
+    /// A causal row's split: from the table by the keys it sees (within its window), the same
+    /// for the row whatever else the call holds.
+    #[test]
+    fn causal_splits_by_the_keys_a_row_sees() {
+        let t = CAUSAL_SPLITS;
+        assert_eq!(t[0], (0, ATT_SPLIT));
+        for (keys, want) in [
+            (0, 256),
+            (1, 256),
+            (16383, 256),
+            (16384, 512),
+            (32767, 512),
+            (32768, 1024),
+            (65535, 1024),
+            (65536, 2048),
+            (1 << 20, 2048),
+        ] {
+            assert_eq!(causal_split_keys(keys, &t), want, "{keys} keys");
+        }
+        let p = |q_pos0, kv_pos0, window| AttnParams {
+            n_q: 16,
+            n_kv: 40_000,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            q_pos0,
+            kv_pos0,
+            causal: true,
+            window,
+            scale: 1.0,
+        };
+        assert_eq!(causal_keys(&p(100, 0, None), 0), 101);
+        assert_eq!(causal_keys(&p(100, 0, None), 15), 116);
+        assert_eq!(causal_keys(&p(100, 50, None), 0), 51);
+        assert_eq!(causal_keys(&p(10, 50, None), 0), 0);
+        assert_eq!(causal_keys(&p(40_000, 0, Some(2048)), 3), 2048);
+        // A row's keys do not depend on the rows before it in the call.
+        let v = p(32760, 0, None);
+        for i in 0..16 {
+            let alone = AttnParams {
+                n_q: 1,
+                q_pos0: v.q_pos0 + i,
+                ..v
+            };
+            assert_eq!(causal_keys(&v, i), causal_keys(&alone, 0));
         }
     }
 
