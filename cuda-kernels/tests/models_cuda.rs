@@ -230,98 +230,101 @@ fn dcfg_mask(m: &DraftModel<Cpu>) -> u32 {
 
 /// spec == greedy on CUDA: a steered tiny target (so the drafter is often right: long
 /// accepts, then misses) and a random drafter, both on the GPU.
+/// One spec-vs-greedy case on CUDA: (hidden, target format, drafter precision, Markov rank,
+/// window, drafter attention fast); repetition `rep` picks the caches (the target's K / V in
+/// f16 on rep 2, the fast drafter's on odd reps) and the adaptive policy (even reps). Returns
+/// the spec stream, the greedy stream and the round statistics.
+fn spec_case(
+    g: &Cuda,
+    r: &mut rand::rngs::StdRng,
+    (hidden, tfmt, prec, markov_rank, window, fast): Case,
+    rep: usize,
+    max_new: usize,
+) -> (Vec<u32>, Vec<u32>, dflash_spec_round::Stats) {
+    let vocab = 64usize;
+    let seed: u64 = r.random();
+    let prompt: Vec<u32> = (0..r.random_range(1..12))
+        .map(|_| r.random_range(0..vocab as u32))
+        .collect();
+    let cap = prompt.len() + max_new + 16;
+    let mut target = random_qwen3_steered(
+        g,
+        tiny_qwen3_config(vocab, hidden, 3, window),
+        seed,
+        tfmt,
+        cap,
+        Some((5, 12.0)),
+    )
+    .expect("target");
+    if rep == 2 {
+        target
+            .set_kv_storage(g, KvStorage::F16)
+            .expect("target f16 cache");
+    }
+    let expected = plain_greedy(g, &mut target, &prompt, max_new, &[]).expect("greedy");
+    let dcfg = tiny_config(hidden, 2, 4, 2, vocab, 16, &[-1, 1], window, markov_rank).expect("cfg");
+    let tensors = random_tensor_map(&dcfg, seed ^ 0x5eed);
+    let model = DraftModel::<Cuda>::from_tensors(
+        g,
+        dcfg,
+        &tensors,
+        &DraftLoad {
+            precision: prec,
+            fast_attention: fast,
+            kv_storage: if fast && rep % 2 == 1 {
+                KvStorage::F16
+            } else {
+                KvStorage::F32
+            },
+            ..DraftLoad::default()
+        },
+    )
+    .expect("drafter");
+    let mut drafter = DflashDrafter::new(&model).expect("drafter");
+    let cfg = SpecConfig {
+        adaptive: rep.is_multiple_of(2),
+        markov: markov_rank > 0,
+        ..SpecConfig::default()
+    };
+    let (got, stats) =
+        generate(g, &mut target, &mut drafter, cfg, &prompt, max_new, &[]).expect("spec");
+    (got, expected, stats)
+}
+
+/// (hidden, target format, drafter precision, Markov rank, window, drafter attention fast).
+type Case = (usize, WeightFormat, Precision, usize, Option<usize>, bool);
+
 #[test]
 fn spec_stream_equals_greedy_on_cuda() {
     let Some(g) = gpu("spec_stream_equals_greedy_on_cuda") else {
         return;
     };
     let mut r = rng("spec_stream_equals_greedy_on_cuda");
-    let vocab = 64usize;
     let mut total_accepted = 0;
-    // (hidden, target format, drafter precision, Markov rank, window, drafter attention fast)
-    let cases = [
-        (
-            128usize,
-            WeightFormat::Bf16,
-            Precision::Bf16,
-            0usize,
-            None,
-            false,
-        ),
-        (
-            128,
-            WeightFormat::Q8_0,
-            Precision::Q8_0,
-            32,
-            Some(4usize),
-            false,
-        ),
+    let cases: [Case; 7] = [
+        (128, WeightFormat::Bf16, Precision::Bf16, 0, None, false),
+        (128, WeightFormat::Q8_0, Precision::Q8_0, 32, Some(4), false),
         (512, WeightFormat::Q4_0, Precision::Q4_0, 0, None, false),
         (128, WeightFormat::F32, Precision::F32, 32, Some(3), false),
         (256, WeightFormat::Bf16, Precision::Q8_0A8, 32, None, true),
         (256, WeightFormat::Q8_0, Precision::Q4_0A8, 0, Some(5), true),
         (256, WeightFormat::Q8_0A8, Precision::Q8_0A8, 32, None, true),
     ];
-    // The fast-attention drafters with an f16 cache on every other repetition.
-    for (ci, &(hidden, tfmt, prec, markov_rank, window, fast)) in cases.iter().enumerate() {
+    // The fast-attention drafters with an f16 cache on every other repetition, the target's
+    // cache in f16 on the last.
+    for (ci, &case) in cases.iter().enumerate() {
         for rep in 0..3 {
-            let seed: u64 = r.random();
-            let prompt: Vec<u32> = (0..r.random_range(1..12))
-                .map(|_| r.random_range(0..vocab as u32))
-                .collect();
             let max_new = r.random_range(1..=64usize);
-            let cap = prompt.len() + 64 + 16;
-            let mut target = random_qwen3_steered(
-                g,
-                tiny_qwen3_config(vocab, hidden, 3, window),
-                seed,
-                tfmt,
-                cap,
-                Some((5, 12.0)),
-            )
-            .expect("target");
-            // The target's K / V cache in f16 on the last repetition of each case.
-            let target_kv16 = rep == 2;
-            if target_kv16 {
-                target
-                    .set_kv_storage(g, KvStorage::F16)
-                    .expect("target f16 cache");
-            }
-            let expected = plain_greedy(g, &mut target, &prompt, max_new, &[]).expect("greedy");
-            let dcfg = tiny_config(hidden, 2, 4, 2, vocab, 16, &[-1, 1], window, markov_rank)
-                .expect("cfg");
-            let tensors = random_tensor_map(&dcfg, seed ^ 0x5eed);
-            let model = DraftModel::<Cuda>::from_tensors(
-                g,
-                dcfg,
-                &tensors,
-                &DraftLoad {
-                    precision: prec,
-                    fast_attention: fast,
-                    kv_storage: if fast && rep % 2 == 1 {
-                        KvStorage::F16
-                    } else {
-                        KvStorage::F32
-                    },
-                    ..DraftLoad::default()
-                },
-            )
-            .expect("drafter");
-            let mut drafter = DflashDrafter::new(&model).expect("drafter");
-            let cfg = SpecConfig {
-                adaptive: rep % 2 == 0,
-                markov: markov_rank > 0,
-                ..SpecConfig::default()
-            };
-            let (got, stats) =
-                generate(g, &mut target, &mut drafter, cfg, &prompt, max_new, &[]).expect("spec");
+            let (got, expected, stats) = spec_case(g, &mut r, case, rep, max_new);
             assert_eq!(
                 got, expected,
                 "case {ci} rep {rep}: spec stream != greedy on CUDA ({stats:?})"
             );
             total_accepted += stats.accepted;
+            let (hidden, tfmt, prec, markov_rank, window, fast) = case;
             eprintln!(
-                "SPEC==GREEDY cuda case {ci} rep {rep}: hidden {hidden} target {tfmt:?} (f16 K / V {target_kv16}) drafter {prec:?} (fast attention {fast}) markov {markov_rank} win {window:?}: {} tokens identical, rounds {} drafted {} accepted {}",
+                "SPEC==GREEDY cuda case {ci} rep {rep}: hidden {hidden} target {tfmt:?} (f16 K / V {}) drafter {prec:?} (fast attention {fast}) markov {markov_rank} win {window:?}: {} tokens identical, rounds {} drafted {} accepted {}",
+                rep == 2,
                 got.len(),
                 stats.rounds,
                 stats.drafted,
@@ -333,4 +336,37 @@ fn spec_stream_equals_greedy_on_cuda() {
         total_accepted > 0,
         "no draft was ever accepted: the exactness check never exercised a long accept"
     );
+}
+
+/// The spec stream equals greedy where the target's causal rows change attention split on
+/// the way (`set_attn_causal_splits` with thresholds at 64 and 128 keys: the verifies that
+/// straddle one run as a call per split), f32 and f16 target caches.
+#[test]
+fn spec_stream_equals_greedy_across_causal_split_thresholds() {
+    if gpu("spec_stream_equals_greedy_across_causal_split_thresholds").is_none() {
+        return;
+    }
+    // A private backend: the knob changes every causal call's bits.
+    let g = &Cuda::new(0).expect("second CUDA backend");
+    g.set_attn_causal_splits(&[(0, 64), (64, 128), (128, 192)])
+        .expect("table");
+    let mut r = rng("spec_stream_equals_greedy_across_causal_split_thresholds");
+    let cases: [Case; 2] = [
+        (128, WeightFormat::Bf16, Precision::Bf16, 0, None, false),
+        (256, WeightFormat::Q8_0A8, Precision::Q8_0A8, 32, None, true),
+    ];
+    let mut total_accepted = 0;
+    for (ci, &case) in cases.iter().enumerate() {
+        for rep in 0..3 {
+            // Past 128 keys whatever the prompt: every threshold crossed.
+            let (got, expected, stats) = spec_case(g, &mut r, case, rep, 140);
+            assert_eq!(
+                got, expected,
+                "case {ci} rep {rep}: spec stream != greedy across the thresholds ({stats:?})"
+            );
+            total_accepted += stats.accepted;
+        }
+    }
+    assert!(total_accepted > 0, "no draft was ever accepted");
+    eprintln!("SPEC==GREEDY cuda across causal split thresholds: 6 streams identical");
 }
