@@ -239,6 +239,38 @@ pub(crate) fn weighted_acc<const QN: usize>(
     }
 }
 
+/// Rows of f16 values to f32 (exact): `dst[r * hd + c] = src[off + r * stride + c]` for
+/// `r < dst.len() / hd`, `c < hd`. AVX-512F converts 16 values per instruction; the other
+/// paths use `half`'s slice conversion (F16C where the CPU has it).
+pub(crate) fn f16_rows_to_f32(
+    isa: Isa,
+    src: &[half::f16],
+    off: usize,
+    stride: usize,
+    hd: usize,
+    dst: &mut [f32],
+) {
+    use half::slice::HalfFloatSliceExt;
+    let rows = dst.len().checked_div(hd).unwrap_or(0);
+    let fits = dst.len() == rows * hd && (rows == 0 || off + (rows - 1) * stride + hd <= src.len());
+    if !fits {
+        // Internal invariant (the caller checked the shapes); NaN makes a breach visible.
+        dst.fill(f32::NAN);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX-512F checked by `Isa::supported`; the reads stay inside `src` and the
+        // writes inside `dst` (checked above).
+        unsafe { avx512::f16_rows_to_f32(src, off, stride, hd, dst) };
+        return;
+    }
+    let _ = isa;
+    for (r, d) in dst.chunks_exact_mut(hd).enumerate() {
+        src[off + r * stride..][..hd].convert_to_f32_slice(d);
+    }
+}
+
 /// `o[i] = fma(p, v[i], o[i])`.
 ///
 /// # Safety
@@ -745,6 +777,39 @@ mod avx512 {
         }
         for v in &mut x[n16..] {
             *v *= inv;
+        }
+    }
+
+    /// `dst[r * hd + c] = src[off + r * stride + c]` as f32, `r < dst.len() / hd`.
+    ///
+    /// # Safety
+    /// AVX-512F available; `hd > 0`, `dst.len()` a multiple of `hd`, and
+    /// `off + (dst.len() / hd - 1) * stride + hd <= src.len()` when `dst` is not empty.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn f16_rows_to_f32(
+        src: &[half::f16],
+        off: usize,
+        stride: usize,
+        hd: usize,
+        dst: &mut [f32],
+    ) {
+        let n16 = hd / L * L;
+        let sp = src.as_ptr();
+        for (r, d) in dst.chunks_exact_mut(hd).enumerate() {
+            let s0 = off + r * stride;
+            let dp = d.as_mut_ptr();
+            let mut c = 0;
+            while c < n16 {
+                // SAFETY: s0 + c + 16 <= s0 + hd <= src.len(); c + 16 <= hd = d.len().
+                unsafe {
+                    let h = _mm256_loadu_si256(sp.add(s0 + c) as *const __m256i);
+                    _mm512_storeu_ps(dp.add(c), _mm512_cvtph_ps(h));
+                }
+                c += L;
+            }
+            for (c, x) in d.iter_mut().enumerate().skip(n16) {
+                *x = src[s0 + c].to_f32();
+            }
         }
     }
 
