@@ -458,65 +458,136 @@ impl<'a> KvCache<'a> {
         }
     }
 
-    /// Keys `b0 .. b1` of kv head `g` (`hd` values at `g * hd` in rows of `stride`): the f32
-    /// cache itself, or the f16 rows converted (exactly) into `scratch` (`(b1 - b0) * hd`
-    /// values at least). The caller keeps keys `b0 .. b1` within the cache and `hd > 0`.
+    /// Keys `b0 .. b1` of kv head `g` (`hd` values at `g * hd` in rows of `stride`) as the
+    /// kernels read them: the cache itself (f32, or f16 when `direct` ([`KvCache::direct`]):
+    /// the kernels widen it as they load it), else the f16 rows widened (exactly) into
+    /// `scratch`. The caller keeps keys `b0 .. b1` within the cache and `hd > 0`.
+    #[allow(clippy::too_many_arguments)]
     fn block<'s>(
         self,
         isa: Isa,
+        direct: bool,
         g: usize,
         hd: usize,
         stride: usize,
         (b0, b1): (usize, usize),
-        scratch: &'s mut [f32],
-    ) -> KvBlock<'s>
+        scratch: &'s mut Vec<f32>,
+    ) -> KvView<'s>
     where
         'a: 's,
     {
         match self {
-            KvCache::F32(buf) => KvBlock {
+            KvCache::F32(buf) => KvView::F32(KvBlock {
                 buf,
                 stride,
                 off: g * hd,
                 base: 0,
-            },
-            KvCache::F16(h) => {
-                let dst = &mut scratch[..(b1 - b0) * hd];
-                kernel::f16_rows_to_f32(isa, h, b0 * stride + g * hd, stride, hd, dst);
-                KvBlock {
-                    buf: dst,
-                    stride: hd,
-                    off: 0,
-                    base: b0,
+            }),
+            KvCache::F16(buf) => {
+                let h = KvBlock {
+                    buf,
+                    stride,
+                    off: g * hd,
+                    base: 0,
+                };
+                if direct {
+                    KvView::F16(h)
+                } else {
+                    KvView::F32(h.widen(isa, hd, b0, b1, scratch))
                 }
             }
         }
     }
+
+    /// Whether the kernels read f16 keys / values straight from the cache (widening 16 per
+    /// load) rather than from blocks widened once: only the AVX-512 kernels can (the score
+    /// strips for `hd` a multiple of 16), and it pays only while few query tiles (of up to 4
+    /// rows) re-read, so re-widen, each key: `m` query rows per kv head. Measured on a 2-vCPU
+    /// Zen 4 EPYC (`matmul_perf`'s `attention_kv16_vs_f32`, f16 us / f32 us, 1 and 2 threads,
+    /// ctx 512 and 2048): read directly 0.64-1.10 at m <= 8 where widened blocks gave
+    /// 1.2-1.6; at m = 16 0.81-1.10 against 0.94-1.17; at m = 32 within 4% of each other
+    /// either way (direct better at heads of 128); at m = 64 direct 1.10 against 1.03 at
+    /// heads of 64.
+    fn direct(isa: Isa, hd: usize, m: usize) -> bool {
+        isa == Isa::Avx512 && hd.is_multiple_of(16) && m <= 32
+    }
 }
 
-/// The f32 rows of one kv head for keys `base ..`: key `j` = `buf[at(j) ..][.. hd]`.
+/// The rows of one kv head for keys `base ..`: key `j` = `buf[at(j) ..][.. hd]`.
 #[derive(Clone, Copy)]
-struct KvBlock<'a> {
-    buf: &'a [f32],
+struct KvBlock<'a, T> {
+    buf: &'a [T],
     stride: usize,
     off: usize,
     base: usize,
 }
 
-impl KvBlock<'_> {
+impl<T> KvBlock<'_, T> {
     /// Where key `j` (`j >= base`) starts in `buf`.
     fn at(&self, j: usize) -> usize {
         self.off + (j - self.base) * self.stride
     }
 }
 
+impl KvBlock<'_, half::f16> {
+    /// Keys `j0 .. j1` widened into `scratch` (grown if shorter than `(j1 - j0) * hd`).
+    fn widen<'s>(
+        &self,
+        isa: Isa,
+        hd: usize,
+        j0: usize,
+        j1: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> KvBlock<'s, f32> {
+        let n = (j1 - j0) * hd;
+        if scratch.len() < n {
+            scratch.resize(n, 0.0);
+        }
+        let dst = &mut scratch[..n];
+        kernel::f16_rows_to_f32(isa, self.buf, self.at(j0), self.stride, hd, dst);
+        KvBlock {
+            buf: dst,
+            stride: hd,
+            off: 0,
+            base: j0,
+        }
+    }
+}
+
+/// One kv head's keys (or values) of a block as the kernels read them.
+#[derive(Clone, Copy)]
+enum KvView<'a> {
+    F32(KvBlock<'a, f32>),
+    /// Widened in the kernels' loads (where [`KvCache::f16_direct`]).
+    F16(KvBlock<'a, half::f16>),
+}
+
+/// Whole strips of `KN` keys from `bl` in one kernel call where the ISA has one (same bits
+/// as [`kernel::dot_grid`]); how many keys it did.
+#[allow(clippy::too_many_arguments)]
+fn score_strip_of<const QN: usize, const KN: usize, T: kernel::KvElem>(
+    isa: Isa,
+    qs: [&[f32]; QN],
+    kv: KvBlock<'_, T>,
+    bl: usize,
+    bh: usize,
+    scale: f32,
+    sc: &mut [f32],
+    rows: [usize; QN],
+) -> usize {
+    let (j0, j1) = (bl - kv.base, bh - kv.base);
+    kernel::score_strip::<QN, KN, T>(isa, qs, kv.buf, kv.off, kv.stride, j0, j1, scale, sc, rows)
+}
+
 /// Scores of queries `u0 .. u0 + QN` against keys `bl .. bh`:
-/// `sc[u * width + j - lo_all] = dot(q_u, k_j) * scale`, `QN x KN` at a time.
+/// `sc[u * width + j - lo_all] = dot(q_u, k_j) * scale`, `QN x KN` at a time. Keys the strip
+/// kernel leaves of an f16 view are widened into `tail`.
 #[allow(clippy::too_many_arguments)]
 fn score_tiles<'a, const QN: usize, const KN: usize>(
     isa: Isa,
     qrow: &impl Fn(usize) -> &'a [f32],
-    kv: KvBlock<'_>,
+    kv: KvView<'_>,
+    tail: &mut Vec<f32>,
     u0: usize,
     bl: usize,
     bh: usize,
@@ -526,14 +597,21 @@ fn score_tiles<'a, const QN: usize, const KN: usize>(
     sc: &mut [f32],
 ) {
     let qs: [&[f32]; QN] = std::array::from_fn(|d| qrow(u0 + d));
-    // Whole strips of KN keys in one kernel call where the ISA has one (same bits).
     let hd = qs[0].len();
-    let key = |j: usize| &kv.buf[kv.at(j)..][..hd];
     let rows: [usize; QN] = std::array::from_fn(|d| (u0 + d) * width + bl - lo_all);
-    let (j0, j1) = (bl - kv.base, bh - kv.base);
-    let done =
-        kernel::score_strip::<QN, KN>(isa, qs, kv.buf, kv.off, kv.stride, j0, j1, scale, sc, rows);
+    let done = match kv {
+        KvView::F32(b) => score_strip_of::<QN, KN, f32>(isa, qs, b, bl, bh, scale, sc, rows),
+        KvView::F16(b) => score_strip_of::<QN, KN, _>(isa, qs, b, bl, bh, scale, sc, rows),
+    };
     let mut j = bl + done;
+    if j >= bh {
+        return;
+    }
+    let kv = match kv {
+        KvView::F32(b) => b,
+        KvView::F16(b) => b.widen(isa, hd, j, bh, tail),
+    };
+    let key = |j: usize| &kv.buf[kv.at(j)..][..hd];
     while j + KN <= bh {
         let t = kernel::dot_grid::<QN, KN>(isa, qs, std::array::from_fn(|d| key(j + d)));
         for (d, row) in t.iter().enumerate() {
@@ -570,9 +648,17 @@ impl PvCtx<'_> {
     }
 
     /// One query alone over keys `a .. b` (values `v`), continuing its accumulation in `o`.
-    fn one(&self, v: KvBlock<'_>, u: usize, o: &mut [f32], a: usize, b: usize) {
+    fn one<T: kernel::KvElem>(
+        &self,
+        v: KvBlock<'_, T>,
+        u: usize,
+        o: &mut [f32],
+        a: usize,
+        b: usize,
+    ) {
         if a < b {
-            kernel::weighted_acc::<1>(self.isa, [o], [self.w(u, a, b)], v.buf, v.at(a), v.stride);
+            let w = self.w(u, a, b);
+            kernel::weighted_acc::<1, T>(self.isa, [o], [w], v.buf, v.at(a), v.stride);
         }
     }
 
@@ -581,7 +667,21 @@ impl PvCtx<'_> {
     /// chain over its keys in order, the common keys processed jointly (shared loads).
     fn block<const QN: usize>(
         &self,
-        v: KvBlock<'_>,
+        v: KvView<'_>,
+        u0: usize,
+        out: &mut [f32],
+        b0: usize,
+        b1: usize,
+    ) {
+        match v {
+            KvView::F32(v) => self.block_of::<QN, f32>(v, u0, out, b0, b1),
+            KvView::F16(v) => self.block_of::<QN, _>(v, u0, out, b0, b1),
+        }
+    }
+
+    fn block_of<const QN: usize, T: kernel::KvElem>(
+        &self,
+        v: KvBlock<'_, T>,
         u0: usize,
         out: &mut [f32],
         b0: usize,
@@ -607,7 +707,7 @@ impl PvCtx<'_> {
         let ws: [&[f32]; QN] = std::array::from_fn(|d| self.w(u0 + d, c_lo, c_hi));
         {
             let joint: [&mut [f32]; QN] = os.each_mut().map(|o| &mut **o);
-            kernel::weighted_acc::<QN>(self.isa, joint, ws, v.buf, v.at(c_lo), v.stride);
+            kernel::weighted_acc::<QN, T>(self.isa, joint, ws, v.buf, v.at(c_lo), v.stride);
         }
         for (d, o) in os.iter_mut().enumerate() {
             self.one(v, u0 + d, o, c_hi, rs[d].1);
@@ -700,11 +800,10 @@ impl Cpu {
             // has the bits of one `dot`, and each output element is one FMA chain over its keys
             // in increasing order (continued across blocks), whatever the block size.
             let kblock = (6144 / hd).max(16) / 16 * 16;
-            // An f16 cache: the rows of the block being read, converted.
-            let mut scratch = match k {
-                KvCache::F16(_) => vec![0.0f32; kblock * hd],
-                KvCache::F32(_) => Vec::new(),
-            };
+            // Widened f16 rows (where the kernels do not read them from the cache): those of
+            // the block being read, and the keys the score strips leave.
+            let (mut scratch, mut tail) = (Vec::new(), Vec::new());
+            let direct = KvCache::direct(isa, hd, m);
             let blocks = || {
                 (lo_all..hi_all)
                     .step_by(kblock)
@@ -713,7 +812,7 @@ impl Cpu {
             // Scores: tiles of queries x keys (each score has the bits of one `dot`).
             let mut sc = vec![0.0f32; m * width];
             for (b0, b1) in blocks() {
-                let kvs = k.block(isa, g, hd, stride, (b0, b1), &mut scratch);
+                let kvs = k.block(isa, direct, g, hd, stride, (b0, b1), &mut scratch);
                 let mut u = 0;
                 while u < m {
                     let qn = match m - u {
@@ -726,13 +825,16 @@ impl Cpu {
                     if bl < bh {
                         match qn {
                             4 => score_tiles::<4, 4>(
-                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, kvs, &mut tail, u, bl, bh, lo_all, width, p.scale,
+                                &mut sc,
                             ),
                             2 => score_tiles::<2, 8>(
-                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, kvs, &mut tail, u, bl, bh, lo_all, width, p.scale,
+                                &mut sc,
                             ),
                             _ => score_tiles::<1, 16>(
-                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
+                                isa, &qrow, kvs, &mut tail, u, bl, bh, lo_all, width, p.scale,
+                                &mut sc,
                             ),
                         }
                     }
@@ -759,7 +861,7 @@ impl Cpu {
                 hd,
             };
             for (b0, b1) in blocks() {
-                let vs = v.block(isa, g, hd, stride, (b0, b1), &mut scratch);
+                let vs = v.block(isa, direct, g, hd, stride, (b0, b1), &mut scratch);
                 let mut u = 0;
                 while u < m {
                     let qn = match m - u {

@@ -555,8 +555,8 @@ fn attention_causal_decode_equals_verify_rows() {
 /// the bits of the trait's default (unpack the whole cache, then the attention), and both equal
 /// the exact attention over the f16-rounded values. Shapes around the attention's key blocks
 /// (ctx not a multiple of them, windows starting inside one), head_dim 128 and odd ones (a kv
-/// head's values at an odd half), GQA groups 1-4, 1 and 16 queries, a cache starting at a
-/// position > 0, caches exactly `n_kv` rows long and longer ones whose rows past `n_kv` are
+/// head's values at an odd half), GQA groups 1-4, 1 to 16 queries (the AVX-512 path reads the
+/// f16 cache directly up to 32 query rows per kv head, n_q x group, and widens blocks above), a cache at a position > 0, caches exactly `n_kv` rows long and longer ones whose rows past `n_kv` are
 /// NaN (read by mistake they would show), on every instruction set with 1-3 threads.
 #[test]
 fn attention_fast_kv16_equals_the_unpacking_default() {
@@ -587,6 +587,13 @@ fn attention_fast_kv16_equals_the_unpacking_default() {
         (8, 2, 24, 250, 4, true, None, 3, 9),
         (4, 1, 72, 310, 16, false, Some(17), 0, 4),
         (2, 2, 200, 70, 1, true, None, 0, 0),
+        (4, 2, 64, 777, 1, true, None, 0, 0),
+        (6, 2, 32, 90, 1, true, None, 0, 3),
+        (12, 4, 48, 333, 3, true, Some(40), 5, 0),
+        (8, 4, 16, 61, 4, true, None, 0, 2),
+        (2, 2, 64, 129, 1, true, None, 0, 1),
+        (8, 2, 32, 200, 8, true, Some(70), 0, 2),
+        (3, 1, 64, 150, 11, true, None, 7, 0),
     ];
     for be in backends_all_isas() {
         for &(nh, nkv, hd, ctx, t, causal, window, kv_pos0, extra) in shapes {

@@ -334,20 +334,22 @@ fn q8_0a8_vs_float_gmacs() {
 
 /// `attention_fast_kv16` (f16 cache) against `attention` (f32 cache) over the same values,
 /// us per call (wall time: the 5th percentile of single calls, the two ops interleaved so a
-/// busy spell of the shared machine hits both). Env knobs: KV16_SHAPES="8/2/64,32/8/128"
+/// busy spell of the shared machine hits both). Env knobs: KV16_SHAPES="4/2/64,8/2/64,32/8/128"
 /// (heads / kv heads / head_dim), KV16_CTX="512,4096", KV16_NQ="1,16", KV16_THREADS="1,2".
 #[test]
 #[ignore = "timing report, run by hand"]
 fn attention_kv16_vs_f32() {
     use dflash_backend::AttnParams;
-    let shapes: Vec<(usize, usize, usize)> =
-        env_list::<String>("KV16_SHAPES", vec!["8/2/64".into(), "32/8/128".into()])
-            .iter()
-            .filter_map(|s| {
-                let v: Vec<usize> = s.split('/').filter_map(|p| p.parse().ok()).collect();
-                (v.len() == 3).then(|| (v[0], v[1], v[2]))
-            })
-            .collect();
+    let shapes: Vec<(usize, usize, usize)> = env_list::<String>(
+        "KV16_SHAPES",
+        vec!["4/2/64".into(), "8/2/64".into(), "32/8/128".into()],
+    )
+    .iter()
+    .filter_map(|s| {
+        let v: Vec<usize> = s.split('/').filter_map(|p| p.parse().ok()).collect();
+        (v.len() == 3).then(|| (v[0], v[1], v[2]))
+    })
+    .collect();
     for threads in env_list("KV16_THREADS", vec![1usize, 2]) {
         let be = Cpu::with_threads(threads).unwrap();
         for &(nh, nkv, hd) in &shapes {
