@@ -20,7 +20,10 @@
 //! * `attention`: per kv head, scores by query x key tiles (each with the bits of one fixed
 //!   order dot product), softmax (vectorised exp, same bits on every path), values accumulated
 //!   by one FMA chain per output element with the value loads shared by blocks of queries.
-//!   A query's output depends only on its own position and keys.
+//!   A query's output depends only on its own position and keys. `attention_fast_kv16` is the
+//!   same code over an f16 cache: the AVX-512 kernels widen the values as they load them (up
+//!   to 32 query rows per kv head), else each key block is widened once into a small buffer;
+//!   the widening is exact, so the bits are those of the f32 attention over the f16 values.
 //!
 //! Buffers are `Vec<f32>`. A buffer may be longer than what an op reads or writes (scratch
 //! reuse); the ops check that every operand is long enough and name it when it is not.
@@ -558,7 +561,7 @@ impl KvBlock<'_, half::f16> {
 #[derive(Clone, Copy)]
 enum KvView<'a> {
     F32(KvBlock<'a, f32>),
-    /// Widened in the kernels' loads (where [`KvCache::f16_direct`]).
+    /// Widened in the kernels' loads (where [`KvCache::direct`]).
     F16(KvBlock<'a, half::f16>),
 }
 
