@@ -20,7 +20,10 @@
 //! * `attention`: per kv head, scores by query x key tiles (each with the bits of one fixed
 //!   order dot product), softmax (vectorised exp, same bits on every path), values accumulated
 //!   by one FMA chain per output element with the value loads shared by blocks of queries.
-//!   A query's output depends only on its own position and keys.
+//!   A query's output depends only on its own position and keys. `attention_fast_kv16` is the
+//!   same code over an f16 cache: the AVX-512 kernels widen the values as they load them (up
+//!   to 32 query rows per kv head), else each key block is widened once into a small buffer;
+//!   the widening is exact, so the bits are those of the f32 attention over the f16 values.
 //!
 //! Buffers are `Vec<f32>`. A buffer may be longer than what an op reads or writes (scratch
 //! reuse); the ops check that every operand is long enough and name it when it is not.
@@ -38,8 +41,6 @@ use rayon::prelude::*;
 
 pub use a8panel::vnni_supported;
 pub use kernel::Isa;
-
-use half::slice::HalfFloatSliceExt;
 
 use crate::{
     check_f16_range, check_f16_rows, f16_pair_bits, f16_pair_values, AttnParams, Backend,
@@ -441,14 +442,155 @@ fn check_weight(op: &'static str, w: &Weight<Cpu>) -> Result<()> {
     exactly(op, "weight", n, w.buf.stored_len())
 }
 
+/// A K or V cache as the attention reads it: rows of `n_kv_heads * head_dim` values.
+#[derive(Clone, Copy)]
+enum KvCache<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// f16 values ([`crate::KvStorage::F16`] read little-endian: value `2 i` is the low half of
+    /// f32 slot `i`).
+    F16(&'a [half::f16]),
+}
+
+impl<'a> KvCache<'a> {
+    /// Values stored.
+    fn len(self) -> usize {
+        match self {
+            KvCache::F32(b) => b.len(),
+            KvCache::F16(h) => h.len(),
+        }
+    }
+
+    /// Keys `b0 .. b1` of kv head `g` (`hd` values at `g * hd` in rows of `stride`) as the
+    /// kernels read them: the cache itself (f32, or f16 when `direct` ([`KvCache::direct`]):
+    /// the kernels widen it as they load it), else the f16 rows widened (exactly) into
+    /// `scratch`. The caller keeps keys `b0 .. b1` within the cache and `hd > 0`.
+    #[allow(clippy::too_many_arguments)]
+    fn block<'s>(
+        self,
+        isa: Isa,
+        direct: bool,
+        g: usize,
+        hd: usize,
+        stride: usize,
+        (b0, b1): (usize, usize),
+        scratch: &'s mut Vec<f32>,
+    ) -> KvView<'s>
+    where
+        'a: 's,
+    {
+        match self {
+            KvCache::F32(buf) => KvView::F32(KvBlock {
+                buf,
+                stride,
+                off: g * hd,
+                base: 0,
+            }),
+            KvCache::F16(buf) => {
+                let h = KvBlock {
+                    buf,
+                    stride,
+                    off: g * hd,
+                    base: 0,
+                };
+                if direct {
+                    KvView::F16(h)
+                } else {
+                    KvView::F32(h.widen(isa, hd, b0, b1, scratch))
+                }
+            }
+        }
+    }
+
+    /// Whether the kernels read f16 keys / values straight from the cache (widening 16 per
+    /// load) rather than from blocks widened once: only the AVX-512 kernels can (the score
+    /// strips for `hd` a multiple of 16), and it pays only while few query tiles (of up to 4
+    /// rows) re-read, so re-widen, each key: `m` query rows per kv head. Measured on a 2-vCPU
+    /// Zen 4 EPYC (`matmul_perf`'s `attention_kv16_vs_f32`, f16 us / f32 us, 1 and 2 threads,
+    /// ctx 512 and 2048): read directly 0.64-1.10 at m <= 8 where widened blocks gave
+    /// 1.2-1.6; at m = 16 0.81-1.10 against 0.94-1.17; at m = 32 within 4% of each other
+    /// either way (direct better at heads of 128); at m = 64 direct 1.10 against 1.03 at
+    /// heads of 64.
+    fn direct(isa: Isa, hd: usize, m: usize) -> bool {
+        isa == Isa::Avx512 && hd.is_multiple_of(16) && m <= 32
+    }
+}
+
+/// The rows of one kv head for keys `base ..`: key `j` = `buf[at(j) ..][.. hd]`.
+#[derive(Clone, Copy)]
+struct KvBlock<'a, T> {
+    buf: &'a [T],
+    stride: usize,
+    off: usize,
+    base: usize,
+}
+
+impl<T> KvBlock<'_, T> {
+    /// Where key `j` (`j >= base`) starts in `buf`.
+    fn at(&self, j: usize) -> usize {
+        self.off + (j - self.base) * self.stride
+    }
+}
+
+impl KvBlock<'_, half::f16> {
+    /// Keys `j0 .. j1` widened into `scratch` (grown if shorter than `(j1 - j0) * hd`).
+    fn widen<'s>(
+        &self,
+        isa: Isa,
+        hd: usize,
+        j0: usize,
+        j1: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> KvBlock<'s, f32> {
+        let n = (j1 - j0) * hd;
+        if scratch.len() < n {
+            scratch.resize(n, 0.0);
+        }
+        let dst = &mut scratch[..n];
+        kernel::f16_rows_to_f32(isa, self.buf, self.at(j0), self.stride, hd, dst);
+        KvBlock {
+            buf: dst,
+            stride: hd,
+            off: 0,
+            base: j0,
+        }
+    }
+}
+
+/// One kv head's keys (or values) of a block as the kernels read them.
+#[derive(Clone, Copy)]
+enum KvView<'a> {
+    F32(KvBlock<'a, f32>),
+    /// Widened in the kernels' loads (where [`KvCache::direct`]).
+    F16(KvBlock<'a, half::f16>),
+}
+
+/// Whole strips of `KN` keys from `bl` in one kernel call where the ISA has one (same bits
+/// as [`kernel::dot_grid`]); how many keys it did.
+#[allow(clippy::too_many_arguments)]
+fn score_strip_of<const QN: usize, const KN: usize, T: kernel::KvElem>(
+    isa: Isa,
+    qs: [&[f32]; QN],
+    kv: KvBlock<'_, T>,
+    bl: usize,
+    bh: usize,
+    scale: f32,
+    sc: &mut [f32],
+    rows: [usize; QN],
+) -> usize {
+    let (j0, j1) = (bl - kv.base, bh - kv.base);
+    kernel::score_strip::<QN, KN, T>(isa, qs, kv.buf, kv.off, kv.stride, j0, j1, scale, sc, rows)
+}
+
 /// Scores of queries `u0 .. u0 + QN` against keys `bl .. bh`:
-/// `sc[u * width + j - lo_all] = dot(q_u, k_j) * scale`, `QN x KN` at a time.
+/// `sc[u * width + j - lo_all] = dot(q_u, k_j) * scale`, `QN x KN` at a time. Keys the strip
+/// kernel leaves of an f16 view are widened into `tail`.
 #[allow(clippy::too_many_arguments)]
 fn score_tiles<'a, const QN: usize, const KN: usize>(
     isa: Isa,
     qrow: &impl Fn(usize) -> &'a [f32],
-    // K, its row stride, the kv head's offset in a row: key `j` = `k[koff + j * stride ..][.. hd]`
-    kv: (&'a [f32], usize, usize),
+    kv: KvView<'_>,
+    tail: &mut Vec<f32>,
     u0: usize,
     bl: usize,
     bh: usize,
@@ -458,13 +600,21 @@ fn score_tiles<'a, const QN: usize, const KN: usize>(
     sc: &mut [f32],
 ) {
     let qs: [&[f32]; QN] = std::array::from_fn(|d| qrow(u0 + d));
-    // Whole strips of KN keys in one kernel call where the ISA has one (same bits).
-    let (k, stride, koff) = kv;
     let hd = qs[0].len();
-    let key = |j: usize| &k[koff + j * stride..][..hd];
     let rows: [usize; QN] = std::array::from_fn(|d| (u0 + d) * width + bl - lo_all);
-    let done = kernel::score_strip::<QN, KN>(isa, qs, k, koff, stride, bl, bh, scale, sc, rows);
+    let done = match kv {
+        KvView::F32(b) => score_strip_of::<QN, KN, f32>(isa, qs, b, bl, bh, scale, sc, rows),
+        KvView::F16(b) => score_strip_of::<QN, KN, _>(isa, qs, b, bl, bh, scale, sc, rows),
+    };
     let mut j = bl + done;
+    if j >= bh {
+        return;
+    }
+    let kv = match kv {
+        KvView::F32(b) => b,
+        KvView::F16(b) => b.widen(isa, hd, j, bh, tail),
+    };
+    let key = |j: usize| &kv.buf[kv.at(j)..][..hd];
     while j + KN <= bh {
         let t = kernel::dot_grid::<QN, KN>(isa, qs, std::array::from_fn(|d| key(j + d)));
         for (d, row) in t.iter().enumerate() {
@@ -491,10 +641,6 @@ struct PvCtx<'a> {
     lo_all: usize,
     /// Visible keys of each query.
     ranges: &'a [(usize, usize)],
-    v: &'a [f32],
-    /// Offset of the kv head in a value row.
-    voff: usize,
-    stride: usize,
     hd: usize,
 }
 
@@ -504,24 +650,46 @@ impl PvCtx<'_> {
         &self.sc[u * self.width + a - self.lo_all..u * self.width + b - self.lo_all]
     }
 
-    /// One query alone over keys `a .. b`, continuing its accumulation in `o`.
-    fn one(&self, u: usize, o: &mut [f32], a: usize, b: usize) {
+    /// One query alone over keys `a .. b` (values `v`), continuing its accumulation in `o`.
+    fn one<T: kernel::KvElem>(
+        &self,
+        v: KvBlock<'_, T>,
+        u: usize,
+        o: &mut [f32],
+        a: usize,
+        b: usize,
+    ) {
         if a < b {
-            kernel::weighted_acc::<1>(
-                self.isa,
-                [o],
-                [self.w(u, a, b)],
-                self.v,
-                a * self.stride + self.voff,
-                self.stride,
-            );
+            let w = self.w(u, a, b);
+            kernel::weighted_acc::<1, T>(self.isa, [o], [w], v.buf, v.at(a), v.stride);
         }
     }
 
     /// Queries `u0 .. u0 + QN` (outputs `out`, `[QN, hd]`) over their visible keys within
-    /// `b0 .. b1`: each one continues a single sequential FMA chain over its keys in order, the
-    /// common keys processed jointly (shared loads).
-    fn block<const QN: usize>(&self, u0: usize, out: &mut [f32], b0: usize, b1: usize) {
+    /// `b0 .. b1` (values `v`, holding these keys): each one continues a single sequential FMA
+    /// chain over its keys in order, the common keys processed jointly (shared loads).
+    fn block<const QN: usize>(
+        &self,
+        v: KvView<'_>,
+        u0: usize,
+        out: &mut [f32],
+        b0: usize,
+        b1: usize,
+    ) {
+        match v {
+            KvView::F32(v) => self.block_of::<QN, f32>(v, u0, out, b0, b1),
+            KvView::F16(v) => self.block_of::<QN, _>(v, u0, out, b0, b1),
+        }
+    }
+
+    fn block_of<const QN: usize, T: kernel::KvElem>(
+        &self,
+        v: KvBlock<'_, T>,
+        u0: usize,
+        out: &mut [f32],
+        b0: usize,
+        b1: usize,
+    ) {
         let rs: [(usize, usize); QN] = std::array::from_fn(|d| {
             let (lo, hi) = self.ranges[u0 + d];
             (lo.max(b0), hi.min(b1))
@@ -532,28 +700,206 @@ impl PvCtx<'_> {
         let mut os: [&mut [f32]; QN] = std::array::from_fn(|_| it.next().unwrap_or_default());
         if QN == 1 || c_lo >= c_hi || rs.iter().any(|r| r.0 >= r.1) {
             for (d, o) in os.iter_mut().enumerate() {
-                self.one(u0 + d, o, rs[d].0, rs[d].1);
+                self.one(v, u0 + d, o, rs[d].0, rs[d].1);
             }
             return;
         }
         for (d, o) in os.iter_mut().enumerate() {
-            self.one(u0 + d, o, rs[d].0, c_lo);
+            self.one(v, u0 + d, o, rs[d].0, c_lo);
         }
         let ws: [&[f32]; QN] = std::array::from_fn(|d| self.w(u0 + d, c_lo, c_hi));
         {
             let joint: [&mut [f32]; QN] = os.each_mut().map(|o| &mut **o);
-            kernel::weighted_acc::<QN>(
-                self.isa,
-                joint,
-                ws,
-                self.v,
-                c_lo * self.stride + self.voff,
-                self.stride,
-            );
+            kernel::weighted_acc::<QN, T>(self.isa, joint, ws, v.buf, v.at(c_lo), v.stride);
         }
         for (d, o) in os.iter_mut().enumerate() {
-            self.one(u0 + d, o, c_hi, rs[d].1);
+            self.one(v, u0 + d, o, c_hi, rs[d].1);
         }
+    }
+}
+
+impl Cpu {
+    /// [`Backend::attention`] over K and V stored as `k` / `v` (the one implementation of the
+    /// f32 and the f16 cache).
+    fn attention_on(
+        &self,
+        op: &'static str,
+        q: &[f32],
+        k: KvCache<'_>,
+        v: KvCache<'_>,
+        p: &AttnParams,
+        out: &mut [f32],
+    ) -> Result<()> {
+        if p.n_heads == 0 || p.n_kv_heads == 0 || p.head_dim == 0 {
+            return Err(invalid(
+                op,
+                "n_heads, n_kv_heads and head_dim must be positive",
+            ));
+        }
+        if !p.n_heads.is_multiple_of(p.n_kv_heads) {
+            return Err(invalid(
+                op,
+                format!(
+                    "n_heads {} is not a multiple of n_kv_heads {}",
+                    p.n_heads, p.n_kv_heads
+                ),
+            ));
+        }
+        if p.window == Some(0) {
+            return Err(invalid(op, "window of 0"));
+        }
+        let hd = p.head_dim;
+        let qw = mul(op, p.n_heads, hd)?;
+        let kw = mul(op, p.n_kv_heads, hd)?;
+        at_least(op, "q", mul(op, p.n_q, qw)?, q.len())?;
+        at_least(op, "k", mul(op, p.n_kv, kw)?, k.len())?;
+        at_least(op, "v", mul(op, p.n_kv, kw)?, v.len())?;
+        at_least(op, "out", mul(op, p.n_q, qw)?, out.len())?;
+        let group = p.n_heads / p.n_kv_heads;
+        let isa = self.isa;
+        let p = *p;
+        let stride = kw;
+        // Visible keys of query i: one contiguous range of j.
+        let range = |i: usize| -> (usize, usize) {
+            let qpos = p.q_pos0 + i;
+            let hi = if !p.causal {
+                p.n_kv
+            } else if qpos < p.kv_pos0 {
+                0
+            } else {
+                (qpos - p.kv_pos0 + 1).min(p.n_kv)
+            };
+            let lo = match p.window {
+                // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
+                Some(w) => (qpos + 1)
+                    .saturating_sub(w)
+                    .saturating_sub(p.kv_pos0)
+                    .min(hi),
+                None => 0,
+            };
+            (lo, hi)
+        };
+        // The queries of one kv head: u = i * group + hh reads head g * group + hh.
+        let m = p.n_q * group;
+        let head = |g: usize| -> Vec<f32> {
+            let mut res = vec![0.0f32; m * hd];
+            let ranges: Vec<(usize, usize)> = (0..m).map(|u| range(u / group)).collect();
+            let span = |us: std::ops::Range<usize>| {
+                ranges[us]
+                    .iter()
+                    .filter(|r| r.0 < r.1)
+                    .fold((usize::MAX, 0), |a, r| (a.0.min(r.0), a.1.max(r.1)))
+            };
+            let (lo_all, hi_all) = span(0..m);
+            if lo_all >= hi_all {
+                return res;
+            }
+            let width = hi_all - lo_all;
+            let ones = vec![1.0f32; width];
+            let qrow =
+                |u: usize| &q[((u / group) * p.n_heads + g * group + u % group) * hd..][..hd];
+            // Keys are visited in blocks of about 24 KiB of K (or V) so that a block stays in
+            // L1 while every query of the head reads it. This is only a loop order: each score
+            // has the bits of one `dot`, and each output element is one FMA chain over its keys
+            // in increasing order (continued across blocks), whatever the block size.
+            let kblock = (6144 / hd).max(16) / 16 * 16;
+            // Widened f16 rows (where the kernels do not read them from the cache): those of
+            // the block being read, and the keys the score strips leave.
+            let (mut scratch, mut tail) = (Vec::new(), Vec::new());
+            let direct = KvCache::direct(isa, hd, m);
+            let blocks = || {
+                (lo_all..hi_all)
+                    .step_by(kblock)
+                    .map(move |b0| (b0, (b0 + kblock).min(hi_all)))
+            };
+            // Scores: tiles of queries x keys (each score has the bits of one `dot`).
+            let mut sc = vec![0.0f32; m * width];
+            for (b0, b1) in blocks() {
+                let kvs = k.block(isa, direct, g, hd, stride, (b0, b1), &mut scratch);
+                let mut u = 0;
+                while u < m {
+                    let qn = match m - u {
+                        4.. => 4,
+                        2..=3 => 2,
+                        _ => 1,
+                    };
+                    let (bl, bh) = span(u..u + qn);
+                    let (bl, bh) = (bl.max(b0), bh.min(b1));
+                    if bl < bh {
+                        match qn {
+                            4 => score_tiles::<4, 4>(
+                                isa, &qrow, kvs, &mut tail, u, bl, bh, lo_all, width, p.scale,
+                                &mut sc,
+                            ),
+                            2 => score_tiles::<2, 8>(
+                                isa, &qrow, kvs, &mut tail, u, bl, bh, lo_all, width, p.scale,
+                                &mut sc,
+                            ),
+                            _ => score_tiles::<1, 16>(
+                                isa, &qrow, kvs, &mut tail, u, bl, bh, lo_all, width, p.scale,
+                                &mut sc,
+                            ),
+                        }
+                    }
+                    u += qn;
+                }
+            }
+            // Softmax per query over its visible keys.
+            for (u, &(lo, hi)) in ranges.iter().enumerate() {
+                if lo >= hi {
+                    continue;
+                }
+                let scores = &mut sc[u * width + lo - lo_all..u * width + hi - lo_all];
+                // max, subtract, exp, sum with the dot kernel's fixed order (x * 1 + acc is
+                // exact addition), normalise
+                kernel::softmax_in_place(isa, scores, &ones);
+            }
+            // Weights times values, queries in the same blocks as the scores.
+            let pv = PvCtx {
+                isa,
+                sc: &sc,
+                width,
+                lo_all,
+                ranges: &ranges,
+                hd,
+            };
+            for (b0, b1) in blocks() {
+                let vs = v.block(isa, direct, g, hd, stride, (b0, b1), &mut scratch);
+                let mut u = 0;
+                while u < m {
+                    let qn = match m - u {
+                        4.. => 4,
+                        2..=3 => 2,
+                        _ => 1,
+                    };
+                    let block = &mut res[u * hd..(u + qn) * hd];
+                    match qn {
+                        4 => pv.block::<4>(vs, u, block, b0, b1),
+                        2 => pv.block::<2>(vs, u, block, b0, b1),
+                        _ => pv.block::<1>(vs, u, block, b0, b1),
+                    }
+                    u += qn;
+                }
+            }
+            res
+        };
+        let work = m
+            .saturating_mul(p.n_kv)
+            .saturating_mul(hd)
+            .saturating_mul(p.n_kv_heads);
+        let per_head: Vec<Vec<f32>> =
+            if self.threads() <= 1 || p.n_kv_heads == 1 || work < self.par_min_work {
+                (0..p.n_kv_heads).map(head).collect()
+            } else {
+                self.install(|| (0..p.n_kv_heads).into_par_iter().map(head).collect())
+            };
+        for (g, res) in per_head.iter().enumerate() {
+            for (u, r) in res.chunks_exact(hd).enumerate() {
+                let (i, h) = (u / group, g * group + u % group);
+                out[(i * p.n_heads + h) * hd..][..hd].copy_from_slice(r);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -902,10 +1248,12 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    /// The f16 rows `0..n_kv` unpacked by one slice conversion each (F16C where the CPU has
-    /// it), then the exact attention: the bits of the trait's default, which converted value
-    /// by value into fresh zeroed buffers (on the shipped pair's target with an f16 cache that
-    /// made a plain decode ~4x slower than with an f32 cache).
+    /// The f16 rows converted where the attention reads them: each kv head's rows of one key
+    /// block (about 24 KiB of f32) into a small per-head buffer just before the f32 kernels
+    /// read it (F16C where the CPU has it), no copy of the whole cache. The bits of the trait's
+    /// default (unpack, then the exact attention): the conversion is exact and the kernels,
+    /// blocks and orders are those of [`Backend::attention`]. (Unpacking the whole cache for
+    /// every call made the shipped pair's plain decode ~30% slower than with an f32 cache.)
     fn attention_fast_kv16(
         &self,
         q: &Vec<f32>,
@@ -924,13 +1272,8 @@ impl Backend for Cpu {
         let n = mul(OP, p.n_kv, kvw)?;
         at_least(OP, "k (f32 slots)", n / 2, k.len())?;
         at_least(OP, "v (f32 slots)", n / 2, v.len())?;
-        let unpack = |src: &[f32]| {
-            let mut d = vec![0.0f32; n];
-            let h: &[half::f16] = bytemuck::cast_slice(&src[..n / 2]);
-            h.convert_to_f32_slice(&mut d);
-            d
-        };
-        self.attention_fast(q, &unpack(k), &unpack(v), p, out)
+        let (kh, vh) = (bytemuck::cast_slice(k), bytemuck::cast_slice(v));
+        self.attention_on(OP, q, KvCache::F16(kh), KvCache::F16(vh), p, out)
     }
 
     fn attention(
@@ -941,172 +1284,7 @@ impl Backend for Cpu {
         p: &AttnParams,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        const OP: &str = "attention";
-        if p.n_heads == 0 || p.n_kv_heads == 0 || p.head_dim == 0 {
-            return Err(invalid(
-                OP,
-                "n_heads, n_kv_heads and head_dim must be positive",
-            ));
-        }
-        if !p.n_heads.is_multiple_of(p.n_kv_heads) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "n_heads {} is not a multiple of n_kv_heads {}",
-                    p.n_heads, p.n_kv_heads
-                ),
-            ));
-        }
-        if p.window == Some(0) {
-            return Err(invalid(OP, "window of 0"));
-        }
-        let hd = p.head_dim;
-        let qw = mul(OP, p.n_heads, hd)?;
-        let kw = mul(OP, p.n_kv_heads, hd)?;
-        at_least(OP, "q", mul(OP, p.n_q, qw)?, q.len())?;
-        at_least(OP, "k", mul(OP, p.n_kv, kw)?, k.len())?;
-        at_least(OP, "v", mul(OP, p.n_kv, kw)?, v.len())?;
-        at_least(OP, "out", mul(OP, p.n_q, qw)?, out.len())?;
-        let group = p.n_heads / p.n_kv_heads;
-        let isa = self.isa;
-        let p = *p;
-        let stride = kw;
-        // Visible keys of query i: one contiguous range of j.
-        let range = |i: usize| -> (usize, usize) {
-            let qpos = p.q_pos0 + i;
-            let hi = if !p.causal {
-                p.n_kv
-            } else if qpos < p.kv_pos0 {
-                0
-            } else {
-                (qpos - p.kv_pos0 + 1).min(p.n_kv)
-            };
-            let lo = match p.window {
-                // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
-                Some(w) => (qpos + 1)
-                    .saturating_sub(w)
-                    .saturating_sub(p.kv_pos0)
-                    .min(hi),
-                None => 0,
-            };
-            (lo, hi)
-        };
-        // The queries of one kv head: u = i * group + hh reads head g * group + hh.
-        let m = p.n_q * group;
-        let head = |g: usize| -> Vec<f32> {
-            let mut res = vec![0.0f32; m * hd];
-            let ranges: Vec<(usize, usize)> = (0..m).map(|u| range(u / group)).collect();
-            let span = |us: std::ops::Range<usize>| {
-                ranges[us]
-                    .iter()
-                    .filter(|r| r.0 < r.1)
-                    .fold((usize::MAX, 0), |a, r| (a.0.min(r.0), a.1.max(r.1)))
-            };
-            let (lo_all, hi_all) = span(0..m);
-            if lo_all >= hi_all {
-                return res;
-            }
-            let width = hi_all - lo_all;
-            let ones = vec![1.0f32; width];
-            let qrow =
-                |u: usize| &q[((u / group) * p.n_heads + g * group + u % group) * hd..][..hd];
-            let kvs = (&k[..], stride, g * hd);
-            // Keys are visited in blocks of about 24 KiB of K (or V) so that a block stays in
-            // L1 while every query of the head reads it. This is only a loop order: each score
-            // has the bits of one `dot`, and each output element is one FMA chain over its keys
-            // in increasing order (continued across blocks), whatever the block size.
-            let kblock = (6144 / hd).max(16) / 16 * 16;
-            let blocks = || {
-                (lo_all..hi_all)
-                    .step_by(kblock)
-                    .map(move |b0| (b0, (b0 + kblock).min(hi_all)))
-            };
-            // Scores: tiles of queries x keys (each score has the bits of one `dot`).
-            let mut sc = vec![0.0f32; m * width];
-            for (b0, b1) in blocks() {
-                let mut u = 0;
-                while u < m {
-                    let qn = match m - u {
-                        4.. => 4,
-                        2..=3 => 2,
-                        _ => 1,
-                    };
-                    let (bl, bh) = span(u..u + qn);
-                    let (bl, bh) = (bl.max(b0), bh.min(b1));
-                    if bl < bh {
-                        match qn {
-                            4 => score_tiles::<4, 4>(
-                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
-                            ),
-                            2 => score_tiles::<2, 8>(
-                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
-                            ),
-                            _ => score_tiles::<1, 16>(
-                                isa, &qrow, kvs, u, bl, bh, lo_all, width, p.scale, &mut sc,
-                            ),
-                        }
-                    }
-                    u += qn;
-                }
-            }
-            // Softmax per query over its visible keys.
-            for (u, &(lo, hi)) in ranges.iter().enumerate() {
-                if lo >= hi {
-                    continue;
-                }
-                let scores = &mut sc[u * width + lo - lo_all..u * width + hi - lo_all];
-                // max, subtract, exp, sum with the dot kernel's fixed order (x * 1 + acc is
-                // exact addition), normalise
-                kernel::softmax_in_place(isa, scores, &ones);
-            }
-            // Weights times values, queries in the same blocks as the scores.
-            let pv = PvCtx {
-                isa,
-                sc: &sc,
-                width,
-                lo_all,
-                ranges: &ranges,
-                v,
-                voff: g * hd,
-                stride,
-                hd,
-            };
-            for (b0, b1) in blocks() {
-                let mut u = 0;
-                while u < m {
-                    let qn = match m - u {
-                        4.. => 4,
-                        2..=3 => 2,
-                        _ => 1,
-                    };
-                    let block = &mut res[u * hd..(u + qn) * hd];
-                    match qn {
-                        4 => pv.block::<4>(u, block, b0, b1),
-                        2 => pv.block::<2>(u, block, b0, b1),
-                        _ => pv.block::<1>(u, block, b0, b1),
-                    }
-                    u += qn;
-                }
-            }
-            res
-        };
-        let work = m
-            .saturating_mul(p.n_kv)
-            .saturating_mul(hd)
-            .saturating_mul(p.n_kv_heads);
-        let per_head: Vec<Vec<f32>> =
-            if self.threads() <= 1 || p.n_kv_heads == 1 || work < self.par_min_work {
-                (0..p.n_kv_heads).map(head).collect()
-            } else {
-                self.install(|| (0..p.n_kv_heads).into_par_iter().map(head).collect())
-            };
-        for (g, res) in per_head.iter().enumerate() {
-            for (u, r) in res.chunks_exact(hd).enumerate() {
-                let (i, h) = (u / group, g * group + u % group);
-                out[(i * p.n_heads + h) * hd..][..hd].copy_from_slice(r);
-            }
-        }
-        Ok(())
+        self.attention_on("attention", q, KvCache::F32(k), KvCache::F32(v), p, out)
     }
 
     fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) -> Result<()> {

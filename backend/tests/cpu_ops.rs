@@ -551,52 +551,158 @@ fn attention_causal_decode_equals_verify_rows() {
     }
 }
 
-/// The CPU's `attention_fast_kv16` (one slice conversion of the f16 rows) gives the bits of
-/// the trait's default (value-by-value unpack, then the attention), and both equal the exact
-/// attention over the f16-rounded values; also over a cache longer than `n_kv`.
+/// The CPU's `attention_fast_kv16` (the f16 rows read where the attention reads them) gives
+/// the bits of the trait's default (unpack the whole cache, then the attention), and both equal
+/// the exact attention over the f16-rounded values. Shapes around the attention's key blocks
+/// (ctx not a multiple of them, windows starting inside one), head_dim 128 and odd ones (a kv
+/// head's values at an odd half), GQA groups 1-4, 1 to 16 queries (the AVX-512 path reads the
+/// f16 cache directly up to 32 query rows per kv head, n_q x group, and widens blocks above), a cache at a position > 0, caches exactly `n_kv` rows long and longer ones whose rows past `n_kv` are
+/// NaN (read by mistake they would show), on every instruction set with 1-3 threads.
 #[test]
 fn attention_fast_kv16_equals_the_unpacking_default() {
     let mut rng = StdRng::seed_from_u64(11);
-    let be = Cpu::default();
-    for &(nh, nkv, hd, ctx, t, causal, window) in &[
-        (4usize, 2usize, 16usize, 37usize, 5usize, true, None),
-        (8, 2, 64, 300, 1, true, Some(64usize)),
-        (4, 4, 32, 90, 16, false, None),
-    ] {
-        let total = ctx + t;
-        let cap = total + 7;
-        let kvals = rand_vec(&mut rng, cap * nkv * hd, 3.0);
-        let vvals = rand_vec(&mut rng, cap * nkv * hd, 3.0);
-        let q = rand_vec(&mut rng, t * nh * hd, 1.0);
-        let n = cap * nkv * hd;
-        let (mut k16, mut v16) = (vec![0.0f32; n / 2], vec![0.0f32; n / 2]);
-        be.f16_pack(&kvals, &mut k16, 0, n).unwrap();
-        be.f16_pack(&vvals, &mut v16, 0, n).unwrap();
-        let p = AttnParams {
-            n_q: t,
-            n_kv: total,
-            n_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: hd,
-            q_pos0: ctx,
-            kv_pos0: 0,
-            causal,
-            window,
-            scale: 0.125,
-        };
-        let mut got = vec![f32::NAN; t * nh * hd];
-        be.attention_fast_kv16(&q, &k16, &v16, &p, &mut got)
-            .unwrap();
-        let mut want = vec![f32::NAN; t * nh * hd];
-        dflash_backend::attention_fast_kv16_ops(&be, &q, &k16, &v16, &p, &mut want).unwrap();
-        assert_eq!(bits(&got), bits(&want), "{nh} {nkv} {hd} {ctx} {t}");
-        let (mut kr, mut vr) = (vec![0.0f32; n], vec![0.0f32; n]);
-        be.f16_unpack(&k16, 0, n, &mut kr).unwrap();
-        be.f16_unpack(&v16, 0, n, &mut vr).unwrap();
-        let mut exact = vec![f32::NAN; t * nh * hd];
-        be.attention(&q, &kr, &vr, &p, &mut exact).unwrap();
-        assert_eq!(bits(&got), bits(&exact), "exact over the f16 values");
+    // (heads, kv heads, head_dim, ctx, queries, causal, window, kv_pos0, extra cache rows)
+    type Case = (
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+        Option<usize>,
+        usize,
+        usize,
+    );
+    let shapes: &[Case] = &[
+        (4, 2, 16, 37, 5, true, None, 0, 7),
+        (8, 2, 64, 300, 1, true, Some(64), 0, 7),
+        (4, 4, 32, 90, 16, false, None, 0, 0),
+        (32, 8, 128, 200, 1, true, None, 0, 0),
+        (32, 8, 128, 130, 16, true, None, 0, 5),
+        (16, 4, 128, 500, 16, true, Some(100), 0, 3),
+        (8, 2, 64, 1000, 16, true, None, 0, 1),
+        (8, 2, 64, 1001, 1, true, Some(333), 40, 0),
+        (4, 2, 5, 40, 3, true, None, 0, 2),
+        (6, 2, 7, 150, 16, true, Some(50), 0, 0),
+        (8, 2, 24, 250, 4, true, None, 3, 9),
+        (4, 1, 72, 310, 16, false, Some(17), 0, 4),
+        (2, 2, 200, 70, 1, true, None, 0, 0),
+        (4, 2, 64, 777, 1, true, None, 0, 0),
+        (6, 2, 32, 90, 1, true, None, 0, 3),
+        (12, 4, 48, 333, 3, true, Some(40), 5, 0),
+        (8, 4, 16, 61, 4, true, None, 0, 2),
+        (2, 2, 64, 129, 1, true, None, 0, 1),
+        (8, 2, 32, 200, 8, true, Some(70), 0, 2),
+        (3, 1, 64, 150, 11, true, None, 7, 0),
+    ];
+    for be in backends_all_isas() {
+        for &(nh, nkv, hd, ctx, t, causal, window, kv_pos0, extra) in shapes {
+            let total = ctx + t;
+            let cap = total + extra;
+            let mut kvals = rand_vec(&mut rng, cap * nkv * hd, 3.0);
+            let mut vvals = rand_vec(&mut rng, cap * nkv * hd, 3.0);
+            kvals[total * nkv * hd..].fill(f32::NAN);
+            vvals[total * nkv * hd..].fill(f32::NAN);
+            let q = rand_vec(&mut rng, t * nh * hd, 1.0);
+            let n = cap * nkv * hd;
+            let (mut k16, mut v16) = (vec![0.0f32; n / 2], vec![0.0f32; n / 2]);
+            be.f16_pack(&kvals, &mut k16, 0, n).unwrap();
+            be.f16_pack(&vvals, &mut v16, 0, n).unwrap();
+            let p = AttnParams {
+                n_q: t,
+                n_kv: total,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_pos0: kv_pos0 + ctx,
+                kv_pos0,
+                causal,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let what = format!(
+                "{:?} {} threads: {nh}/{nkv} heads hd {hd} ctx {ctx} n_q {t} window {window:?}",
+                be.isa(),
+                be.threads()
+            );
+            let mut got = vec![f32::NAN; t * nh * hd];
+            be.attention_fast_kv16(&q, &k16, &v16, &p, &mut got)
+                .unwrap();
+            assert!(got.iter().all(|x| x.is_finite()), "{what}");
+            let mut want = vec![f32::NAN; t * nh * hd];
+            dflash_backend::attention_fast_kv16_ops(&be, &q, &k16, &v16, &p, &mut want).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{what}");
+            let (mut kr, mut vr) = (vec![0.0f32; n], vec![0.0f32; n]);
+            be.f16_unpack(&k16, 0, n, &mut kr).unwrap();
+            be.f16_unpack(&v16, 0, n, &mut vr).unwrap();
+            let mut exact = vec![f32::NAN; t * nh * hd];
+            be.attention(&q, &kr, &vr, &p, &mut exact).unwrap();
+            assert_eq!(
+                bits(&got),
+                bits(&exact),
+                "exact over the f16 values: {what}"
+            );
+        }
     }
+}
+
+/// `attention_fast_kv16`'s errors: odd f16 rows, caches shorter than `n_kv` rows, and the
+/// attention's own shape errors; never a panic.
+#[test]
+fn attention_fast_kv16_rejects_bad_shapes() {
+    let be = Cpu::default();
+    let p = AttnParams {
+        n_q: 2,
+        n_kv: 10,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        q_pos0: 8,
+        kv_pos0: 0,
+        causal: true,
+        window: None,
+        scale: 0.25,
+    };
+    let q = vec![0.5f32; 2 * 4 * 8];
+    let kv = vec![0.0f32; 10 * 2 * 8 / 2];
+    let mut out = vec![0.0f32; 2 * 4 * 8];
+    be.attention_fast_kv16(&q, &kv, &kv, &p, &mut out).unwrap();
+    let short = vec![0.0f32; 10 * 2 * 8 / 2 - 1];
+    for (k, v) in [(&short, &kv), (&kv, &short)] {
+        assert!(matches!(
+            be.attention_fast_kv16(&q, k, v, &p, &mut out),
+            Err(BackendError::Shape { .. })
+        ));
+    }
+    let odd = AttnParams {
+        n_kv_heads: 1,
+        n_heads: 1,
+        head_dim: 3,
+        ..p
+    };
+    assert!(matches!(
+        be.attention_fast_kv16(&q, &kv, &kv, &odd, &mut out),
+        Err(BackendError::Invalid { .. })
+    ));
+    for bad in [
+        AttnParams { n_heads: 3, ..p },
+        AttnParams { head_dim: 0, ..p },
+        AttnParams {
+            window: Some(0),
+            ..p
+        },
+    ] {
+        assert!(be
+            .attention_fast_kv16(&q, &kv, &kv, &bad, &mut out)
+            .is_err());
+    }
+    let mut small = vec![0.0f32; 2 * 4 * 8 - 1];
+    assert!(be
+        .attention_fast_kv16(&q, &kv, &kv, &p, &mut small)
+        .is_err());
+    assert!(be
+        .attention_fast_kv16(&q[..2 * 4 * 8 - 1].to_vec(), &kv, &kv, &p, &mut out)
+        .is_err());
 }
 
 #[test]

@@ -331,3 +331,96 @@ fn q8_0a8_vs_float_gmacs() {
         }
     }
 }
+
+/// `attention_fast_kv16` (f16 cache) against `attention` (f32 cache) over the same values,
+/// us per call (wall time: the 5th percentile of single calls, the two ops interleaved so a
+/// busy spell of the shared machine hits both). Env knobs: KV16_SHAPES="4/2/64,8/2/64,32/8/128"
+/// (heads / kv heads / head_dim), KV16_CTX="512,4096", KV16_NQ="1,16", KV16_THREADS="1,2".
+#[test]
+#[ignore = "timing report, run by hand"]
+fn attention_kv16_vs_f32() {
+    use dflash_backend::AttnParams;
+    let shapes: Vec<(usize, usize, usize)> = env_list::<String>(
+        "KV16_SHAPES",
+        vec!["4/2/64".into(), "8/2/64".into(), "32/8/128".into()],
+    )
+    .iter()
+    .filter_map(|s| {
+        let v: Vec<usize> = s.split('/').filter_map(|p| p.parse().ok()).collect();
+        (v.len() == 3).then(|| (v[0], v[1], v[2]))
+    })
+    .collect();
+    for threads in env_list("KV16_THREADS", vec![1usize, 2]) {
+        let be = Cpu::with_threads(threads).unwrap();
+        for &(nh, nkv, hd) in &shapes {
+            for ctx in env_list("KV16_CTX", vec![512usize, 4096]) {
+                let cap = ctx + 16;
+                let n = cap * nkv * hd;
+                let k: Vec<f32> = (0..n)
+                    .map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5)
+                    .collect();
+                let v: Vec<f32> = (0..n)
+                    .map(|i| ((i * 37) % 89) as f32 / 89.0 - 0.5)
+                    .collect();
+                let (mut k16, mut v16) = (vec![0.0f32; n / 2], vec![0.0f32; n / 2]);
+                be.f16_pack(&k, &mut k16, 0, n).unwrap();
+                be.f16_pack(&v, &mut v16, 0, n).unwrap();
+                // the f32 cache holds the f16-rounded values: both ops give the same bits
+                let (mut kr, mut vr) = (vec![0.0f32; n], vec![0.0f32; n]);
+                be.f16_unpack(&k16, 0, n, &mut kr).unwrap();
+                be.f16_unpack(&v16, 0, n, &mut vr).unwrap();
+                let q: Vec<f32> = (0..16 * nh * hd)
+                    .map(|i| ((i * 17) % 89) as f32 / 89.0 - 0.5)
+                    .collect();
+                for n_q in env_list("KV16_NQ", vec![1usize, 16]) {
+                    let p = AttnParams {
+                        n_q,
+                        n_kv: ctx + n_q,
+                        n_heads: nh,
+                        n_kv_heads: nkv,
+                        head_dim: hd,
+                        q_pos0: ctx,
+                        kv_pos0: 0,
+                        causal: true,
+                        window: None,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                    };
+                    let (mut o32, mut o16) = (vec![0.0; n_q * nh * hd], vec![0.0; n_q * nh * hd]);
+                    let mut f32_call = || be.attention(&q, &kr, &vr, &p, &mut o32).unwrap();
+                    let mut f16_call = || {
+                        be.attention_fast_kv16(&q, &k16, &v16, &p, &mut o16)
+                            .unwrap()
+                    };
+                    let t0 = Instant::now();
+                    f32_call();
+                    f16_call();
+                    let est = t0.elapsed().as_secs_f64().max(1e-6);
+                    let reps = ((0.8 / est) as usize).clamp(10, 400);
+                    let (mut t32, mut t16) = (Vec::new(), Vec::new());
+                    for _ in 0..reps {
+                        let t = Instant::now();
+                        f32_call();
+                        t32.push(t.elapsed().as_secs_f64());
+                        let t = Instant::now();
+                        f16_call();
+                        t16.push(t.elapsed().as_secs_f64());
+                    }
+                    assert_eq!(
+                        o32.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        o16.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                    );
+                    let pct = |t: &mut Vec<f64>| {
+                        t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                        t[t.len() / 20] * 1e6
+                    };
+                    let (a, b) = (pct(&mut t32), pct(&mut t16));
+                    println!(
+                        "threads {threads} heads {nh}/{nkv} hd {hd} ctx {ctx} n_q {n_q:2}: f32 {a:9.1} us, f16 {b:9.1} us, f16/f32 {:.2} ({reps} calls each, isa {:?})",
+                        b / a,
+                        be.isa()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -121,16 +121,51 @@ pub(crate) fn dot_grid<const QN: usize, const KN: usize>(
     std::array::from_fn(|q| std::array::from_fn(|t| dot(isa, xs[q], ws[t])))
 }
 
+/// A K / V cache value the attention kernels read: f32, or f16 widened (exactly) as it is
+/// loaded, so that both give the same f32 operands and the same bits. Only `f32` and
+/// `half::f16` implement it (the AVX-512 loads read 16 of `F16 ? 2 : 4` bytes).
+pub(crate) trait KvElem: Copy + Send + Sync + 'static {
+    /// Stored as f16 (the AVX-512 kernels load 16 with `vcvtph2ps`).
+    const F16: bool;
+    /// The value as f32 (exact).
+    fn widen(self) -> f32;
+    /// The slice itself when it already holds f32.
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+}
+
+impl KvElem for f32 {
+    const F16: bool = false;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+}
+
+impl KvElem for half::f16 {
+    const F16: bool = true;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn as_f32(_: &[half::f16]) -> Option<&[f32]> {
+        None
+    }
+}
+
 /// Scores of `QN` queries against the keys `j0 .. j1` of a strided K (`key j` =
-/// `k[koff + j * stride ..][.. hd]`, `hd = xs[q].len()`): `sc[rows[q] + j - j0] = dot(xs[q], key j)
-/// * scale`, with the bits of [`dot_grid`]. Returns how many keys from `j0` it handled (a
-/// multiple of `KN`, 0 when this ISA or shape has no strip kernel); the caller does the rest.
+/// `k[koff + j * stride ..][.. hd]`, `hd = xs[q].len()`):
+/// `sc[rows[q] + j - j0] = dot(xs[q], key j) * scale`, with the bits of [`dot_grid`] (over
+/// the keys' f32 values). Returns how many keys from `j0` it handled (a multiple of `KN`, 0
+/// when this ISA or shape has no strip kernel); the caller does the rest.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-pub(crate) fn score_strip<const QN: usize, const KN: usize>(
+pub(crate) fn score_strip<const QN: usize, const KN: usize, T: KvElem>(
     isa: Isa,
     xs: [&[f32]; QN],
-    k: &[f32],
+    k: &[T],
     koff: usize,
     stride: usize,
     j0: usize,
@@ -153,7 +188,9 @@ pub(crate) fn score_strip<const QN: usize, const KN: usize>(
     {
         // SAFETY: AVX-512F was checked by `Isa::supported` for this backend; the bounds are
         // checked above.
-        unsafe { avx512::score_strip::<QN, KN>(xs, k, koff, stride, j0, j0 + n, scale, sc, rows) };
+        unsafe {
+            avx512::score_strip::<QN, KN, T>(xs, k, koff, stride, j0, j0 + n, scale, sc, rows)
+        };
         return n;
     }
     let _ = (isa, k, koff, stride, scale, sc, rows);
@@ -163,12 +200,14 @@ pub(crate) fn score_strip<const QN: usize, const KN: usize>(
 /// Attention output accumulation for `QN` queries over the same keys:
 /// `os[q][d] = fma(ps[q][t], v[v0 + t·stride + d], os[q][d])` for `t = 0, 1, ...` in order,
 /// continuing from the current `os` (one sequential FMA chain per element: the result does
-/// not depend on how the keys are split into calls nor on `QN`; identical bits on every path).
-pub(crate) fn weighted_acc<const QN: usize>(
+/// not depend on how the keys are split into calls nor on `QN`; identical bits on every path,
+/// f16 values giving the bits of their f32 widening). f16 values off AVX-512 take a scalar
+/// loop (the attention widens them into an f32 block first there).
+pub(crate) fn weighted_acc<const QN: usize, T: KvElem>(
     isa: Isa,
     os: [&mut [f32]; QN],
     ps: [&[f32]; QN],
-    v: &[f32],
+    v: &[T],
     v0: usize,
     stride: usize,
 ) {
@@ -207,9 +246,9 @@ pub(crate) fn weighted_acc<const QN: usize>(
             // distinct `&mut` slices, so the writes do not alias.
             unsafe {
                 match g {
-                    4 => avx512::weighted_acc::<QN, 4>(at, ps, v, v0 + c, stride),
-                    2 => avx512::weighted_acc::<QN, 2>(at, ps, v, v0 + c, stride),
-                    _ => avx512::weighted_acc::<QN, 1>(at, ps, v, v0 + c, stride),
+                    4 => avx512::weighted_acc::<QN, 4, T>(at, ps, v, v0 + c, stride),
+                    2 => avx512::weighted_acc::<QN, 2, T>(at, ps, v, v0 + c, stride),
+                    _ => avx512::weighted_acc::<QN, 1, T>(at, ps, v, v0 + c, stride),
                 }
             }
             c += 16 * g;
@@ -217,12 +256,22 @@ pub(crate) fn weighted_acc<const QN: usize>(
         for (o, p) in os.into_iter().zip(ps) {
             for (d, od) in o.iter_mut().enumerate().skip(n16) {
                 for (t, &pt) in p.iter().enumerate() {
-                    *od = pt.mul_add(v[v0 + t * stride + d], *od);
+                    *od = pt.mul_add(v[v0 + t * stride + d].widen(), *od);
                 }
             }
         }
         return;
     }
+    let Some(v) = T::as_f32(v) else {
+        for (o, p) in os.into_iter().zip(ps) {
+            for (t, &pt) in p.iter().enumerate() {
+                for (od, vd) in o.iter_mut().zip(&v[v0 + t * stride..][..n]) {
+                    *od = pt.mul_add(vd.widen(), *od);
+                }
+            }
+        }
+        return;
+    };
     for (o, p) in os.into_iter().zip(ps) {
         for (t, &pt) in p.iter().enumerate() {
             let vt = &v[v0 + t * stride..][..n];
@@ -236,6 +285,38 @@ pub(crate) fn weighted_acc<const QN: usize>(
                 *od = pt.mul_add(vd, *od);
             }
         }
+    }
+}
+
+/// Rows of f16 values to f32 (exact): `dst[r * hd + c] = src[off + r * stride + c]` for
+/// `r < dst.len() / hd`, `c < hd`. AVX-512F converts 16 values per instruction; the other
+/// paths use `half`'s slice conversion (F16C where the CPU has it).
+pub(crate) fn f16_rows_to_f32(
+    isa: Isa,
+    src: &[half::f16],
+    off: usize,
+    stride: usize,
+    hd: usize,
+    dst: &mut [f32],
+) {
+    use half::slice::HalfFloatSliceExt;
+    let rows = dst.len().checked_div(hd).unwrap_or(0);
+    let fits = dst.len() == rows * hd && (rows == 0 || off + (rows - 1) * stride + hd <= src.len());
+    if !fits {
+        // Internal invariant (the caller checked the shapes); NaN makes a breach visible.
+        dst.fill(f32::NAN);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX-512F checked by `Isa::supported`; the reads stay inside `src` and the
+        // writes inside `dst` (checked above).
+        unsafe { avx512::f16_rows_to_f32(src, off, stride, hd, dst) };
+        return;
+    }
+    let _ = isa;
+    for (r, d) in dst.chunks_exact_mut(hd).enumerate() {
+        src[off + r * stride..][..hd].convert_to_f32_slice(d);
     }
 }
 
@@ -477,6 +558,35 @@ mod avx512 {
         _mm_cvtss_f32(s1)
     }
 
+    /// 16 cache values from `p` as f32 (f16 widened exactly by `vcvtph2ps`).
+    ///
+    /// # Safety
+    /// AVX-512F available; `p` points at 16 readable values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn load16<T: super::KvElem>(p: *const T) -> __m512 {
+        const { assert!(std::mem::size_of::<T>() == if T::F16 { 2 } else { 4 }) };
+        if T::F16 {
+            let r: __m512;
+            // SAFETY: 16 f16 = 32 readable bytes at p (caller), AVX-512F available. The
+            // memory-source `vcvtph2ps` (as `_mm512_cvtph_ps` of a load, exact), in asm
+            // because the intrinsic's masked form made LLVM spill the strip kernels'
+            // accumulators to the stack (~1.5x slower calls).
+            unsafe {
+                std::arch::asm!(
+                    "vcvtph2ps {r}, ymmword ptr [{p}]",
+                    p = in(reg) p,
+                    r = out(zmm_reg) r,
+                    options(pure, readonly, nostack, preserves_flags),
+                );
+            }
+            r
+        } else {
+            // SAFETY: 16 f32 readable at p (caller).
+            unsafe { _mm512_loadu_ps(p.cast()) }
+        }
+    }
+
     /// `QN x KN = 16` dots with the bits of `hsum` + tail: the reduction levels are shared
     /// between the sums through shuffles that pair exactly the lanes `hsum` pairs.
     ///
@@ -573,9 +683,9 @@ mod avx512 {
     /// `koff + (j1 - 1) * stride + hd <= k.len()`; `rows[q] + j1 - j0 <= sc.len()`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn score_strip<const QN: usize, const KN: usize>(
+    pub(super) unsafe fn score_strip<const QN: usize, const KN: usize, T: super::KvElem>(
         xs: [&[f32]; QN],
-        k: &[f32],
+        k: &[T],
         koff: usize,
         stride: usize,
         j0: usize,
@@ -598,15 +708,16 @@ mod avx512 {
             let mut acc = [_mm512_setzero_ps(); 16];
             let mut c = 0;
             while c < hd {
-                // SAFETY: koff + (j + kj) * stride + c + 16 <= k.len() (caller).
-                let wv: [__m512; KN] = std::array::from_fn(|t| unsafe {
-                    _mm512_loadu_ps(kp.add(koff + (j + t) * stride + c))
-                });
-                for qi in 0..QN {
-                    // SAFETY: c + 16 <= hd = xs[qi].len().
-                    let xv = unsafe { _mm512_loadu_ps(xp[qi].add(c)) };
-                    for kj in 0..KN {
-                        acc[qi * KN + kj] = _mm512_fmadd_ps(xv, wv[kj], acc[qi * KN + kj]);
+                // SAFETY: c + 16 <= hd = xs[qi].len().
+                let xv: [__m512; QN] =
+                    std::array::from_fn(|qi| unsafe { _mm512_loadu_ps(xp[qi].add(c)) });
+                // One key at a time: QN + 1 + 16 live vectors (loading all KN keys first made
+                // LLVM spill accumulators when an f16 key needs a register of its own).
+                for kj in 0..KN {
+                    // SAFETY: koff + (j + kj) * stride + c + 16 <= k.len() (caller).
+                    let wv = unsafe { load16(kp.add(koff + (j + kj) * stride + c)) };
+                    for qi in 0..QN {
+                        acc[qi * KN + kj] = _mm512_fmadd_ps(xv[qi], wv, acc[qi * KN + kj]);
                     }
                 }
                 c += L;
@@ -748,6 +859,39 @@ mod avx512 {
         }
     }
 
+    /// `dst[r * hd + c] = src[off + r * stride + c]` as f32, `r < dst.len() / hd`.
+    ///
+    /// # Safety
+    /// AVX-512F available; `hd > 0`, `dst.len()` a multiple of `hd`, and
+    /// `off + (dst.len() / hd - 1) * stride + hd <= src.len()` when `dst` is not empty.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn f16_rows_to_f32(
+        src: &[half::f16],
+        off: usize,
+        stride: usize,
+        hd: usize,
+        dst: &mut [f32],
+    ) {
+        let n16 = hd / L * L;
+        let sp = src.as_ptr();
+        for (r, d) in dst.chunks_exact_mut(hd).enumerate() {
+            let s0 = off + r * stride;
+            let dp = d.as_mut_ptr();
+            let mut c = 0;
+            while c < n16 {
+                // SAFETY: s0 + c + 16 <= s0 + hd <= src.len(); c + 16 <= hd = d.len().
+                unsafe {
+                    let h = _mm256_loadu_si256(sp.add(s0 + c) as *const __m256i);
+                    _mm512_storeu_ps(dp.add(c), _mm512_cvtph_ps(h));
+                }
+                c += L;
+            }
+            for (c, x) in d.iter_mut().enumerate().skip(n16) {
+                *x = src[s0 + c].to_f32();
+            }
+        }
+    }
+
     /// `os[q][d] = fma(ps[q][t], v[v0 + t stride + d], os[q][d])` for `d < 16 G`, all `t`:
     /// `QN x G` accumulators in registers, the value loads shared by the queries.
     ///
@@ -756,10 +900,10 @@ mod avx512 {
     /// anything else read here; every read is inside `v`; `ps[q].len()` are equal.
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn weighted_acc<const QN: usize, const G: usize>(
+    pub(super) unsafe fn weighted_acc<const QN: usize, const G: usize, T: super::KvElem>(
         os: [*mut f32; QN],
         ps: [&[f32]; QN],
-        v: &[f32],
+        v: &[T],
         v0: usize,
         stride: usize,
     ) {
@@ -773,9 +917,8 @@ mod avx512 {
         let base = v.as_ptr();
         for t in 0..ps[0].len() {
             // SAFETY: v0 + t stride + 16 G <= v.len() (caller).
-            let vt: [__m512; G] = std::array::from_fn(|c| unsafe {
-                _mm512_loadu_ps(base.add(v0 + t * stride + c * L))
-            });
+            let vt: [__m512; G] =
+                std::array::from_fn(|c| unsafe { load16(base.add(v0 + t * stride + c * L)) });
             for q in 0..QN {
                 let pb = _mm512_set1_ps(ps[q][t]);
                 for c in 0..G {
@@ -1014,6 +1157,73 @@ mod tests {
         }
     }
 
+    /// f16 K / V values read by the kernels give the bits of their f32 widening (score strips,
+    /// value accumulation), and the row widening is exact, at odd offsets and strides too.
+    #[test]
+    fn f16_values_give_the_bits_of_their_widening() {
+        use half::f16;
+        for isa in [Isa::Portable, Isa::Avx2Fma, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.supported())
+        {
+            for hd in [1usize, 7, 16, 24, 64, 128] {
+                let (stride, off, nk) = (3 * hd + 5, hd + 3, 37usize);
+                let h: Vec<f16> = (0..off + (nk + 1) * stride + hd)
+                    .map(|i| f16::from_f32(((i * 37 + 11) % 101) as f32 * 0.0193 - 0.97))
+                    .collect();
+                let w: Vec<f32> = h.iter().map(|x| x.to_f32()).collect();
+                // rows widened
+                let mut dst = vec![f32::NAN; nk * hd];
+                f16_rows_to_f32(isa, &h, off, stride, hd, &mut dst);
+                for (r, row) in dst.chunks_exact(hd).enumerate() {
+                    assert_eq!(row, &w[off + r * stride..][..hd], "{isa:?} hd {hd} row {r}");
+                }
+                // value accumulation, 1 and 4 queries
+                let ps: Vec<Vec<f32>> = (0..4)
+                    .map(|q| {
+                        (0..nk)
+                            .map(|t| ((q * 7 + t * 3) % 13) as f32 * 0.07)
+                            .collect()
+                    })
+                    .collect();
+                let ps: [&[f32]; 4] = std::array::from_fn(|q| &ps[q][..]);
+                let mut a = vec![0.5f32; 4 * hd];
+                let mut b = a.clone();
+                {
+                    let mut it = a.chunks_exact_mut(hd);
+                    let os: [&mut [f32]; 4] = std::array::from_fn(|_| it.next().unwrap());
+                    weighted_acc::<4, f16>(isa, os, ps, &h, off, stride);
+                    weighted_acc::<1, f16>(isa, [&mut a[..hd]], [ps[1]], &h, off, stride);
+                }
+                {
+                    let mut it = b.chunks_exact_mut(hd);
+                    let os: [&mut [f32]; 4] = std::array::from_fn(|_| it.next().unwrap());
+                    weighted_acc::<4, f32>(isa, os, ps, &w, off, stride);
+                    weighted_acc::<1, f32>(isa, [&mut b[..hd]], [ps[1]], &w, off, stride);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{isa:?} hd {hd} weighted_acc");
+                // score strips
+                let xs: Vec<Vec<f32>> = (0..4)
+                    .map(|q| {
+                        (0..hd)
+                            .map(|i| ((q * 53 + i * 29) % 97) as f32 * 0.031 - 1.5)
+                            .collect()
+                    })
+                    .collect();
+                let xr: [&[f32]; 4] = std::array::from_fn(|q| &xs[q][..]);
+                let rows: [usize; 4] = std::array::from_fn(|q| q * nk);
+                let (mut s16, mut s32) = (vec![-7.0f32; 4 * nk], vec![-7.0f32; 4 * nk]);
+                let n16 =
+                    score_strip::<4, 4, f16>(isa, xr, &h, off, stride, 1, nk, 0.3, &mut s16, rows);
+                let n32 =
+                    score_strip::<4, 4, f32>(isa, xr, &w, off, stride, 1, nk, 0.3, &mut s32, rows);
+                assert_eq!(n16, n32);
+                assert_eq!(bits(&s16), bits(&s32), "{isa:?} hd {hd} score_strip");
+            }
+        }
+    }
+
     /// The strip kernel writes, for every (query, key), the bits of `dot_grid` times the scale,
     /// in query-major order at the requested rows, and nothing else.
     #[test]
@@ -1036,7 +1246,8 @@ mod tests {
             let rows: [usize; QN] = std::array::from_fn(|q| q * width + 3);
             let mut sc = vec![-7.0f32; QN * width + 3];
             let scale = 0.123f32;
-            let n = score_strip::<QN, KN>(isa, xr, &k, koff, stride, j0, j1, scale, &mut sc, rows);
+            let n =
+                score_strip::<QN, KN, f32>(isa, xr, &k, koff, stride, j0, j1, scale, &mut sc, rows);
             if isa != Isa::Avx512 {
                 assert_eq!(n, 0);
                 return;
