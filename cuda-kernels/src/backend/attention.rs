@@ -657,10 +657,23 @@ impl Cuda {
         out: &mut CudaBuf,
     ) -> Result<Option<AttnAct>> {
         let w = p.n_heads * p.head_dim;
-        let auto_causal = p.causal && lock(&self.attn_split).is_none();
-        if !auto_causal || p.n_q <= 1 {
-            let split = auto_causal
-                .then(|| causal_split_keys(causal_keys(p, 0), &lock(&self.attn_causal_splits)));
+        // Causal rows under the automatic split: each row's keys in the splits the keys it
+        // sees choose ([`CAUSAL_SPLITS`]), so a row of a verify has the bits of its decode;
+        // rows on both sides of a threshold run as one call per split. (first row, end, split)
+        let mut groups: Vec<(usize, usize, Option<usize>)> = Vec::with_capacity(1);
+        if p.causal && lock(&self.attn_split).is_none() {
+            let table = lock(&self.attn_causal_splits);
+            for i in 0..p.n_q.max(1) {
+                let sk = Some(causal_split_keys(causal_keys(p, i), &table));
+                match groups.last_mut() {
+                    Some(g) if g.2 == sk => g.1 = i + 1,
+                    _ => groups.push((i, i + 1, sk)),
+                }
+            }
+        } else {
+            groups.push((0, p.n_q, None));
+        }
+        if let [(_, _, split)] = groups[..] {
             return self.attention_rows(
                 &q.data.slice(..),
                 k,
@@ -670,32 +683,6 @@ impl Cuda {
                 kv,
                 extra,
                 split,
-                &mut out.data.slice_mut(..),
-            );
-        }
-        // Causal rows under the automatic split: each row's keys in the splits its own
-        // position chooses ([`CAUSAL_SPLITS`]), so a row of a verify has the bits of its
-        // decode; rows on both sides of a threshold run as one call per split.
-        let table = lock(&self.attn_causal_splits).clone();
-        let split_of = |i: usize| causal_split_keys(causal_keys(p, i), &table);
-        let mut groups: Vec<(usize, usize, usize)> = Vec::new();
-        for i in 0..p.n_q {
-            let sk = split_of(i);
-            match groups.last_mut() {
-                Some(g) if g.2 == sk => g.1 = i + 1,
-                _ => groups.push((i, i + 1, sk)),
-            }
-        }
-        if let [(_, _, sk)] = groups[..] {
-            return self.attention_rows(
-                &q.data.slice(..),
-                k,
-                v,
-                p,
-                fast,
-                kv,
-                extra,
-                Some(sk),
                 &mut out.data.slice_mut(..),
             );
         }
@@ -716,7 +703,7 @@ impl Cuda {
                 fast,
                 kv,
                 AttnExtra::None,
-                Some(sk),
+                sk,
                 &mut out.data.slice_mut(i0 * w..i1 * w),
             )?;
         }
