@@ -565,6 +565,16 @@ enum KvView<'a> {
     F16(KvBlock<'a, half::f16>),
 }
 
+/// Queries per attention tile for `left` queries still to do (4, 2 or 1): the scores and the
+/// values walk the queries in the same tiles.
+fn query_tile(left: usize) -> usize {
+    match left {
+        4.. => 4,
+        2..=3 => 2,
+        _ => 1,
+    }
+}
+
 /// Whole strips of `KN` keys from `bl` in one kernel call where the ISA has one (same bits
 /// as [`kernel::dot_grid`]); how many keys it did.
 #[allow(clippy::too_many_arguments)]
@@ -818,11 +828,7 @@ impl Cpu {
                 let kvs = k.block(isa, direct, g, hd, stride, (b0, b1), &mut scratch);
                 let mut u = 0;
                 while u < m {
-                    let qn = match m - u {
-                        4.. => 4,
-                        2..=3 => 2,
-                        _ => 1,
-                    };
+                    let qn = query_tile(m - u);
                     let (bl, bh) = span(u..u + qn);
                     let (bl, bh) = (bl.max(b0), bh.min(b1));
                     if bl < bh {
@@ -867,11 +873,7 @@ impl Cpu {
                 let vs = v.block(isa, direct, g, hd, stride, (b0, b1), &mut scratch);
                 let mut u = 0;
                 while u < m {
-                    let qn = match m - u {
-                        4.. => 4,
-                        2..=3 => 2,
-                        _ => 1,
-                    };
+                    let qn = query_tile(m - u);
                     let block = &mut res[u * hd..(u + qn) * hd];
                     match qn {
                         4 => pv.block::<4>(vs, u, block, b0, b1),

@@ -744,6 +744,15 @@ impl Model {
             }
             mark(&|| format!("L{li} qk norm+rope+kv"))?;
             let l = &self.layers[li];
+            // The layer tail's weights (o, the post-attention norm, the MLP).
+            let tail = LayerTail {
+                wo: &l.wo,
+                post_norm: &l.ln2,
+                eps,
+                w_gate: &l.wg,
+                w_up: &l.wu,
+                w_down: &l.wd,
+            };
             let p = AttnParams {
                 n_q: rows,
                 n_kv: ctx + rows,
@@ -762,14 +771,6 @@ impl Model {
                     (KvStorage::F16, _) => AttnOp::FastKv16,
                     (_, true) => AttnOp::Fast,
                     _ => AttnOp::Exact,
-                };
-                let tail = LayerTail {
-                    wo: &l.wo,
-                    post_norm: &l.ln2,
-                    eps,
-                    w_gate: &l.wg,
-                    w_up: &l.wu,
-                    w_down: &l.wd,
                 };
                 let scratch = TailScratch {
                     o: &mut b.o,
@@ -816,14 +817,6 @@ impl Model {
             if lib {
                 // o, the residual add + norm, gate / up, the SiLU product, down + the add.
                 if !sk('o') {
-                    let tail = LayerTail {
-                        wo: &l.wo,
-                        post_norm: &l.ln2,
-                        eps,
-                        w_gate: &l.wg,
-                        w_up: &l.wu,
-                        w_down: &l.wd,
-                    };
                     let scratch = TailScratch {
                         o: &mut b.o,
                         xn: &mut b.x,
