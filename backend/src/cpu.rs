@@ -1250,12 +1250,14 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    /// The f16 rows converted where the attention reads them: each kv head's rows of one key
-    /// block (about 24 KiB of f32) into a small per-head buffer just before the f32 kernels
-    /// read it (F16C where the CPU has it), no copy of the whole cache. The bits of the trait's
-    /// default (unpack, then the exact attention): the conversion is exact and the kernels,
-    /// blocks and orders are those of [`Backend::attention`]. (Unpacking the whole cache for
-    /// every call made the shipped pair's plain decode ~30% slower than with an f32 cache.)
+    /// The f16 rows widened where the attention reads them: by the AVX-512 kernels as they
+    /// load (a kv head of at most 32 query rows, [`KvCache::direct`]), else each kv head's rows
+    /// of one key block (about 24 KiB of f32) into a small per-head buffer just before the f32
+    /// kernels read it (F16C where the CPU has it); never a copy of the whole cache. The bits
+    /// of the trait's default (unpack, then the exact attention): the widening is exact and the
+    /// kernels, blocks and orders are those of [`Backend::attention`]. (Unpacking the whole
+    /// cache for every call made the shipped pair's plain decode ~30% slower than with an f32
+    /// cache.)
     fn attention_fast_kv16(
         &self,
         q: &Vec<f32>,
