@@ -1251,7 +1251,7 @@ impl Backend for Cpu {
     }
 
     /// The f16 rows widened where the attention reads them: by the AVX-512 kernels as they
-    /// load (a kv head of at most 32 query rows, [`KvCache::direct`]), else each kv head's rows
+    /// load (a kv head of at most 32 query rows), else each kv head's rows
     /// of one key block (about 24 KiB of f32) into a small per-head buffer just before the f32
     /// kernels read it (F16C where the CPU has it); never a copy of the whole cache. The bits
     /// of the trait's default (unpack, then the exact attention): the widening is exact and the
