@@ -316,6 +316,66 @@ extern "C" __global__ void unpack_bf16p(const u16 *__restrict__ p, u16 *__restri
     }
 }
 
+// The value of weight (o, k) of a block-format matrix as the skinny and Q8_0A8 kernels
+// read it: the f16 scale times the code, exact in f32 (at most 11 + 8 significant bits).
+// fmt: FMT_Q8_0, FMT_Q4_0 (CudaWeightBuf's repacked layouts), FMT_Q8A8, FMT_Q4A8 (their tiles of
+// 16 rows over kbp blocks; backend.rs, repack_q8_a8 / repack_q4_a8).
+__device__ __forceinline__ float quant_weight(int fmt, const void *__restrict__ qs, const u16 *__restrict__ d, long long o, int k,
+                                              int K, int kbp) {
+    const int KT = K / 32, b = k / 32, kk = k % 32;
+    if (fmt == FMT_Q8_0) return f16_to_f32(d[o * KT + b]) * (float)((const i8 *)qs)[o * K + k];
+    if (fmt == FMT_Q4_0) {
+        const u32 w = ((const u32 *)qs)[(o * KT + b) * 4 + kk / 8];
+        const int i = kk % 8, shift = (i & 1) ? 16 + 2 * (i - 1) : 2 * i;
+        return f16_to_f32(d[o * KT + b]) * (float)((int)((w >> shift) & 0xfu) - 8);
+    }
+    const long long pb = (o / 16) * kbp + b;
+    const int r = (int)(o % 16), g = r % 8, hi = r / 8;
+    const float sc = f16_to_f32(d[(pb * 8 + g) * 2 + hi]);
+    const u8 *q = (const u8 *)qs;
+    if (fmt == FMT_Q8A8) return sc * (float)(i8)q[pb * 512 + (g * 4 + (kk % 16) / 4) * 16 + ((kk / 16) * 2 + hi) * 4 + kk % 4];
+    const int j = kk % 16;
+    const u8 byte = q[pb * 256 + (g * 4 + j / 4) * 8 + hi * 4 + j % 4];
+    return sc * (float)((int)(kk < 16 ? byte & 0xfu : byte >> 4) - 8);
+}
+
+// Rows n0 .. n0 + rows - 1 of a block-format weight, dequantized and split into row-major
+// bf16 hi + lo [rows, cols] (W = hi + lo to ~16 significant bits; the cuBLAS prefill of the
+// quantized formats, three products hi x + lo x_hi).
+extern "C" __global__ void unpack_quant_hilo(int fmt, const void *__restrict__ qs, const u16 *__restrict__ d, u16 *__restrict__ hi,
+                                             u16 *__restrict__ lo, long long n0, int rows, int cols, int kbp) {
+    const long long n = (long long)rows * cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cols;
+        const int c = (int)(i - r * cols);
+        u32 h, l;
+        split_bf16x2(quant_weight(fmt, qs, d, n0 + r, c, cols, kbp), 0.0f, h, l);
+        hi[i] = (u16)(h & 0xffffu);
+        lo[i] = (u16)(l & 0xffffu);
+    }
+}
+
+// x [T, K] f32 quantized to q8_0 per 32-value block as a8_quant_x quantizes it (the codes and
+// the f16 scale of a8_store_block), the dequantized values (scale x code) split into bf16 hi +
+// lo: what the Q8_0A8 / Q4_0A8 product multiplies, for the cuBLAS prefill path. One warp per
+// (token, block).
+extern "C" __global__ void a8_split_x(const float *__restrict__ x, u16 *__restrict__ hi, u16 *__restrict__ lo, int T, int K) {
+    const long long wid = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (wid >= (long long)T * (K / 32)) return;
+    const long long i = wid * 32 + lane;
+    const float v = x[i];
+    const float amax = warp_max(fabsf(v));
+    const float dd = amax / 127.0f;
+    float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    if (fabsf(id) == __int_as_float(0x7f800000)) id = 0.0f;
+    const float q = (float)(int)roundf(__fmul_rn(v, id));
+    u32 h, l;
+    split_bf16x2(f16_to_f32(f32_to_f16_bits(dd)) * q, 0.0f, h, l);
+    hi[i] = (u16)(h & 0xffffu);
+    lo[i] = (u16)(l & 0xffffu);
+}
+
 // f32 -> bf16 hi/lo split (for the cuBLAS prefill path).
 extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {

@@ -620,11 +620,17 @@ pub struct Cuda {
     /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
     /// ([`Cuda::set_skinny_producers`]).
     skinny_producers: Mutex<bool>,
+    /// From how many rows the block formats' matmuls take cuBLAS
+    /// ([`Cuda::set_quant_prefill_rows`]).
+    quant_prefill_rows: Mutex<usize>,
     a8_evict_first: Mutex<bool>,
     a8_prewait: Mutex<Option<bool>>,
     attn_split: Mutex<Option<usize>>,
     /// Causal rows' splits by the keys they see ([`Cuda::set_attn_causal_splits`]).
     attn_causal_splits: Mutex<Vec<(usize, usize)>>,
+    /// Keys per split of causal calls of more than [`SKINNY_ROWS`] rows (a prefill;
+    /// [`Cuda::set_attn_prefill_split`]); 0 = the splits of the keys each row sees.
+    attn_prefill_split: Mutex<usize>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
     attn_fa: Mutex<AttnFa>,
@@ -779,10 +785,12 @@ impl Cuda {
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
+            quant_prefill_rows: Mutex::new(usize::MAX),
             a8_evict_first: Mutex::new(true),
             a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
             attn_causal_splits: Mutex::new(attention::CAUSAL_SPLITS.to_vec()),
+            attn_prefill_split: Mutex::new(0),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
             attn_fa: Mutex::new(AttnFa::default()),
@@ -892,6 +900,17 @@ impl Cuda {
     /// on). The same bits either way; a benchmark knob.
     pub fn set_skinny_producers(&self, on: bool) {
         *lock(&self.skinny_producers) = on;
+    }
+
+    /// From how many rows a matmul of q8_0 / q4_0 / Q8_0A8 / Q4_0A8 weights (a prompt's
+    /// prefill) runs on cuBLAS ([`Cuda::matmul_cublas_quant`]: three bf16 products of the
+    /// weights and x split into hi + lo) instead of the skinny kernels 16 rows at a time.
+    /// Default `usize::MAX`, never: the path is not yet measured on a GPU (`xtask bench gpu
+    /// --prefill` compares both). Only with [`CudaOptions::cublas_prefill`]; such rows differ
+    /// in their last bits from the skinny kernels' (as cuBLAS rows do, see there), and a
+    /// prefill is the one start both a speculative and a plain run share.
+    pub fn set_quant_prefill_rows(&self, rows: usize) {
+        *lock(&self.quant_prefill_rows) = rows.max(SKINNY_ROWS + 1);
     }
 
     /// Whether the whole-K and split Q8_0A8 kernels stream their weights (read once per call)
@@ -2370,8 +2389,28 @@ impl Cuda {
         f(g.as_ref().ok_or_else(internal)?)
     }
 
+    /// Whether a matmul of `rows` rows of x by `w` runs on cuBLAS ([`Cuda::matmul_cublas`]): with
+    /// [`CudaOptions::cublas_prefill`], f32 / bf16 weights from [`SKINNY_ROWS`] + 1 rows, the
+    /// block formats from [`Cuda::set_quant_prefill_rows`]'s count (K a multiple of 32).
+    fn cublas_takes(&self, w: &Weight<Self>, rows: usize) -> bool {
+        if rows <= SKINNY_ROWS || !self.opts.cublas_prefill {
+            return false;
+        }
+        match &w.buf {
+            CudaWeightBuf::F32(_) | CudaWeightBuf::Bf16(_) | CudaWeightBuf::Bf16P(_) => true,
+            CudaWeightBuf::Q8_0 { .. }
+            | CudaWeightBuf::Q4_0 { .. }
+            | CudaWeightBuf::Q8A8 { .. }
+            | CudaWeightBuf::Q4A8 { .. } => {
+                rows >= *lock(&self.quant_prefill_rows) && w.cols.is_multiple_of(32)
+            }
+            CudaWeightBuf::F16(_) => false,
+        }
+    }
+
     /// cuBLAS path for many rows: f32 weights through an f32 GEMM; bf16 weights as two bf16
-    /// GEMMs over the hi and lo halves of x (f32 accumulation), so x keeps ~16 bits.
+    /// GEMMs over the hi and lo halves of x (f32 accumulation), so x keeps ~16 bits; the block
+    /// formats through [`Cuda::matmul_cublas_quant`].
     fn matmul_cublas(
         &self,
         x: &CudaBuf,
@@ -2487,8 +2526,137 @@ impl Cuda {
                 }
                 Ok(true)
             }
+            CudaWeightBuf::Q8_0 { .. }
+            | CudaWeightBuf::Q4_0 { .. }
+            | CudaWeightBuf::Q8A8 { .. }
+            | CudaWeightBuf::Q4A8 { .. }
+                if self.cublas_takes(w, rows) =>
+            {
+                self.matmul_cublas_quant(x, rows, w, out)?;
+                Ok(true)
+            }
             _ => Ok(false),
         }
+    }
+
+    /// The cuBLAS path of the block formats (a prompt's prefill): row blocks of W dequantized
+    /// (the f16 scale times the code, exact in f32) and split into bf16 hi + lo, x split
+    /// likewise (for Q8_0A8 / Q4_0A8 first quantized to q8_0 as their kernels quantize it:
+    /// the values their product multiplies), and `out = W_hi x_hi + W_hi x_lo + W_lo x_hi`
+    /// with f32 accumulation: both sides to ~16 significant bits, at three bf16 products.
+    fn matmul_cublas_quant(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        w: &Weight<Self>,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (nn, kk) = (w.rows, w.cols);
+        let (n, k, m) = (
+            i32_of("matmul", "rows", nn)?,
+            i32_of("matmul", "cols", kk)?,
+            i32_of("matmul", "x rows", rows)?,
+        );
+        let st = &self.stream;
+        let (fmt, kbp, a8) = match &w.buf {
+            CudaWeightBuf::Q8_0 { .. } => (3i32, 0usize, false),
+            CudaWeightBuf::Q4_0 { .. } => (4, 0, false),
+            CudaWeightBuf::Q8A8 { .. } => (5, a8_kbp(kk), true),
+            CudaWeightBuf::Q4A8 { .. } => (7, a8_kbp(kk), true),
+            _ => return Err(internal()),
+        };
+        let ((qs, _gq), (dp, _gd)) = match &w.buf {
+            CudaWeightBuf::Q8_0 { qs, d } => (qs.device_ptr(st), d.device_ptr(st)),
+            CudaWeightBuf::Q4_0 { qs, d } => (qs.device_ptr(st), d.device_ptr(st)),
+            CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
+                (qs.device_ptr(st), d.device_ptr(st))
+            }
+            _ => return Err(internal()),
+        };
+        let len = rows * kk;
+        // Row blocks of at most 16M values (two bf16 copies: 64 MiB of scratch).
+        let chunk = ((16usize << 20) / kk.max(1)).max(16) / 16 * 16;
+        let cw = chunk.min(nn) * kk;
+        let fu = self.func(Kernel::UnpackQuantHiLo)?;
+        let fx = self.func(if a8 {
+            Kernel::A8SplitX
+        } else {
+            Kernel::SplitBf16
+        })?;
+        let mut s = lock(&self.scratch);
+        ensure(st, &mut s.w_unpack, 2 * cw).map_err(dev)?;
+        let Scratch {
+            w_unpack,
+            x_hi,
+            x_lo,
+            x_gen,
+            x_shape,
+            ..
+        } = &mut *s;
+        ensure(st, x_hi, len).map_err(dev)?;
+        ensure(st, x_lo, len).map_err(dev)?;
+        // Not an x the skinny kernels' producers wrote (for the A8 formats, not even x).
+        *x_gen += 1;
+        *x_shape = None;
+        let (wu, hi, lo) = (
+            w_unpack.as_mut().ok_or_else(internal)?,
+            x_hi.as_mut().ok_or_else(internal)?,
+            x_lo.as_mut().ok_or_else(internal)?,
+        );
+        let n64 = len as i64;
+        let mut b = st.launch_builder(&fx);
+        b.arg(&x.data).arg(&mut *hi).arg(&mut *lo);
+        if a8 {
+            b.arg(&m).arg(&k);
+        } else {
+            b.arg(&n64);
+        }
+        // SAFETY: a8_split_x(x, hi, lo, T, K) / split_bf16(x, hi, lo, n) over rows x k values
+        // (a warp per 32-value block: one thread per value either way).
+        unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+        let (kbp_i, mut n0) = (i32_of("matmul", "blocks", kbp)?, 0usize);
+        while n0 < nn {
+            let nc = chunk.min(nn - n0);
+            let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
+            let (mut wh, mut wl) = wu.split_at_mut(cw);
+            let mut b = st.launch_builder(&fu);
+            b.arg(&fmt)
+                .arg(&qs)
+                .arg(&dp)
+                .arg(&mut wh)
+                .arg(&mut wl)
+                .arg(&n0_i)
+                .arg(&nc_i)
+                .arg(&k)
+                .arg(&kbp_i);
+            // SAFETY: unpack_quant_hilo's parameters in order; rows n0 .. n0 + nc of W (nc x k
+            // values into each half of the scratch).
+            unsafe { b.launch(grid_1d(nc * kk, 256)) }.map_err(dev)?;
+            self.with_blas(|blas| {
+                let (hp, _g1) = wh.device_ptr(st);
+                let (lp, _g2) = wl.device_ptr(st);
+                let (xh, _g3) = hi.device_ptr(st);
+                let (xl, _g4) = lo.device_ptr(st);
+                let (op, _g5) = out.data.device_ptr_mut(st);
+                let op = op + (n0 * std::mem::size_of::<f32>()) as u64;
+                // SAFETY: the block's hi / lo are nc x k, x's m x k, out's columns n0 .. n0 +
+                // nc of its m rows of n (checked by matmul).
+                unsafe {
+                    gemm_bf16_products(
+                        *blas.handle(),
+                        &[(hp, xh), (hp, xl), (lp, xh)],
+                        op,
+                        nc_i,
+                        m,
+                        k,
+                        n,
+                    )
+                }
+            })?;
+            n0 += nc;
+        }
+        Ok(())
     }
 }
 
@@ -2510,9 +2678,29 @@ unsafe fn gemm_bf16_hi_lo(
     k: i32,
     ldc: i32,
 ) -> Result<()> {
+    unsafe { gemm_bf16_products(handle, &[(wp, hp), (wp, lp)], op, nc, m, k, ldc) }
+}
+
+/// `out = sum of x_i W_i^T` on cuBLAS over bf16 pairs `(W_i, x_i)` (the first written, the
+/// others added, f32 accumulation): each W row-major `nc x k`, each x `m x k`, out `m` rows of
+/// `ldc` f32 at `op` (its first `nc` columns written).
+///
+/// # Safety
+/// The pointers must address device buffers of those sizes on the handle's stream.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_bf16_products(
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    pairs: &[(u64, u64)],
+    op: u64,
+    nc: i32,
+    m: i32,
+    k: i32,
+    ldc: i32,
+) -> Result<()> {
     use cublas_sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
     let (one, zero) = (1.0f32, 0.0f32);
-    for (xp, beta) in [(hp, &zero), (lp, &one)] {
+    for (i, &(wp, xp)) in pairs.iter().enumerate() {
+        let beta = if i == 0 { &zero } else { &one };
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 handle,
@@ -2858,19 +3046,16 @@ impl Backend for Cuda {
             return Ok(());
         }
         let k = ws.first().map_or(0, |w| w.cols);
+        // Prefills that cuBLAS takes (as `matmul` does): one `matmul` per matrix.
+        let cublas_rows = ws.iter().any(|w| self.cublas_takes(w, rows));
         let fused = !ws.is_empty()
             && k > 0
+            && !cublas_rows
             && ws
                 .iter()
                 .all(|w| w.cols == k && w.rows > 0 && w.buf.a8().is_some());
         // bf16 / q8_0 / q4_0 matrices of one skinny kernel: per 16 rows one x split and one
-        // launch ([`Cuda::matmul_skinny_mma`]; bf16 prefills of more than 16 rows take cuBLAS
-        // per matrix when the options say so, as `matmul` does).
-        let cublas_rows = rows > SKINNY_ROWS
-            && self.opts.cublas_prefill
-            && ws
-                .iter()
-                .any(|w| matches!(w.buf, CudaWeightBuf::Bf16(_) | CudaWeightBuf::Bf16P(_)));
+        // launch ([`Cuda::matmul_skinny_mma`]).
         let skinny = !fused
             && k > 0
             && rows > 0
@@ -2940,7 +3125,7 @@ impl Backend for Cuda {
         w: &Weight<Self>,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        let Some(A8Parts { qs, d, q4 }) = w.buf.a8() else {
+        let Some(A8Parts { qs, d, q4 }) = w.buf.a8().filter(|_| !self.cublas_takes(w, rows)) else {
             self.silu_mul(gate, up, act)?;
             return self.matmul(act, rows, w, out);
         };
@@ -3363,7 +3548,7 @@ impl Backend for Cuda {
             let mut o = out.data.slice_mut(0..rows * w.rows);
             return self.stream.memset_zeros(&mut o).map_err(dev);
         }
-        if rows > SKINNY_ROWS && self.opts.cublas_prefill && self.matmul_cublas(x, rows, w, out)? {
+        if self.cublas_takes(w, rows) && self.matmul_cublas(x, rows, w, out)? {
             return Ok(());
         }
         let mut r0 = 0;

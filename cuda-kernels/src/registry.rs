@@ -137,6 +137,8 @@ kernels! {
     SkinnySimt => (Matmul, "skinny_simt"),
     SplitBf16 => (Matmul, "split_bf16"),
     UnpackBf16P => (Matmul, "unpack_bf16p"),
+    UnpackQuantHiLo => (Matmul, "unpack_quant_hilo"),
+    A8SplitX => (Matmul, "a8_split_x"),
     A8QuantX => (Matmul, "a8_quant_x"),
     A8N1W1 => (Matmul, "a8_n1_w1"),
     A8N1W2 => (Matmul, "a8_n1_w2"),

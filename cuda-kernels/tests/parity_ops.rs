@@ -118,6 +118,100 @@ fn bf16_prefill_over_unpacked_row_blocks() {
     }
 }
 
+/// The block formats' prefill (from `set_quant_prefill_rows` rows): W dequantized in row
+/// blocks and split into bf16 hi + lo, x split too (for Q8_0A8 / Q4_0A8 first quantized as
+/// their kernels quantize it), three cuBLAS products; against the CPU's matmul of the same
+/// weight (its exact q8_0 / q4_0 dot, or the A8 contract) through `matmul`, `matmul_many` and
+/// `matmul_silu_mul`, ragged shapes and several row blocks, and on both sides of a threshold
+/// (127 rows through the skinny kernels, 128 through cuBLAS).
+#[test]
+fn quant_prefill_through_cublas_against_cpu() {
+    if gpu("quant_prefill_through_cublas_against_cpu").is_none() {
+        return;
+    }
+    // A private backend: the knob routes other tests' quantized rows too.
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let cpu = Cpu::new();
+    let mut r = rng("quant_prefill_through_cublas_against_cpu");
+    let fmts = [
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_0,
+        WeightFormat::Q8_0A8,
+        WeightFormat::Q4_0A8,
+    ];
+    let at = 128;
+    for &(n, k, rows_list) in &[
+        (9000usize, 4096usize, &[at - 1, at][..]), // 3 row blocks of 4096 rows
+        (320, 96, &[17, 40][..]),
+        (77, 1024, &[33][..]),
+    ] {
+        let wv = rand_vec(&mut r, n * k, 1.0);
+        let gv = rand_vec(&mut r, n * k, 1.0);
+        for fmt in fmts {
+            let hw = HostWeight::from_f32("w", n, k, &wv, fmt).expect("encode");
+            let hw2 = HostWeight::from_f32("w2", n, k, &gv, fmt).expect("encode");
+            let (wc, wg) = (
+                cpu.upload_weight(&hw).expect("cpu weight"),
+                g.upload_weight(&hw).expect("gpu weight"),
+            );
+            let (wc2, wg2) = (
+                cpu.upload_weight(&hw2).expect("cpu weight"),
+                g.upload_weight(&hw2).expect("gpu weight"),
+            );
+            // The small shapes' row counts are below the default: take cuBLAS from 17 rows.
+            g.set_quant_prefill_rows(if n == 9000 { at } else { 17 });
+            for &rows in rows_list {
+                let xv = rand_vec(&mut r, rows * k, 2.0);
+                let xg = g.upload(&xv).expect("x");
+                let (mut want, mut want2) = (vec![0.0f32; rows * n], vec![0.0f32; rows * n]);
+                cpu.matmul(&xv, rows, &wc, &mut want).expect("cpu matmul");
+                cpu.matmul(&xv, rows, &wc2, &mut want2).expect("cpu matmul");
+                let what = format!("prefill {fmt:?} n={n} k={k} rows={rows}");
+                let mut og = poisoned(g, rows * n);
+                g.matmul(&xg, rows, &wg, &mut og).expect("gpu matmul");
+                report(&what, &g.download(&og).expect("dl"), &want, 1e-4);
+                let (mut o1, mut o2) = (poisoned(g, rows * n), poisoned(g, rows * n));
+                g.matmul_many(&xg, rows, &[&wg, &wg2], &mut [&mut o1, &mut o2])
+                    .expect("gpu matmul_many");
+                report(
+                    &format!("{what} many #0"),
+                    &g.download(&o1).expect("dl"),
+                    &want,
+                    1e-4,
+                );
+                report(
+                    &format!("{what} many #1"),
+                    &g.download(&o2).expect("dl"),
+                    &want2,
+                    1e-4,
+                );
+                if n == 320 {
+                    // The SiLU product of (gate, up) = (x W^T, x W2^T) into a k x n weight.
+                    let hd = HostWeight::from_f32("wd", k, n, &wv[..n * k], fmt).expect("encode");
+                    let (dc, dg) = (
+                        cpu.upload_weight(&hd).expect("cpu weight"),
+                        g.upload_weight(&hd).expect("gpu weight"),
+                    );
+                    let mut act = vec![0.0f32; rows * n];
+                    cpu.silu_mul(&want, &want2, &mut act).expect("cpu silu_mul");
+                    let mut wd = vec![0.0f32; rows * k];
+                    cpu.matmul(&act, rows, &dc, &mut wd).expect("cpu matmul");
+                    let (gg, gu) = (g.upload(&want).expect("g"), g.upload(&want2).expect("u"));
+                    let (mut ga, mut go) = (poisoned(g, rows * n), poisoned(g, rows * k));
+                    g.matmul_silu_mul(&gg, &gu, &mut ga, rows, &dg, &mut go)
+                        .expect("gpu matmul_silu_mul");
+                    report(
+                        &format!("{what} silu_mul down"),
+                        &g.download(&go).expect("dl"),
+                        &wd,
+                        1e-4,
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_is_per_row_deterministic() {
     let Some(g) = gpu("matmul_is_per_row_deterministic") else {
@@ -2257,4 +2351,61 @@ fn attention_causal_splits() {
         }
     }
     eprintln!("attention with causal splits by the keys a row sees: exact / fast / f16 cache match the CPU; decode == verify bit for bit");
+}
+
+/// A prefill's causal attention (more than 16 query rows) under `set_attn_prefill_split`:
+/// one split of the whole span, or 1024 keys, for a prompt from position 0 and a chunk after
+/// a context, windows too; against the CPU (exact, fast, f16 cache), and 16-row calls keep the
+/// splits of the keys they see (the same bits with the knob on and off).
+#[test]
+fn attention_prefill_split_against_cpu() {
+    if gpu("attention_prefill_split_against_cpu").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_prefill_split_against_cpu");
+    // A private backend: the knob changes the prefill's bits.
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    assert!(g.set_attn_prefill_split(100).is_err(), "100 keys accepted");
+    for &(ctx, hd, win, nq) in &[
+        (0usize, 128usize, None, 600usize),
+        (700, 128, None, 300),
+        (0, 64, Some(200usize), 500),
+        (300, 128, None, 16),
+    ] {
+        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, true, nq);
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let run = |split: usize| {
+            g.set_attn_prefill_split(split).expect("split");
+            let mut oe = poisoned(g, oc.len());
+            g.attention(&qg, &kg, &vg, &p, &mut oe).unwrap();
+            let mut of = poisoned(g, oc.len());
+            g.attention_fast(&qg, &kg, &vg, &p, &mut of).unwrap();
+            let c = kv16_case(g, &cpu, &q, &k, &v, &p);
+            (
+                g.download(&oe).unwrap(),
+                g.download(&of).unwrap(),
+                c.o16,
+                c.oc,
+            )
+        };
+        let base = run(0);
+        for split in [1024usize, 1 << 20] {
+            let what = format!("prefill split {split} ctx={ctx} d={hd} win={win:?} nq={nq}");
+            let (oe, of, o16, oc16) = run(split);
+            report(&format!("{what} exact"), &oe, &oc, 2e-5);
+            report(&format!("{what} fast"), &of, &oc, 4e-3);
+            report(&format!("{what} f16 cache"), &o16, &oc16, 4e-3);
+            if nq <= 16 {
+                assert_same_bits(&format!("{what}: a 16-row call"), &oe, &base.0);
+            }
+        }
+    }
+    g.set_attn_prefill_split(0).expect("reset");
 }

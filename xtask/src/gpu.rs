@@ -22,7 +22,7 @@ use dflash_backend::{
     TailScratch, Weight, WeightFormat,
 };
 use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
-use dflash_cuda_kernels::{A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf};
+use dflash_cuda_kernels::{A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, SKINNY_ROWS};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -209,6 +209,16 @@ pub struct BenchArgs {
     /// (the same bits; a benchmark knob). Default: the library's, 100/-1.
     #[arg(long, allow_hyphen_values = true)]
     carveout: Option<String>,
+    /// Time the dense 8B target's prefill (one forward of P prompt tokens from position 0,
+    /// the last row's logits) at each prompt length of this list, for each of
+    /// `--target-formats`, beside a PyTorch bf16 prefill of the same shape
+    /// (`tools/bench/torch_prefill.py`, unless `--no-torch`); then exit.
+    #[arg(long)]
+    prefill: Option<String>,
+    /// With --prefill: the keys per split of its causal attention, each value of this list in
+    /// turn (`Cuda::set_attn_prefill_split`; 0 = the splits of the keys each row sees).
+    #[arg(long, default_value = "0")]
+    attn_prefill: String,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -303,6 +313,9 @@ struct Model {
     /// [`Backend::attention_layer_tail`] (as the targets and the drafter call them); false =
     /// the attention, then [`Backend::layer_tail`] (same bits).
     attn_tail: bool,
+    /// Fused Q8_0A8 / Q4_0A8 layers through the library's layer ops too (what the targets
+    /// call, e.g. for a prefill), not the step's own sequence of Q8_0A8 launches.
+    lib_a8: bool,
     /// L2 prefetch budgets (bytes) at the step's prefetch points (see [`PfPoint`]); zeros =
     /// no prefetch launches.
     prefetch: [usize; 5],
@@ -470,6 +483,7 @@ impl Model {
             markov,
             fused: true,
             attn_tail: true,
+            lib_a8: false,
             prefetch: [0; 5],
             skip: String::new(),
             fast_attn: false,
@@ -636,7 +650,7 @@ impl Model {
         // The other formats, fused: what the targets' and the drafter's layers call (the
         // backend's norm_matmul_many before the attention, layer_tail after it, the final
         // norm after the last layer).
-        let lib = fused && !a8;
+        let lib = fused && (!a8 || self.lib_a8);
         if q8n && (sk('n') || sk('a')) {
             bail!("+skip=n / +skip=a leave the Q8_0A8 producers out: add +noq8n");
         }
@@ -1070,6 +1084,175 @@ fn library_step(g: &Cuda, a: &BenchArgs, shapes: &[Shape], ctxs: &[usize]) -> Re
 }
 
 /// Median milliseconds of `f` over `iters` runs, timed with device events.
+/// `--prefill`: the dense 8B target's prompt forward (rows = P from position 0, causal, the
+/// last row's logits) per target format and prompt length, eager launches (a prefill is a few
+/// hundred launches of long kernels), median of `--iters` (at most 5); the matmul and attention
+/// FLOPs over that time; PyTorch bf16 (cuBLAS + SDPA) beside it.
+fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
+    let ps: Vec<usize> = list
+        .split(',')
+        .map(|c| c.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let s = Shape {
+        name: "Qwen3-8B (dense target)",
+        layers: 36,
+        windows: vec![None; 36],
+        ..shape("8b")?
+    };
+    let cap = ps.iter().max().copied().unwrap_or(512);
+    copy_bandwidth(g)?;
+    let params = s.layers
+        * (s.hidden * (2 * s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.hidden * s.inter);
+    let flops = |p: usize| {
+        let mm = 2.0 * params as f64 * p as f64;
+        // QK^T and PV over the causal triangle (p (p + 1) / 2 pairs), every head.
+        let att = 4.0 * (s.layers * s.heads * s.head_dim) as f64 * (p * (p + 1) / 2) as f64;
+        (mm, att)
+    };
+    let torch = if a.no_torch {
+        Vec::new()
+    } else {
+        match run_torch_prefill(&s, &ps, a.iters.min(5)) {
+            Ok(v) => v,
+            Err(e) => {
+                println!("PyTorch prefill: {e:#}");
+                Vec::new()
+            }
+        }
+    };
+    let mut md = format!(
+        "Dense target prefill at the Qwen3-8B shape ({} layers, random weights), {} ({} SMs): one forward of P tokens from position 0, the last row's logits; eager launches, median of {}.\n\n| target | P | ms | tok/s | TFLOP/s (matmul + attention) | PyTorch bf16 ms | PyTorch / ours |\n|---|---:|---:|---:|---:|---:|---:|\n",
+        s.layers,
+        g.context().name()?,
+        g.num_sms(),
+        a.iters.min(5)
+    );
+    for entry in a.target_formats.split(',') {
+        let (name, kv16) = match entry.trim().strip_suffix("+kv16") {
+            Some(n) => (n, true),
+            None => (entry.trim(), false),
+        };
+        let tf = parse_format(name)?;
+        let label = if kv16 {
+            format!("{} + f16 KV", fmt_name(tf))
+        } else {
+            fmt_name(tf).to_string()
+        };
+        let mut m = Model::new(g, &s, tf, cap, false, 4242)?;
+        if kv16 {
+            m.set_kv(g, KvStorage::F16)?;
+        }
+        m.fused = !a.unfused;
+        m.attn_tail = !a.separate_attn_tail;
+        // Every format through the library's layer ops, as `Qwen3Dense::prime` calls them.
+        m.lib_a8 = true;
+        // The block formats both ways: cuBLAS from 17 rows, and the skinny kernels 16 rows
+        // at a time (`Cuda::set_quant_prefill_rows`).
+        let quant = !matches!(tf, WeightFormat::Bf16 | WeightFormat::F32);
+        let modes: &[(&str, usize)] = if quant {
+            &[(" (cuBLAS)", SKINNY_ROWS + 1), (" (skinny)", usize::MAX)]
+        } else {
+            &[("", usize::MAX)]
+        };
+        let splits: Vec<usize> = a
+            .attn_prefill
+            .split(',')
+            .map(|c| c.trim().parse())
+            .collect::<Result<_, _>>()?;
+        let mut runs = Vec::new();
+        for &p in &ps {
+            for &mf in modes {
+                for &sp in &splits {
+                    runs.push((p, mf, sp));
+                }
+            }
+        }
+        for (p, (mode, from), split) in runs {
+            g.set_quant_prefill_rows(from);
+            g.set_attn_prefill_split(split)?;
+            let label = if splits.len() > 1 {
+                format!("{label}{mode}, attention split {split}")
+            } else {
+                format!("{label}{mode}")
+            };
+            let r = (|| -> Result<f64> {
+                let mut b = m.bufs(g, p)?;
+                let ms = time_ms(g, a.iters.min(5), || {
+                    m.forward(g, &mut b, p, 0, true, p - 1)
+                })?;
+                Ok(ms)
+            })();
+            let (mm, att) = flops(p);
+            let pt = torch
+                .iter()
+                .find(|v| v["p"].as_u64() == Some(p as u64))
+                .and_then(|v| v["ms"].as_f64());
+            match r {
+                Ok(ms) => {
+                    println!(
+                        "prefill {label} P {p}: {ms:.2} ms, {:.0} tok/s, {:.1} TFLOP/s, PyTorch bf16 {:?} ms",
+                        p as f64 / ms * 1e3,
+                        (mm + att) / ms / 1e9,
+                        pt
+                    );
+                    md += &format!(
+                        "| {label} | {p} | {ms:.2} | {:.0} | {:.1} | {} | {} |\n",
+                        p as f64 / ms * 1e3,
+                        (mm + att) / ms / 1e9,
+                        pt.map(|x| format!("{x:.2}")).unwrap_or("-".into()),
+                        pt.map(|x| format!("{:.2}x", x / ms)).unwrap_or("-".into())
+                    );
+                }
+                Err(e) => println!("prefill {label} P {p}: {e:#}"),
+            }
+        }
+    }
+    g.set_quant_prefill_rows(usize::MAX);
+    g.set_attn_prefill_split(0)?;
+    println!("\n{md}");
+    if let Some(path) = &a.md {
+        std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn run_torch_prefill(s: &Shape, ps: &[usize], iters: usize) -> Result<Vec<serde_json::Value>> {
+    let script = PathBuf::from("tools/bench/torch_prefill.py");
+    let script = if script.exists() {
+        script
+    } else {
+        crate::repo_root().join("tools/bench/torch_prefill.py")
+    };
+    let p: Vec<String> = ps.iter().map(|c| c.to_string()).collect();
+    let out = Command::new(crate::python())
+        .arg(&script)
+        .args(["--hidden", &s.hidden.to_string()])
+        .args(["--layers", &s.layers.to_string()])
+        .args(["--heads", &s.heads.to_string()])
+        .args(["--kv-heads", &s.kv_heads.to_string()])
+        .args(["--head-dim", &s.head_dim.to_string()])
+        .args(["--inter", &s.inter.to_string()])
+        .args(["--vocab", &s.vocab.to_string()])
+        .args(["--p", &p.join(",")])
+        .args(["--iters", &iters.to_string()])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('['))
+        .ok_or_else(|| anyhow!("no JSON line from {}", script.display()))?;
+    Ok(serde_json::from_str(line)?)
+}
+
 fn time_ms(g: &Cuda, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
     time_events(g, iters, 1, f)
 }
@@ -1977,6 +2160,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             })
         })
         .collect::<Result<_>>()?;
+    if let Some(list) = &a.prefill {
+        return prefill(&g, &a, list);
+    }
     if let Some(list) = &a.a8_sweep {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);
     }

@@ -525,6 +525,22 @@ impl Cuda {
         Ok(())
     }
 
+    /// Keys per split of causal calls of more than [`SKINNY_ROWS`](super::SKINNY_ROWS) query rows under the
+    /// automatic split (a prompt's prefill, whose grid has blocks enough without splitting
+    /// the keys): a multiple of 64, or 0 (the default) for the splits of the keys each row
+    /// sees, as every call. Such rows are never compared with a decode's (the prefill is the
+    /// one both a speculative and a plain run start from), so this changes no stream.
+    pub fn set_attn_prefill_split(&self, keys: usize) -> Result<()> {
+        if !keys.is_multiple_of(64) {
+            return Err(BackendError::Invalid {
+                op: "set_attn_prefill_split",
+                msg: format!("{keys} keys: expected 0 or a multiple of 64"),
+            });
+        }
+        *lock(&self.attn_prefill_split) = keys;
+        Ok(())
+    }
+
     /// Whether [`Backend::attention_fast`](dflash_backend::Backend::attention_fast) runs the f16 tensor-core kernel (the default: head
     /// dims 32 / 64 / 128 with 4 key warps over a non-causal span of more than 2048 keys, the
     /// calls the one-wave split rule takes; Q, K, V and P rounded to f16) or always the 1xTF32
@@ -661,7 +677,11 @@ impl Cuda {
         // sees choose ([`CAUSAL_SPLITS`]), so a row of a verify has the bits of its decode;
         // rows on both sides of a threshold run as one call per split. (first row, end, split)
         let mut groups: Vec<(usize, usize, Option<usize>)> = Vec::with_capacity(1);
-        if p.causal && lock(&self.attn_split).is_none() {
+        let prefill = *lock(&self.attn_prefill_split);
+        if p.causal && p.n_q > super::SKINNY_ROWS && prefill > 0 && lock(&self.attn_split).is_none()
+        {
+            groups.push((0, p.n_q, Some(prefill)));
+        } else if p.causal && lock(&self.attn_split).is_none() {
             let table = lock(&self.attn_causal_splits);
             for i in 0..p.n_q.max(1) {
                 let sk = Some(causal_split_keys(causal_keys(p, i), &table));
