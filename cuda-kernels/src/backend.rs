@@ -29,6 +29,10 @@ type Result<T> = std::result::Result<T, BackendError>;
 
 /// Largest row count served by the per-row-deterministic skinny matmul in one launch.
 pub const SKINNY_ROWS: usize = 16;
+
+/// Rows from which the block formats' matmuls take cuBLAS by default
+/// ([`Cuda::set_quant_prefill_rows`]).
+pub const QUANT_PREFILL_ROWS: usize = 512;
 const ARGMAX_CHUNK: usize = 4096;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
 /// repacked weight are padded to a whole number of stages.
@@ -785,7 +789,7 @@ impl Cuda {
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
-            quant_prefill_rows: Mutex::new(usize::MAX),
+            quant_prefill_rows: Mutex::new(QUANT_PREFILL_ROWS),
             a8_evict_first: Mutex::new(true),
             a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
@@ -904,11 +908,13 @@ impl Cuda {
 
     /// From how many rows a matmul of q8_0 / q4_0 / Q8_0A8 / Q4_0A8 weights (a prompt's
     /// prefill) runs on cuBLAS ([`Cuda::matmul_cublas_quant`]: three bf16 products of the
-    /// weights and x split into hi + lo) instead of the skinny kernels 16 rows at a time.
-    /// Default `usize::MAX`, never: the path is not yet measured on a GPU (`xtask bench gpu
-    /// --prefill` compares both). Only with [`CudaOptions::cublas_prefill`]; such rows differ
-    /// in their last bits from the skinny kernels' (as cuBLAS rows do, see there), and a
-    /// prefill is the one start both a speculative and a plain run share.
+    /// weights and x split into hi + lo) instead of the skinny kernels 16 rows at a time;
+    /// `usize::MAX`: never. Default [`QUANT_PREFILL_ROWS`]: the dense 8B target in Q8_0A8
+    /// (f16 cache), H100, prompt of 512 tokens 107.4 -> 93.5 ms, of 8192 2047 -> 1017 ms
+    /// (`xtask bench gpu --prefill`; fewer rows not measured). Only with
+    /// [`CudaOptions::cublas_prefill`]; such rows differ in their last bits from the skinny
+    /// kernels' (as cuBLAS rows do, see there), and a prefill is the one start both a
+    /// speculative and a plain run share.
     pub fn set_quant_prefill_rows(&self, rows: usize) {
         *lock(&self.quant_prefill_rows) = rows.max(SKINNY_ROWS + 1);
     }

@@ -22,7 +22,9 @@ use dflash_backend::{
     TailScratch, Weight, WeightFormat,
 };
 use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
-use dflash_cuda_kernels::{A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, SKINNY_ROWS};
+use dflash_cuda_kernels::{
+    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, QUANT_PREFILL_ROWS, SKINNY_ROWS,
+};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -1152,7 +1154,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         let modes: &[(&str, usize)] = if quant {
             &[(" (cuBLAS)", SKINNY_ROWS + 1), (" (skinny)", usize::MAX)]
         } else {
-            &[("", usize::MAX)]
+            &[("", QUANT_PREFILL_ROWS)]
         };
         let splits: Vec<usize> = a
             .attn_prefill
@@ -1207,7 +1209,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             }
         }
     }
-    g.set_quant_prefill_rows(usize::MAX);
+    g.set_quant_prefill_rows(QUANT_PREFILL_ROWS);
     g.set_attn_prefill_split(0)?;
     println!("\n{md}");
     if let Some(path) = &a.md {
