@@ -907,7 +907,7 @@ impl Cuda {
     }
 
     /// From how many rows a matmul of q8_0 / q4_0 / Q8_0A8 / Q4_0A8 weights (a prompt's
-    /// prefill) runs on cuBLAS ([`Cuda::matmul_cublas_quant`]: three bf16 products of the
+    /// prefill) runs on cuBLAS (`matmul_cublas_quant`: three bf16 products of the
     /// weights and x split into hi + lo) instead of the skinny kernels 16 rows at a time;
     /// `usize::MAX`: never. Default [`QUANT_PREFILL_ROWS`]: the dense 8B target in Q8_0A8
     /// (f16 cache), H100, prompt of 512 tokens 107.4 -> 93.5 ms, of 8192 2047 -> 1017 ms

@@ -497,12 +497,12 @@ impl Cuda {
     /// `num_sms / n_kv_heads - 1` splits). A function of `n_kv`, the
     /// window, `n_kv_heads` and the device, never of the query rows, so rows stay
     /// deterministic across calls of any height; causal rows, where decode must equal verify
-    /// bit for bit, take the split of the keys they see ([`CAUSAL_SPLITS`]).
+    /// bit for bit, take the split of the keys they see (`CAUSAL_SPLITS`).
     pub fn set_attn_split_auto(&self) {
         *lock(&self.attn_split) = None;
     }
 
-    /// The causal rows' splits under the automatic split (default [`CAUSAL_SPLITS`]):
+    /// The causal rows' splits under the automatic split (default `CAUSAL_SPLITS`):
     /// `(from this many keys seen, keys per split)` entries, the first from 0, thresholds
     /// increasing, every value a multiple of 64, splits of 64..=4096 keys. Each table fixes its
     /// own bits (decode == verify holds under any one): a benchmark knob, set once before any
