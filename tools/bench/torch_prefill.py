@@ -19,16 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def rms(x, w, eps=1e-6):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
-def rope(x, cos, sin):
-    d2 = x.shape[-1] // 2
-    x1, x2 = x[..., :d2], x[..., d2:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+from torch_drafter import rms, rope  # the drafter peer's RMSNorm and NeoX RoPE (same folder)
 
 
 class Target:

@@ -270,6 +270,42 @@ fn shape(name: &str) -> Result<Shape> {
     })
 }
 
+/// The dense Qwen3-8B target: the 8B drafter shape's layers, 36 of them, no windows.
+fn dense_8b_target() -> Result<Shape> {
+    Ok(Shape {
+        name: "Qwen3-8B (dense target)",
+        layers: 36,
+        windows: vec![None; 36],
+        ..shape("8b")?
+    })
+}
+
+/// The dense target of one `--target-formats` entry (`FORMAT`, or `FORMAT+kv16` for its K / V
+/// cache in f16: `LoadOptions::kv_storage`, its attention through `attention_fast_kv16`), with
+/// random weights for `cap` positions; its format and its label.
+fn target_model(
+    g: &Cuda,
+    s: &Shape,
+    entry: &str,
+    cap: usize,
+) -> Result<(Model, WeightFormat, String)> {
+    let (name, kv16) = match entry.trim().strip_suffix("+kv16") {
+        Some(n) => (n, true),
+        None => (entry.trim(), false),
+    };
+    let tf = parse_format(name)?;
+    let mut m = Model::new(g, s, tf, cap, false, 4242)?;
+    if kv16 {
+        m.set_kv(g, KvStorage::F16)?;
+    }
+    let label = if kv16 {
+        format!("{} + f16 KV", fmt_name(tf))
+    } else {
+        fmt_name(tf).to_string()
+    };
+    Ok((m, tf, label))
+}
+
 pub(crate) fn parse_format(s: &str) -> Result<WeightFormat> {
     Ok(match s {
         "bf16" => WeightFormat::Bf16,
@@ -1095,12 +1131,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         .split(',')
         .map(|c| c.trim().parse())
         .collect::<Result<_, _>>()?;
-    let s = Shape {
-        name: "Qwen3-8B (dense target)",
-        layers: 36,
-        windows: vec![None; 36],
-        ..shape("8b")?
-    };
+    let s = dense_8b_target()?;
     let cap = ps.iter().max().copied().unwrap_or(512);
     copy_bandwidth(g)?;
     let params = s.layers
@@ -1130,20 +1161,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         a.iters.min(5)
     );
     for entry in a.target_formats.split(',') {
-        let (name, kv16) = match entry.trim().strip_suffix("+kv16") {
-            Some(n) => (n, true),
-            None => (entry.trim(), false),
-        };
-        let tf = parse_format(name)?;
-        let label = if kv16 {
-            format!("{} + f16 KV", fmt_name(tf))
-        } else {
-            fmt_name(tf).to_string()
-        };
-        let mut m = Model::new(g, &s, tf, cap, false, 4242)?;
-        if kv16 {
-            m.set_kv(g, KvStorage::F16)?;
-        }
+        let (mut m, tf, label) = target_model(g, &s, entry, cap)?;
         m.fused = !a.unfused;
         m.attn_tail = !a.separate_attn_tail;
         // Every format through the library's layer ops, as `Qwen3Dense::prime` calls them.
@@ -2286,30 +2304,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     // Dense target: verify 16 vs decode 1 (Qwen3-8B shape, bf16 and the re-encoded formats).
     let mut target_rows = Vec::new();
     if !a.no_target {
-        let s = Shape {
-            name: "Qwen3-8B (dense target)",
-            layers: 36,
-            windows: vec![None; 36],
-            ..shape("8b")?
-        };
+        let s = dense_8b_target()?;
         let cap = ctxs.iter().max().copied().unwrap_or(512) + 16;
         for entry in a.target_formats.split(',') {
-            // `FORMAT+kv16`: the target's K / V cache in f16 (`LoadOptions::kv_storage`, its
-            // attention through `attention_fast_kv16`).
-            let (name, kv16) = match entry.trim().strip_suffix("+kv16") {
-                Some(n) => (n, true),
-                None => (entry.trim(), false),
-            };
-            let tf = parse_format(name)?;
-            let label = if kv16 {
-                format!("{} + f16 KV", fmt_name(tf))
-            } else {
-                fmt_name(tf).to_string()
-            };
-            let mut m = Model::new(&g, &s, tf, cap, false, 4242)?;
-            if kv16 {
-                m.set_kv(&g, KvStorage::F16)?;
-            }
+            let (mut m, _, label) = target_model(&g, &s, entry, cap)?;
             m.fused = !a.unfused;
             m.attn_tail = !a.separate_attn_tail;
             m.q8norm = !a.no_a8_producers;
