@@ -536,6 +536,31 @@ impl Scratch {
         ))
     }
 
+    /// The cuBLAS prefill's buffers, grown first: `w` values of weight scratch and the x hi /
+    /// lo pair for `len` values, recorded as holding no producer's activation (a later
+    /// `matmul_many_split` of an older token finds it stale).
+    fn prefill_buffers(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        w: usize,
+        len: usize,
+    ) -> Result<(
+        &mut CudaSlice<u16>,
+        &mut CudaSlice<u16>,
+        &mut CudaSlice<u16>,
+    )> {
+        ensure(stream, &mut self.w_unpack, w).map_err(dev)?;
+        ensure(stream, &mut self.x_hi, len).map_err(dev)?;
+        ensure(stream, &mut self.x_lo, len).map_err(dev)?;
+        self.x_gen += 1;
+        self.x_shape = None;
+        Ok((
+            self.w_unpack.as_mut().ok_or_else(internal)?,
+            self.x_hi.as_mut().ok_or_else(internal)?,
+            self.x_lo.as_mut().ok_or_else(internal)?,
+        ))
+    }
+
     /// Record a write of activation slot `slot` holding (k, rows); its token.
     fn a8_written(&mut self, slot: usize, k: usize, rows: usize) -> A8Act {
         self.a8_gen[slot] += 1;
@@ -2489,24 +2514,7 @@ impl Cuda {
                 let fu = self.func(Kernel::UnpackBf16P)?;
                 let f = self.func(Kernel::SplitBf16)?;
                 let mut s = lock(&self.scratch);
-                ensure(&self.stream, &mut s.w_unpack, chunk.min(nn) * kk).map_err(dev)?;
-                let Scratch {
-                    w_unpack,
-                    x_hi,
-                    x_lo,
-                    x_gen,
-                    x_shape,
-                    ..
-                } = &mut *s;
-                ensure(&self.stream, x_hi, len).map_err(dev)?;
-                ensure(&self.stream, x_lo, len).map_err(dev)?;
-                *x_gen += 1;
-                *x_shape = Some((kk, rows));
-                let (wu, hi, lo) = (
-                    w_unpack.as_mut().ok_or_else(internal)?,
-                    x_hi.as_mut().ok_or_else(internal)?,
-                    x_lo.as_mut().ok_or_else(internal)?,
-                );
+                let (wu, hi, lo) = s.prefill_buffers(&self.stream, chunk.min(nn) * kk, len)?;
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(&x.data).arg(&mut *hi).arg(&mut *lo).arg(&n64);
@@ -2591,25 +2599,7 @@ impl Cuda {
             Kernel::SplitBf16
         })?;
         let mut s = lock(&self.scratch);
-        ensure(st, &mut s.w_unpack, 2 * cw).map_err(dev)?;
-        let Scratch {
-            w_unpack,
-            x_hi,
-            x_lo,
-            x_gen,
-            x_shape,
-            ..
-        } = &mut *s;
-        ensure(st, x_hi, len).map_err(dev)?;
-        ensure(st, x_lo, len).map_err(dev)?;
-        // Not an x the skinny kernels' producers wrote (for the A8 formats, not even x).
-        *x_gen += 1;
-        *x_shape = None;
-        let (wu, hi, lo) = (
-            w_unpack.as_mut().ok_or_else(internal)?,
-            x_hi.as_mut().ok_or_else(internal)?,
-            x_lo.as_mut().ok_or_else(internal)?,
-        );
+        let (wu, hi, lo) = s.prefill_buffers(st, 2 * cw, len)?;
         let n64 = len as i64;
         let mut b = st.launch_builder(&fx);
         b.arg(&x.data).arg(&mut *hi).arg(&mut *lo);
