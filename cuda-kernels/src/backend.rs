@@ -33,6 +33,10 @@ pub const SKINNY_ROWS: usize = 16;
 /// Rows from which the block formats' matmuls take cuBLAS by default
 /// ([`Cuda::set_quant_prefill_rows`]).
 pub const QUANT_PREFILL_ROWS: usize = 512;
+
+/// Keys per split of a prefill's causal attention by default ([`Cuda::set_attn_prefill_split`]):
+/// one split for any span up to 2^20 keys.
+pub const ATTN_PREFILL_SPLIT: usize = 1 << 20;
 const ARGMAX_CHUNK: usize = 4096;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
 /// repacked weight are padded to a whole number of stages.
@@ -819,7 +823,7 @@ impl Cuda {
             a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
             attn_causal_splits: Mutex::new(attention::CAUSAL_SPLITS.to_vec()),
-            attn_prefill_split: Mutex::new(0),
+            attn_prefill_split: Mutex::new(ATTN_PREFILL_SPLIT),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
             attn_fa: Mutex::new(AttnFa::default()),

@@ -218,8 +218,9 @@ pub struct BenchArgs {
     #[arg(long)]
     prefill: Option<String>,
     /// With --prefill: the keys per split of its causal attention, each value of this list in
-    /// turn (`Cuda::set_attn_prefill_split`; 0 = the splits of the keys each row sees).
-    #[arg(long, default_value = "0")]
+    /// turn (`Cuda::set_attn_prefill_split`; 0 = the splits of the keys each row sees;
+    /// default the library's, one split up to 2^20 keys).
+    #[arg(long, default_value = "1048576")]
     attn_prefill: String,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
@@ -1228,7 +1229,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         }
     }
     g.set_quant_prefill_rows(QUANT_PREFILL_ROWS);
-    g.set_attn_prefill_split(0)?;
+    g.set_attn_prefill_split(dflash_cuda_kernels::ATTN_PREFILL_SPLIT)?;
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;

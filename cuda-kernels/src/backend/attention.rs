@@ -527,14 +527,15 @@ impl Cuda {
 
     /// Keys per split of causal calls of more than [`SKINNY_ROWS`](super::SKINNY_ROWS) query
     /// rows under the automatic split (a prompt's prefill, whose grid has blocks enough
-    /// without splitting the keys): a multiple of 64, or 0 (the default) for the splits of the
-    /// keys each row sees, as every call. Such rows are never compared with a decode's (the
-    /// prefill is the one start a speculative and a plain run share; a verify has at most
-    /// [`SKINNY_ROWS`](super::SKINNY_ROWS) rows, as for [`CudaOptions::cublas_prefill`](super::CudaOptions::cublas_prefill)), so this
-    /// changes no stream. One split of the whole span measured -20% on the dense 8B target's prefill of
-    /// 8192 tokens (H100: bf16 1131 -> 910 ms, Q8_0A8 with an f16 cache 1017 -> 801) and no
-    /// change at 512; off by default until `parity_ops::attention_prefill_split_against_cpu`
-    /// has run on a GPU (it has not yet).
+    /// without splitting the keys): a multiple of 64, or 0 for the splits of the keys each row
+    /// sees, as every other call. Default [`ATTN_PREFILL_SPLIT`](super::ATTN_PREFILL_SPLIT):
+    /// one split of the whole span, measured -20% on the dense 8B target's prefill of 8192
+    /// tokens (H100: bf16 1131 -> 910 ms, Q8_0A8 with an f16 cache 1017 -> 801) and no change
+    /// at 512. Such rows are never compared with a decode's (the prefill is the one start a
+    /// speculative and a plain run share; a verify has at most
+    /// [`SKINNY_ROWS`](super::SKINNY_ROWS) rows, as for
+    /// [`CudaOptions::cublas_prefill`](super::CudaOptions::cublas_prefill)), so this changes
+    /// no stream.
     pub fn set_attn_prefill_split(&self, keys: usize) -> Result<()> {
         if !keys.is_multiple_of(64) {
             return Err(BackendError::Invalid {
