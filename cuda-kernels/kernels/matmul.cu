@@ -306,14 +306,14 @@ extern "C" __global__ void __launch_bounds__(128) skinny_simt(int fmt, const voi
 }
 
 // Rows n0 .. n0 + rows - 1 of a fragment-order bf16 matrix (FMT_BF16P) back to row-major
-// [rows, cols] (for the cuBLAS prefill path).
+// [rows, cols] (for the cuBLAS prefill path; cols % 32 == 0). Grid: one block per row; a
+// thread moves 8 values (a k run that is contiguous in both layouts) as one 16-byte load and
+// store. (One value per thread, with a 64-bit division each, took ~4x the copy time.)
 extern "C" __global__ void unpack_bf16p(const u16 *__restrict__ p, u16 *__restrict__ out, long long n0, int rows, int cols) {
-    const long long n = (long long)rows * cols;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / cols;
-        const int c = (int)(i - r * cols);
-        out[i] = p[bf16p_index(n0 + r, c, cols)];
-    }
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8)
+        *(uint4 *)(out + (long long)r * cols + c) = *(const uint4 *)(p + bf16p_index(n0 + r, c, cols));
 }
 
 // The value of weight (o, k) of a block-format matrix as the skinny and Q8_0A8 kernels
@@ -341,17 +341,22 @@ __device__ __forceinline__ float quant_weight(int fmt, const void *__restrict__ 
 
 // Rows n0 .. n0 + rows - 1 of a block-format weight, dequantized and split into row-major
 // bf16 hi + lo [rows, cols] (W = hi + lo to ~16 significant bits; the cuBLAS prefill of the
-// quantized formats, three products hi x + lo x_hi).
+// quantized formats, three products hi x + lo x_hi). Grid: one block per row; a thread
+// splits 8 consecutive values and stores each half as one 16-byte store (cols % 32 == 0).
 extern "C" __global__ void unpack_quant_hilo(int fmt, const void *__restrict__ qs, const u16 *__restrict__ d, u16 *__restrict__ hi,
                                              u16 *__restrict__ lo, long long n0, int rows, int cols, int kbp) {
-    const long long n = (long long)rows * cols;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / cols;
-        const int c = (int)(i - r * cols);
-        u32 h, l;
-        split_bf16x2(quant_weight(fmt, qs, d, n0 + r, c, cols, kbp), 0.0f, h, l);
-        hi[i] = (u16)(h & 0xffffu);
-        lo[i] = (u16)(l & 0xffffu);
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const long long o = n0 + r;
+    for (int c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+        u32 h[4], l[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            split_bf16x2(quant_weight(fmt, qs, d, o, c + 2 * j, cols, kbp), quant_weight(fmt, qs, d, o, c + 2 * j + 1, cols, kbp),
+                         h[j], l[j]);
+        const long long i = (long long)r * cols + c;
+        *(uint4 *)(hi + i) = make_uint4(h[0], h[1], h[2], h[3]);
+        *(uint4 *)(lo + i) = make_uint4(l[0], l[1], l[2], l[3]);
     }
 }
 
@@ -376,9 +381,24 @@ extern "C" __global__ void a8_split_x(const float *__restrict__ x, u16 *__restri
     lo[i] = (u16)(l & 0xffffu);
 }
 
-// f32 -> bf16 hi/lo split (for the cuBLAS prefill path).
+// f32 -> bf16 hi/lo split (for the cuBLAS prefill path): 4 values per thread (a 16-byte
+// load, two 8-byte stores) where the three pointers allow it, else one.
 extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long t0 = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if ((((unsigned long long)x & 15) | ((unsigned long long)hi & 7) | ((unsigned long long)lo & 7)) == 0) {
+        const long long n4 = n >> 2;
+        for (long long i = t0; i < n4; i += step) {
+            const float4 v = ((const float4 *)x)[i];
+            u32 h0, l0, h1, l1;
+            split_bf16x2(v.x, v.y, h0, l0);
+            split_bf16x2(v.z, v.w, h1, l1);
+            ((uint2 *)hi)[i] = make_uint2(h0, h1);
+            ((uint2 *)lo)[i] = make_uint2(l0, l1);
+        }
+        done = n4 << 2;
+    }
+    for (long long i = done + t0; i < n; i += step) {
         u32 h, l;
         split_bf16x2(x[i], 0.0f, h, l);
         hi[i] = (u16)(h & 0xffffu);

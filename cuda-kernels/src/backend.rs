@@ -705,6 +705,16 @@ fn grid_1d(n: usize, block: u32) -> LaunchConfig {
     }
 }
 
+/// One 128-thread block per row of a weight's row block (`unpack_bf16p`,
+/// `unpack_quant_hilo`: at most 16M values, so at most 512K rows of 32 or more).
+fn row_blocks(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The device copy of `spec`'s RoPE frequencies, uploaded once per distinct table.
 fn rope_freqs<'a>(
     stream: &Arc<CudaStream>,
@@ -2498,7 +2508,7 @@ impl Cuda {
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(&x.data).arg(&mut *hi).arg(&mut *lo).arg(&n64);
-                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+                unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
                 self.with_blas(|blas| {
                     let (wp, _g1) = ws.device_ptr(&self.stream);
                     let (hp, _g2) = hi.device_ptr(&self.stream);
@@ -2522,14 +2532,14 @@ impl Cuda {
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&f);
                 b.arg(&x.data).arg(&mut *hi).arg(&mut *lo).arg(&n64);
-                unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+                unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
                 let mut n0 = 0;
                 while n0 < nn {
                     let nc = chunk.min(nn - n0);
                     let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
                     let mut b = self.stream.launch_builder(&fu);
                     b.arg(ws).arg(&mut *wu).arg(&n0_i).arg(&nc_i).arg(&k);
-                    unsafe { b.launch(grid_1d(nc * kk, 256)) }.map_err(dev)?;
+                    unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;
                     self.with_blas(|blas| {
                         let (wp, _g1) = wu.device_ptr(&self.stream);
                         let (hp, _g2) = hi.device_ptr(&self.stream);
@@ -2613,8 +2623,9 @@ impl Cuda {
             b.arg(&n64);
         }
         // SAFETY: a8_split_x(x, hi, lo, T, K) / split_bf16(x, hi, lo, n) over rows x k values
-        // (a warp per 32-value block: one thread per value either way).
-        unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
+        // (a warp per 32-value block, one thread per value / four values per thread).
+        let threads = if a8 { len } else { len.div_ceil(4) };
+        unsafe { b.launch(grid_1d(threads, 256)) }.map_err(dev)?;
         let (kbp_i, mut n0) = (i32_of("matmul", "blocks", kbp)?, 0usize);
         while n0 < nn {
             let nc = chunk.min(nn - n0);
@@ -2631,8 +2642,8 @@ impl Cuda {
                 .arg(&k)
                 .arg(&kbp_i);
             // SAFETY: unpack_quant_hilo's parameters in order; rows n0 .. n0 + nc of W (nc x k
-            // values into each half of the scratch).
-            unsafe { b.launch(grid_1d(nc * kk, 256)) }.map_err(dev)?;
+            // values into each half of the scratch), one block per row.
+            unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;
             self.with_blas(|blas| {
                 let (hp, _g1) = wh.device_ptr(st);
                 let (lp, _g2) = wl.device_ptr(st);
