@@ -116,11 +116,12 @@ fn ms_per(d: std::time::Duration, n: usize) -> f64 {
 pub fn bench(a: BenchArgs) -> Result<()> {
     match a.device {
         crate::DeviceArg::Cpu => {
+            a.common.cpu_prefill()?;
             let be = crate::common::cpu_backend(a.threads, a.par_min_work)?;
             be.run(|| bench_on(&be, Machine::cpu(&be), a))
         }
         crate::DeviceArg::Cuda => {
-            let be = crate::common::cuda_backend(a.gpu)?;
+            let be = crate::common::cuda_backend(a.gpu, a.common.prefill)?;
             bench_on(&be, Machine::cuda(&be), a)
         }
     }

@@ -9,7 +9,8 @@ use dflash_draft_model::Precision;
 use dflash_spec_round::{RollbackArm, SpecConfig, Target};
 
 use crate::{
-    ArmArg, DraftAttnArg, DraftHeadArg, PrecisionArg, TargetKvArg, DEFAULT_DRAFT, DEFAULT_TARGET,
+    ArmArg, DraftAttnArg, DraftHeadArg, PrecisionArg, PrefillArg, TargetKvArg, DEFAULT_DRAFT,
+    DEFAULT_TARGET,
 };
 
 /// Drafter precision of `generate` and `bench` unless `--draft-precision` says otherwise.
@@ -70,6 +71,9 @@ pub struct CommonArgs {
     /// How the target's K / V cache stores its values.
     #[arg(long, value_enum, default_value_t = TargetKvArg::F32)]
     pub target_kv: TargetKvArg,
+    /// The arithmetic of the target's prefill of the prompt (`fast`: CUDA only).
+    #[arg(long, value_enum, default_value_t = PrefillArg::Exact)]
+    pub prefill: PrefillArg,
     /// Context capacity in positions (default: the (longest) prompt + max_new + 64).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -110,6 +114,17 @@ impl CommonArgs {
         };
         eos.extend(&self.eos);
         Ok(eos)
+    }
+
+    /// `--prefill fast` is CUDA's alone: an error on the CPU (whose prefill is the exact
+    /// reference), not a silent no-op.
+    pub fn cpu_prefill(&self) -> Result<()> {
+        if self.prefill == PrefillArg::Fast {
+            anyhow::bail!(
+                "--prefill fast: the CPU backend's prefill is exact only (use --device cuda)"
+            );
+        }
+        Ok(())
     }
 
     /// The target's `--target-precision` (None: keep the file's format).
@@ -254,10 +269,15 @@ pub fn spec_drafter<'d, B: Backend>(
 }
 
 /// The CUDA backend on device `ordinal` (the driver and NVRTC are loaded at run time: a
-/// machine without them gets an error naming what is missing).
-pub fn cuda_backend(ordinal: usize) -> anyhow::Result<dflash_cuda_kernels::Cuda> {
-    dflash_cuda_kernels::Cuda::new(ordinal)
-        .map_err(|e| anyhow::anyhow!("opening CUDA device {ordinal}: {e}"))
+/// machine without them gets an error naming what is missing), its prefill as `prefill` says.
+pub fn cuda_backend(
+    ordinal: usize,
+    prefill: PrefillArg,
+) -> anyhow::Result<dflash_cuda_kernels::Cuda> {
+    let be = dflash_cuda_kernels::Cuda::new(ordinal)
+        .map_err(|e| anyhow::anyhow!("opening CUDA device {ordinal}: {e}"))?;
+    be.set_prefill_precision(prefill.precision());
+    Ok(be)
 }
 
 #[cfg(test)]

@@ -133,6 +133,26 @@ impl TargetKvArg {
     }
 }
 
+/// The arithmetic of the target's prefill of the prompt on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PrefillArg {
+    /// x split into bf16 hi + lo (two or three products), the attention in 3xTF32: within
+    /// 1e-3 of the CPU reference.
+    Exact,
+    /// One bf16 product per matmul and the attention in 1xTF32 (a bf16 engine's prefill;
+    /// CUDA only). Speculative and plain decode share the prefill: the streams stay identical.
+    Fast,
+}
+
+impl PrefillArg {
+    fn precision(self) -> dflash_cuda_kernels::PrefillPrecision {
+        match self {
+            PrefillArg::Exact => dflash_cuda_kernels::PrefillPrecision::Exact,
+            PrefillArg::Fast => dflash_cuda_kernels::PrefillPrecision::Fast,
+        }
+    }
+}
+
 /// Where the target and the drafter run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum DeviceArg {
@@ -244,11 +264,12 @@ fn eos_from_config(dir: &Path) -> Result<Vec<u32>> {
 fn generate(a: GenerateArgs) -> Result<()> {
     match a.device {
         DeviceArg::Cpu => {
+            a.common.cpu_prefill()?;
             let be = common::cpu_backend(a.threads, None)?;
             be.run(|| generate_on(&be, a))
         }
         DeviceArg::Cuda => {
-            let be = common::cuda_backend(a.gpu)?;
+            let be = common::cuda_backend(a.gpu, a.common.prefill)?;
             generate_on(&be, a)
         }
     }

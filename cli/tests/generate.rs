@@ -159,6 +159,12 @@ fn generate_reports_bad_input() {
         ],
         "--target-precision mixed",
     );
+    // `--prefill fast` is CUDA's: the CPU refuses it rather than running the exact prefill.
+    refused(
+        target,
+        &["--prompt-ids", "1,2", "--max-new", "2", "--prefill", "fast"],
+        "--prefill fast",
+    );
 }
 
 /// The shipped pair (models/), with the default directories and a text prompt: the streams

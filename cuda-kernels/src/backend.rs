@@ -34,6 +34,25 @@ pub const SKINNY_ROWS: usize = 16;
 /// ([`Cuda::set_quant_prefill_rows`]).
 pub const QUANT_PREFILL_ROWS: usize = 512;
 
+/// The arithmetic of a prompt's prefill on CUDA ([`Cuda::set_prefill_precision`]): the
+/// matmuls of more than [`SKINNY_ROWS`] rows on cuBLAS and the causal attention of more than
+/// [`SKINNY_ROWS`] query rows. A prefill is the one start a speculative and a plain run share,
+/// so either choice keeps the speculative stream equal to the plain one; what changes is how
+/// close the prompt's K / V and last logits stay to the CPU's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillPrecision {
+    /// x (and a block format's dequantized W) split into bf16 hi + lo, two or three bf16
+    /// products (~16 significant bits of each side); the attention over an f32 cache in
+    /// 3xTF32 (to the CPU's f32 within ~1e-6). Within 1e-3 of the CPU's logits (bf16 / q8_0
+    /// weights).
+    #[default]
+    Exact,
+    /// One bf16 product per matmul (x, and a block format's W, rounded to bf16, f32
+    /// accumulation: a bf16 inference engine's prefill) and the attention over an f32 cache
+    /// in 1xTF32 (Q, K, V and P to 10 bits); an f16 cache's attention is the same either way.
+    Fast,
+}
+
 /// Keys per split of a prefill's causal attention by default ([`Cuda::set_attn_prefill_split`]):
 /// one split for any span up to 2^20 keys.
 pub const ATTN_PREFILL_SPLIT: usize = 1 << 20;
@@ -664,6 +683,8 @@ pub struct Cuda {
     /// Keys per split of causal calls of more than [`SKINNY_ROWS`] rows (a prefill;
     /// [`Cuda::set_attn_prefill_split`]); 0 = the splits of the keys each row sees.
     attn_prefill_split: Mutex<usize>,
+    /// [`Cuda::set_prefill_precision`].
+    prefill_precision: Mutex<PrefillPrecision>,
     attn_kernel: Mutex<AttnKernel>,
     attn_fast_f16: Mutex<bool>,
     attn_fa: Mutex<AttnFa>,
@@ -834,6 +855,7 @@ impl Cuda {
             attn_split: Mutex::new(None),
             attn_causal_splits: Mutex::new(attention::CAUSAL_SPLITS.to_vec()),
             attn_prefill_split: Mutex::new(ATTN_PREFILL_SPLIT),
+            prefill_precision: Mutex::new(PrefillPrecision::Exact),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
             attn_fa: Mutex::new(AttnFa::default()),
@@ -956,6 +978,19 @@ impl Cuda {
     /// speculative and a plain run share.
     pub fn set_quant_prefill_rows(&self, rows: usize) {
         *lock(&self.quant_prefill_rows) = rows.max(SKINNY_ROWS + 1);
+    }
+
+    /// The arithmetic of a prompt's prefill (default [`PrefillPrecision::Exact`]; see there):
+    /// the cuBLAS matmuls of more than [`SKINNY_ROWS`] rows and the causal attention of more
+    /// than [`SKINNY_ROWS`] query rows. Decodes and verifies (at most [`SKINNY_ROWS`] rows)
+    /// never change. Only with [`CudaOptions::cublas_prefill`] for the matmuls.
+    pub fn set_prefill_precision(&self, p: PrefillPrecision) {
+        *lock(&self.prefill_precision) = p;
+    }
+
+    /// Whether the prefill runs [`PrefillPrecision::Fast`].
+    fn prefill_fast(&self) -> bool {
+        *lock(&self.prefill_precision) == PrefillPrecision::Fast
     }
 
     /// Whether the whole-K and split Q8_0A8 kernels stream their weights (read once per call)
@@ -2469,6 +2504,7 @@ impl Cuda {
         let m = rows as i32;
         let one = 1.0f32;
         let zero = 0.0f32;
+        let fast = self.prefill_fast();
         match &w.buf {
             CudaWeightBuf::F32(ws) => self.with_blas(|blas| {
                 let (wp, _g1) = ws.device_ptr(&self.stream);
@@ -2515,7 +2551,7 @@ impl Cuda {
                     let (lp, _g3) = lo.device_ptr(&self.stream);
                     let (op, _g4) = out.data.device_ptr_mut(&self.stream);
                     // SAFETY: W is n x k, hi / lo m x k, out m x n (checked by matmul).
-                    unsafe { gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, n, m, k, n) }?;
+                    unsafe { gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, n, m, k, n, fast) }?;
                     Ok(true)
                 })
             }
@@ -2548,7 +2584,9 @@ impl Cuda {
                         let op = op + (n0 * std::mem::size_of::<f32>()) as u64;
                         // SAFETY: the unpacked block is nc x k, hi / lo m x k, and out's
                         // columns n0 .. n0 + nc of its m rows of n (checked by matmul).
-                        unsafe { gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, nc_i, m, k, n) }
+                        unsafe {
+                            gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, nc_i, m, k, n, fast)
+                        }
                     })?;
                     n0 += nc;
                 }
@@ -2587,6 +2625,7 @@ impl Cuda {
             i32_of("matmul", "x rows", rows)?,
         );
         let st = &self.stream;
+        let fast = self.prefill_fast();
         let (fmt, kbp, a8) = match &w.buf {
             CudaWeightBuf::Q8_0 { .. } => (3i32, 0usize, false),
             CudaWeightBuf::Q4_0 { .. } => (4, 0, false),
@@ -2651,19 +2690,11 @@ impl Cuda {
                 let (xl, _g4) = lo.device_ptr(st);
                 let (op, _g5) = out.data.device_ptr_mut(st);
                 let op = op + (n0 * std::mem::size_of::<f32>()) as u64;
+                let all = [(hp, xh), (hp, xl), (lp, xh)];
+                let pairs = if fast { &all[..1] } else { &all[..] };
                 // SAFETY: the block's hi / lo are nc x k, x's m x k, out's columns n0 .. n0 +
                 // nc of its m rows of n (checked by matmul).
-                unsafe {
-                    gemm_bf16_products(
-                        *blas.handle(),
-                        &[(hp, xh), (hp, xl), (lp, xh)],
-                        op,
-                        nc_i,
-                        m,
-                        k,
-                        n,
-                    )
-                }
+                unsafe { gemm_bf16_products(*blas.handle(), pairs, op, nc_i, m, k, n) }
             })?;
             n0 += nc;
         }
@@ -2671,9 +2702,10 @@ impl Cuda {
     }
 }
 
-/// `out = x W^T` on cuBLAS for x split into bf16 hi + lo (two products, the second added):
-/// W row-major `nc x k` bf16 at `wp`, hi / lo `m x k` at `hp` / `lp`, out `m` rows of `ldc`
-/// f32 at `op` (its first `nc` columns written).
+/// `out = x W^T` on cuBLAS for x split into bf16 hi + lo (two products, the second added;
+/// `hi_only`: the first alone, [`PrefillPrecision::Fast`]): W row-major `nc x k` bf16 at `wp`,
+/// hi / lo `m x k` at `hp` / `lp`, out `m` rows of `ldc` f32 at `op` (its first `nc` columns
+/// written).
 ///
 /// # Safety
 /// The pointers must address device buffers of those sizes on the handle's stream.
@@ -2688,8 +2720,11 @@ unsafe fn gemm_bf16_hi_lo(
     m: i32,
     k: i32,
     ldc: i32,
+    hi_only: bool,
 ) -> Result<()> {
-    unsafe { gemm_bf16_products(handle, &[(wp, hp), (wp, lp)], op, nc, m, k, ldc) }
+    let all = [(wp, hp), (wp, lp)];
+    let pairs = if hi_only { &all[..1] } else { &all[..] };
+    unsafe { gemm_bf16_products(handle, pairs, op, nc, m, k, ldc) }
 }
 
 /// `out = sum of x_i W_i^T` on cuBLAS over bf16 pairs `(W_i, x_i)` (the first written, the

@@ -12,7 +12,7 @@ mod common;
 use common::{gpu, report, rng};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{Backend, KvStorage, WeightFormat};
-use dflash_cuda_kernels::Cuda;
+use dflash_cuda_kernels::{Cuda, PrefillPrecision};
 use dflash_draft_model::random::{random_tensor_map, tiny_config};
 use dflash_draft_model::{Drafter as DraftModel, LentWeights, LoadOptions as DraftLoad, Precision};
 use dflash_spec_round::{generate, plain_greedy, DflashDrafter, SpecConfig};
@@ -232,18 +232,20 @@ fn dcfg_mask(m: &DraftModel<Cpu>) -> u32 {
 /// accepts, then misses) and a random drafter, both on the GPU.
 /// One spec-vs-greedy case on CUDA: (hidden, target format, drafter precision, Markov rank,
 /// window, drafter attention fast); repetition `rep` picks the caches (the target's K / V in
-/// f16 on rep 2, the fast drafter's on odd reps) and the adaptive policy (even reps). Returns
-/// the spec stream, the greedy stream and the round statistics.
+/// f16 on rep 2, the fast drafter's on odd reps) and the adaptive policy (even reps); the
+/// prompt has `min_prompt` to `min_prompt + 10` tokens. Returns the spec stream, the greedy
+/// stream and the round statistics.
 fn spec_case(
     g: &Cuda,
     r: &mut rand::rngs::StdRng,
     (hidden, tfmt, prec, markov_rank, window, fast): Case,
     rep: usize,
     max_new: usize,
+    min_prompt: usize,
 ) -> (Vec<u32>, Vec<u32>, dflash_spec_round::Stats) {
     let vocab = 64usize;
     let seed: u64 = r.random();
-    let prompt: Vec<u32> = (0..r.random_range(1..12))
+    let prompt: Vec<u32> = (0..r.random_range(min_prompt..min_prompt + 11))
         .map(|_| r.random_range(0..vocab as u32))
         .collect();
     let cap = prompt.len() + max_new + 16;
@@ -315,7 +317,7 @@ fn spec_stream_equals_greedy_on_cuda() {
     for (ci, &case) in cases.iter().enumerate() {
         for rep in 0..3 {
             let max_new = r.random_range(1..=64usize);
-            let (got, expected, stats) = spec_case(g, &mut r, case, rep, max_new);
+            let (got, expected, stats) = spec_case(g, &mut r, case, rep, max_new, 1);
             assert_eq!(
                 got, expected,
                 "case {ci} rep {rep}: spec stream != greedy on CUDA ({stats:?})"
@@ -359,7 +361,7 @@ fn spec_stream_equals_greedy_across_causal_split_thresholds() {
     for (ci, &case) in cases.iter().enumerate() {
         for rep in 0..3 {
             // Past 128 keys whatever the prompt: every threshold crossed.
-            let (got, expected, stats) = spec_case(g, &mut r, case, rep, 140);
+            let (got, expected, stats) = spec_case(g, &mut r, case, rep, 140, 1);
             assert_eq!(
                 got, expected,
                 "case {ci} rep {rep}: spec stream != greedy across the thresholds ({stats:?})"
@@ -369,4 +371,93 @@ fn spec_stream_equals_greedy_across_causal_split_thresholds() {
     }
     assert!(total_accepted > 0, "no draft was ever accepted");
     eprintln!("SPEC==GREEDY cuda across causal split thresholds: 6 streams identical");
+}
+
+/// `PrefillPrecision::Fast` (one bf16 product per matmul and the attention in 1xTF32 for the
+/// prompt's rows; the block formats on cuBLAS from 17 rows here): the dense target's prefill
+/// within bf16's bound of the CPU's, a verify-style forward over its cache likewise, and the
+/// spec stream equal to greedy from prompts of 17 to 40 tokens.
+#[test]
+fn fast_prefill_against_cpu_and_spec_equals_greedy() {
+    if gpu("fast_prefill_against_cpu_and_spec_equals_greedy").is_none() {
+        return;
+    }
+    // A private backend: the knob changes every prefill's bits.
+    let g = &Cuda::new(0).expect("second CUDA backend");
+    g.set_prefill_precision(PrefillPrecision::Fast);
+    g.set_quant_prefill_rows(17);
+    let cpu = Cpu::new();
+    let mut r = rng("fast_prefill_against_cpu_and_spec_equals_greedy");
+    for &(hidden, fmt, kv16) in &[
+        (256usize, WeightFormat::Bf16, false),
+        (256, WeightFormat::Q8_0, false),
+        (256, WeightFormat::Q4_0, false),
+        (256, WeightFormat::Q8_0A8, false),
+        (256, WeightFormat::Bf16, true),
+    ] {
+        let seed: u64 = r.random();
+        let cfg = tiny_qwen3_config(256, hidden, 3, None);
+        let mut tc =
+            random_qwen3_steered(&cpu, cfg.clone(), seed, fmt, 64, None).expect("cpu target");
+        let mut tg = random_qwen3_steered(g, cfg, seed, fmt, 64, None).expect("cuda target");
+        if kv16 {
+            tc.set_kv_storage(&cpu, KvStorage::F16)
+                .expect("cpu f16 cache");
+            tg.set_kv_storage(g, KvStorage::F16)
+                .expect("cuda f16 cache");
+        }
+        // bf16 x (2^-9) and 10-bit attention operands through 3 layers, as the f16 cache's
+        // bound; int8 activations move codes downstream of that noise.
+        let bound = if fmt.is_a8() { 5e-2 } else { 1e-2 };
+        let prompt: Vec<u32> = (0..40).map(|_| r.random_range(0..256)).collect();
+        let fc = tc
+            .forward(&cpu, &prompt, 0, &[0, 2], LogitRows::All)
+            .expect("cpu forward");
+        let fg = tg
+            .forward(g, &prompt, 0, &[0, 2], LogitRows::All)
+            .expect("cuda forward");
+        let (lc, lg) = (
+            fc.logits.expect("logits"),
+            g.download(&fg.logits.expect("logits")).expect("dl"),
+        );
+        report(
+            &format!("fast prefill logits {fmt:?} kv16={kv16} (40 tokens)"),
+            &lg,
+            &lc,
+            bound,
+        );
+        let more: Vec<u32> = (0..5).map(|_| r.random_range(0..256)).collect();
+        let fc = tc
+            .forward(&cpu, &more, 40, &[], LogitRows::All)
+            .expect("cpu");
+        let fg = tg.forward(g, &more, 40, &[], LogitRows::All).expect("cuda");
+        let (lc, lg) = (
+            fc.logits.expect("logits"),
+            g.download(&fg.logits.expect("logits")).expect("dl"),
+        );
+        report(
+            &format!("fast prefill then 5 rows {fmt:?} kv16={kv16}"),
+            &lg,
+            &lc,
+            bound,
+        );
+    }
+    let cases: [Case; 2] = [
+        (128, WeightFormat::Bf16, Precision::Bf16, 0, None, false),
+        (256, WeightFormat::Q8_0A8, Precision::Q8_0A8, 32, None, true),
+    ];
+    let mut total_accepted = 0;
+    for (ci, &case) in cases.iter().enumerate() {
+        for rep in 0..3 {
+            let max_new = r.random_range(1..=48usize);
+            let (got, expected, stats) = spec_case(g, &mut r, case, rep, max_new, 17);
+            assert_eq!(
+                got, expected,
+                "case {ci} rep {rep}: spec stream != greedy after a fast prefill ({stats:?})"
+            );
+            total_accepted += stats.accepted;
+        }
+    }
+    assert!(total_accepted > 0, "no draft was ever accepted");
+    eprintln!("SPEC==GREEDY cuda after fast prefills: 6 streams identical");
 }

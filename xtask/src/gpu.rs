@@ -23,7 +23,8 @@ use dflash_backend::{
 };
 use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
 use dflash_cuda_kernels::{
-    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, QUANT_PREFILL_ROWS, SKINNY_ROWS,
+    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, PrefillPrecision, QUANT_PREFILL_ROWS,
+    SKINNY_ROWS,
 };
 
 #[derive(Args, Debug)]
@@ -222,6 +223,10 @@ pub struct BenchArgs {
     /// default the library's, one split up to 2^20 keys).
     #[arg(long, default_value = "1048576")]
     attn_prefill: String,
+    /// With --prefill: its arithmetic, each entry of this list in turn (`exact`, `fast`:
+    /// `Cuda::set_prefill_precision`).
+    #[arg(long, default_value = "exact")]
+    prefill_precision: String,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -1135,6 +1140,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     let s = dense_8b_target()?;
     let cap = ps.iter().max().copied().unwrap_or(512);
     copy_bandwidth(g)?;
+    g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
     let params = s.layers
         * (s.hidden * (2 * s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.hidden * s.inter);
     let flops = |p: usize| {
@@ -1180,22 +1186,36 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             .split(',')
             .map(|c| c.trim().parse())
             .collect::<Result<_, _>>()?;
+        let precisions: Vec<PrefillPrecision> = a
+            .prefill_precision
+            .split(',')
+            .map(|c| match c.trim() {
+                "exact" => Ok(PrefillPrecision::Exact),
+                "fast" => Ok(PrefillPrecision::Fast),
+                o => Err(anyhow!("--prefill-precision {o}: expected exact or fast")),
+            })
+            .collect::<Result<_>>()?;
         let mut runs = Vec::new();
         for &p in &ps {
             for &mf in modes {
                 for &sp in &splits {
-                    runs.push((p, mf, sp));
+                    for &pp in &precisions {
+                        runs.push((p, mf, sp, pp));
+                    }
                 }
             }
         }
-        for (p, (mode, from), split) in runs {
+        for (p, (mode, from), split, pp) in runs {
             g.set_quant_prefill_rows(from);
             g.set_attn_prefill_split(split)?;
-            let label = if splits.len() > 1 {
-                format!("{label}{mode}, attention split {split}")
-            } else {
-                format!("{label}{mode}")
-            };
+            g.set_prefill_precision(pp);
+            let mut label = format!("{label}{mode}");
+            if splits.len() > 1 {
+                label += &format!(", attention split {split}");
+            }
+            if pp == PrefillPrecision::Fast {
+                label += ", fast";
+            }
             let r = (|| -> Result<f64> {
                 let mut b = m.bufs(g, p)?;
                 let ms = time_ms(g, a.iters.min(5), || {
@@ -1230,6 +1250,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     }
     g.set_quant_prefill_rows(QUANT_PREFILL_ROWS);
     g.set_attn_prefill_split(dflash_cuda_kernels::ATTN_PREFILL_SPLIT)?;
+    g.set_prefill_precision(PrefillPrecision::Exact);
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;

@@ -684,6 +684,8 @@ impl Cuda {
         // rows on both sides of a threshold run as one call per split. (first row, end, split)
         let mut groups: Vec<(usize, usize, Option<usize>)> = Vec::with_capacity(1);
         let prefill = *lock(&self.attn_prefill_split);
+        // A prefill's rows in 1xTF32 under `PrefillPrecision::Fast` (an f16 cache: the same).
+        let fast = fast || (p.causal && p.n_q > super::SKINNY_ROWS && self.prefill_fast());
         if p.causal && p.n_q > super::SKINNY_ROWS && prefill > 0 && lock(&self.attn_split).is_none()
         {
             groups.push((0, p.n_q, Some(prefill)));
