@@ -30,9 +30,18 @@ type Result<T> = std::result::Result<T, BackendError>;
 /// Largest row count served by the per-row-deterministic skinny matmul in one launch.
 pub const SKINNY_ROWS: usize = 16;
 
-/// Rows from which the block formats' matmuls take cuBLAS by default
-/// ([`Cuda::set_quant_prefill_rows`]).
-pub const QUANT_PREFILL_ROWS: usize = 512;
+/// Rows from which q8_0 / q4_0 matmuls take cuBLAS by default
+/// ([`Cuda::set_quant_prefill_rows`]): the dense 8B target's q8_0 prefill crossed over
+/// between 64 and 128 tokens (H100, 2026-12-06: 128 tokens 47.2 ms through the skinny
+/// kernels, 41.8 through cuBLAS).
+pub const QUANT_PREFILL_ROWS: usize = 128;
+
+/// Rows from which Q8_0A8 / Q4_0A8 matmuls take cuBLAS by default
+/// ([`Cuda::set_quant_prefill_rows`]): their skinny kernels run on the int8 tensor cores, so
+/// the dense 8B target's Q8_0A8 prefill crossed over later, at ~300 tokens (H100,
+/// 2026-12-06: 256 tokens 53.6 ms skinny against 59.5 on cuBLAS, 384 tokens 80.4 against
+/// 69.5).
+pub const A8_PREFILL_ROWS: usize = 320;
 
 /// The arithmetic of a prompt's prefill on CUDA ([`Cuda::set_prefill_precision`]): the
 /// matmuls of more than [`SKINNY_ROWS`] rows on cuBLAS and the causal attention of more than
@@ -674,7 +683,7 @@ pub struct Cuda {
     skinny_producers: Mutex<bool>,
     /// From how many rows the block formats' matmuls take cuBLAS
     /// ([`Cuda::set_quant_prefill_rows`]).
-    quant_prefill_rows: Mutex<usize>,
+    quant_prefill_rows: Mutex<Option<usize>>,
     a8_evict_first: Mutex<bool>,
     a8_prewait: Mutex<Option<bool>>,
     attn_split: Mutex<Option<usize>>,
@@ -849,7 +858,7 @@ impl Cuda {
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
-            quant_prefill_rows: Mutex::new(QUANT_PREFILL_ROWS),
+            quant_prefill_rows: Mutex::new(None),
             a8_evict_first: Mutex::new(true),
             a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
@@ -968,16 +977,18 @@ impl Cuda {
     }
 
     /// From how many rows a matmul of q8_0 / q4_0 / Q8_0A8 / Q4_0A8 weights (a prompt's
-    /// prefill) runs on cuBLAS (`matmul_cublas_quant`: three bf16 products of the
-    /// weights and x split into hi + lo) instead of the skinny kernels 16 rows at a time;
-    /// `usize::MAX`: never. Default [`QUANT_PREFILL_ROWS`]: the dense 8B target in Q8_0A8
-    /// (f16 cache), H100, prompt of 512 tokens 107.4 -> 93.5 ms, of 8192 2047 -> 1017 ms
-    /// (`xtask bench gpu --prefill`; fewer rows not measured). Only with
+    /// prefill) runs on cuBLAS (`matmul_cublas_quant`: three bf16 products of the weights and
+    /// x split into hi + lo, one under [`PrefillPrecision::Fast`]) instead of the skinny
+    /// kernels 16 rows at a time: `Some(rows)` for every block format (`usize::MAX`: never),
+    /// `None` (the default) for [`QUANT_PREFILL_ROWS`] (q8_0 / q4_0) and [`A8_PREFILL_ROWS`]
+    /// (Q8_0A8 / Q4_0A8), the crossovers measured on the dense 8B target's prefill (H100;
+    /// q4_0 takes q8_0's, not measured apart). Through cuBLAS the Q8_0A8 8B target's prompt
+    /// of 8192 tokens took 794 ms against 1812 through the skinny kernels. Only with
     /// [`CudaOptions::cublas_prefill`]; such rows differ in their last bits from the skinny
     /// kernels' (as cuBLAS rows do, see there), and a prefill is the one start both a
     /// speculative and a plain run share.
-    pub fn set_quant_prefill_rows(&self, rows: usize) {
-        *lock(&self.quant_prefill_rows) = rows.max(SKINNY_ROWS + 1);
+    pub fn set_quant_prefill_rows(&self, rows: Option<usize>) {
+        *lock(&self.quant_prefill_rows) = rows.map(|r| r.max(SKINNY_ROWS + 1));
     }
 
     /// The arithmetic of a prompt's prefill (default [`PrefillPrecision::Exact`]; see there):
@@ -2471,18 +2482,20 @@ impl Cuda {
 
     /// Whether a matmul of `rows` rows of x by `w` runs on cuBLAS ([`Cuda::matmul_cublas`]): with
     /// [`CudaOptions::cublas_prefill`], f32 / bf16 weights from [`SKINNY_ROWS`] + 1 rows, the
-    /// block formats from [`Cuda::set_quant_prefill_rows`]'s count (K a multiple of 32).
+    /// block formats from [`Cuda::set_quant_prefill_rows`]'s counts (K a multiple of 32).
     fn cublas_takes(&self, w: &Weight<Self>, rows: usize) -> bool {
         if rows <= SKINNY_ROWS || !self.opts.cublas_prefill {
             return false;
         }
         match &w.buf {
             CudaWeightBuf::F32(_) | CudaWeightBuf::Bf16(_) | CudaWeightBuf::Bf16P(_) => true,
-            CudaWeightBuf::Q8_0 { .. }
-            | CudaWeightBuf::Q4_0 { .. }
-            | CudaWeightBuf::Q8A8 { .. }
-            | CudaWeightBuf::Q4A8 { .. } => {
-                rows >= *lock(&self.quant_prefill_rows) && w.cols.is_multiple_of(32)
+            CudaWeightBuf::Q8_0 { .. } | CudaWeightBuf::Q4_0 { .. } => {
+                let from = lock(&self.quant_prefill_rows).unwrap_or(QUANT_PREFILL_ROWS);
+                rows >= from && w.cols.is_multiple_of(32)
+            }
+            CudaWeightBuf::Q8A8 { .. } | CudaWeightBuf::Q4A8 { .. } => {
+                let from = lock(&self.quant_prefill_rows).unwrap_or(A8_PREFILL_ROWS);
+                rows >= from && w.cols.is_multiple_of(32)
             }
             CudaWeightBuf::F16(_) => false,
         }

@@ -385,7 +385,7 @@ fn fast_prefill_against_cpu_and_spec_equals_greedy() {
     // A private backend: the knob changes every prefill's bits.
     let g = &Cuda::new(0).expect("second CUDA backend");
     g.set_prefill_precision(PrefillPrecision::Fast);
-    g.set_quant_prefill_rows(17);
+    g.set_quant_prefill_rows(Some(17));
     let cpu = Cpu::new();
     let mut r = rng("fast_prefill_against_cpu_and_spec_equals_greedy");
     for &(hidden, fmt, kv16) in &[

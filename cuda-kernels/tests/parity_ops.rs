@@ -159,7 +159,7 @@ fn quant_prefill_through_cublas_against_cpu() {
                 g.upload_weight(&hw2).expect("gpu weight"),
             );
             // The small shapes' row counts are below the default: take cuBLAS from 17 rows.
-            g.set_quant_prefill_rows(if n == 9000 { at } else { 17 });
+            g.set_quant_prefill_rows(Some(if n == 9000 { at } else { 17 }));
             for &rows in rows_list {
                 let xv = rand_vec(&mut r, rows * k, 2.0);
                 let xg = g.upload(&xv).expect("x");

@@ -23,8 +23,7 @@ use dflash_backend::{
 };
 use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
 use dflash_cuda_kernels::{
-    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, PrefillPrecision, QUANT_PREFILL_ROWS,
-    SKINNY_ROWS,
+    A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, PrefillPrecision, SKINNY_ROWS,
 };
 
 #[derive(Args, Debug)]
@@ -1176,10 +1175,13 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         // The block formats both ways: cuBLAS from 17 rows, and the skinny kernels 16 rows
         // at a time (`Cuda::set_quant_prefill_rows`).
         let quant = !matches!(tf, WeightFormat::Bf16 | WeightFormat::F32);
-        let modes: &[(&str, usize)] = if quant {
-            &[(" (cuBLAS)", SKINNY_ROWS + 1), (" (skinny)", usize::MAX)]
+        let modes: &[(&str, Option<usize>)] = if quant {
+            &[
+                (" (cuBLAS)", Some(SKINNY_ROWS + 1)),
+                (" (skinny)", Some(usize::MAX)),
+            ]
         } else {
-            &[("", QUANT_PREFILL_ROWS)]
+            &[("", None)]
         };
         let splits: Vec<usize> = a
             .attn_prefill
@@ -1248,7 +1250,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             }
         }
     }
-    g.set_quant_prefill_rows(QUANT_PREFILL_ROWS);
+    g.set_quant_prefill_rows(None);
     g.set_attn_prefill_split(dflash_cuda_kernels::ATTN_PREFILL_SPLIT)?;
     g.set_prefill_precision(PrefillPrecision::Exact);
     println!("\n{md}");
