@@ -56,9 +56,10 @@ pub enum PrefillPrecision {
     /// weights).
     #[default]
     Exact,
-    /// One bf16 product per matmul (x, and a block format's W, rounded to bf16, f32
-    /// accumulation: a bf16 inference engine's prefill) and the attention over an f32 cache
-    /// in 1xTF32 (Q, K, V and P to 10 bits); an f16 cache's attention is the same either way.
+    /// One bf16 product per matmul of bf16 or block-format weights (x, and a block format's
+    /// W, rounded to bf16, f32 accumulation: a bf16 inference engine's prefill; f32 weights
+    /// keep their f32 GEMM) and the attention over an f32 cache in 1xTF32 (Q, K, V and P to
+    /// 10 bits); an f16 cache's attention is the same either way.
     Fast,
 }
 
