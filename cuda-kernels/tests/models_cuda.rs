@@ -51,11 +51,6 @@ fn qwen3_dense_target_cuda_vs_cpu() {
         (256, None, WeightFormat::Q8_0A8, false),
         (256, Some(9), WeightFormat::Q8_0A8, true),
     ] {
-        let seed: u64 = r.random();
-        let cfg = tiny_qwen3_config(256, hidden, 3, window);
-        let mut tc =
-            random_qwen3_steered(&cpu, cfg.clone(), seed, fmt, 64, None).expect("cpu target");
-        let mut tg = random_qwen3_steered(g, cfg, seed, fmt, 64, None).expect("cuda target");
         // Q and P rounded to f16 on CUDA (~1e-3 per attention output), through 3 layers; with
         // int8 activations that noise also moves codes downstream (one such run: 1.9e-2).
         let bound = match (kv16, fmt.is_a8()) {
@@ -63,60 +58,82 @@ fn qwen3_dense_target_cuda_vs_cpu() {
             (true, false) => 1e-2,
             (true, true) => 5e-2,
         };
-        if kv16 {
-            tc.set_kv_storage(&cpu, KvStorage::F16)
-                .expect("cpu f16 cache");
-            tg.set_kv_storage(g, KvStorage::F16)
-                .expect("cuda f16 cache");
-        }
-        let prompt: Vec<u32> = (0..23).map(|_| r.random_range(0..256)).collect();
-        let fc = tc
-            .forward(&cpu, &prompt, 0, &[0, 2], LogitRows::All)
-            .expect("cpu forward");
-        let fg = tg
-            .forward(g, &prompt, 0, &[0, 2], LogitRows::All)
-            .expect("cuda forward");
-        let (lc, lg) = (
-            fc.logits.expect("logits"),
-            g.download(&fg.logits.expect("logits")).expect("dl"),
-        );
-        report(
-            &format!(
-                "qwen3 target logits hidden={hidden} win={window:?} {fmt:?} kv16={kv16} (23-token prefill)"
-            ),
-            &lg,
-            &lc,
+        let what = format!("qwen3 target hidden={hidden} win={window:?} {fmt:?} kv16={kv16}");
+        target_cuda_vs_cpu(
+            g,
+            &cpu,
+            &mut r,
+            (hidden, window, fmt, kv16),
+            23,
             bound,
-        );
-        let (xc, xg) = (
-            fc.taps.expect("taps"),
-            g.download(&fg.taps.expect("taps")).expect("dl"),
-        );
-        report(
-            &format!("qwen3 target taps [0, 2] hidden={hidden} {fmt:?}"),
-            &xg,
-            &xc,
-            bound,
-        );
-        // Then a 5-token verify-style forward over the cached prefix.
-        let more: Vec<u32> = (0..5).map(|_| r.random_range(0..256)).collect();
-        let fc = tc
-            .forward(&cpu, &more, 23, &[], LogitRows::All)
-            .expect("cpu");
-        let fg = tg.forward(g, &more, 23, &[], LogitRows::All).expect("cuda");
-        let (lc, lg) = (
-            fc.logits.expect("logits"),
-            g.download(&fg.logits.expect("logits")).expect("dl"),
-        );
-        report(
-            &format!(
-                "qwen3 target logits hidden={hidden} {fmt:?} kv16={kv16} (5 rows over 23 cached)"
-            ),
-            &lg,
-            &lc,
-            bound,
+            &what,
         );
     }
+}
+
+/// The tiny dense target (3 layers, vocabulary 256) with `(hidden, window, format, f16 cache)`
+/// from one seed on the CPU and on `g`: a prefill of `prompt_len` random tokens (logits of
+/// every row, taps of layers 0 and 2), then a 5-row verify-style forward over the cached
+/// prefix, each within `bound` of the CPU's.
+fn target_cuda_vs_cpu(
+    g: &Cuda,
+    cpu: &Cpu,
+    r: &mut rand::rngs::StdRng,
+    (hidden, window, fmt, kv16): (usize, Option<usize>, WeightFormat, bool),
+    prompt_len: usize,
+    bound: f32,
+    what: &str,
+) {
+    let seed: u64 = r.random();
+    let cfg = tiny_qwen3_config(256, hidden, 3, window);
+    let mut tc = random_qwen3_steered(cpu, cfg.clone(), seed, fmt, 64, None).expect("cpu target");
+    let mut tg = random_qwen3_steered(g, cfg, seed, fmt, 64, None).expect("cuda target");
+    if kv16 {
+        tc.set_kv_storage(cpu, KvStorage::F16)
+            .expect("cpu f16 cache");
+        tg.set_kv_storage(g, KvStorage::F16)
+            .expect("cuda f16 cache");
+    }
+    let prompt: Vec<u32> = (0..prompt_len).map(|_| r.random_range(0..256)).collect();
+    let fc = tc
+        .forward(cpu, &prompt, 0, &[0, 2], LogitRows::All)
+        .expect("cpu forward");
+    let fg = tg
+        .forward(g, &prompt, 0, &[0, 2], LogitRows::All)
+        .expect("cuda forward");
+    let (lc, lg) = (
+        fc.logits.expect("logits"),
+        g.download(&fg.logits.expect("logits")).expect("dl"),
+    );
+    report(
+        &format!("{what} logits ({prompt_len}-token prefill)"),
+        &lg,
+        &lc,
+        bound,
+    );
+    let (xc, xg) = (
+        fc.taps.expect("taps"),
+        g.download(&fg.taps.expect("taps")).expect("dl"),
+    );
+    report(&format!("{what} taps [0, 2]"), &xg, &xc, bound);
+    // Then a 5-token verify-style forward over the cached prefix.
+    let more: Vec<u32> = (0..5).map(|_| r.random_range(0..256)).collect();
+    let fc = tc
+        .forward(cpu, &more, prompt_len, &[], LogitRows::All)
+        .expect("cpu");
+    let fg = tg
+        .forward(g, &more, prompt_len, &[], LogitRows::All)
+        .expect("cuda");
+    let (lc, lg) = (
+        fc.logits.expect("logits"),
+        g.download(&fg.logits.expect("logits")).expect("dl"),
+    );
+    report(
+        &format!("{what} logits (5 rows over {prompt_len} cached)"),
+        &lg,
+        &lc,
+        bound,
+    );
 }
 
 #[test]
@@ -395,52 +412,11 @@ fn fast_prefill_against_cpu_and_spec_equals_greedy() {
         (256, WeightFormat::Q8_0A8, false),
         (256, WeightFormat::Bf16, true),
     ] {
-        let seed: u64 = r.random();
-        let cfg = tiny_qwen3_config(256, hidden, 3, None);
-        let mut tc =
-            random_qwen3_steered(&cpu, cfg.clone(), seed, fmt, 64, None).expect("cpu target");
-        let mut tg = random_qwen3_steered(g, cfg, seed, fmt, 64, None).expect("cuda target");
-        if kv16 {
-            tc.set_kv_storage(&cpu, KvStorage::F16)
-                .expect("cpu f16 cache");
-            tg.set_kv_storage(g, KvStorage::F16)
-                .expect("cuda f16 cache");
-        }
         // bf16 x (2^-9) and 10-bit attention operands through 3 layers, as the f16 cache's
         // bound; int8 activations move codes downstream of that noise.
         let bound = if fmt.is_a8() { 5e-2 } else { 1e-2 };
-        let prompt: Vec<u32> = (0..40).map(|_| r.random_range(0..256)).collect();
-        let fc = tc
-            .forward(&cpu, &prompt, 0, &[0, 2], LogitRows::All)
-            .expect("cpu forward");
-        let fg = tg
-            .forward(g, &prompt, 0, &[0, 2], LogitRows::All)
-            .expect("cuda forward");
-        let (lc, lg) = (
-            fc.logits.expect("logits"),
-            g.download(&fg.logits.expect("logits")).expect("dl"),
-        );
-        report(
-            &format!("fast prefill logits {fmt:?} kv16={kv16} (40 tokens)"),
-            &lg,
-            &lc,
-            bound,
-        );
-        let more: Vec<u32> = (0..5).map(|_| r.random_range(0..256)).collect();
-        let fc = tc
-            .forward(&cpu, &more, 40, &[], LogitRows::All)
-            .expect("cpu");
-        let fg = tg.forward(g, &more, 40, &[], LogitRows::All).expect("cuda");
-        let (lc, lg) = (
-            fc.logits.expect("logits"),
-            g.download(&fg.logits.expect("logits")).expect("dl"),
-        );
-        report(
-            &format!("fast prefill then 5 rows {fmt:?} kv16={kv16}"),
-            &lg,
-            &lc,
-            bound,
-        );
+        let what = format!("fast prefill {fmt:?} kv16={kv16}");
+        target_cuda_vs_cpu(g, &cpu, &mut r, (hidden, None, fmt, kv16), 40, bound, &what);
     }
     let cases: [Case; 2] = [
         (128, WeightFormat::Bf16, Precision::Bf16, 0, None, false),
