@@ -343,6 +343,7 @@ __device__ __forceinline__ float quant_weight(int fmt, const void *__restrict__ 
 // bf16 hi + lo [rows, cols] (W = hi + lo to ~16 significant bits; the cuBLAS prefill of the
 // quantized formats, three products hi x + lo x_hi). Grid: one block per row; a thread
 // splits 8 consecutive values and stores each half as one 16-byte store (cols % 32 == 0).
+// lo == null: hi only (the fast prefill's one product).
 extern "C" __global__ void unpack_quant_hilo(int fmt, const void *__restrict__ qs, const u16 *__restrict__ d, u16 *__restrict__ hi,
                                              u16 *__restrict__ lo, long long n0, int rows, int cols, int kbp) {
     const int r = blockIdx.x;
@@ -356,14 +357,14 @@ extern "C" __global__ void unpack_quant_hilo(int fmt, const void *__restrict__ q
                          h[j], l[j]);
         const long long i = (long long)r * cols + c;
         *(uint4 *)(hi + i) = make_uint4(h[0], h[1], h[2], h[3]);
-        *(uint4 *)(lo + i) = make_uint4(l[0], l[1], l[2], l[3]);
+        if (lo) *(uint4 *)(lo + i) = make_uint4(l[0], l[1], l[2], l[3]);
     }
 }
 
 // x [T, K] f32 quantized to q8_0 per 32-value block as a8_quant_x quantizes it (the codes and
 // the f16 scale of a8_store_block), the dequantized values (scale x code) split into bf16 hi +
 // lo: what the Q8_0A8 / Q4_0A8 product multiplies, for the cuBLAS prefill path. One warp per
-// (token, block).
+// (token, block). lo == null: hi only.
 extern "C" __global__ void a8_split_x(const float *__restrict__ x, u16 *__restrict__ hi, u16 *__restrict__ lo, int T, int K) {
     const long long wid = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
@@ -378,11 +379,11 @@ extern "C" __global__ void a8_split_x(const float *__restrict__ x, u16 *__restri
     u32 h, l;
     split_bf16x2(f16_to_f32(f32_to_f16_bits(dd)) * q, 0.0f, h, l);
     hi[i] = (u16)(h & 0xffffu);
-    lo[i] = (u16)(l & 0xffffu);
+    if (lo) lo[i] = (u16)(l & 0xffffu);
 }
 
 // f32 -> bf16 hi/lo split (for the cuBLAS prefill path): 4 values per thread (a 16-byte
-// load, two 8-byte stores) where the three pointers allow it, else one.
+// load, two 8-byte stores) where the three pointers allow it, else one. lo == null: hi only.
 extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long long n) {
     const long long t0 = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
     long long done = 0;
@@ -394,7 +395,7 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
             split_bf16x2(v.x, v.y, h0, l0);
             split_bf16x2(v.z, v.w, h1, l1);
             ((uint2 *)hi)[i] = make_uint2(h0, h1);
-            ((uint2 *)lo)[i] = make_uint2(l0, l1);
+            if (lo) ((uint2 *)lo)[i] = make_uint2(l0, l1);
         }
         done = n4 << 2;
     }
@@ -402,7 +403,7 @@ extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long lon
         u32 h, l;
         split_bf16x2(x[i], 0.0f, h, l);
         hi[i] = (u16)(h & 0xffffu);
-        lo[i] = (u16)(l & 0xffffu);
+        if (lo) lo[i] = (u16)(l & 0xffffu);
     }
 }
 
