@@ -1506,6 +1506,231 @@ ATTN_FA(32)
 ATTN_FA(64)
 ATTN_FA(128)
 
+// ------------------------------------------------------------------------------------------------
+// A prompt's prefill over an f32 cache (`attn_pf_d{D}_{x3,x1}`): causal calls of more than 16
+// query rows, the FlashAttention-2 structure of attn_fa_impl for many rows. 8 warps, 128 rows
+// (GQA-packed as every split kernel: row qr = query qr / G, head hk G + qr % G); a warp owns 16
+// rows and computes all 64 keys of every chunk, its Q fragments in registers. Each chunk of f32
+// K / V is staged by cp.async (nst = 1 or 2 stages), then converted once per block into 16-bit
+// tiles that every warp reads through ldmatrix (the 3xTF32 kernel's warps each split every K / V
+// element they read again, and merge 4 key warps' states; ncu: ~40 TFLOP/s on a prefill).
+// X3 (the exact op): Q, K, V and P as bf16 hi + lo (x - hi rounded again: ~17 significant bits,
+// the exact cuBLAS prefill's split of its operands), each product as hi*lo + lo*hi + hi*hi
+// (lo*lo, ~2^-18 relative, dropped) on the bf16 tensor cores with f32 accumulation, bf16 for
+// its range (an f32 cache's values need not fit f16). X1 (`PrefillPrecision::Fast`, and
+// `attention_fast`): Q, K, V and P rounded to f16 (as attn_h16_impl), one product.
+// Blocks run in reverse row order (the causal rows that see the most keys first: a shorter
+// tail). Scores in log2 units (att_softmax_fa). A row's bits depend on its query, the keys and
+// the chunk boundaries (fixed key indices), not on the block's other rows; such rows are never
+// compared with a decode's (the prefill is the one start a speculative and a plain run share).
+template <int D>
+__device__ __forceinline__ void att_q_frags_x3(const float *__restrict__ q, u32 (&qh)[D / 16][4], u32 (&ql)[D / 16][4], int ia, int ib,
+                                               int ra, int rb, bool va, bool vb, int hk, int H, const IDiv &G, int t) {
+    constexpr int KS = D / 16;
+    const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
+    const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
+    float2 x[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const float2 z = make_float2(0.f, 0.f);
+        x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
+        x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
+        x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
+        x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split_bf16x2(x[ks][e].x, x[ks][e].y, qh[ks][e], ql[ks][e]);
+}
+
+template <int D, bool X3>
+__device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                             float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
+                                             long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
+                                             int split_keys, int nst, int split0) {
+    constexpr int CK = 64;      // keys per chunk
+    constexpr int NT = CK / 8;  // score n-tiles per chunk
+    constexpr int PH = D + 8;   // halves per tile row (ldmatrix rows conflict-free)
+    constexpr int NO = D / 8;   // output n-tiles
+    constexpr int KS = D / 16;  // k-steps of S = Q K^T
+    constexpr int C4 = D / 4;
+    constexpr int NTL = X3 ? 4 : 2;  // tiles: K hi, V hi (, K lo, V lo)
+    constexpr u32 TILE_B = CK * PH * 2;
+    griddep_launch();  // the combine may launch (it waits for this grid)
+    griddep_wait();    // q and the cache first
+    extern __shared__ __align__(16) float sm[];
+    u16 *T = (u16 *)sm;                       // [NTL][CK][PH]
+    float *St = (float *)(T + NTL * CK * PH);  // [nst][K, V][CK][D] f32 staging
+    const int nth = blockDim.x;
+    const int ROWS = nth / 2;  // 16 rows per warp
+    const IDiv G(H / Hkv);
+    const int QR = n_q * G.d;
+    const int hk = blockIdx.z;
+    const int split = split0 + blockIdx.y;
+    const int qr0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
+    const int tid = threadIdx.x, rw = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = qr0 + rw * 16 + g, rb = ra + 8;
+    const bool va = ra < QR, vb = rb < QR;
+    const int ia = va ? G.div(ra) : 0, ib = vb ? G.div(rb) : 0;
+    const long long qpa = q_pos0 + ia, qpb = q_pos0 + ib;
+
+    const long long jbase = (long long)split * split_keys;
+    int c_begin, c_end;
+    att_chunk_range(jbase, split_keys, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
+    const int nch = c_end - c_begin;
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
+
+    // Staging copies: thread tid takes column d4c of rows kk0, kk0 + RSTEP, ... (nth % C4 == 0).
+    const int RSTEP = nth / C4, kk0 = tid / C4, d4c = (tid % C4) * 4;
+    const long long gstep = (long long)RSTEP * Hkv * D;
+    auto load_chunk = [&](int c, int slot) {
+        const long long j0 = jbase + (long long)c * CK;
+        float *kd = St + (size_t)slot * 2 * CK * D + d4c, *vd = kd + CK * D;
+        const long long off0 = ((j0 + kk0) * Hkv + hk) * D + d4c;
+        const float *ks = k + off0, *vs = v + off0;
+        for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
+            if (j0 + kk < n_kv) {
+                cp_async16(kd + kk * D, ks);
+                cp_async16(vd + kk * D, vs);
+            } else {
+                *(float4 *)(kd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
+                *(float4 *)(vd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    };
+    for (int p = 0; p < nst; ++p) {
+        if (p < nch) load_chunk(c_begin + p, p);
+        cp_async_commit();
+    }
+    u32 qh[KS][4], ql[KS][4];
+    if constexpr (X3) att_q_frags_x3<D>(q, qh, ql, ia, ib, ra, rb, va, vb, hk, H, G, t);
+    else att_q_frags<D>(q, qh, ia, ib, ra, rb, va, vb, hk, H, G, t);
+
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const float scale_l2 = scale * 1.4426950408889634f;  // scores in log2 units
+    const u32 kcur = (u32)__cvta_generic_to_shared(T + ((lane & 7) + ((lane >> 4) << 3)) * PH + ((lane >> 3) & 1) * 8);
+    const u32 vcur = (u32)__cvta_generic_to_shared(T + CK * PH + (lane & 15) * PH + (lane >> 4) * 8);
+    constexpr u32 LO_B = 2 * TILE_B;  // the lo tiles after the hi ones
+
+    for (int ci = 0, slot = 0; ci < nch; ++ci, slot = slot + 1 == nst ? 0 : slot + 1) {
+        if (nst == 2) cp_async_wait1();
+        else cp_async_wait_all();
+        __syncthreads();  // chunk ci staged; every warp is done with chunk ci - 1's tiles
+        {
+            const float *ks = St + (size_t)slot * 2 * CK * D, *vs = ks + CK * D;
+            for (int c = tid; c < CK * C4; c += nth) {
+                const int kk = c / C4, d4 = (c % C4) * 4;
+                const float4 a = *(const float4 *)(ks + kk * D + d4), b = *(const float4 *)(vs + kk * D + d4);
+                u16 *kt = T + kk * PH + d4, *vt = kt + CK * PH;
+                if constexpr (X3) {
+                    u32 h0, l0, h1, l1, h2, l2, h3, l3;
+                    split_bf16x2(a.x, a.y, h0, l0);
+                    split_bf16x2(a.z, a.w, h1, l1);
+                    split_bf16x2(b.x, b.y, h2, l2);
+                    split_bf16x2(b.z, b.w, h3, l3);
+                    *(uint2 *)kt = make_uint2(h0, h1);
+                    *(uint2 *)vt = make_uint2(h2, h3);
+                    *(uint2 *)(kt + 2 * CK * PH) = make_uint2(l0, l1);
+                    *(uint2 *)(vt + 2 * CK * PH) = make_uint2(l2, l3);
+                } else {
+                    *(uint2 *)kt = make_uint2(h2_pack(a.x, a.y), h2_pack(a.z, a.w));
+                    *(uint2 *)vt = make_uint2(h2_pack(b.x, b.y), h2_pack(b.z, b.w));
+                }
+            }
+        }
+        __syncthreads();  // the tiles are ready, the staging slot is free
+        if (ci + nst < nch) load_chunk(c_begin + ci + nst, slot);
+        cp_async_commit();
+
+        // S = Q K^T, 16 rows x 64 keys (n-tile nt: keys 8 nt ..); X3: the small terms first.
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                const u32 ka = kcur + np * 16 * PH * 2 + ks * 32;
+                ldsm_x4(ka, b0, b1, b2, b3);
+                if constexpr (X3) {
+                    u32 c0, c1, c2, c3;
+                    ldsm_x4(ka + LO_B, c0, c1, c2, c3);
+                    mma_bf16_16816(s[2 * np], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b0, b1);
+                    mma_bf16_16816(s[2 * np + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b2, b3);
+                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c0, c1);
+                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c2, c3);
+                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
+                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
+                } else {
+                    mma_h16(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
+                    mma_h16(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
+                }
+            }
+        const long long j0 = jbase + (long long)(c_begin + ci) * CK;
+        const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
+                          (window < 0 || qpos_hi < kv_pos0 + j0 + window);
+        float ala, alb;
+        att_softmax_fa<NT>(s, full, j0, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale_l2, m_a, m_b, l_a, l_b, ala, alb);
+        att_rescale(o, ala, alb);
+        // O += P V over the chunk's 4 steps of 16 keys (P from the S accumulator).
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            u32 p0, p1, p2, p3, r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+            if constexpr (X3) {
+                split_bf16x2(s[2 * kk][0], s[2 * kk][1], p0, r0);
+                split_bf16x2(s[2 * kk][2], s[2 * kk][3], p1, r1);
+                split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], p2, r2);
+                split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], p3, r3);
+            } else {
+                p0 = h2_pack(s[2 * kk][0], s[2 * kk][1]);
+                p1 = h2_pack(s[2 * kk][2], s[2 * kk][3]);
+                p2 = h2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                p3 = h2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < NO / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                const u32 va_ = vcur + kk * 16 * PH * 2 + np * 32;
+                ldsm_x4_t(va_, b0, b1, b2, b3);
+                if constexpr (X3) {
+                    u32 c0, c1, c2, c3;
+                    ldsm_x4_t(va_ + LO_B, c0, c1, c2, c3);
+                    mma_bf16_16816(o[2 * np], r0, r1, r2, r3, b0, b1);
+                    mma_bf16_16816(o[2 * np + 1], r0, r1, r2, r3, b2, b3);
+                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, c0, c1);
+                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, c2, c3);
+                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, b0, b1);
+                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+                } else {
+                    mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
+                    mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+                }
+            }
+        }
+    }
+    cp_async_wait_all();
+    att_fa_store<D>(o, m_a, m_b, l_a, l_b, sm, rw, lane, t, ra, rb, va, vb, G, hk, H, n_q, ws_o, ws_ml);
+}
+
+#define ATTN_PF(D, X3, SUFFIX)                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_pf_d##D##_##SUFFIX(                                                    \
+        const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                  \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {      \
+        attn_pf_impl<D, X3>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0); \
+    }
+ATTN_PF(32, true, x3)
+ATTN_PF(32, false, x1)
+ATTN_PF(64, true, x3)
+ATTN_PF(64, false, x1)
+ATTN_PF(128, true, x3)
+ATTN_PF(128, false, x1)
+
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \

@@ -51,15 +51,17 @@ pub const A8_PREFILL_ROWS: usize = 320;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillPrecision {
     /// x (and a block format's dequantized W) split into bf16 hi + lo, two or three bf16
-    /// products (~16 significant bits of each side); the attention over an f32 cache in
-    /// 3xTF32 (to the CPU's f32 within ~1e-6). Within 1e-3 of the CPU's logits (bf16 / q8_0
+    /// products (~16 significant bits of each side); the attention over an f32 cache with Q,
+    /// K, V and P split the same way, three bf16 products each (hi lo + lo hi + hi hi;
+    /// [`Cuda::set_attn_prefill_fa`]; off: 3xTF32). Within 1e-3 of the CPU's logits (bf16 / q8_0
     /// weights).
     #[default]
     Exact,
     /// One bf16 product per matmul of bf16 or block-format weights (x, and a block format's
     /// W, rounded to bf16, f32 accumulation: a bf16 inference engine's prefill; f32 weights
-    /// keep their f32 GEMM) and the attention over an f32 cache in 1xTF32 (Q, K, V and P to
-    /// 10 bits); an f16 cache's attention is the same either way.
+    /// keep their f32 GEMM) and the attention over an f32 cache with Q, K, V and P rounded to f16
+    /// (one product; [`Cuda::set_attn_prefill_fa`]); an f16 cache's attention is the same
+    /// either way.
     Fast,
 }
 
@@ -67,6 +69,8 @@ pub enum PrefillPrecision {
 /// one split for any span up to 2^20 keys.
 pub const ATTN_PREFILL_SPLIT: usize = 1 << 20;
 const ARGMAX_CHUNK: usize = 4096;
+/// A null device pointer kernel argument (an optional output left out).
+const NULL_PTR: u64 = 0;
 /// Q8_0A8: 32-value blocks per pipeline stage (`A8_KC` in prelude.cuh); rows of the
 /// repacked weight are padded to a whole number of stages.
 const A8_KC: usize = 8;
@@ -693,6 +697,8 @@ pub struct Cuda {
     /// Keys per split of causal calls of more than [`SKINNY_ROWS`] rows (a prefill;
     /// [`Cuda::set_attn_prefill_split`]); 0 = the splits of the keys each row sees.
     attn_prefill_split: Mutex<usize>,
+    /// [`Cuda::set_attn_prefill_fa`].
+    attn_prefill_fa: Mutex<bool>,
     /// [`Cuda::set_prefill_precision`].
     prefill_precision: Mutex<PrefillPrecision>,
     attn_kernel: Mutex<AttnKernel>,
@@ -865,6 +871,7 @@ impl Cuda {
             attn_split: Mutex::new(None),
             attn_causal_splits: Mutex::new(attention::CAUSAL_SPLITS.to_vec()),
             attn_prefill_split: Mutex::new(ATTN_PREFILL_SPLIT),
+            attn_prefill_fa: Mutex::new(true),
             prefill_precision: Mutex::new(PrefillPrecision::Exact),
             attn_kernel: Mutex::new(AttnKernel::Auto),
             attn_fast_f16: Mutex::new(true),
@@ -2557,7 +2564,14 @@ impl Cuda {
                 let f = self.func(Kernel::SplitBf16)?;
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&f);
-                b.arg(&x.data).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+                b.arg(&x.data).arg(&mut *hi);
+                // (the fast prefill reads hi only: no lo written)
+                if fast {
+                    b.arg(&NULL_PTR);
+                } else {
+                    b.arg(&mut *lo);
+                }
+                b.arg(&n64);
                 unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
                 self.with_blas(|blas| {
                     let (wp, _g1) = ws.device_ptr(&self.stream);
@@ -2581,7 +2595,14 @@ impl Cuda {
                 let (wu, hi, lo) = s.prefill_buffers(&self.stream, chunk.min(nn) * kk, len)?;
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&f);
-                b.arg(&x.data).arg(&mut *hi).arg(&mut *lo).arg(&n64);
+                b.arg(&x.data).arg(&mut *hi);
+                // (the fast prefill reads hi only: no lo written)
+                if fast {
+                    b.arg(&NULL_PTR);
+                } else {
+                    b.arg(&mut *lo);
+                }
+                b.arg(&n64);
                 unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
                 let mut n0 = 0;
                 while n0 < nn {
@@ -2669,7 +2690,13 @@ impl Cuda {
         let (wu, hi, lo) = s.prefill_buffers(st, 2 * cw, len)?;
         let n64 = len as i64;
         let mut b = st.launch_builder(&fx);
-        b.arg(&x.data).arg(&mut *hi).arg(&mut *lo);
+        b.arg(&x.data).arg(&mut *hi);
+        // (the fast prefill reads the hi halves only: no lo written, of x or of W)
+        if fast {
+            b.arg(&NULL_PTR);
+        } else {
+            b.arg(&mut *lo);
+        }
         if a8 {
             b.arg(&m).arg(&k);
         } else {
@@ -2685,15 +2712,13 @@ impl Cuda {
             let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
             let (mut wh, mut wl) = wu.split_at_mut(cw);
             let mut b = st.launch_builder(&fu);
-            b.arg(&fmt)
-                .arg(&qs)
-                .arg(&dp)
-                .arg(&mut wh)
-                .arg(&mut wl)
-                .arg(&n0_i)
-                .arg(&nc_i)
-                .arg(&k)
-                .arg(&kbp_i);
+            b.arg(&fmt).arg(&qs).arg(&dp).arg(&mut wh);
+            if fast {
+                b.arg(&NULL_PTR);
+            } else {
+                b.arg(&mut wl);
+            }
+            b.arg(&n0_i).arg(&nc_i).arg(&k).arg(&kbp_i);
             // SAFETY: unpack_quant_hilo's parameters in order; rows n0 .. n0 + nc of W (nc x k
             // values into each half of the scratch), one block per row.
             unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;

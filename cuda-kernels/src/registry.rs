@@ -189,6 +189,12 @@ kernels! {
     AttnFa16KvD32 => (Attention, "attn_fa16kv_d32"),
     AttnFa16KvD64 => (Attention, "attn_fa16kv_d64"),
     AttnFa16KvD128 => (Attention, "attn_fa16kv_d128"),
+    AttnPfD32X3 => (Attention, "attn_pf_d32_x3"),
+    AttnPfD32X1 => (Attention, "attn_pf_d32_x1"),
+    AttnPfD64X3 => (Attention, "attn_pf_d64_x3"),
+    AttnPfD64X1 => (Attention, "attn_pf_d64_x1"),
+    AttnPfD128X3 => (Attention, "attn_pf_d128_x3"),
+    AttnPfD128X1 => (Attention, "attn_pf_d128_x1"),
     // The Q8_0A8 matmul kernels compiled for Q4_0A8 weights (`Kernel::q4_twin`).
     Q4A8N1W1 => (MatmulQ4, "a8_n1_w1"),
     Q4A8N1W2 => (MatmulQ4, "a8_n1_w2"),

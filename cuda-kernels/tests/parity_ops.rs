@@ -2409,3 +2409,104 @@ fn attention_prefill_split_against_cpu() {
     }
     g.set_attn_prefill_split(0).expect("reset");
 }
+
+/// A prefill's causal rows through the FlashAttention-2-style kernels
+/// (`set_attn_prefill_fa`, the default): `attn_pf_*` over an f32 cache (exact: bf16 hi + lo
+/// operands, three products; fast: f16) and the FA kernel over an f16 cache, against the CPU
+/// for prompts from position 0 and chunks after a context, windows, GQA groups of 4 and 1,
+/// head dims 32 / 64 / 128 and keys past the last row; with the knob off the split kernels of the
+/// other calls, within the same bounds and not the same bits (so the kernel measured is the
+/// new one); and a row's bits do not depend on the rows beside it (the first rows alone, and
+/// the last rows as a chunk at their positions, give the full call's bits).
+#[test]
+fn attention_prefill_fa_against_cpu() {
+    if gpu("attention_prefill_fa_against_cpu").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_prefill_fa_against_cpu");
+    // A private backend: the knob changes the prefill's bits.
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    for &(ctx, nq, h, hkv, hd, win) in &[
+        (0usize, 1000usize, 32usize, 8usize, 128usize, None),
+        (700, 300, 32, 8, 128, None),
+        (0, 517, 16, 16, 128, None),
+        (0, 500, 32, 8, 64, Some(200usize)),
+        (90, 77, 8, 2, 64, None),
+        (40, 300, 8, 2, 32, Some(37)),
+    ] {
+        let cap = ctx + nq + 5;
+        let q = rand_vec(&mut r, nq * h * hd, 1.5);
+        let k = rand_vec(&mut r, cap * hkv * hd, 1.5);
+        let v = rand_vec(&mut r, cap * hkv * hd, 1.0);
+        let p = AttnParams {
+            n_q: nq,
+            n_kv: cap,
+            n_heads: h,
+            n_kv_heads: hkv,
+            head_dim: hd,
+            q_pos0: ctx,
+            kv_pos0: 0,
+            causal: true,
+            window: win,
+            scale: (hd as f32).powf(-0.5),
+        };
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let what = format!("prefill FA ctx={ctx} nq={nq} h={h}/{hkv} d={hd} win={win:?}");
+        // (exact, fast, f16 cache) outputs of the rows `rows` of `p` as one call.
+        let run = |rows: std::ops::Range<usize>| {
+            let w = h * hd;
+            let pr = AttnParams {
+                n_q: rows.len(),
+                q_pos0: ctx + rows.start,
+                ..p
+            };
+            let qr = &q[rows.start * w..rows.end * w];
+            let qg = g.upload(qr).unwrap();
+            let (kg, vg) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
+            let mut oe = poisoned(g, qr.len());
+            g.attention(&qg, &kg, &vg, &pr, &mut oe).unwrap();
+            let mut of = poisoned(g, qr.len());
+            g.attention_fast(&qg, &kg, &vg, &pr, &mut of).unwrap();
+            let c = kv16_case(g, &cpu, qr, &k, &v, &pr);
+            (
+                g.download(&oe).unwrap(),
+                g.download(&of).unwrap(),
+                c.o16,
+                c.oc,
+            )
+        };
+        g.set_attn_prefill_fa(false);
+        let (oe0, of0, o160, oc16) = run(0..nq);
+        report(&format!("{what} exact, split kernels"), &oe0, &oc, 2e-5);
+        report(&format!("{what} fast, split kernels"), &of0, &oc, 4e-3);
+        report(
+            &format!("{what} f16 cache, split kernels"),
+            &o160,
+            &oc16,
+            4e-3,
+        );
+        g.set_attn_prefill_fa(true);
+        let (oe, of, o16, _) = run(0..nq);
+        report(&format!("{what} exact"), &oe, &oc, 2e-5);
+        report(&format!("{what} fast"), &of, &oc, 4e-3);
+        report(&format!("{what} f16 cache"), &o16, &oc16, 4e-3);
+        assert!(
+            oe.iter().zip(&oe0).any(|(a, b)| a.to_bits() != b.to_bits()),
+            "{what}: the exact op gave the split kernels' bits"
+        );
+        let w = h * hd;
+        for rows in [0..nq / 2 + 3, nq - nq / 3 - 1..nq] {
+            let (e, f, o, _) = run(rows.clone());
+            let part = rows.start * w..rows.end * w;
+            let at = format!("{what}: rows {rows:?} alone");
+            assert_same_bits(&format!("{at} exact"), &e, &oe[part.clone()]);
+            assert_same_bits(&format!("{at} fast"), &f, &of[part.clone()]);
+            assert_same_bits(&format!("{at} f16 cache"), &o, &o16[part]);
+        }
+    }
+    eprintln!(
+        "prefill FA kernels: within bound of the CPU, rows independent of the call's other rows"
+    );
+}

@@ -226,6 +226,10 @@ pub struct BenchArgs {
     /// `Cuda::set_prefill_precision`).
     #[arg(long, default_value = "exact")]
     prefill_precision: String,
+    /// With --prefill: its causal attention through the FlashAttention-2-style kernels or
+    /// not, each entry of this list in turn (`on`, `off`: `Cuda::set_attn_prefill_fa`).
+    #[arg(long, default_value = "on")]
+    attn_prefill_fa: String,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -1140,6 +1144,11 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     let cap = ps.iter().max().copied().unwrap_or(512);
     copy_bandwidth(g)?;
     g.set_attn_kernel(parse_attn_kernel(&a.attn_kernel)?)?;
+    for (name, regs, local) in g.attn_kernel_info()? {
+        println!(
+            "attention kernel {name}: {regs} registers, {local} bytes local memory per thread"
+        );
+    }
     let params = s.layers
         * (s.hidden * (2 * s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.hidden * s.inter);
     let flops = |p: usize| {
@@ -1197,26 +1206,45 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 o => Err(anyhow!("--prefill-precision {o}: expected exact or fast")),
             })
             .collect::<Result<_>>()?;
+        let fas: Vec<bool> = a
+            .attn_prefill_fa
+            .split(',')
+            .map(|c| match c.trim() {
+                "on" => Ok(true),
+                "off" => Ok(false),
+                o => Err(anyhow!("--attn-prefill-fa {o}: expected on or off")),
+            })
+            .collect::<Result<_>>()?;
         let mut runs = Vec::new();
         for &p in &ps {
             for &mf in modes {
                 for &sp in &splits {
                     for &pp in &precisions {
-                        runs.push((p, mf, sp, pp));
+                        for &fa in &fas {
+                            runs.push((p, mf, sp, pp, fa));
+                        }
                     }
                 }
             }
         }
-        for (p, (mode, from), split, pp) in runs {
+        for (p, (mode, from), split, pp, fa) in runs {
             g.set_quant_prefill_rows(from);
             g.set_attn_prefill_split(split)?;
             g.set_prefill_precision(pp);
+            g.set_attn_prefill_fa(fa);
             let mut label = format!("{label}{mode}");
             if splits.len() > 1 {
                 label += &format!(", attention split {split}");
             }
             if pp == PrefillPrecision::Fast {
                 label += ", fast";
+            }
+            if fas.len() > 1 {
+                label += if fa {
+                    ", FA attention"
+                } else {
+                    ", split attention"
+                };
             }
             let r = (|| -> Result<f64> {
                 let mut b = m.bufs(g, p)?;
@@ -1253,6 +1281,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     g.set_quant_prefill_rows(None);
     g.set_attn_prefill_split(dflash_cuda_kernels::ATTN_PREFILL_SPLIT)?;
     g.set_prefill_precision(PrefillPrecision::Exact);
+    g.set_attn_prefill_fa(true);
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;

@@ -400,6 +400,31 @@ fn wg_kernel(d: usize, arch: &'static str) -> Option<Kernel> {
     (d == 128 && module_arch(Module::Attention, arch) == "sm_90a").then_some(Kernel::AttnWg16KvD128)
 }
 
+/// The prefill kernel over an f32 cache for head dim `d` ([`Cuda::set_attn_prefill_fa`]):
+/// `x3` the exact op's three bf16 products, else the f16 one.
+fn pf_kernel(d: usize, x3: bool) -> Option<Kernel> {
+    Some(match (d, x3) {
+        (32, true) => Kernel::AttnPfD32X3,
+        (32, false) => Kernel::AttnPfD32X1,
+        (64, true) => Kernel::AttnPfD64X3,
+        (64, false) => Kernel::AttnPfD64X1,
+        (128, true) => Kernel::AttnPfD128X3,
+        (128, false) => Kernel::AttnPfD128X1,
+        _ => return None,
+    })
+}
+
+/// Threads of an `attn_pf_*` block (8 warps of 16 query rows).
+const PF_THREADS: usize = 256;
+
+/// Shared memory of an `attn_pf_*` launch with `nst` f32 staging stages: the 16-bit tiles (K
+/// and V, hi and lo for `x3`; 64 keys, rows padded by 8 halves) and the stages (K and V, 64
+/// keys of f32).
+fn pf_smem_bytes(d: usize, x3: bool, nst: usize) -> usize {
+    let tiles = if x3 { 4 } else { 2 };
+    tiles * 64 * (d + 8) * 2 + nst * 2 * 64 * d * 4
+}
+
 /// The FlashAttention-2-style f16-cache kernel for head dim `d`.
 fn fa_kernel(d: usize) -> Option<Kernel> {
     Some(match d {
@@ -547,6 +572,19 @@ impl Cuda {
         Ok(())
     }
 
+    /// Whether a prefill's causal rows (more than [`SKINNY_ROWS`](super::SKINNY_ROWS) query
+    /// rows, head dims 32 / 64 / 128, the automatic kernel choice) run the FlashAttention-2-style
+    /// kernels (default `true`): over an f32 cache `attn_pf_*` (128 rows per block, each chunk
+    /// of K / V converted once into 16-bit tiles; exact: bf16 hi + lo operands, three products;
+    /// [`PrefillPrecision::Fast`](super::PrefillPrecision::Fast) and `attention_fast`: f16, one
+    /// product), over an f16 cache the FA kernel (`attn_fa16kv_*`, its warpgroup-MMA twin on
+    /// sm_90a). `false`: the split kernels of the other calls (3xTF32 / 1xTF32 / f16 with 4 key
+    /// warps). Such rows are never compared with a decode's (see
+    /// [`Cuda::set_attn_prefill_split`]), so this changes no stream.
+    pub fn set_attn_prefill_fa(&self, on: bool) {
+        *lock(&self.attn_prefill_fa) = on;
+    }
+
     /// Whether [`Backend::attention_fast`](dflash_backend::Backend::attention_fast) runs the f16 tensor-core kernel (the default: head
     /// dims 32 / 64 / 128 with 4 key warps over a non-causal span of more than 2048 keys, the
     /// calls the one-wave split rule takes; Q, K, V and P rounded to f16) or always the 1xTF32
@@ -595,22 +633,26 @@ impl Cuda {
     }
 
     /// (entry point, registers per thread, local memory bytes per thread) of the head-dim 128
-    /// tensor-core attention kernels: a benchmark aid (spills show as local memory).
+    /// tensor-core attention kernels and the prefill's: a benchmark aid (spills show as local
+    /// memory).
     pub fn attn_kernel_info(&self) -> Result<Vec<(&'static str, i32, i32)>> {
         let mut v = Vec::new();
-        for kw in [2, 4] {
-            for (fpv, x1) in [(false, false), (true, false), (false, true)] {
-                if let Some(k) = tc_kernel(128, kw, fpv, x1) {
-                    let f = self.func(k)?;
-                    let regs = f.num_regs().map_err(dev)?;
-                    let local = f
-                        .get_attribute(
-                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
-                        )
-                        .map_err(dev)?;
-                    v.push((k.name(), regs, local));
-                }
-            }
+        let kernels = [2, 4]
+            .into_iter()
+            .flat_map(|kw| {
+                [(false, false), (true, false), (false, true)]
+                    .map(|(fpv, x1)| tc_kernel(128, kw, fpv, x1))
+            })
+            .chain([pf_kernel(128, true), pf_kernel(128, false)]);
+        for k in kernels.flatten() {
+            let f = self.func(k)?;
+            let regs = f.num_regs().map_err(dev)?;
+            let local = f
+                .get_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                )
+                .map_err(dev)?;
+            v.push((k.name(), regs, local));
         }
         Ok(v)
     }
@@ -635,6 +677,17 @@ impl Cuda {
                 .unwrap_or(0)
         };
         for d in [32, 64, 128, 256] {
+            for x3 in [true, false] {
+                if let Some(k) = pf_kernel(d, x3) {
+                    if let Some(b) = [2, 1]
+                        .map(|nst| pf_smem_bytes(d, x3, nst))
+                        .into_iter()
+                        .find(|&b| b <= self.smem.block)
+                    {
+                        self.func_smem(k, b)?;
+                    }
+                }
+            }
             if let Some(k) = simt_kernel(d).filter(|_| simt_smem_bytes(d) <= self.smem.block) {
                 self.func_smem(k, simt_smem_bytes(d))?;
             }
@@ -811,6 +864,12 @@ impl Cuda {
 
         // (kernel, threads, shared bytes, rows per block, pipeline stages) of the split kernel.
         let choice = *lock(&self.attn_kernel);
+        // A prefill's causal rows through the FlashAttention-2-style kernels
+        // ([`Cuda::set_attn_prefill_fa`]).
+        let prefill_fa = p.causal
+            && p.n_q > super::SKINNY_ROWS
+            && choice == AttnKernel::Auto
+            && *lock(&self.attn_prefill_fa);
         let fa_cfg = *lock(&self.attn_fa);
         let fa_fits = kv16
             && fa_kernel(d).is_some()
@@ -829,6 +888,7 @@ impl Cuda {
         let span = p.window.map_or(p.n_kv, |w| w.min(p.n_kv));
         let fa = fa_fits
             && (fa_cfg.all
+                || prefill_fa
                 || (fa_cfg.long && (one_wave || (!p.causal && span > SHORT_NONCAUSAL_KV))));
         // Its warpgroup-MMA twin where the device has one (sm_90a, head dim 128).
         let wg = match wg_kernel(d, self.arch()) {
@@ -865,7 +925,25 @@ impl Cuda {
         // Kernels whose smallest launch does not fit the device's shared memory per block
         // (e.g. 99 KiB on sm_86 / sm_89) are not chosen; row warps and stages change no bit.
         let lim = self.smem;
+        // An f32 cache's prefill rows: `attn_pf_*`, two staging stages where they fit.
+        let x3 = !fast;
+        let pf = pf_kernel(d, x3)
+            .filter(|_| !kv16 && prefill_fa && pf_smem_bytes(d, x3, 1) <= lim.block);
         let split: Option<(Kernel, u32, usize, usize, i32)> = match tc {
+            _ if pf.is_some() => {
+                let nst = if pf_smem_bytes(d, x3, 2) <= lim.block {
+                    2
+                } else {
+                    1
+                };
+                Some((
+                    pf.ok_or_else(internal)?,
+                    PF_THREADS as u32,
+                    pf_smem_bytes(d, x3, nst),
+                    PF_THREADS / 2,
+                    nst as i32,
+                ))
+            }
             Some((kw, rw, fpv, stages))
                 if kv16
                     || (tc_kernel(d, kw, fpv, false).is_some()
