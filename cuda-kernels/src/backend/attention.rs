@@ -2,7 +2,9 @@
 //! 32 / 64 / 128, its f16 twins (over f32 or f16 caches, and the FlashAttention-2-style
 //! f16-cache kernel for long spans with its Hopper warpgroup-MMA twin, [`AttnFa`]), the f32
 //! SIMT split kernel for 256 (and on request), the generic one-warp-per-row kernel for other
-//! head dims, and the ordered combine of the splits (kernels/attention.cu).
+//! head dims, the prefill's FlashAttention-2-style kernel over f32 caches (`attn_pf_*`,
+//! [`Cuda::set_attn_prefill_fa`]), and the ordered combine of the splits
+//! (kernels/attention.cu).
 
 use super::{
     cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
