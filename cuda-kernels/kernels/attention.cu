@@ -1087,6 +1087,38 @@ struct Kv16Copy {
     }
 };
 
+// cp.async copies of chunk c of an f32 cache's K / V (CK keys of kv head hk from split start
+// jbase) into staging slot `slot` of st ([slot][K, V][CK][D] floats; attn_h16_impl,
+// attn_pf_impl): thread tid takes column d4c of rows kk0, kk0 + RSTEP, ... (nth % (D / 4) ==
+// 0); keys past n_kv are zeros.
+template <int D, int CK>
+struct Kv32Stage {
+    static constexpr int C4 = D / 4;
+    int RSTEP, kk0, d4c, hk, Hkv, n_kv;
+    long long jbase, gstep;
+    const float *k, *v;
+    float *st;
+    __device__ __forceinline__ Kv32Stage(const float *k_, const float *v_, float *st_, int tid, int nth, long long jbase_, int hk_,
+                                         int Hkv_, int n_kv_)
+        : RSTEP(nth / C4), kk0(tid / C4), d4c((tid % C4) * 4), hk(hk_), Hkv(Hkv_), n_kv(n_kv_), jbase(jbase_),
+          gstep((long long)(nth / C4) * Hkv_ * D), k(k_), v(v_), st(st_) {}
+    __device__ __forceinline__ void operator()(int c, int slot) const {
+        const long long j0 = jbase + (long long)c * CK;
+        float *kd = st + (size_t)slot * 2 * CK * D + d4c, *vd = kd + CK * D;
+        const long long off0 = ((j0 + kk0) * Hkv + hk) * D + d4c;
+        const float *ks = k + off0, *vs = v + off0;
+        for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
+            if (j0 + kk < n_kv) {
+                cp_async16(kd + kk * D, ks);
+                cp_async16(vd + kk * D, vs);
+            } else {
+                *(float4 *)(kd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
+                *(float4 *)(vd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    }
+};
+
 // KV16 (an f16 KV cache, `attention_fast_kv16`): k and v hold f16 (h2_pack of the f32 values,
 // so the tiles, and every bit after them, equal the f32 cache's), copied by cp.async straight
 // into nst stages of f16 tiles: no staging, no conversion, half the bytes, one block barrier per
@@ -1131,24 +1163,7 @@ __device__ __forceinline__ void attn_h16_impl(const float *__restrict__ q, const
     const int nch = c_end - c_begin;
     const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
 
-    // Staging copies: thread tid takes column d4c of rows kk0, kk0 + RSTEP, ... (nth % C4 == 0).
-    const int RSTEP = nth / C4, kk0 = tid / C4, d4c = (tid % C4) * 4;
-    const long long gstep = (long long)RSTEP * Hkv * D;
-    auto load_chunk = [&](int c, int slot) {
-        const long long j0 = jbase + (long long)c * CK;
-        float *kd = St + (size_t)slot * 2 * CK * D + d4c, *vd = kd + CK * D;
-        const long long off0 = ((j0 + kk0) * Hkv + hk) * D + d4c;
-        const float *ks = k + off0, *vs = v + off0;
-        for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
-            if (j0 + kk < n_kv) {
-                cp_async16(kd + kk * D, ks);
-                cp_async16(vd + kk * D, vs);
-            } else {
-                *(float4 *)(kd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
-                *(float4 *)(vd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
-    };
+    const Kv32Stage<D, CK> load_chunk(k, v, St, tid, nth, jbase, hk, Hkv, n_kv);
     const Kv16Copy<D, CK> load_chunk16(k, v, Kh, tid, nth, jbase, hk, Hkv, n_kv);  // KV16
     // The first chunks' copies first (in flight while Q loads).
     if constexpr (KV16) {
@@ -1353,25 +1368,31 @@ __device__ __forceinline__ void att_softmax_fa(float (&s)[NT][4], bool full, lon
     m_b = mnb;
 }
 
-// Q's A-fragments of this lane's rows ra / rb (real: va / vb; query ia / ib), d 16 ks + 2 t
-// (+1, +8, +9), rounded to f16 (attn_fa_impl, attn_wg_impl): all loads issued, then rounded.
+// The f32 pairs of Q's A-fragments of this lane's rows ra / rb (real: va / vb; query ia / ib),
+// d 16 ks + 2 t (+1, +8, +9): all loads issued before any is used.
 template <int D>
-__device__ __forceinline__ void att_q_frags(const float *__restrict__ q, u32 (&qf)[D / 16][4], int ia, int ib, int ra, int rb, bool va,
+__device__ __forceinline__ void att_q_pairs(const float *__restrict__ q, float2 (&x)[D / 16][4], int ia, int ib, int ra, int rb, bool va,
                                             bool vb, int hk, int H, const IDiv &G, int t) {
-    constexpr int KS = D / 16;
     const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
     const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
-    float2 x[KS][4];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int ks = 0; ks < D / 16; ++ks) {
         const float2 z = make_float2(0.f, 0.f);
         x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
         x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
         x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
         x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
     }
+}
+
+// Q's A-fragments (att_q_pairs) rounded to f16 (attn_fa_impl, attn_wg_impl, attn_pf_impl x1).
+template <int D>
+__device__ __forceinline__ void att_q_frags(const float *__restrict__ q, u32 (&qf)[D / 16][4], int ia, int ib, int ra, int rb, bool va,
+                                            bool vb, int hk, int H, const IDiv &G, int t) {
+    float2 x[D / 16][4];
+    att_q_pairs<D>(q, x, ia, ib, ra, rb, va, vb, hk, H, G, t);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
+    for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
 }
@@ -1523,23 +1544,14 @@ ATTN_FA(128)
 // tail). Scores in log2 units (att_softmax_fa). A row's bits depend on its query, the keys and
 // the chunk boundaries (fixed key indices), not on the block's other rows; such rows are never
 // compared with a decode's (the prefill is the one start a speculative and a plain run share).
+// Q's A-fragments (att_q_pairs) split into bf16 hi + lo (attn_pf_impl x3).
 template <int D>
 __device__ __forceinline__ void att_q_frags_x3(const float *__restrict__ q, u32 (&qh)[D / 16][4], u32 (&ql)[D / 16][4], int ia, int ib,
                                                int ra, int rb, bool va, bool vb, int hk, int H, const IDiv &G, int t) {
-    constexpr int KS = D / 16;
-    const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
-    const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
-    float2 x[KS][4];
+    float2 x[D / 16][4];
+    att_q_pairs<D>(q, x, ia, ib, ra, rb, va, vb, hk, H, G, t);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        const float2 z = make_float2(0.f, 0.f);
-        x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
-        x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
-        x[ks][2] = va ? *(const float2 *)(qa + 16 * ks + 8) : z;
-        x[ks][3] = vb ? *(const float2 *)(qb + 16 * ks + 8) : z;
-    }
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
+    for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) split_bf16x2(x[ks][e].x, x[ks][e].y, qh[ks][e], ql[ks][e]);
 }
@@ -1582,24 +1594,7 @@ __device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const 
     const int nch = c_end - c_begin;
     const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
 
-    // Staging copies: thread tid takes column d4c of rows kk0, kk0 + RSTEP, ... (nth % C4 == 0).
-    const int RSTEP = nth / C4, kk0 = tid / C4, d4c = (tid % C4) * 4;
-    const long long gstep = (long long)RSTEP * Hkv * D;
-    auto load_chunk = [&](int c, int slot) {
-        const long long j0 = jbase + (long long)c * CK;
-        float *kd = St + (size_t)slot * 2 * CK * D + d4c, *vd = kd + CK * D;
-        const long long off0 = ((j0 + kk0) * Hkv + hk) * D + d4c;
-        const float *ks = k + off0, *vs = v + off0;
-        for (int kk = kk0; kk < CK; kk += RSTEP, ks += gstep, vs += gstep) {
-            if (j0 + kk < n_kv) {
-                cp_async16(kd + kk * D, ks);
-                cp_async16(vd + kk * D, vs);
-            } else {
-                *(float4 *)(kd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
-                *(float4 *)(vd + kk * D) = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
-    };
+    const Kv32Stage<D, CK> load_chunk(k, v, St, tid, nth, jbase, hk, Hkv, n_kv);
     for (int p = 0; p < nst; ++p) {
         if (p < nch) load_chunk(c_begin + p, p);
         cp_async_commit();
