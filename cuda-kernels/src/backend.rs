@@ -2561,18 +2561,7 @@ impl Cuda {
                 let len = rows * w.cols;
                 let mut s = lock(&self.scratch);
                 let (_, hi, lo) = s.split_written(&self.stream, w.cols, rows)?;
-                let f = self.func(Kernel::SplitBf16)?;
-                let n64 = len as i64;
-                let mut b = self.stream.launch_builder(&f);
-                b.arg(&x.data).arg(&mut *hi);
-                // (the fast prefill reads hi only: no lo written)
-                if fast {
-                    b.arg(&NULL_PTR);
-                } else {
-                    b.arg(&mut *lo);
-                }
-                b.arg(&n64);
-                unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
+                self.split_x(x, hi, (!fast).then_some(&mut *lo), len)?;
                 self.with_blas(|blas| {
                     let (wp, _g1) = ws.device_ptr(&self.stream);
                     let (hp, _g2) = hi.device_ptr(&self.stream);
@@ -2590,20 +2579,9 @@ impl Cuda {
                 let len = rows * kk;
                 let chunk = ((16usize << 20) / kk.max(1)).max(16) / 16 * 16;
                 let fu = self.func(Kernel::UnpackBf16P)?;
-                let f = self.func(Kernel::SplitBf16)?;
                 let mut s = lock(&self.scratch);
                 let (wu, hi, lo) = s.prefill_buffers(&self.stream, chunk.min(nn) * kk, len)?;
-                let n64 = len as i64;
-                let mut b = self.stream.launch_builder(&f);
-                b.arg(&x.data).arg(&mut *hi);
-                // (the fast prefill reads hi only: no lo written)
-                if fast {
-                    b.arg(&NULL_PTR);
-                } else {
-                    b.arg(&mut *lo);
-                }
-                b.arg(&n64);
-                unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
+                self.split_x(x, hi, (!fast).then_some(&mut *lo), len)?;
                 let mut n0 = 0;
                 while n0 < nn {
                     let nc = chunk.min(nn - n0);
@@ -2638,6 +2616,30 @@ impl Cuda {
             }
             _ => Ok(false),
         }
+    }
+
+    /// x's `len` values split into bf16 hi + lo by `split_bf16`; `lo` None: hi only (the fast
+    /// prefill's one product reads no lo).
+    fn split_x(
+        &self,
+        x: &CudaBuf,
+        hi: &mut CudaSlice<u16>,
+        lo: Option<&mut CudaSlice<u16>>,
+        len: usize,
+    ) -> Result<()> {
+        let f = self.func(Kernel::SplitBf16)?;
+        let n64 = len as i64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.data).arg(&mut *hi);
+        match lo {
+            Some(lo) => b.arg(lo),
+            None => b.arg(&NULL_PTR),
+        };
+        b.arg(&n64);
+        // SAFETY: split_bf16(x, hi, lo, n) over x's first `len` values (hi / lo hold as many;
+        // a null lo is not written).
+        unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
+        Ok(())
     }
 
     /// The cuBLAS path of the block formats (a prompt's prefill): row blocks of W dequantized

@@ -1766,8 +1766,20 @@ fn drafter_attn_inputs(
     causal: bool,
     nq: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, AttnParams) {
-    let (h, hkv) = (32usize, 8usize);
-    let cap = ctx + nq;
+    attn_inputs(r, (32, 8, hd), ctx, nq, ctx + nq, win, causal)
+}
+
+/// Random q (`nq` rows from position `ctx`), K / V (`cap` keys from position 0) and the
+/// parameters of an attention with `(heads, kv heads, head dim)`.
+fn attn_inputs(
+    r: &mut rand::rngs::StdRng,
+    (h, hkv, hd): (usize, usize, usize),
+    ctx: usize,
+    nq: usize,
+    cap: usize,
+    win: Option<usize>,
+    causal: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, AttnParams) {
     let q = rand_vec(r, nq * h * hd, 1.5);
     let k = rand_vec(r, cap * hkv * hd, 1.5);
     let v = rand_vec(r, cap * hkv * hd, 1.0);
@@ -2440,22 +2452,8 @@ fn attention_prefill_fa_against_cpu() {
         (90, 77, 8, 2, 64, None),
         (40, 300, 8, 2, 32, Some(37)),
     ] {
-        let cap = ctx + nq + 5;
-        let q = rand_vec(&mut r, nq * h * hd, 1.5);
-        let k = rand_vec(&mut r, cap * hkv * hd, 1.5);
-        let v = rand_vec(&mut r, cap * hkv * hd, 1.0);
-        let p = AttnParams {
-            n_q: nq,
-            n_kv: cap,
-            n_heads: h,
-            n_kv_heads: hkv,
-            head_dim: hd,
-            q_pos0: ctx,
-            kv_pos0: 0,
-            causal: true,
-            window: win,
-            scale: (hd as f32).powf(-0.5),
-        };
+        // (5 keys past the last row: masked)
+        let (q, k, v, p) = attn_inputs(&mut r, (h, hkv, hd), ctx, nq, ctx + nq + 5, win, true);
         let mut oc = vec![0.0; q.len()];
         cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
         let what = format!("prefill FA ctx={ctx} nq={nq} h={h}/{hkv} d={hd} win={win:?}");
