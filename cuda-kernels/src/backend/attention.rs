@@ -163,7 +163,9 @@ const ATT_QT: usize = 16;
 /// tolerance). A benchmark and test knob; set it once, before any attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKernel {
-    /// The default: the tensor-core kernel with 4 key warps (head dims 32 / 64 / 128).
+    /// The default: the tensor-core kernel with 4 key warps (head dims 32 / 64 / 128); a
+    /// prefill's causal rows the FlashAttention-2-style kernels
+    /// ([`Cuda::set_attn_prefill_fa`]).
     Auto,
     /// The f32 CUDA-core split kernel (16 query rows per block), as before the tensor-core one.
     Simt,
