@@ -373,7 +373,7 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
         u32 h2, l2;
         split_bf16x2(y, 0.0f, h2, l2);
         hi[row * D + tid] = (u16)(h2 & 0xffffu);
-        lo[row * D + tid] = (u16)(l2 & 0xffffu);
+        if (lo != nullptr) lo[row * D + tid] = (u16)(l2 & 0xffffu);
     }
     if (xq != nullptr) {
         const int i = (int)(row / H), h = (int)(row % H);
@@ -1556,11 +1556,50 @@ __device__ __forceinline__ void att_q_frags_x3(const float *__restrict__ q, u32 
         for (int e = 0; e < 4; ++e) split_bf16x2(x[ks][e].x, x[ks][e].y, qh[ks][e], ql[ks][e]);
 }
 
+// A call of one split (every key in split 0): attn_pf's rows written as attn_combine would
+// write them from its partial, without the partial or the combine's launch. The combine's
+// arithmetic for one live split: weight expf(m - m) = 1, acc = fmaf(o, 1, 0) = o + 0 (a -0
+// becomes +0), L = l, y = acc / L (0 for a row that sees no key); with hi != null also the o
+// projection's bf16 hi (/ lo: null for hi only) x, split_bf16x2 of y elementwise. Row i * H + h
+// of out (D values), the layout of the combine's out / hi / lo.
+template <int D>
+__device__ __forceinline__ void att_pf_store_out(float (&o)[D / 8][4], float l_a, float l_b, int t, int ra, int rb, bool va, bool vb,
+                                                 const IDiv &G, int hk, int H, float *__restrict__ out, u16 *__restrict__ hi,
+                                                 u16 *__restrict__ lo) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int qr = half ? rb : ra;
+        if (!(half ? vb : va)) continue;
+        const int i = G.div(qr), h = hk * G.d + (qr - i * G.d);
+        const long long row = (long long)i * H + h;
+        const float L = half ? l_b : l_a;
+        const int r0 = half * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            const float y0 = L > 0.0f ? __fadd_rn(o[n][r0], 0.0f) / L : 0.0f;
+            const float y1 = L > 0.0f ? __fadd_rn(o[n][r0 + 1], 0.0f) / L : 0.0f;
+            const long long e = row * D + 8 * n + 2 * t;
+            *(float2 *)(out + e) = make_float2(y0, y1);
+            if (hi != nullptr) {
+                u32 h2, l2;
+                split_bf16x2(y0, y1, h2, l2);
+                *(u32 *)(hi + e) = h2;
+                if (lo != nullptr) *(u32 *)(lo + e) = l2;
+            }
+        }
+    }
+}
+
 template <int D, bool X3>
 __device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
                                              long long q_pos0, long long kv_pos0, int causal, long long window, float scale,
-                                             int split_keys, int nst, int split0) {
+                                             int split_keys, int nst, int split0, float *__restrict__ out, u16 *__restrict__ hi,
+                                             u16 *__restrict__ lo) {
     constexpr int CK = 64;      // keys per chunk
     constexpr int NT = CK / 8;  // score n-tiles per chunk
     constexpr int PH = D + 8;   // halves per tile row (ldmatrix rows conflict-free)
@@ -1710,14 +1749,19 @@ __device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const 
         }
     }
     cp_async_wait_all();
-    att_fa_store<D>(o, m_a, m_b, l_a, l_b, sm, rw, lane, t, ra, rb, va, vb, G, hk, H, n_q, ws_o, ws_ml);
+    if (out != nullptr) att_pf_store_out<D>(o, l_a, l_b, t, ra, rb, va, vb, G, hk, H, out, hi, lo);
+    else att_fa_store<D>(o, m_a, m_b, l_a, l_b, sm, rw, lane, t, ra, rb, va, vb, G, hk, H, n_q, ws_o, ws_ml);
 }
 
+// out != null: a call of one split, its rows written straight to out (/ hi / lo) as the combine
+// would write them (att_pf_store_out); no partial.
 #define ATTN_PF(D, X3, SUFFIX)                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1) attn_pf_d##D##_##SUFFIX(                                                    \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                  \
-        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {      \
-        attn_pf_impl<D, X3>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0); \
+        long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0,        \
+        float *out, u16 *hi, u16 *lo) {                                                                                               \
+        attn_pf_impl<D, X3>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0, \
+                            out, hi, lo);                                                                                             \
     }
 ATTN_PF(32, true, x3)
 ATTN_PF(32, false, x1)

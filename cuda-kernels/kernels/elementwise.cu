@@ -31,14 +31,15 @@ __device__ __forceinline__ float rms_inv_of(const float (&v)[RMS_MAXV], int dim,
 // round trips per row at dim 4096: measured 10-15 us per launch instead of a few).
 // The value v of element i of a normalised row goes to out[i] (f32) or, for the skinny
 // matmuls' x, to hi[i] / lo[i]: split_bf16's bf16 pair of v (the bits split_bf16 writes from
-// the f32 output, without that output or its launch).
+// the f32 output, without that output or its launch; a null lo: hi only, for the fast
+// prefill's one product).
 template <bool SPLIT>
 __device__ __forceinline__ void put_row(float *__restrict__ out, u16 *__restrict__ hi, u16 *__restrict__ lo, long long i, float v) {
     if (SPLIT) {
         u32 h, l;
         split_bf16x2(v, 0.0f, h, l);
         hi[i] = (u16)(h & 0xffffu);
-        lo[i] = (u16)(l & 0xffffu);
+        if (lo != nullptr) lo[i] = (u16)(l & 0xffffu);
     } else {
         out[i] = v;
     }
@@ -195,12 +196,21 @@ extern "C" __global__ void rms_norm_q8(const float *__restrict__ x, const float 
     if (c == C - 1) a8_zero_pad(tok, dim / 32, KBp, NT, xq, xd);
 }
 
-// NeoX rotation of one pair (the arithmetic of rope, shared with qk_norm_rope_kv).
-__device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f, float sc, float &o1, float &o2) {
+// NeoX rotation of one pair by (c, s) = (cos, sin)(pos * f) * sc (the arithmetic of rope,
+// shared with qk_norm_rope_kv and qk_norm_rope_kv_rows).
+__device__ __forceinline__ void rope_cs(float pos, float f, float sc, float &c, float &s) {
     const float ang = pos * f;
-    const float c = cosf(ang) * sc, s = sinf(ang) * sc;
+    c = cosf(ang) * sc;
+    s = sinf(ang) * sc;
+}
+__device__ __forceinline__ void rope_rot(float x1, float x2, float c, float s, float &o1, float &o2) {
     o1 = x1 * c - x2 * s;
     o2 = x2 * c + x1 * s;
+}
+__device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float f, float sc, float &o1, float &o2) {
+    float c, s;
+    rope_cs(pos, f, sc, c, s);
+    rope_rot(x1, x2, c, s, o1, o2);
 }
 
 // Fused per-head q/k RMSNorm + NeoX RoPE + K/V cache write, one block per (row, head) of
@@ -281,6 +291,90 @@ extern "C" __global__ void qk_norm_rope_kv(const float *__restrict__ q0, const f
             if (h16) dsth[i] = h_pack(ys[i]);
             else dst[i] = ys[i];
         }
+    }
+}
+
+// qk_norm_rope_kv for a prefill's rows (its parameters; the same bits): one block of
+// QKR_WARPS warps per row, a warp per head (q heads, then k heads; a row past q_rows has k
+// heads only), the row's RoPE (cos, sin) pairs computed once into shared memory for all of
+// its heads (qk_norm_rope_kv: once per head). Lane l holds elements l + 32 m of the head: the
+// elements thread 32 w + l of rms_norm's 128-thread block holds for w = m % 4 (its slot u =
+// m / 4), so the four per-w sums of squares, each summed over the warp in warp_sum's order
+// and then combined as block_sum combines its four warps, are rms_norm's sum bit for bit.
+// hd <= 1024 (rms_norm's block of 128 threads: norm_threads); dynamic shared memory: 2 *
+// half_rot + QKR_WARPS * hd floats.
+#define QKR_WARPS 4
+extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS)
+    qk_norm_rope_kv_rows(const float *__restrict__ q0, const float *__restrict__ k0, const float *__restrict__ v,
+                         const float *__restrict__ qn, const float *__restrict__ kn, float *__restrict__ q_out,
+                         float *__restrict__ kc, float *__restrict__ vc, int n_heads, int n_kv, int hd, int half_rot,
+                         long long pos0, const float *__restrict__ inv_freq, float attn_scale, float eps, int q_rows,
+                         int kv16) {
+    extern __shared__ float qkr_sm[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *cs = qkr_sm, *ys = qkr_sm + 2 * half_rot + warp * hd;
+    const long long r = blockIdx.x;
+    const float pos = (float)(pos0 + r);
+    // The rotation before the wait (nothing of the chain writes inv_freq).
+    for (int i = threadIdx.x; i < half_rot; i += blockDim.x) rope_cs(pos, inv_freq[i], attn_scale, cs[2 * i], cs[2 * i + 1]);
+    griddep_wait();  // a programmatic dependent launch: q0 / k0 / v first
+    __syncthreads();
+    const int nm = (hd + 31) >> 5;
+    for (int hh = (r < q_rows ? 0 : n_heads) + warp; hh < n_heads + n_kv; hh += QKR_WARPS) {
+        const bool isq = hh < n_heads;
+        const float *w = isq ? qn : kn;
+        const long long off = isq ? (r * n_heads + hh) * hd : (r * n_kv + (hh - n_heads)) * hd;
+        const float *src = (isq ? q0 : k0) + off;
+        const bool h16 = kv16 && !isq;
+        float *dst = (isq ? q_out : kc) + (h16 ? 0 : off);
+        u16 *dsth = (u16 *)kc + off;
+        float vv[32];
+#pragma unroll
+        for (int m = 0; m < 32; ++m) {
+            if (m >= nm) break;
+            const int e = lane + 32 * m;
+            vv[m] = e < hd ? src[e] : 0.0f;
+        }
+        if (!isq) {
+            if (h16)
+                for (int i = lane; i < hd; i += 32) ((u16 *)vc)[off + i] = h_pack(v[off + i]);
+            else
+                for (int i = lane; i < hd; i += 32) vc[off + i] = v[off + i];
+        }
+        float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int m = 0; m < 32; ++m) {
+            if (m >= nm) break;
+            s4[m & 3] = fmaf(vv[m], vv[m], s4[m & 3]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s4[j] = warp_sum(s4[j]);
+        const float ss = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+#pragma unroll
+        for (int m = 0; m < 32; ++m) {
+            if (m >= nm) break;
+            const int e = lane + 32 * m;
+            if (e < hd) ys[e] = w[e] * (vv[m] * inv);
+        }
+        __syncwarp();
+        for (int i = lane; i < hd; i += 32) {
+            if (i < half_rot) {
+                float o1, o2;
+                rope_rot(ys[i], ys[i + half_rot], cs[2 * i], cs[2 * i + 1], o1, o2);
+                if (h16) {
+                    dsth[i] = h_pack(o1);
+                    dsth[i + half_rot] = h_pack(o2);
+                } else {
+                    dst[i] = o1;
+                    dst[i + half_rot] = o2;
+                }
+            } else if (i >= 2 * half_rot) {
+                if (h16) dsth[i] = h_pack(ys[i]);
+                else dst[i] = ys[i];
+            }
+        }
+        __syncwarp();
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
@@ -538,14 +539,25 @@ impl A8Act {
 
 /// The bf16 hi / lo pair of an activation (`split_bf16`'s bits) written by a producer
 /// ([`Cuda::rms_norm_split`], [`Cuda::add_rms_norm_split`], [`Cuda::silu_mul_split`]) for the
-/// skinny matmuls of bf16 / q8_0 / q4_0 weights that read it ([`Cuda::matmul_many_split`]). It
-/// stays valid until the next launch that writes the pair (any skinny matmul of an f32 x or
-/// producer on this backend); a matmul of a stale one launches nothing.
+/// matmuls of bf16 / q8_0 / q4_0 weights that read it ([`Cuda::matmul_many_split`]: the skinny
+/// kernels for 1-16 rows, cuBLAS for a prefill's). It stays valid until the next launch that
+/// writes the pair (any skinny or cuBLAS matmul of an f32 x or producer on this backend); a
+/// matmul of a stale one launches nothing. A prefill's under [`PrefillPrecision::Fast`] has
+/// its hi halves only (the one product reads no lo).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SplitAct {
     k: usize,
     rows: usize,
     generation: u64,
+    hi_only: bool,
+}
+
+/// A cuBLAS matmul's buffers: the weight scratch (a block of W unpacked to bf16) and x's
+/// bf16 hi / lo pair.
+struct SplitBuffers<'a> {
+    w: &'a mut CudaSlice<u16>,
+    hi: &'a CudaSlice<u16>,
+    lo: &'a CudaSlice<u16>,
 }
 
 impl Scratch {
@@ -556,6 +568,7 @@ impl Scratch {
         stream: &Arc<CudaStream>,
         k: usize,
         rows: usize,
+        hi_only: bool,
     ) -> Result<(SplitAct, &mut CudaSlice<u16>, &mut CudaSlice<u16>)> {
         ensure(stream, &mut self.x_hi, rows * k).map_err(dev)?;
         ensure(stream, &mut self.x_lo, rows * k).map_err(dev)?;
@@ -565,6 +578,7 @@ impl Scratch {
             k,
             rows,
             generation: self.x_gen,
+            hi_only,
         };
         Ok((
             act,
@@ -596,6 +610,25 @@ impl Scratch {
             self.x_hi.as_mut().ok_or_else(internal)?,
             self.x_lo.as_mut().ok_or_else(internal)?,
         ))
+    }
+
+    /// The pair `act` holds, if it is still current (no launch has written the pair since),
+    /// with the weight scratch grown to `w` values first (the pair's token kept).
+    fn split_current(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        act: &SplitAct,
+        w: usize,
+    ) -> Result<Option<SplitBuffers<'_>>> {
+        if self.x_gen != act.generation || self.x_shape != Some((act.k, act.rows)) {
+            return Ok(None);
+        }
+        ensure(stream, &mut self.w_unpack, w).map_err(dev)?;
+        Ok(Some(SplitBuffers {
+            w: self.w_unpack.as_mut().ok_or_else(internal)?,
+            hi: self.x_hi.as_ref().ok_or_else(internal)?,
+            lo: self.x_lo.as_ref().ok_or_else(internal)?,
+        }))
     }
 
     /// Record a write of activation slot `slot` holding (k, rows); its token.
@@ -686,6 +719,11 @@ pub struct Cuda {
     /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
     /// ([`Cuda::set_skinny_producers`]).
     skinny_producers: Mutex<bool>,
+    /// [`Cuda::set_prefill_producers`].
+    prefill_producers: Mutex<bool>,
+    /// Matmuls of a prefill producer's x, and q / k norms one block per row, so far
+    /// ([`Cuda::prefill_producer_uses`]).
+    prefill_producer_uses: [AtomicU64; 2],
     /// From how many rows the block formats' matmuls take cuBLAS
     /// ([`Cuda::set_quant_prefill_rows`]).
     quant_prefill_rows: Mutex<Option<usize>>,
@@ -774,6 +812,9 @@ fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
 }
 
 /// Threads per row of the row-wise norms, from the row width only (per-row determinism).
+/// Warps per block of `qk_norm_rope_kv_rows` (`QKR_WARPS` in elementwise.cu).
+const QKR_WARPS: usize = 4;
+
 fn norm_threads(dim: usize) -> u32 {
     if dim > 2048 {
         256
@@ -865,6 +906,8 @@ impl Cuda {
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
+            prefill_producers: Mutex::new(true),
+            prefill_producer_uses: [AtomicU64::new(0), AtomicU64::new(0)],
             quant_prefill_rows: Mutex::new(None),
             a8_evict_first: Mutex::new(true),
             a8_prewait: Mutex::new(None),
@@ -982,6 +1025,26 @@ impl Cuda {
     /// on). The same bits either way; a benchmark knob.
     pub fn set_skinny_producers(&self, on: bool) {
         *lock(&self.skinny_producers) = on;
+    }
+
+    /// A prompt's prefill (more than [`SKINNY_ROWS`] rows): the norms, the SiLU product and
+    /// the attention write the bf16 hi / lo x of the cuBLAS matmuls that read it (bf16
+    /// weights, and q8_0 / q4_0 weights where cuBLAS takes them; one split per x instead of
+    /// one per matrix, and no f32 copy of it); the prefill's attention kernel over an f32
+    /// cache, in a call of one split, writes its rows itself (no partial, no combine launch);
+    /// and the per-head q / k norm + RoPE runs one block per row (`qk_norm_rope_kv_rows`: the
+    /// row's rotation computed once for all of its heads). Default on; the same bits either
+    /// way (a benchmark knob).
+    pub fn set_prefill_producers(&self, on: bool) {
+        *lock(&self.prefill_producers) = on;
+    }
+
+    /// How many matmuls read a prefill producer's x, and how many q / k norms ran one block
+    /// per row, on this backend so far (a test's evidence that the path ran).
+    #[doc(hidden)]
+    pub fn prefill_producer_uses(&self) -> (u64, u64) {
+        let [m, q] = &self.prefill_producer_uses;
+        (m.load(Ordering::Relaxed), q.load(Ordering::Relaxed))
     }
 
     /// From how many rows a matmul of q8_0 / q4_0 / Q8_0A8 / Q4_0A8 weights (a prompt's
@@ -1775,7 +1838,8 @@ impl Cuda {
     }
 
     /// Whether [`Backend::layer_tail`] runs a tail of bf16 / q8_0 / q4_0 weights with the
-    /// skinny producers ([`Cuda::set_skinny_producers`]).
+    /// producers writing the matmuls' x ([`Cuda::split_group`]: the skinny kernels', or a
+    /// prefill's cuBLAS matmuls').
     fn tail_skinny(
         &self,
         rows: usize,
@@ -1784,10 +1848,10 @@ impl Cuda {
         w: &LayerTail<'_, Self>,
     ) -> bool {
         let (d, inter) = (w.wo.rows, w.w_gate.rows);
-        *lock(&self.skinny_producers)
-            && self.skinny_group(&[w.wo], w.wo.cols, rows)
-            && self.skinny_group(&[w.w_gate, w.w_up], d, rows)
-            && self.skinny_group(&[w.w_down], inter, rows)
+        rows > 0
+            && self.split_group(&[w.wo], w.wo.cols, rows)
+            && self.split_group(&[w.w_gate, w.w_up], d, rows)
+            && self.split_group(&[w.w_down], inter, rows)
             && d > 0
             && d <= 32 * norm_threads(d) as usize
             && (w.w_up.rows, w.w_down.rows, w.w_down.cols) == (inter, d, inter)
@@ -1797,8 +1861,9 @@ impl Cuda {
     }
 
     /// A layer tail [`Cuda::tail_skinny`] takes: the o projection; the residual add + norm
-    /// writing the gate / up projections' x; gate / up in one launch; the SiLU product writing
-    /// the down projection's x; the down projection adding into `h`. The bits of
+    /// writing the gate / up projections' x; gate / up in one launch (a prefill: one cuBLAS
+    /// matmul each); the SiLU product writing the down projection's x; the down projection
+    /// adding into `h` (a prefill: into `s.o`, then `add_assign`). The bits of
     /// [`layer_tail_ops`] (an activation gone stale in between: the rest as separate ops).
     fn tail_skinny_run(
         &self,
@@ -1841,11 +1906,15 @@ impl Cuda {
             return mlp_residual_ops(self, rows, h, w, s);
         }
         let act = self.silu_mul_split(s.gate, s.up, rows, inter)?;
-        if !self.matmul_many_split(&act, &[w.w_down], &mut [&mut *h], true)? {
-            self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
-            return self.add_assign(h, 0, s.o, rows * d);
+        if rows <= SKINNY_ROWS && self.matmul_many_split(&act, &[w.w_down], &mut [&mut *h], true)? {
+            return Ok(());
         }
-        Ok(())
+        if rows <= SKINNY_ROWS
+            || !self.matmul_many_split(&act, &[w.w_down], &mut [&mut *s.o], false)?
+        {
+            self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
+        }
+        self.add_assign(h, 0, s.o, rows * d)
     }
 
     /// The layer tail after the o projection (a tail [`Cuda::tail_fuses`] takes): the norm
@@ -1971,8 +2040,29 @@ impl Cuda {
             .f32(eps)
             .i32(q_rows as i32)
             .i32(kv16 as i32);
-        let blocks = rows * (n_heads + n_kv_heads);
         let pdl = *lock(&self.a8_pdl);
+        // A prefill's rows: one block per row (`qk_norm_rope_kv_rows`, the same parameters and
+        // bits; its rotation in shared memory, a slice per warp for the normed head).
+        if rows > SKINNY_ROWS && threads == 128 && *lock(&self.prefill_producers) {
+            let smem = (2 * half + QKR_WARPS * head_dim) * std::mem::size_of::<f32>();
+            let fr = self.func_smem(Kernel::QkNormRopeKvRows, smem)?;
+            self.prefill_producer_uses[1].fetch_add(1, Ordering::Relaxed);
+            // SAFETY: as below (qk_norm_rope_kv_rows takes qk_norm_rope_kv's parameters); its
+            // shared memory holds 2 * half + QKR_WARPS * head_dim floats.
+            return unsafe {
+                a.launch(
+                    st,
+                    &fr,
+                    cfg(
+                        (i32_of("qk_norm_rope_kv", "rows", rows)? as u32, 1, 1),
+                        32 * QKR_WARPS as u32,
+                        smem as u32,
+                    ),
+                    pdl,
+                )
+            };
+        }
+        let blocks = rows * (n_heads + n_kv_heads);
         // SAFETY: qk_norm_rope_kv's parameters in order (q0, k0, v, qn, kn, q_out, kc, vc,
         // n_heads, n_kv, hd, half_rot, pos0, inv_freq, attn_scale, eps, q_rows, kv16).
         unsafe { a.launch(st, &f, cfg((blocks as u32, 1, 1), threads, 0), pdl) }
@@ -2509,9 +2599,9 @@ impl Cuda {
         }
     }
 
-    /// cuBLAS path for many rows: f32 weights through an f32 GEMM; bf16 weights as two bf16
-    /// GEMMs over the hi and lo halves of x (f32 accumulation), so x keeps ~16 bits; the block
-    /// formats through [`Cuda::matmul_cublas_quant`].
+    /// cuBLAS path for many rows: f32 weights through an f32 GEMM; the others through x split
+    /// into bf16 hi + lo ([`Cuda::split_x`], or for Q8_0A8 / Q4_0A8 quantized first) and
+    /// [`Cuda::matmul_cublas_split`].
     fn matmul_cublas(
         &self,
         x: &CudaBuf,
@@ -2522,100 +2612,69 @@ impl Cuda {
         use cublas_sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (n, k) = (w.rows as i32, w.cols as i32);
-        let m = rows as i32;
+        let m = i32_of("matmul", "x rows", rows)?;
         let one = 1.0f32;
         let zero = 0.0f32;
         let fast = self.prefill_fast();
-        match &w.buf {
-            CudaWeightBuf::F32(ws) => self.with_blas(|blas| {
-                let (wp, _g1) = ws.device_ptr(&self.stream);
-                let (xp, _g2) = x.data.device_ptr(&self.stream);
-                let (op, _g3) = out.data.device_ptr_mut(&self.stream);
-                unsafe {
-                    cudarc::cublas::result::gemm_ex(
-                        *blas.handle(),
-                        cublasOperation_t::CUBLAS_OP_T,
-                        cublasOperation_t::CUBLAS_OP_N,
-                        n,
-                        m,
-                        k,
-                        &one as *const f32 as *const _,
-                        wp as *const _,
-                        cudaDataType::CUDA_R_32F,
-                        k,
-                        xp as *const _,
-                        cudaDataType::CUDA_R_32F,
-                        k,
-                        &zero as *const f32 as *const _,
-                        op as *mut _,
-                        cudaDataType::CUDA_R_32F,
-                        n,
-                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                }
-                .map_err(dev)?;
-                Ok(true)
-            }),
-            CudaWeightBuf::Bf16(ws) => {
-                let len = rows * w.cols;
-                let mut s = lock(&self.scratch);
-                let (_, hi, lo) = s.split_written(&self.stream, w.cols, rows)?;
-                self.split_x(x, hi, (!fast).then_some(&mut *lo), len)?;
-                self.with_blas(|blas| {
+        let a8 = match &w.buf {
+            CudaWeightBuf::F32(ws) => {
+                return self.with_blas(|blas| {
                     let (wp, _g1) = ws.device_ptr(&self.stream);
-                    let (hp, _g2) = hi.device_ptr(&self.stream);
-                    let (lp, _g3) = lo.device_ptr(&self.stream);
-                    let (op, _g4) = out.data.device_ptr_mut(&self.stream);
-                    // SAFETY: W is n x k, hi / lo m x k, out m x n (checked by matmul).
-                    unsafe { gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, n, m, k, n, fast) }?;
+                    let (xp, _g2) = x.data.device_ptr(&self.stream);
+                    let (op, _g3) = out.data.device_ptr_mut(&self.stream);
+                    unsafe {
+                        cudarc::cublas::result::gemm_ex(
+                            *blas.handle(),
+                            cublasOperation_t::CUBLAS_OP_T,
+                            cublasOperation_t::CUBLAS_OP_N,
+                            n,
+                            m,
+                            k,
+                            &one as *const f32 as *const _,
+                            wp as *const _,
+                            cudaDataType::CUDA_R_32F,
+                            k,
+                            xp as *const _,
+                            cudaDataType::CUDA_R_32F,
+                            k,
+                            &zero as *const f32 as *const _,
+                            op as *mut _,
+                            cudaDataType::CUDA_R_32F,
+                            n,
+                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                    }
+                    .map_err(dev)?;
                     Ok(true)
-                })
+                });
             }
-            CudaWeightBuf::Bf16P(ws) => {
-                // Row blocks of W unpacked to row-major scratch (at most 16M values), each
-                // multiplied by cuBLAS into its columns of out.
-                let (nn, kk) = (w.rows, w.cols);
-                let len = rows * kk;
-                let chunk = ((16usize << 20) / kk.max(1)).max(16) / 16 * 16;
-                let fu = self.func(Kernel::UnpackBf16P)?;
-                let mut s = lock(&self.scratch);
-                let (wu, hi, lo) = s.prefill_buffers(&self.stream, chunk.min(nn) * kk, len)?;
-                self.split_x(x, hi, (!fast).then_some(&mut *lo), len)?;
-                let mut n0 = 0;
-                while n0 < nn {
-                    let nc = chunk.min(nn - n0);
-                    let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
-                    let mut b = self.stream.launch_builder(&fu);
-                    b.arg(ws).arg(&mut *wu).arg(&n0_i).arg(&nc_i).arg(&k);
-                    unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;
-                    self.with_blas(|blas| {
-                        let (wp, _g1) = wu.device_ptr(&self.stream);
-                        let (hp, _g2) = hi.device_ptr(&self.stream);
-                        let (lp, _g3) = lo.device_ptr(&self.stream);
-                        let (op, _g4) = out.data.device_ptr_mut(&self.stream);
-                        let op = op + (n0 * std::mem::size_of::<f32>()) as u64;
-                        // SAFETY: the unpacked block is nc x k, hi / lo m x k, and out's
-                        // columns n0 .. n0 + nc of its m rows of n (checked by matmul).
-                        unsafe {
-                            gemm_bf16_hi_lo(*blas.handle(), wp, hp, lp, op, nc_i, m, k, n, fast)
-                        }
-                    })?;
-                    n0 += nc;
-                }
-                Ok(true)
-            }
-            CudaWeightBuf::Q8_0 { .. }
-            | CudaWeightBuf::Q4_0 { .. }
-            | CudaWeightBuf::Q8A8 { .. }
-            | CudaWeightBuf::Q4A8 { .. }
+            CudaWeightBuf::Bf16(_) | CudaWeightBuf::Bf16P(_) => false,
+            CudaWeightBuf::Q8_0 { .. } | CudaWeightBuf::Q4_0 { .. }
                 if self.cublas_takes(w, rows) =>
             {
-                self.matmul_cublas_quant(x, rows, w, out)?;
-                Ok(true)
+                false
             }
-            _ => Ok(false),
+            CudaWeightBuf::Q8A8 { .. } | CudaWeightBuf::Q4A8 { .. }
+                if self.cublas_takes(w, rows) =>
+            {
+                true
+            }
+            _ => return Ok(false),
+        };
+        let len = rows * w.cols;
+        let mut s = lock(&self.scratch);
+        let (wu, hi, lo) = s.prefill_buffers(&self.stream, unpack_len(w), len)?;
+        // (the fast prefill reads the hi halves only: no lo written)
+        let lo_w = (!fast).then_some(&mut *lo);
+        if a8 {
+            self.a8_split_x(x, hi, lo_w, m, k)?;
+        } else {
+            self.split_x(x, hi, lo_w, len)?;
         }
+        let bufs = SplitBuffers { w: wu, hi, lo };
+        self.matmul_cublas_split(bufs, rows, w, out, fast)?;
+        Ok(true)
     }
 
     /// x's `len` values split into bf16 hi + lo by `split_bf16`; `lo` None: hi only (the fast
@@ -2642,130 +2701,167 @@ impl Cuda {
         Ok(())
     }
 
-    /// The cuBLAS path of the block formats (a prompt's prefill): row blocks of W dequantized
-    /// (the f16 scale times the code, exact in f32) and split into bf16 hi + lo, x split
-    /// likewise (for Q8_0A8 / Q4_0A8 first quantized to q8_0 as their kernels quantize it:
-    /// the values their product multiplies), and `out = W_hi x_hi + W_hi x_lo + W_lo x_hi`
-    /// with f32 accumulation: both sides to ~16 significant bits, at three bf16 products.
-    fn matmul_cublas_quant(
+    /// `m` rows of x (width `k`) quantized to q8_0 as the Q8_0A8 kernels quantize them and
+    /// split into bf16 hi + lo (`a8_split_x`: the values their product multiplies); `lo`
+    /// None: hi only.
+    fn a8_split_x(
         &self,
         x: &CudaBuf,
+        hi: &mut CudaSlice<u16>,
+        lo: Option<&mut CudaSlice<u16>>,
+        m: i32,
+        k: i32,
+    ) -> Result<()> {
+        let f = self.func(Kernel::A8SplitX)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.data).arg(&mut *hi);
+        match lo {
+            Some(lo) => b.arg(lo),
+            None => b.arg(&NULL_PTR),
+        };
+        b.arg(&m).arg(&k);
+        // SAFETY: a8_split_x(x, hi, lo, T, K) over m x k values (a warp per 32-value block,
+        // one thread per value; a null lo is not written).
+        unsafe { b.launch(grid_1d(m as usize * k as usize, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
+    /// `out = x W^T` on cuBLAS for `rows` rows of x already split into bf16 hi + lo (in
+    /// `bufs`; `fast`: hi only, one product per weight half). bf16 weights: two bf16 GEMMs, so
+    /// x keeps ~16 bits (packed bf16: row blocks of W unpacked to row-major scratch first);
+    /// the block formats: row blocks of W dequantized (the f16 scale times the code, exact in
+    /// f32) and split into bf16 hi + lo, and `out = W_hi x_hi + W_hi x_lo + W_lo x_hi` with
+    /// f32 accumulation: both sides to ~16 significant bits, at three bf16 products. The
+    /// weight scratch holds [`unpack_len`] values.
+    fn matmul_cublas_split(
+        &self,
+        bufs: SplitBuffers<'_>,
         rows: usize,
         w: &Weight<Self>,
         out: &mut CudaBuf,
+        fast: bool,
     ) -> Result<()> {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let SplitBuffers { w: wu, hi, lo } = bufs;
         let (nn, kk) = (w.rows, w.cols);
         let (n, k, m) = (
             i32_of("matmul", "rows", nn)?,
             i32_of("matmul", "cols", kk)?,
             i32_of("matmul", "x rows", rows)?,
         );
+        check("matmul", "x (bf16 halves)", rows * kk, hi.len())?;
+        check("matmul", "out", rows * nn, out.len)?;
         let st = &self.stream;
-        let fast = self.prefill_fast();
-        let (fmt, kbp, a8) = match &w.buf {
-            CudaWeightBuf::Q8_0 { .. } => (3i32, 0usize, false),
-            CudaWeightBuf::Q4_0 { .. } => (4, 0, false),
-            CudaWeightBuf::Q8A8 { .. } => (5, a8_kbp(kk), true),
-            CudaWeightBuf::Q4A8 { .. } => (7, a8_kbp(kk), true),
-            _ => return Err(internal()),
-        };
-        let ((qs, _gq), (dp, _gd)) = match &w.buf {
-            CudaWeightBuf::Q8_0 { qs, d } => (qs.device_ptr(st), d.device_ptr(st)),
-            CudaWeightBuf::Q4_0 { qs, d } => (qs.device_ptr(st), d.device_ptr(st)),
-            CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
-                (qs.device_ptr(st), d.device_ptr(st))
-            }
-            _ => return Err(internal()),
-        };
-        let len = rows * kk;
-        // Row blocks of at most 16M values (two bf16 copies: 64 MiB of scratch).
-        let chunk = ((16usize << 20) / kk.max(1)).max(16) / 16 * 16;
-        let cw = chunk.min(nn) * kk;
-        let fu = self.func(Kernel::UnpackQuantHiLo)?;
-        let fx = self.func(if a8 {
-            Kernel::A8SplitX
-        } else {
-            Kernel::SplitBf16
-        })?;
-        let mut s = lock(&self.scratch);
-        let (wu, hi, lo) = s.prefill_buffers(st, 2 * cw, len)?;
-        let n64 = len as i64;
-        let mut b = st.launch_builder(&fx);
-        b.arg(&x.data).arg(&mut *hi);
-        // (the fast prefill reads the hi halves only: no lo written, of x or of W)
-        if fast {
-            b.arg(&NULL_PTR);
-        } else {
-            b.arg(&mut *lo);
-        }
-        if a8 {
-            b.arg(&m).arg(&k);
-        } else {
-            b.arg(&n64);
-        }
-        // SAFETY: a8_split_x(x, hi, lo, T, K) / split_bf16(x, hi, lo, n) over rows x k values
-        // (a warp per 32-value block, one thread per value / four values per thread).
-        let threads = if a8 { len } else { len.div_ceil(4) };
-        unsafe { b.launch(grid_1d(threads, 256)) }.map_err(dev)?;
-        let (kbp_i, mut n0) = (i32_of("matmul", "blocks", kbp)?, 0usize);
-        while n0 < nn {
-            let nc = chunk.min(nn - n0);
-            let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
-            let (mut wh, mut wl) = wu.split_at_mut(cw);
-            let mut b = st.launch_builder(&fu);
-            b.arg(&fmt).arg(&qs).arg(&dp).arg(&mut wh);
-            if fast {
-                b.arg(&NULL_PTR);
-            } else {
-                b.arg(&mut wl);
-            }
-            b.arg(&n0_i).arg(&nc_i).arg(&k).arg(&kbp_i);
-            // SAFETY: unpack_quant_hilo's parameters in order; rows n0 .. n0 + nc of W (nc x k
-            // values into each half of the scratch), one block per row.
-            unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;
+        let chunk = unpack_chunk(kk);
+        // The products of a row block of W (`wh` / `wl` its hi / lo halves) into out's
+        // columns n0 .. n0 + nc.
+        let gemm = |wh: u64, wl: u64, n0: usize, nc: i32, out: &mut CudaBuf, three: bool| {
             self.with_blas(|blas| {
-                let (hp, _g1) = wh.device_ptr(st);
-                let (lp, _g2) = wl.device_ptr(st);
-                let (xh, _g3) = hi.device_ptr(st);
-                let (xl, _g4) = lo.device_ptr(st);
-                let (op, _g5) = out.data.device_ptr_mut(st);
+                let (xh, _g1) = hi.device_ptr(st);
+                let (xl, _g2) = lo.device_ptr(st);
+                let (op, _g3) = out.data.device_ptr_mut(st);
                 let op = op + (n0 * std::mem::size_of::<f32>()) as u64;
-                let all = [(hp, xh), (hp, xl), (lp, xh)];
-                let pairs = if fast { &all[..1] } else { &all[..] };
-                // SAFETY: the block's hi / lo are nc x k, x's m x k, out's columns n0 .. n0 +
-                // nc of its m rows of n (checked by matmul).
-                unsafe { gemm_bf16_products(*blas.handle(), pairs, op, nc_i, m, k, n) }
-            })?;
-            n0 += nc;
+                let all = [(wh, xh), (wh, xl), (wl, xh)];
+                let pairs = match (fast, three) {
+                    (true, _) => &all[..1],
+                    (false, false) => &all[..2],
+                    (false, true) => &all[..],
+                };
+                // SAFETY: the block's halves are nc x k, x's m x k, out's columns n0 .. n0 +
+                // nc of its m rows of n (checked above and by the callers).
+                unsafe { gemm_bf16_products(*blas.handle(), pairs, op, nc, m, k, n) }
+            })
+        };
+        match &w.buf {
+            CudaWeightBuf::Bf16(ws) => {
+                let (wp, _g) = ws.device_ptr(st);
+                gemm(wp, 0, 0, n, out, false)
+            }
+            CudaWeightBuf::Bf16P(ws) => {
+                // Row blocks of W unpacked to row-major scratch, each multiplied by cuBLAS
+                // into its columns of out.
+                let fu = self.func(Kernel::UnpackBf16P)?;
+                let mut n0 = 0;
+                while n0 < nn {
+                    let nc = chunk.min(nn - n0);
+                    let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
+                    let mut b = st.launch_builder(&fu);
+                    b.arg(ws).arg(&mut *wu).arg(&n0_i).arg(&nc_i).arg(&k);
+                    // SAFETY: unpack_bf16p(p, out, n0, rows, cols): rows n0 .. n0 + nc of W
+                    // (nc x k values into the scratch), one block per row.
+                    unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;
+                    let (wp, _g) = wu.device_ptr(st);
+                    gemm(wp, 0, n0, nc_i, out, false)?;
+                    n0 += nc;
+                }
+                Ok(())
+            }
+            CudaWeightBuf::Q8_0 { .. }
+            | CudaWeightBuf::Q4_0 { .. }
+            | CudaWeightBuf::Q8A8 { .. }
+            | CudaWeightBuf::Q4A8 { .. } => {
+                let (fmt, kbp) = match &w.buf {
+                    CudaWeightBuf::Q8_0 { .. } => (3i32, 0usize),
+                    CudaWeightBuf::Q4_0 { .. } => (4, 0),
+                    CudaWeightBuf::Q8A8 { .. } => (5, a8_kbp(kk)),
+                    _ => (7, a8_kbp(kk)),
+                };
+                let ((qs, _gq), (dp, _gd)) = match &w.buf {
+                    CudaWeightBuf::Q8_0 { qs, d } => (qs.device_ptr(st), d.device_ptr(st)),
+                    CudaWeightBuf::Q4_0 { qs, d } => (qs.device_ptr(st), d.device_ptr(st)),
+                    CudaWeightBuf::Q8A8 { qs, d } | CudaWeightBuf::Q4A8 { qs, d } => {
+                        (qs.device_ptr(st), d.device_ptr(st))
+                    }
+                    _ => return Err(internal()),
+                };
+                let cw = chunk.min(nn) * kk;
+                let fu = self.func(Kernel::UnpackQuantHiLo)?;
+                let (kbp_i, mut n0) = (i32_of("matmul", "blocks", kbp)?, 0usize);
+                while n0 < nn {
+                    let nc = chunk.min(nn - n0);
+                    let (n0_i, nc_i) = (n0 as i64, i32_of("matmul", "rows", nc)?);
+                    let (mut wh, mut wl) = wu.split_at_mut(cw);
+                    let mut b = st.launch_builder(&fu);
+                    b.arg(&fmt).arg(&qs).arg(&dp).arg(&mut wh);
+                    // (the fast prefill reads the hi halves only: no lo written)
+                    if fast {
+                        b.arg(&NULL_PTR);
+                    } else {
+                        b.arg(&mut wl);
+                    }
+                    b.arg(&n0_i).arg(&nc_i).arg(&k).arg(&kbp_i);
+                    // SAFETY: unpack_quant_hilo's parameters in order; rows n0 .. n0 + nc of
+                    // W (nc x k values into each half of the scratch), one block per row.
+                    unsafe { b.launch(row_blocks(nc)) }.map_err(dev)?;
+                    let ((hp, _g1), (lp, _g2)) = (wh.device_ptr(st), wl.device_ptr(st));
+                    gemm(hp, lp, n0, nc_i, out, true)?;
+                    n0 += nc;
+                }
+                Ok(())
+            }
+            CudaWeightBuf::F32(_) | CudaWeightBuf::F16(_) => Err(internal()),
         }
-        Ok(())
     }
 }
 
-/// `out = x W^T` on cuBLAS for x split into bf16 hi + lo (two products, the second added;
-/// `hi_only`: the first alone, [`PrefillPrecision::Fast`]): W row-major `nc x k` bf16 at `wp`,
-/// hi / lo `m x k` at `hp` / `lp`, out `m` rows of `ldc` f32 at `op` (its first `nc` columns
-/// written).
-///
-/// # Safety
-/// The pointers must address device buffers of those sizes on the handle's stream.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_bf16_hi_lo(
-    handle: cudarc::cublas::sys::cublasHandle_t,
-    wp: u64,
-    hp: u64,
-    lp: u64,
-    op: u64,
-    nc: i32,
-    m: i32,
-    k: i32,
-    ldc: i32,
-    hi_only: bool,
-) -> Result<()> {
-    let all = [(wp, hp), (wp, lp)];
-    let pairs = if hi_only { &all[..1] } else { &all[..] };
-    unsafe { gemm_bf16_products(handle, pairs, op, nc, m, k, ldc) }
+/// Rows of W per block a cuBLAS matmul unpacks at a time (at most 16M values, a multiple of
+/// 16) for K = `k`.
+fn unpack_chunk(k: usize) -> usize {
+    ((16usize << 20) / k.max(1)).max(16) / 16 * 16
+}
+
+/// Weight scratch values [`Cuda::matmul_cublas_split`] needs for `w`: none for plain bf16,
+/// one row block for packed bf16, two (hi and lo) for the block formats.
+fn unpack_len(w: &Weight<Cuda>) -> usize {
+    let block = unpack_chunk(w.cols).min(w.rows) * w.cols;
+    match &w.buf {
+        CudaWeightBuf::Bf16P(_) => block,
+        CudaWeightBuf::Q8_0 { .. }
+        | CudaWeightBuf::Q4_0 { .. }
+        | CudaWeightBuf::Q8A8 { .. }
+        | CudaWeightBuf::Q4A8 { .. } => 2 * block,
+        _ => 0,
+    }
 }
 
 /// `out = sum of x_i W_i^T` on cuBLAS over bf16 pairs `(W_i, x_i)` (the first written, the
@@ -2823,6 +2919,16 @@ unsafe fn gemm_bf16_products(
 #[derive(Default)]
 struct RawArgs(Vec<u64>);
 
+/// A producer's `lo` argument: the pair's lo halves, or null for a hi-only pair
+/// ([`SplitAct`] under [`PrefillPrecision::Fast`]).
+fn lo_arg(a: &mut RawArgs, lo: &mut CudaSlice<u16>, hi_only: bool, st: &CudaStream) {
+    if hi_only {
+        a.u64(0);
+    } else {
+        a.dptr_mut(lo, st);
+    }
+}
+
 impl RawArgs {
     fn dptr<T>(&mut self, s: &impl DevicePtr<T>, st: &CudaStream) -> &mut Self {
         let (p, _sync) = s.device_ptr(st);
@@ -2836,6 +2942,10 @@ impl RawArgs {
     }
     fn u64(&mut self, v: u64) -> &mut Self {
         self.0.push(v);
+        self
+    }
+    fn append(&mut self, other: RawArgs) -> &mut Self {
+        self.0.extend(other.0);
         self
     }
     fn f32(&mut self, v: f32) -> &mut Self {
@@ -3133,7 +3243,26 @@ impl Backend for Cuda {
             return Ok(());
         }
         let k = ws.first().map_or(0, |w| w.cols);
-        // Prefills that cuBLAS takes (as `matmul` does): one `matmul` per matrix.
+        // A prefill's matrices that read x split into bf16 on cuBLAS: that split once for
+        // all of them (the bits of one `matmul` per matrix).
+        if ws.len() > 1 && rows > SKINNY_ROWS && self.split_group(ws, k, rows) {
+            check("matmul", "x", rows * k, x.len)?;
+            let fast = self.prefill_fast();
+            let wlen = ws.iter().map(|w| unpack_len(w)).max().unwrap_or(0);
+            let mut s = lock(&self.scratch);
+            let (wu, hi, lo) = s.prefill_buffers(&self.stream, wlen, rows * k)?;
+            self.split_x(x, hi, (!fast).then_some(&mut *lo), rows * k)?;
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                let bufs = SplitBuffers {
+                    w: &mut *wu,
+                    hi: &*hi,
+                    lo: &*lo,
+                };
+                self.matmul_cublas_split(bufs, rows, w, o, fast)?;
+            }
+            return Ok(());
+        }
+        // Other prefills that cuBLAS takes (as `matmul` does): one `matmul` per matrix.
         let cublas_rows = ws.iter().any(|w| self.cublas_takes(w, rows));
         let fused = !ws.is_empty()
             && k > 0
@@ -3299,11 +3428,10 @@ impl Backend for Cuda {
                 return Ok(());
             }
         }
-        // bf16 / q8_0 / q4_0: the norm writes the skinny matmuls' x (the bits of the two
-        // ops below, one launch fewer).
-        if *lock(&self.skinny_producers)
-            && ws.len() == outs.len()
-            && self.skinny_group(ws, dim, rows)
+        // bf16 / q8_0 / q4_0: the norm writes the matmuls' x (the skinny kernels', or a
+        // prefill's for cuBLAS: the bits of the two ops below, one launch fewer).
+        if ws.len() == outs.len()
+            && self.split_group(ws, dim, rows)
             && x.len == rows * dim
             && w.len >= dim
         {
@@ -3379,9 +3507,9 @@ impl Backend for Cuda {
                     self.layer_tail(attn, rows, h, w, s)
                 }
             }
-            // A tail of skinny matmuls: the combine also writes the o projection's bf16 hi /
-            // lo x (one split launch fewer, the same bits).
-            _ if (1..=SKINNY_ROWS).contains(&rows)
+            // A tail of skinny matmuls, or of a prefill's cuBLAS matmuls: the combine also
+            // writes the o projection's bf16 hi / lo x (one split launch fewer, the same bits).
+            _ if rows > 0
                 && w.wo.cols == kdim
                 && (op != AttnOp::FastKv16 || self.kv16_kernel_fits(p))
                 && self.tail_skinny(rows, attn, h, w) =>

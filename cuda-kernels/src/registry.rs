@@ -92,6 +92,7 @@ kernels! {
     AddRmsNorm => (Elementwise, "add_rms_norm"),
     RmsNormQ8 => (Elementwise, "rms_norm_q8"),
     QkNormRopeKv => (Elementwise, "qk_norm_rope_kv"),
+    QkNormRopeKvRows => (Elementwise, "qk_norm_rope_kv_rows"),
     Rope => (Elementwise, "rope"),
     SiluMul => (Elementwise, "silu_mul"),
     AddAssign => (Elementwise, "add_assign"),

@@ -425,3 +425,90 @@ fn fast_prefill_against_cpu_and_spec_equals_greedy() {
     assert!(total_accepted > 0, "no draft was ever accepted");
     eprintln!("SPEC==GREEDY cuda after fast prefills: 6 streams identical");
 }
+
+/// The prefill's producers (`Cuda::set_prefill_producers`: norms, the SiLU product and the
+/// attention's combine writing the cuBLAS matmuls' bf16 x, the q / k norm + RoPE one block per
+/// row) keep every bit: the dense target's 40-token prefill (logits of every row, taps) and a
+/// 5-row forward over its cache on two backends, producers on and off, identical, for bf16 /
+/// q8_0 / q4_0 weights on cuBLAS (and Q8_0A8, which they leave alone), both prefill
+/// precisions, f32 and f16 caches.
+#[test]
+fn prefill_producers_keep_every_bit() {
+    if gpu("prefill_producers_keep_every_bit").is_none() {
+        return;
+    }
+    let on = &Cuda::new(0).expect("CUDA backend");
+    let off = &Cuda::new(0).expect("second CUDA backend");
+    off.set_prefill_producers(false);
+    let mut r = rng("prefill_producers_keep_every_bit");
+    let mut compared = 0usize;
+    for precision in [PrefillPrecision::Exact, PrefillPrecision::Fast] {
+        for g in [on, off] {
+            g.set_prefill_precision(precision);
+            g.set_quant_prefill_rows(Some(17));
+        }
+        for &(hidden, window, fmt, kv16) in &[
+            (512usize, None, WeightFormat::Bf16, false),
+            (256, Some(9usize), WeightFormat::Bf16, false),
+            (256, None, WeightFormat::Q8_0, false),
+            (256, Some(9), WeightFormat::Q4_0, false),
+            (512, None, WeightFormat::Bf16, true),
+            (256, None, WeightFormat::Q8_0A8, false),
+        ] {
+            let seed: u64 = r.random();
+            let cfg = tiny_qwen3_config(256, hidden, 3, window);
+            let what = format!("{precision:?} hidden={hidden} win={window:?} {fmt:?} kv16={kv16}");
+            let mut ta = random_qwen3_steered(on, cfg.clone(), seed, fmt, 64, None).expect("on");
+            let mut tb = random_qwen3_steered(off, cfg, seed, fmt, 64, None).expect("off");
+            if kv16 {
+                ta.set_kv_storage(on, KvStorage::F16).expect("f16 cache");
+                tb.set_kv_storage(off, KvStorage::F16).expect("f16 cache");
+            }
+            let prompt: Vec<u32> = (0..40).map(|_| r.random_range(0..256)).collect();
+            let more: Vec<u32> = (0..5).map(|_| r.random_range(0..256)).collect();
+            for (tokens, start, taps) in [(&prompt, 0, &[0, 2][..]), (&more, 40, &[][..])] {
+                let fa = ta
+                    .forward(on, tokens, start, taps, LogitRows::All)
+                    .expect("forward on");
+                let fb = tb
+                    .forward(off, tokens, start, taps, LogitRows::All)
+                    .expect("forward off");
+                let la = on.download(&fa.logits.expect("logits")).expect("dl");
+                let lb = off.download(&fb.logits.expect("logits")).expect("dl");
+                let rows = tokens.len();
+                assert_eq!(
+                    (la.len(), lb.len()),
+                    (rows * 256, rows * 256),
+                    "{what}: logits"
+                );
+                assert!(
+                    la.iter().zip(&lb).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: logits of {rows} rows at {start} differ with the prefill producers"
+                );
+                if !taps.is_empty() {
+                    let xa = on.download(&fa.taps.expect("taps")).expect("dl");
+                    let xb = off.download(&fb.taps.expect("taps")).expect("dl");
+                    assert!(
+                        xa.iter().zip(&xb).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: taps differ with the prefill producers"
+                    );
+                }
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 24);
+    // The producers' path ran on one backend and not on the other (so the bits above compare
+    // the two paths, not one path twice).
+    let (matmuls, qk_rows) = on.prefill_producer_uses();
+    // Per prefill of 3 layers at least q / k / v, o, gate / up and down.
+    assert!(matmuls >= 5 * 6 * 3, "{matmuls} matmuls of a producer's x");
+    assert!(qk_rows >= 12 * 3, "{qk_rows} q / k norms one block per row");
+    assert_eq!(
+        off.prefill_producer_uses(),
+        (0, 0),
+        "prefill producers ran while off"
+    );
+    eprintln!("prefill producers on: {matmuls} matmuls of a producer's x, {qk_rows} row-block q / k norms");
+    eprintln!("EXACT prefill producers on == off: {compared} forwards (12 prefills) bit for bit");
+}

@@ -1174,6 +1174,11 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
         (5, 4, 2, 64, 32, 100000, 3, 1.25),
         (3, 6, 2, 256, 256, 7, 0, 0.9),
         (2, 3, 1, 48, 16, 40, 9, 1.0),
+        // A prefill's rows (more than 16: one block per row, `qk_norm_rope_kv_rows`).
+        (40, 32, 8, 128, 128, 0, 0, 1.0),
+        (17, 4, 2, 64, 32, 100000, 3, 1.25),
+        (33, 6, 2, 256, 64, 7, 5, 0.9),
+        (24, 3, 1, 48, 16, 40, 9, 1.0),
     ] {
         let spec = RopeSpec {
             inv_freq: (0..rot / 2)
@@ -1324,7 +1329,7 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
         )
         .is_err());
     }
-    eprintln!("EXACT qk_norm_rope_kv (all q rows and fewer, f32 and f16 caches) == rms_norm x2 + rope x2 + copy x2 (+ f16_pack)");
+    eprintln!("EXACT qk_norm_rope_kv (all q rows and fewer, f32 and f16 caches, 1-16 rows and a prefill's) == rms_norm x2 + rope x2 + copy x2 (+ f16_pack)");
     // SiLU * up into the down projection.
     for f in [WeightFormat::Q8_0A8, WeightFormat::Q8_0, WeightFormat::Bf16] {
         for &(n, k) in &[(4096usize, 12288usize), (300, 416)] {
@@ -2433,8 +2438,10 @@ fn attention_prefill_split_against_cpu() {
 /// for prompts from position 0 and chunks after a context, windows, GQA groups of 4 and 1,
 /// head dims 32 / 64 / 128 and keys past the last row; with the knob off the split kernels of the
 /// other calls, within the same bounds and not the same bits (so the kernel measured is the
-/// new one); and a row's bits do not depend on the rows beside it (the first rows alone, and
-/// the last rows as a chunk at their positions, give the full call's bits).
+/// new one); the one-split call writing its rows itself (`set_prefill_producers`) the bits of
+/// its partial through the combine; and a row's bits do not depend on the rows beside it (the
+/// first rows alone, and the last rows as a chunk at their positions, give the full call's
+/// bits).
 #[test]
 fn attention_prefill_fa_against_cpu() {
     if gpu("attention_prefill_fa_against_cpu").is_none() {
@@ -2499,6 +2506,14 @@ fn attention_prefill_fa_against_cpu() {
             oe.iter().zip(&oe0).any(|(a, b)| a.to_bits() != b.to_bits()),
             "{what}: the exact op gave the split kernels' bits"
         );
+        // The kernel's one-split call writing its rows itself (the prefill producers: no
+        // partial, no combine) against the combine's output: the same bits.
+        g.set_prefill_producers(false);
+        let (oe1, of1, o161, _) = run(0..nq);
+        g.set_prefill_producers(true);
+        assert_same_bits(&format!("{what} exact, combine"), &oe, &oe1);
+        assert_same_bits(&format!("{what} fast, combine"), &of, &of1);
+        assert_same_bits(&format!("{what} f16 cache, combine"), &o16, &o161);
         let w = h * hd;
         for rows in [0..nq / 2 + 3, nq - nq / 3 - 1..nq] {
             let (e, f, o, _) = run(rows.clone());

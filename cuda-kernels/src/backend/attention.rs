@@ -1037,9 +1037,41 @@ impl Cuda {
                 } else {
                     (0, n_split)
                 };
+                // A prefill kernel's call of one split writes its rows itself (and the o
+                // projection's bf16 x where asked): no partial, no combine, the same bits.
+                let direct = pf.is_some()
+                    && n_split == 1
+                    && !matches!(extra, AttnExtra::Q8 { .. })
+                    && *lock(&self.prefill_producers);
                 let mut s = lock(&self.scratch);
-                ensure(&self.stream, &mut s.att_o, n_split * rows_total * d).map_err(dev)?;
-                ensure(&self.stream, &mut s.att_ml, n_split * rows_total * 2).map_err(dev)?;
+                let (po, pml) = if direct {
+                    (1, 1)
+                } else {
+                    (n_split * rows_total * d, n_split * rows_total * 2)
+                };
+                ensure(&self.stream, &mut s.att_o, po).map_err(dev)?;
+                ensure(&self.stream, &mut s.att_ml, pml).map_err(dev)?;
+                // attn_pf_*'s last parameters (out, hi, lo).
+                let mut tail = RawArgs::default();
+                let mut wrote = None;
+                if direct {
+                    tail.dptr_mut(out, &self.stream);
+                    match extra {
+                        AttnExtra::Split => {
+                            let hi_only = self.split_hi_only(p.n_q);
+                            let (act, hi, lo) =
+                                s.split_written(&self.stream, p.n_heads * d, p.n_q, hi_only)?;
+                            tail.dptr_mut(hi, &self.stream);
+                            super::lo_arg(&mut tail, lo, hi_only, &self.stream);
+                            wrote = Some(AttnAct::Split(act));
+                        }
+                        _ => {
+                            tail.u64(0).u64(0);
+                        }
+                    }
+                } else if pf.is_some() {
+                    tail.u64(0).u64(0).u64(0);
+                }
                 let Scratch { att_o, att_ml, .. } = &mut *s;
                 let (wo, wml) = (
                     att_o.as_mut().ok_or_else(internal)?,
@@ -1065,6 +1097,7 @@ impl Cuda {
                 if nst > 0 {
                     a.i32(nst).i32(i32_of(op, "first live split", split0)?);
                 }
+                a.append(tail);
                 // The tensor-core kernel takes (row groups, splits, kv heads), the SIMT one
                 // (splits, kv heads, row groups).
                 if nst > 0 && (n_split > 65535 || p.n_kv_heads > 65535) {
@@ -1085,8 +1118,13 @@ impl Cuda {
                 // Programmatic dependent launches (with the Q8_0A8 ones, `set_a8_pdl`): the
                 // split kernel and the combine wait for their inputs first thing.
                 let pdl = *lock(&self.a8_pdl);
-                // SAFETY: the parameters of attn_tc_* (with nst, split0) / attn_split_d* in order.
+                // SAFETY: the parameters of attn_tc_* (with nst, split0) / attn_split_d* in order
+                // (attn_pf_*: then out, hi, lo; out / hi hold n_q rows of n_heads * d, as checked
+                // and as split_written sized them).
                 unsafe { a.launch(st, &f, cfg(grid, threads, smem as u32), pdl) }?;
+                if direct {
+                    return Ok(wrote);
+                }
                 // More than 16 splits: the combine that loads 64 partial outputs in its first
                 // round trip (the same bits; H200, 8B drafter shape at ctx 8192, 33 splits:
                 // 13.5 -> 9.0 us; at 5 splits it would cost 4.5 -> 7.0 us).
@@ -1129,13 +1167,11 @@ impl Cuda {
                         (nt * 8 * p.n_heads, Some(AttnAct::A8(act)))
                     }
                     AttnExtra::Split => {
-                        let (act, hi, lo) = s.split_written(&self.stream, p.n_heads * d, p.n_q)?;
-                        a.i32(0)
-                            .i32(0)
-                            .u64(0)
-                            .u64(0)
-                            .dptr_mut(hi, st)
-                            .dptr_mut(lo, st);
+                        let hi_only = self.split_hi_only(p.n_q);
+                        let (act, hi, lo) =
+                            s.split_written(&self.stream, p.n_heads * d, p.n_q, hi_only)?;
+                        a.i32(0).i32(0).u64(0).u64(0).dptr_mut(hi, st);
+                        super::lo_arg(&mut a, lo, hi_only, st);
                         (rows_total, Some(AttnAct::Split(act)))
                     }
                     AttnExtra::None => {

@@ -221,14 +221,14 @@ impl Cuda {
             (Some(x), None) => {
                 // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
                 let fs = self.func(Kernel::SplitBf16)?;
-                let (_, hi, lo) = s.split_written(&self.stream, k, rows)?;
+                let (_, hi, lo) = s.split_written(&self.stream, k, rows, false)?;
                 let n64 = len as i64;
                 let mut b = self.stream.launch_builder(&fs);
                 b.arg(x).arg(&mut *hi).arg(&mut *lo).arg(&n64);
                 unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
             }
             (None, Some(a)) => {
-                if s.x_gen != a.generation || s.x_shape != Some((a.k, a.rows)) {
+                if s.x_gen != a.generation || s.x_shape != Some((a.k, a.rows)) || a.hi_only {
                     return Ok(false);
                 }
                 if a.k != k || a.rows != rows {
@@ -307,6 +307,36 @@ impl Cuda {
             && self.skinny_common(ws, k, rows)
     }
 
+    /// Whether a producer may write the x of `ws` (K = `k`) for `rows` rows and
+    /// [`Cuda::matmul_many_split`] take it: 1-16 rows, [`Cuda::set_skinny_producers`] and
+    /// [`Cuda::skinny_group`]; more (a prefill), [`Cuda::set_prefill_producers`] and every
+    /// matrix bf16 (plain or packed), or q8_0 / q4_0 where cuBLAS takes it.
+    pub(super) fn split_group(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
+        if rows <= SKINNY_ROWS {
+            return *lock(&self.skinny_producers) && self.skinny_group(ws, k, rows);
+        }
+        *lock(&self.prefill_producers)
+            && !ws.is_empty()
+            && ws.iter().all(|w| {
+                w.cols == k
+                    && w.rows > 0
+                    && self.cublas_takes(w, rows)
+                    && matches!(
+                        w.buf,
+                        CudaWeightBuf::Bf16(_)
+                            | CudaWeightBuf::Bf16P(_)
+                            | CudaWeightBuf::Q8_0 { .. }
+                            | CudaWeightBuf::Q4_0 { .. }
+                    )
+            })
+    }
+
+    /// Whether a producer's pair for `rows` rows holds hi halves only: a prefill's under
+    /// [`PrefillPrecision::Fast`] (its one product reads no lo).
+    pub(super) fn split_hi_only(&self, rows: usize) -> bool {
+        rows > SKINNY_ROWS && self.prefill_fast()
+    }
+
     /// Whether `ws` (K = `k`) all take one tensor-core skinny kernel for `rows` (1-16) rows
     /// in one launch of their total height.
     pub(super) fn skinny_common(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
@@ -320,11 +350,13 @@ impl Cuda {
             })
     }
 
-    /// The skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch) of a
-    /// producer's bf16 hi / lo activation: `outs[i] = x W_i^T` for the activation's rows, or
-    /// with `acc` `outs[i] += x W_i^T` (`add_assign`'s f32 add). The bits of `matmul_many` of
-    /// the f32 rows the producer's separate op writes (then `add_assign`). Ok(false): the
-    /// activation was stale (another launch wrote the pair since), nothing launched.
+    /// The matmuls of a producer's bf16 hi / lo activation: `outs[i] = x W_i^T` for the
+    /// activation's rows, or with `acc` `outs[i] += x W_i^T` (`add_assign`'s f32 add). For
+    /// 1-16 rows the skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch);
+    /// for more (a prefill, no `acc`) cuBLAS ([`Cuda::split_group`]). The bits of
+    /// `matmul_many` of the f32 rows the producer's separate op writes (then `add_assign`).
+    /// Ok(false): the activation was stale (another launch wrote the pair since, or it is a
+    /// hi-only pair and the precision changed), nothing launched.
     pub fn matmul_many_split(
         &self,
         act: &SplitAct,
@@ -333,6 +365,9 @@ impl Cuda {
         acc: bool,
     ) -> Result<bool> {
         let (rows, k) = (act.rows, act.k);
+        if rows > SKINNY_ROWS {
+            return self.matmul_many_split_cublas(act, ws, outs, acc);
+        }
         if ws.len() != outs.len() || !self.skinny_group(ws, k, rows) {
             return Err(BackendError::Invalid {
                 op: "matmul_many_split",
@@ -352,6 +387,43 @@ impl Cuda {
             .map(|(w, o)| (*w, o.data.slice_mut(0..rows * w.rows)))
             .collect();
         self.skinny_launch(None, Some(act), rows, &mut mats, acc)
+    }
+
+    /// [`Cuda::matmul_many_split`] of a prefill's activation: each matrix through
+    /// [`Cuda::matmul_cublas_split`] over the pair (the bits of `matmul`, which splits the f32
+    /// rows itself).
+    fn matmul_many_split_cublas(
+        &self,
+        act: &SplitAct,
+        ws: &[&Weight<Self>],
+        outs: &mut [&mut CudaBuf],
+        acc: bool,
+    ) -> Result<bool> {
+        let (rows, k) = (act.rows, act.k);
+        if acc || ws.len() != outs.len() || !self.split_group(ws, k, rows) {
+            return Err(BackendError::Invalid {
+                op: "matmul_many_split",
+                msg: format!(
+                    "{rows} rows (a prefill) need bf16 / q8_0 / q4_0 matrices of K {k} that cuBLAS takes, as many outputs and no accumulation; found {} matrices, {} outputs, accumulate {acc}",
+                    ws.len(),
+                    outs.len()
+                ),
+            });
+        }
+        let fast = self.prefill_fast();
+        if act.hi_only != fast {
+            return Ok(false);
+        }
+        let wlen = ws.iter().map(|w| unpack_len(w)).max().unwrap_or(0);
+        let mut s = lock(&self.scratch);
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            let Some(bufs) = s.split_current(&self.stream, act, wlen)? else {
+                return Ok(false);
+            };
+            self.matmul_cublas_split(bufs, rows, w, o, fast)?;
+            self.prefill_producer_uses[0].fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(true)
     }
 
     /// `rms_norm` of the first `rows` rows of `x` (width `dim`) written as the skinny matmuls'
@@ -374,16 +446,14 @@ impl Cuda {
             });
         }
         let f = self.func(Kernel::RmsNormSplit)?;
+        let hi_only = self.split_hi_only(rows);
         let mut s = lock(&self.scratch);
-        let (act, hi, lo) = s.split_written(&self.stream, dim, rows)?;
+        let (act, hi, lo) = s.split_written(&self.stream, dim, rows, hi_only)?;
         let st = &*self.stream;
         let mut a = RawArgs::default();
-        a.dptr(&x.data, st)
-            .dptr(&w.data, st)
-            .dptr_mut(&mut *hi, st)
-            .dptr_mut(&mut *lo, st)
-            .i32(i32_of("rms_norm_split", "dim", dim)?)
-            .f32(eps);
+        a.dptr(&x.data, st).dptr(&w.data, st).dptr_mut(&mut *hi, st);
+        lo_arg(&mut a, lo, hi_only, st);
+        a.i32(i32_of("rms_norm_split", "dim", dim)?).f32(eps);
         // SAFETY: rms_norm_split's parameters in order (x, w, hi, lo, dim, eps); it does not
         // wait for the kernel before it, so no programmatic launch.
         unsafe {
@@ -429,17 +499,17 @@ impl Cuda {
         }
         let f = self.func(Kernel::AddRmsNormSplit)?;
         let pdl = *lock(&self.a8_pdl);
+        let hi_only = self.split_hi_only(rows);
         let mut s = lock(&self.scratch);
-        let (act, hi, lo) = s.split_written(&self.stream, dim, rows)?;
+        let (act, hi, lo) = s.split_written(&self.stream, dim, rows, hi_only)?;
         let st = &*self.stream;
         let mut a = RawArgs::default();
         a.dptr_mut(&mut h.data, st)
             .dptr(&o.data, st)
             .dptr(&w.data, st)
-            .dptr_mut(&mut *hi, st)
-            .dptr_mut(&mut *lo, st)
-            .i32(i32_of("add_rms_norm_split", "dim", dim)?)
-            .f32(eps);
+            .dptr_mut(&mut *hi, st);
+        lo_arg(&mut a, lo, hi_only, st);
+        a.i32(i32_of("add_rms_norm_split", "dim", dim)?).f32(eps);
         // SAFETY: add_rms_norm_split's parameters in order (h, o, w, hi, lo, dim, eps); it
         // waits for the kernel before it (griddepcontrol), as add_rms_norm.
         unsafe {
@@ -476,15 +546,18 @@ impl Cuda {
             });
         }
         let f = self.func(Kernel::SiluMulSplit)?;
+        let hi_only = self.split_hi_only(rows);
         let mut s = lock(&self.scratch);
-        let (act, hi, lo) = s.split_written(&self.stream, k, rows)?;
+        let (act, hi, lo) = s.split_written(&self.stream, k, rows, hi_only)?;
         let n64 = n as i64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&gate.data)
-            .arg(&up.data)
-            .arg(&mut *hi)
-            .arg(&mut *lo)
-            .arg(&n64);
+        b.arg(&gate.data).arg(&up.data).arg(&mut *hi);
+        if hi_only {
+            b.arg(&NULL_PTR);
+        } else {
+            b.arg(&mut *lo);
+        }
+        b.arg(&n64);
         // SAFETY: silu_mul_split(const float *, const float *, u16 *, u16 *, long long).
         unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
         Ok(act)
