@@ -230,6 +230,11 @@ pub struct BenchArgs {
     /// not, each entry of this list in turn (`on`, `off`: `Cuda::set_attn_prefill_fa`).
     #[arg(long, default_value = "on")]
     attn_prefill_fa: String,
+    /// With --prefill: the norms, SiLU product and attention combine writing the cuBLAS
+    /// matmuls' bf16 x, and the q / k norm + RoPE one block per row, or not, each entry of
+    /// this list in turn (`on`, `off`: `Cuda::set_prefill_producers`).
+    #[arg(long, default_value = "on")]
+    prefill_producers: String,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -1206,32 +1211,28 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 o => Err(anyhow!("--prefill-precision {o}: expected exact or fast")),
             })
             .collect::<Result<_>>()?;
-        let fas: Vec<bool> = a
-            .attn_prefill_fa
-            .split(',')
-            .map(|c| match c.trim() {
-                "on" => Ok(true),
-                "off" => Ok(false),
-                o => Err(anyhow!("--attn-prefill-fa {o}: expected on or off")),
-            })
-            .collect::<Result<_>>()?;
+        let fas = on_off_list("--attn-prefill-fa", &a.attn_prefill_fa)?;
+        let prods = on_off_list("--prefill-producers", &a.prefill_producers)?;
         let mut runs = Vec::new();
         for &p in &ps {
             for &mf in modes {
                 for &sp in &splits {
                     for &pp in &precisions {
                         for &fa in &fas {
-                            runs.push((p, mf, sp, pp, fa));
+                            for &pr in &prods {
+                                runs.push((p, mf, sp, pp, fa, pr));
+                            }
                         }
                     }
                 }
             }
         }
-        for (p, (mode, from), split, pp, fa) in runs {
+        for (p, (mode, from), split, pp, fa, pr) in runs {
             g.set_quant_prefill_rows(from);
             g.set_attn_prefill_split(split)?;
             g.set_prefill_precision(pp);
             g.set_attn_prefill_fa(fa);
+            g.set_prefill_producers(pr);
             let mut label = format!("{label}{mode}");
             if splits.len() > 1 {
                 label += &format!(", attention split {split}");
@@ -1245,6 +1246,9 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 } else {
                     ", split attention"
                 };
+            }
+            if prods.len() > 1 {
+                label += if pr { ", producers" } else { ", no producers" };
             }
             let r = (|| -> Result<f64> {
                 let mut b = m.bufs(g, p)?;
@@ -1282,11 +1286,23 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     g.set_attn_prefill_split(dflash_cuda_kernels::ATTN_PREFILL_SPLIT)?;
     g.set_prefill_precision(PrefillPrecision::Exact);
     g.set_attn_prefill_fa(true);
+    g.set_prefill_producers(true);
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// A comma-separated list of `on` / `off` (option `opt`'s value).
+fn on_off_list(opt: &str, list: &str) -> Result<Vec<bool>> {
+    list.split(',')
+        .map(|c| match c.trim() {
+            "on" => Ok(true),
+            "off" => Ok(false),
+            o => Err(anyhow!("{opt} {o}: expected on or off")),
+        })
+        .collect()
 }
 
 fn run_torch_prefill(s: &Shape, ps: &[usize], iters: usize) -> Result<Vec<serde_json::Value>> {
