@@ -353,8 +353,9 @@ impl Cuda {
     /// The matmuls of a producer's bf16 hi / lo activation: `outs[i] = x W_i^T` for the
     /// activation's rows, or with `acc` `outs[i] += x W_i^T` (`add_assign`'s f32 add). For
     /// 1-16 rows the skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch);
-    /// for more (a prefill, no `acc`) cuBLAS ([`Cuda::split_group`]). The bits of
-    /// `matmul_many` of the f32 rows the producer's separate op writes (then `add_assign`).
+    /// for more (a prefill, no `acc`) cuBLAS (bf16 / q8_0 / q4_0 matrices it takes;
+    /// [`Cuda::set_prefill_producers`]). The bits of `matmul_many` of the f32 rows the
+    /// producer's separate op writes (then `add_assign`).
     /// Ok(false): the activation was stale (another launch wrote the pair since, or it is a
     /// hi-only pair and the precision changed), nothing launched.
     pub fn matmul_many_split(
