@@ -2667,62 +2667,52 @@ impl Cuda {
         let (wu, hi, lo) = s.prefill_buffers(&self.stream, unpack_len(w), len)?;
         // (the fast prefill reads the hi halves only: no lo written)
         let lo_w = (!fast).then_some(&mut *lo);
-        if a8 {
-            self.a8_split_x(x, hi, lo_w, m, k)?;
-        } else {
-            self.split_x(x, hi, lo_w, len)?;
-        }
+        self.split_x(x, hi, lo_w, rows, w.cols, a8)?;
         let bufs = SplitBuffers { w: wu, hi, lo };
         self.matmul_cublas_split(bufs, rows, w, out, fast)?;
         Ok(true)
     }
 
-    /// x's `len` values split into bf16 hi + lo by `split_bf16`; `lo` None: hi only (the fast
-    /// prefill's one product reads no lo).
+    /// `rows` rows of x (width `k`) split into bf16 hi + lo: by `split_bf16`, or with `a8`
+    /// first quantized to q8_0 as the Q8_0A8 kernels quantize them (`a8_split_x`: the values
+    /// their product multiplies); `lo` None: hi only (the fast prefill's one product reads no
+    /// lo).
     fn split_x(
         &self,
         x: &CudaBuf,
         hi: &mut CudaSlice<u16>,
         lo: Option<&mut CudaSlice<u16>>,
-        len: usize,
+        rows: usize,
+        k: usize,
+        a8: bool,
     ) -> Result<()> {
-        let f = self.func(Kernel::SplitBf16)?;
-        let n64 = len as i64;
+        let len = rows * k;
+        let f = self.func(if a8 {
+            Kernel::A8SplitX
+        } else {
+            Kernel::SplitBf16
+        })?;
+        let (m, kk, n64) = (
+            i32_of("matmul", "x rows", rows)?,
+            i32_of("matmul", "cols", k)?,
+            len as i64,
+        );
         let mut b = self.stream.launch_builder(&f);
         b.arg(&x.data).arg(&mut *hi);
         match lo {
             Some(lo) => b.arg(lo),
             None => b.arg(&NULL_PTR),
         };
-        b.arg(&n64);
-        // SAFETY: split_bf16(x, hi, lo, n) over x's first `len` values (hi / lo hold as many;
-        // a null lo is not written).
-        unsafe { b.launch(grid_1d(len.div_ceil(4), 256)) }.map_err(dev)?;
-        Ok(())
-    }
-
-    /// `m` rows of x (width `k`) quantized to q8_0 as the Q8_0A8 kernels quantize them and
-    /// split into bf16 hi + lo (`a8_split_x`: the values their product multiplies); `lo`
-    /// None: hi only.
-    fn a8_split_x(
-        &self,
-        x: &CudaBuf,
-        hi: &mut CudaSlice<u16>,
-        lo: Option<&mut CudaSlice<u16>>,
-        m: i32,
-        k: i32,
-    ) -> Result<()> {
-        let f = self.func(Kernel::A8SplitX)?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&x.data).arg(&mut *hi);
-        match lo {
-            Some(lo) => b.arg(lo),
-            None => b.arg(&NULL_PTR),
-        };
-        b.arg(&m).arg(&k);
-        // SAFETY: a8_split_x(x, hi, lo, T, K) over m x k values (a warp per 32-value block,
-        // one thread per value; a null lo is not written).
-        unsafe { b.launch(grid_1d(m as usize * k as usize, 256)) }.map_err(dev)?;
+        if a8 {
+            b.arg(&m).arg(&kk);
+        } else {
+            b.arg(&n64);
+        }
+        // SAFETY: a8_split_x(x, hi, lo, T, K) / split_bf16(x, hi, lo, n) over x's first
+        // rows x k values (hi / lo hold as many; a null lo is not written): a warp per 32-value
+        // block, one thread per value / four values per thread.
+        let threads = if a8 { len } else { len.div_ceil(4) };
+        unsafe { b.launch(grid_1d(threads, 256)) }.map_err(dev)?;
         Ok(())
     }
 
@@ -3251,7 +3241,7 @@ impl Backend for Cuda {
             let wlen = ws.iter().map(|w| unpack_len(w)).max().unwrap_or(0);
             let mut s = lock(&self.scratch);
             let (wu, hi, lo) = s.prefill_buffers(&self.stream, wlen, rows * k)?;
-            self.split_x(x, hi, (!fast).then_some(&mut *lo), rows * k)?;
+            self.split_x(x, hi, (!fast).then_some(&mut *lo), rows, k, false)?;
             for (w, o) in ws.iter().zip(outs.iter_mut()) {
                 let bufs = SplitBuffers {
                     w: &mut *wu,
