@@ -496,15 +496,25 @@ extern "C" __global__ void gdn_gates(const float *a, const float *b, const float
     }
 }
 
-// Short causal depthwise conv1d with state, then SiLU. One thread per channel.
-extern "C" __global__ void causal_conv1d(const float *x, int t_len, int channels, int kernel, const float *w, float *state,
-                                         float *out, float *stash) {
+// Short causal depthwise conv1d with state, then SiLU. One thread per (channel, chunk of
+// `chunk` tokens): an output reads only the inputs of its window, never an earlier output,
+// so the chunks run side by side; each output is the same sum in the same order whatever the
+// chunk. The window of a chunk's first token comes from x or, before token 0, from the state.
+// Only chunk 0's threads read the state (the host keeps chunk >= kernel - 1), and they write
+// the new state (the last kernel - 1 inputs) after their reads.
+extern "C" __global__ void causal_conv1d(const float *x, int t_len, int channels, int kernel, int chunk, const float *w,
+                                         float *state, float *out, float *stash) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float win[16];
     const int km1 = kernel - 1;
-    for (int j = 0; j < km1; ++j) win[j] = state[(long long)j * channels + c];
-    for (int t = 0; t < t_len; ++t) {
+    const int t0 = blockIdx.y * chunk;
+    const int t1 = min(t0 + chunk, t_len);
+    for (int j = 0; j < km1; ++j) {
+        const int s = t0 - km1 + j;
+        win[j] = s >= 0 ? x[(long long)s * channels + c] : state[(long long)(s + km1) * channels + c];
+    }
+    for (int t = t0; t < t1; ++t) {
         win[km1] = x[(long long)t * channels + c];
         float acc = 0.0f;
         for (int j = 0; j < kernel; ++j) acc = fmaf(w[(long long)c * kernel + j], win[j], acc);
@@ -513,7 +523,14 @@ extern "C" __global__ void causal_conv1d(const float *x, int t_len, int channels
         if (stash)
             for (int j = 0; j < km1; ++j) stash[((long long)t * km1 + j) * channels + c] = win[j];
     }
-    for (int j = 0; j < km1; ++j) state[(long long)j * channels + c] = win[j];
+    if (blockIdx.y == 0) {
+        // Ascending j reads index t_len + j > j of the old state before anything writes it.
+        for (int j = 0; j < km1; ++j) {
+            const int s = t_len - km1 + j;
+            state[(long long)j * channels + c] =
+                s >= 0 ? x[(long long)s * channels + c] : state[(long long)(s + km1) * channels + c];
+        }
+    }
 }
 
 // Gated delta rule, recurrent form. One block per value head, one thread per value column.
@@ -573,6 +590,137 @@ extern "C" __global__ void gated_delta_rule(const float *q, const float *k, cons
     }
     __syncthreads();
     for (int i = threadIdx.x; i < dk * dv; i += blockDim.x) st[i] = S[i];
+}
+
+// Gated delta rule, recurrent form, the state in registers. Column j of a head's state
+// evolves on its own (its k product, delta and output read only column j), so a block of
+// GDN_WARPS warps takes 32 columns of one value head: lane = column, warp w = rows
+// w, w + GDN_WARPS, ... (R rows per thread, dk <= GDN_WARPS * R). Per token every warp
+// computes the q / k norms itself (a warp sum each: no barrier); the decayed column's k
+// product and the output are summed over the warps through shared memory (two barriers;
+// double-buffered by token parity). The next token's inputs are loaded before this token's
+// arithmetic. Grid (ceil(dv / 32), n_v_heads).
+#define GDN_WARPS 8
+struct GdnIn {
+    float qa[8], ka[8]; // q, k at lane + 32 m (the norms)
+    float qr, kr;       // q, k at row w + GDN_WARPS * lane (this warp's rows)
+    float v, g, b;
+};
+template <int R>
+__device__ __forceinline__ void gdn_load(GdnIn &in, const float *q, const float *k, const float *v, const float *g,
+                                         const float *beta, int t, int nk, int nv, int hk, int h, int dk, int dv,
+                                         int j, int lane, int w, int l2norm) {
+    const float *qt = q + ((long long)t * nk + hk) * dk;
+    const float *kt = k + ((long long)t * nk + hk) * dk;
+    if (l2norm) {
+#pragma unroll
+        for (int m = 0; m < (R * GDN_WARPS + 31) / 32; ++m) {
+            const int i = lane + 32 * m;
+            in.qa[m] = i < dk ? qt[i] : 0.0f;
+            in.ka[m] = i < dk ? kt[i] : 0.0f;
+        }
+    }
+    const int ir = w + GDN_WARPS * lane;
+    in.qr = lane < R && ir < dk ? qt[ir] : 0.0f;
+    in.kr = lane < R && ir < dk ? kt[ir] : 0.0f;
+    in.v = j < dv ? v[((long long)t * nv + h) * dv + j] : 0.0f;
+    in.g = g[(long long)t * nv + h];
+    in.b = beta[(long long)t * nv + h];
+}
+template <int R>
+__device__ __forceinline__ void gated_delta_rule_regs(const float *q, const float *k, const float *v, const float *g,
+                                                      const float *beta, int t_len, int nk, int nv, int dk, int dv,
+                                                      int l2norm, float q_scale, float *state, float *out,
+                                                      float *stash) {
+    __shared__ float kvp[2][GDN_WARPS][32];
+    __shared__ float opp[2][GDN_WARPS][32];
+    const int h = blockIdx.y;
+    const int hk = h / (nv / nk);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int j = blockIdx.x * 32 + lane;
+    const bool jok = j < dv;
+    float S[R];
+    float *st = state + (long long)h * dk * dv;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = w + GDN_WARPS * r;
+        S[r] = jok && i < dk ? st[(long long)i * dv + j] : 0.0f;
+    }
+    GdnIn cur = {}, nxt = {};
+    if (t_len > 0) gdn_load<R>(cur, q, k, v, g, beta, 0, nk, nv, hk, h, dk, dv, j, lane, w, l2norm);
+    for (int t = 0; t < t_len; ++t) {
+        if (t + 1 < t_len) gdn_load<R>(nxt, q, k, v, g, beta, t + 1, nk, nv, hk, h, dk, dv, j, lane, w, l2norm);
+        float qn = 1.0f, kn = 1.0f;
+        if (l2norm) {
+            float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+            for (int m = 0; m < (R * GDN_WARPS + 31) / 32; ++m) {
+                sq = fmaf(cur.qa[m], cur.qa[m], sq);
+                sk = fmaf(cur.ka[m], cur.ka[m], sk);
+            }
+            qn = 1.0f / sqrtf(warp_sum(sq) + 1e-6f);
+            kn = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+        }
+        const float kr = cur.kr * kn, qr = cur.qr * qn * q_scale;
+        const float decay = expf(cur.g);
+        float kk[R], qq[R];
+        float kv = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            kk[r] = __shfl_sync(0xffffffffu, kr, r);
+            qq[r] = __shfl_sync(0xffffffffu, qr, r);
+            S[r] *= decay;
+            kv = fmaf(S[r], kk[r], kv);
+        }
+        const int par = t & 1;
+        kvp[par][w][lane] = kv;
+        __syncthreads();
+        float kvs = 0.0f;
+#pragma unroll
+        for (int u = 0; u < GDN_WARPS; ++u) kvs += kvp[par][u][lane];
+        const float d = (cur.v - kvs) * cur.b;
+        float o = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            S[r] = fmaf(kk[r], d, S[r]);
+            o = fmaf(S[r], qq[r], o);
+        }
+        opp[par][w][lane] = o;
+        if (stash && jok) {
+            float *sp = stash + (((long long)t * nv + h) * dk) * dv + j;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = w + GDN_WARPS * r;
+                if (i < dk) sp[(long long)i * dv] = S[r];
+            }
+        }
+        __syncthreads();
+        if (w == 0 && jok) {
+            float os = 0.0f;
+#pragma unroll
+            for (int u = 0; u < GDN_WARPS; ++u) os += opp[par][u][lane];
+            out[((long long)t * nv + h) * dv + j] = os;
+        }
+        cur = nxt;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = w + GDN_WARPS * r;
+        if (jok && i < dk) st[(long long)i * dv + j] = S[r];
+    }
+}
+// dk <= 128 and dk <= 256.
+extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32)
+    gated_delta_rule_r16(const float *q, const float *k, const float *v, const float *g, const float *beta, int t_len,
+                         int nk, int nv, int dk, int dv, int l2norm, float q_scale, float *state, float *out,
+                         float *stash) {
+    gated_delta_rule_regs<16>(q, k, v, g, beta, t_len, nk, nv, dk, dv, l2norm, q_scale, state, out, stash);
+}
+extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32)
+    gated_delta_rule_r32(const float *q, const float *k, const float *v, const float *g, const float *beta, int t_len,
+                         int nk, int nv, int dk, int dv, int l2norm, float q_scale, float *state, float *out,
+                         float *stash) {
+    gated_delta_rule_regs<32>(q, k, v, g, beta, t_len, nk, nv, dk, dv, l2norm, q_scale, state, out, stash);
 }
 
 // A hint to the L2: bring up to 6 byte ranges in (the weights the next kernels will stream,

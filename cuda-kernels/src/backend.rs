@@ -31,6 +31,10 @@ type Result<T> = std::result::Result<T, BackendError>;
 /// Largest row count served by the per-row-deterministic skinny matmul in one launch.
 pub const SKINNY_ROWS: usize = 16;
 
+/// Tokens per thread of `causal_conv1d` (its chunks run side by side; at least kernel - 1,
+/// and few enough chunks for the grid's y dimension).
+const CONV_CHUNK: usize = 16;
+
 /// Rows from which q8_0 / q4_0 matmuls take cuBLAS by default
 /// ([`Cuda::set_quant_prefill_rows`]): the dense 8B target's q8_0 prefill crossed over
 /// between 64 and 128 tokens (H100, 2026-12-06: 128 tokens 47.2 ms through the skinny
@@ -746,6 +750,8 @@ pub struct Cuda {
     /// Whether a bf16 / q8_0 / q4_0 W2 takes the tensor-core Markov step
     /// ([`Cuda::set_markov_mma`]).
     markov_mma: Mutex<bool>,
+    /// [`Cuda::set_recurrent_parallel`].
+    recurrent_parallel: Mutex<bool>,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
     markov_fit: Mutex<HashMap<(usize, usize), Option<usize>>>,
     /// Resident 256-thread blocks per multiprocessor of the bf16 / q8_0 / q4_0 Markov step
@@ -921,6 +927,7 @@ impl Cuda {
             attn_fa: Mutex::new(AttnFa::default()),
             markov_persistent: Mutex::new(true),
             markov_mma: Mutex::new(true),
+            recurrent_parallel: Mutex::new(true),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
         })
@@ -1080,6 +1087,17 @@ impl Cuda {
     /// and the quantized x out of L2. On by default (H200, 16 rows: the 8B draft step 0.832
     /// -> 0.811 ms at ctx 512, 1.089 -> 1.073 ms at 8192, 27B 1.404 -> 1.390 ms); changes no
     /// result (a benchmark knob).
+    /// The hybrid targets' recurrent ops (default on): `gated_delta_rule` keeps each state
+    /// column in the registers of a warp's lanes, 32 columns of a head per block (heads with
+    /// dk <= 256), instead of one block per head over the state in shared memory; and
+    /// `causal_conv1d` runs its tokens in chunks side by side instead of one after another.
+    /// The convolution's bits are the same either way; the delta rule's sums run in another
+    /// order (within f32 rounding of each other), and in both kernels a token's arithmetic
+    /// does not depend on how many tokens the call holds (a benchmark knob).
+    pub fn set_recurrent_parallel(&self, on: bool) {
+        *lock(&self.recurrent_parallel) = on;
+    }
+
     pub fn set_a8_evict_first(&self, on: bool) {
         *lock(&self.a8_evict_first) = on;
     }
@@ -4078,12 +4096,25 @@ impl Backend for Cuda {
             return Ok(());
         }
         let f = self.func(Kernel::CausalConv1d)?;
-        let (ti, ci, ki) = (t as i32, i32_of(op, "channels", channels)?, kernel as i32);
+        let (ti, ci, ki) = (
+            i32_of(op, "t", t)?,
+            i32_of(op, "channels", channels)?,
+            kernel as i32,
+        );
+        // Chunks of at least kernel - 1 tokens: only chunk 0 reads the state.
+        let chunk = if *lock(&self.recurrent_parallel) {
+            CONV_CHUNK.max(kernel - 1).max(t.div_ceil(65535))
+        } else {
+            t.max(1)
+        };
+        let chunks = t.div_ceil(chunk).max(1);
         let mut b = self.stream.launch_builder(&f);
+        let chunk_i = chunk as i32;
         b.arg(&x.data)
             .arg(&ti)
             .arg(&ci)
             .arg(&ki)
+            .arg(&chunk_i)
             .arg(&w.data)
             .arg(&mut state.data)
             .arg(&mut out.data);
@@ -4091,7 +4122,8 @@ impl Backend for Cuda {
             Some(s) => b.arg(&mut s.data),
             None => b.arg(&0u64),
         };
-        unsafe { b.launch(grid_1d(channels, 128)) }.map_err(dev)?;
+        let grid = (channels.div_ceil(128) as u32, chunks as u32, 1);
+        unsafe { b.launch(cfg(grid, 128, 0)) }.map_err(dev)?;
         Ok(())
     }
 
@@ -4152,16 +4184,11 @@ impl Backend for Cuda {
         stash: Option<&mut CudaBuf>,
     ) -> Result<()> {
         let op = "gated_delta_rule";
-        if p.n_k_heads == 0
-            || !p.n_v_heads.is_multiple_of(p.n_k_heads)
-            || p.dk == 0
-            || p.dv == 0
-            || p.dv > 1024
-        {
+        if p.n_k_heads == 0 || !p.n_v_heads.is_multiple_of(p.n_k_heads) || p.dk == 0 || p.dv == 0 {
             return Err(BackendError::Invalid {
                 op,
                 msg: format!(
-                    "n_v_heads {} must be a multiple of n_k_heads {}, 0 < dv = {} <= 1024, dk = {}",
+                    "n_v_heads {} must be a multiple of n_k_heads {}, dv = {} and dk = {} positive",
                     p.n_v_heads, p.n_k_heads, p.dv, p.dk
                 ),
             });
@@ -4176,28 +4203,47 @@ impl Backend for Cuda {
         if let Some(s) = &stash {
             check(op, "stash", p.t * p.n_v_heads * p.dk * p.dv, s.len)?;
         }
-        let smem = (p.dk * p.dv + 2 * p.dk + 32) * 4;
-        if smem > self.smem.block {
-            return Err(BackendError::Invalid {
-                op,
-                msg: format!(
-                    "state of {}x{} per head needs {smem} bytes of shared memory, the device allows {} per block",
-                    p.dk, p.dv, self.smem.block
-                ),
-            });
-        }
         if p.n_v_heads == 0 {
             return Ok(());
         }
-        let f = self.func_smem(Kernel::GatedDeltaRule, smem)?;
         let (t, nk, nv, dk, dv) = (
-            p.t as i32,
+            i32_of(op, "t", p.t)?,
             p.n_k_heads as i32,
-            p.n_v_heads as i32,
+            i32_of(op, "n_v_heads", p.n_v_heads)?,
             p.dk as i32,
             p.dv as i32,
         );
         let (l2, qs) = (p.qk_l2norm as i32, p.q_scale);
+        // The register kernels: 8 warps x R rows per thread cover dk.
+        let regs = match p.dk {
+            _ if !*lock(&self.recurrent_parallel) => None,
+            0..=128 => Some(Kernel::GatedDeltaRuleR16),
+            129..=256 => Some(Kernel::GatedDeltaRuleR32),
+            _ => None,
+        };
+        let (f, launch) = match regs {
+            Some(k) => (
+                self.func(k)?,
+                cfg((p.dv.div_ceil(32) as u32, nv as u32, 1), 256, 0),
+            ),
+            None => {
+                let smem = (p.dk * p.dv + 2 * p.dk + 32) * 4;
+                if p.dv > 1024 || smem > self.smem.block {
+                    return Err(BackendError::Invalid {
+                        op,
+                        msg: format!(
+                            "state of {}x{} per head (dk > 256 or the recurrent kernels not parallel) needs dv <= 1024 and {smem} bytes of shared memory, the device allows {} per block",
+                            p.dk, p.dv, self.smem.block
+                        ),
+                    });
+                }
+                let threads = p.dv.div_ceil(32) * 32;
+                (
+                    self.func_smem(Kernel::GatedDeltaRule, smem)?,
+                    cfg((nv as u32, 1, 1), threads as u32, smem as u32),
+                )
+            }
+        };
         let mut b = self.stream.launch_builder(&f);
         b.arg(&q.data)
             .arg(&k.data)
@@ -4217,9 +4263,7 @@ impl Backend for Cuda {
             Some(s) => b.arg(&mut s.data),
             None => b.arg(&0u64),
         };
-        let threads = p.dv.div_ceil(32) * 32;
-        unsafe { b.launch(cfg((p.n_v_heads as u32, 1, 1), threads as u32, smem as u32)) }
-            .map_err(dev)?;
+        unsafe { b.launch(launch) }.map_err(dev)?;
         Ok(())
     }
 

@@ -105,6 +105,8 @@ kernels! {
     GdnGates => (Elementwise, "gdn_gates"),
     CausalConv1d => (Elementwise, "causal_conv1d"),
     GatedDeltaRule => (Elementwise, "gated_delta_rule"),
+    GatedDeltaRuleR16 => (Elementwise, "gated_delta_rule_r16"),
+    GatedDeltaRuleR32 => (Elementwise, "gated_delta_rule_r32"),
     L2Prefetch => (Elementwise, "l2_prefetch"),
     FillRandomU32 => (Elementwise, "fill_random_u32"),
     FillRandomHalf => (Elementwise, "fill_random_half"),

@@ -820,6 +820,180 @@ fn gdn_ops_against_cpu() {
             1e-4,
         );
     }
+    recurrent_kernels_per_token_and_against_cpu(g, &cpu, &mut r);
+}
+
+/// The hybrid targets' recurrent ops at more shapes, both kernels of each
+/// (`Cuda::set_recurrent_parallel`; this test alone switches it in this binary): against the
+/// CPU; a call of `t` tokens equal bit for bit to `t` calls of one token (what the spec
+/// stream == plain greedy stream rests on); the chunked convolution equal bit for bit to the
+/// sequential one.
+fn recurrent_kernels_per_token_and_against_cpu(
+    g: &dflash_cuda_kernels::Cuda,
+    cpu: &Cpu,
+    r: &mut rand::rngs::StdRng,
+) {
+    let dl = |b: &dflash_cuda_kernels::CudaBuf| g.download(b).unwrap();
+    // causal_conv1d: many chunks, kernels 1..=4.
+    for (t, ch, ker) in [
+        (1000usize, 300usize, 4usize),
+        (37, 130, 2),
+        (20, 64, 1),
+        (3, 96, 4),
+    ] {
+        let x = rand_vec(r, t * ch, 2.0);
+        let w = rand_vec(r, ch * ker, 1.0);
+        let st = rand_vec(r, (ker - 1) * ch, 2.0);
+        let sl = (ker - 1) * ch;
+        let (mut sc, mut oc, mut stc) = (st.clone(), vec![0.0; t * ch], vec![0.0; t * sl]);
+        cpu.causal_conv1d(&x, t, ch, ker, &w, &mut sc, &mut oc, Some(&mut stc))
+            .unwrap();
+        let (xg, wg) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let mut runs = Vec::new();
+        for par in [true, false] {
+            g.set_recurrent_parallel(par);
+            let mut sg = g.upload(&st).unwrap();
+            let (mut og, mut stg) = (poisoned(g, t * ch), poisoned(g, t * sl));
+            g.causal_conv1d(&xg, t, ch, ker, &wg, &mut sg, &mut og, Some(&mut stg))
+                .unwrap();
+            let what = format!("causal_conv1d t={t} ch={ch} k={ker} parallel={par}");
+            report(&format!("{what} out"), &dl(&og), &oc, 1e-5);
+            report(&format!("{what} state"), &dl(&sg), &sc, 1e-5);
+            report(&format!("{what} stash"), &dl(&stg), &stc, 1e-5);
+            runs.push((dl(&og), dl(&sg), dl(&stg)));
+        }
+        g.set_recurrent_parallel(true);
+        let what = format!("causal_conv1d t={t} ch={ch} k={ker}");
+        assert_same_bits(
+            &format!("{what} out, chunked vs sequential"),
+            &runs[0].0,
+            &runs[1].0,
+        );
+        assert_same_bits(
+            &format!("{what} state, chunked vs sequential"),
+            &runs[0].1,
+            &runs[1].1,
+        );
+        assert_same_bits(
+            &format!("{what} stash, chunked vs sequential"),
+            &runs[0].2,
+            &runs[1].2,
+        );
+        // One token per call.
+        let mut sg = g.upload(&st).unwrap();
+        let mut o1 = Vec::with_capacity(t * ch);
+        for i in 0..t.min(40) {
+            let xi = g.upload(&x[i * ch..(i + 1) * ch]).unwrap();
+            let mut oi = poisoned(g, ch);
+            g.causal_conv1d(&xi, 1, ch, ker, &wg, &mut sg, &mut oi, None)
+                .unwrap();
+            o1.extend(dl(&oi));
+        }
+        let n = o1.len();
+        assert_same_bits(
+            &format!("{what} out, one token per call"),
+            &o1,
+            &runs[0].0[..n],
+        );
+    }
+    // gated_delta_rule: the register kernels (dk <= 128, <= 256; dv under and over 32 columns,
+    // not a multiple of 32) and the shared-memory kernel (dk > 256, and the knob off).
+    for (t, nk, nv, dk, dv) in [
+        (40usize, 2usize, 4usize, 128usize, 128usize),
+        (20, 1, 3, 72, 40),
+        (12, 1, 2, 256, 96),
+        (9, 2, 2, 136, 20),
+        (5, 1, 1, 300, 64),
+    ] {
+        for l2 in [true, false] {
+            let p = DeltaParams {
+                t,
+                n_k_heads: nk,
+                n_v_heads: nv,
+                dk,
+                dv,
+                qk_l2norm: l2,
+                q_scale: (dk as f32).powf(-0.5),
+            };
+            let q = rand_vec(r, t * nk * dk, 1.0);
+            let k = rand_vec(r, t * nk * dk, if l2 { 1.0 } else { 0.1 });
+            let v = rand_vec(r, t * nv * dv, 1.0);
+            let gl: Vec<f32> = rand_vec(r, t * nv, 1.0).iter().map(|x| -x.abs()).collect();
+            let be: Vec<f32> = rand_vec(r, t * nv, 1.0).iter().map(|x| x.abs()).collect();
+            let s0 = rand_vec(r, nv * dk * dv, 0.5);
+            let ss = dk * dv;
+            let (mut sc, mut oc, mut stc) =
+                (s0.clone(), vec![0.0; t * nv * dv], vec![0.0; t * nv * ss]);
+            cpu.gated_delta_rule(&q, &k, &v, &gl, &be, &p, &mut sc, &mut oc, Some(&mut stc))
+                .unwrap();
+            let up = |v: &Vec<f32>| g.upload(v).unwrap();
+            let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gl), up(&be));
+            let mut batched = None;
+            for par in [true, false] {
+                g.set_recurrent_parallel(par);
+                let what = format!(
+                    "gated_delta_rule t={t} {nk}/{nv} dk={dk} dv={dv} l2={l2} parallel={par}"
+                );
+                let mut sg = up(&s0);
+                let (mut og, mut stg) = (poisoned(g, oc.len()), poisoned(g, stc.len()));
+                g.gated_delta_rule(
+                    &qg,
+                    &kg,
+                    &vg,
+                    &gg,
+                    &bg,
+                    &p,
+                    &mut sg,
+                    &mut og,
+                    Some(&mut stg),
+                )
+                .unwrap();
+                report(&format!("{what} out"), &dl(&og), &oc, 1e-4);
+                report(&format!("{what} state"), &dl(&sg), &sc, 1e-4);
+                report(&format!("{what} stash"), &dl(&stg), &stc, 1e-4);
+                // One token per call from the same state: the same bits as the batched call.
+                let mut s1 = up(&s0);
+                let mut o1 = Vec::with_capacity(t * nv * dv);
+                let p1 = DeltaParams { t: 1, ..p };
+                for i in 0..t {
+                    let part = |v: &Vec<f32>, w: usize| up(&v[i * w..(i + 1) * w].to_vec());
+                    let mut oi = poisoned(g, nv * dv);
+                    g.gated_delta_rule(
+                        &part(&q, nk * dk),
+                        &part(&k, nk * dk),
+                        &part(&v, nv * dv),
+                        &part(&gl, nv),
+                        &part(&be, nv),
+                        &p1,
+                        &mut s1,
+                        &mut oi,
+                        None,
+                    )
+                    .unwrap();
+                    o1.extend(dl(&oi));
+                }
+                assert_same_bits(&format!("{what} out, one token per call"), &o1, &dl(&og));
+                assert_same_bits(
+                    &format!("{what} state, one token per call"),
+                    &dl(&s1),
+                    &dl(&sg),
+                );
+                let last = &dl(&stg)[(t - 1) * nv * ss..];
+                assert_same_bits(&format!("{what} last stash row vs state"), last, &dl(&sg));
+                if par {
+                    batched = Some(dl(&og));
+                } else if let Some(b) = &batched {
+                    report(
+                        &format!("{what} out, register vs shared-memory kernel"),
+                        b,
+                        &dl(&og),
+                        1e-4,
+                    );
+                }
+            }
+            g.set_recurrent_parallel(true);
+        }
+    }
 }
 
 #[test]
