@@ -2,7 +2,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
@@ -752,6 +752,8 @@ pub struct Cuda {
     markov_mma: Mutex<bool>,
     /// [`Cuda::set_recurrent_parallel`].
     recurrent_parallel: Mutex<bool>,
+    /// [`Cuda::set_unpack_block`].
+    unpack_values: AtomicUsize,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
     markov_fit: Mutex<HashMap<(usize, usize), Option<usize>>>,
     /// Resident 256-thread blocks per multiprocessor of the bf16 / q8_0 / q4_0 Markov step
@@ -787,7 +789,7 @@ fn grid_1d(n: usize, block: u32) -> LaunchConfig {
 }
 
 /// One 128-thread block per row of a weight's row block (`unpack_bf16p`,
-/// `unpack_quant_hilo`: at most 16M values, so at most 512K rows of 32 or more).
+/// `unpack_quant_hilo`; [`Cuda::set_unpack_block`]).
 fn row_blocks(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows.max(1) as u32, 1, 1),
@@ -928,6 +930,7 @@ impl Cuda {
             markov_persistent: Mutex::new(true),
             markov_mma: Mutex::new(true),
             recurrent_parallel: Mutex::new(true),
+            unpack_values: AtomicUsize::new(UNPACK_VALUES),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
         })
@@ -1096,6 +1099,21 @@ impl Cuda {
     /// does not depend on how many tokens the call holds (a benchmark knob).
     pub fn set_recurrent_parallel(&self, on: bool) {
         *lock(&self.recurrent_parallel) = on;
+    }
+
+    /// Values of W per row block that a prefill's cuBLAS matmul of packed bf16 or block-format
+    /// weights unpacks and multiplies at a time (default [`UNPACK_VALUES`], 16M; at least
+    /// 16 rows). Larger blocks: fewer, larger GEMMs over more scratch (2 bytes a value, twice
+    /// for the block formats' hi and lo). cuBLAS picks its kernels by the GEMM's shape, so
+    /// another block size may change a prefill's last bits (as [`CudaOptions::cublas_prefill`]
+    /// says of cuBLAS rows); a benchmark knob.
+    #[doc(hidden)]
+    pub fn set_unpack_block(&self, values: usize) {
+        self.unpack_values.store(values.max(1), Ordering::Relaxed);
+    }
+
+    fn unpack_values(&self) -> usize {
+        self.unpack_values.load(Ordering::Relaxed)
     }
 
     pub fn set_a8_evict_first(&self, on: bool) {
@@ -2682,7 +2700,8 @@ impl Cuda {
         };
         let len = rows * w.cols;
         let mut s = lock(&self.scratch);
-        let (wu, hi, lo) = s.prefill_buffers(&self.stream, unpack_len(w), len)?;
+        let (wu, hi, lo) =
+            s.prefill_buffers(&self.stream, unpack_len(w, self.unpack_values()), len)?;
         // (the fast prefill reads the hi halves only: no lo written)
         let lo_w = (!fast).then_some(&mut *lo);
         self.split_x(x, hi, lo_w, rows, w.cols, a8)?;
@@ -2760,7 +2779,9 @@ impl Cuda {
         check("matmul", "x (bf16 halves)", rows * kk, hi.len())?;
         check("matmul", "out", rows * nn, out.len)?;
         let st = &self.stream;
-        let chunk = unpack_chunk(kk);
+        let values = self.unpack_values();
+        check("matmul", "weight scratch", unpack_len(w, values), wu.len())?;
+        let chunk = unpack_chunk(kk, values);
         // The products of a row block of W (`wh` / `wl` its hi / lo halves) into out's
         // columns n0 .. n0 + nc.
         let gemm = |wh: u64, wl: u64, n0: usize, nc: i32, out: &mut CudaBuf, three: bool| {
@@ -2852,16 +2873,21 @@ impl Cuda {
     }
 }
 
-/// Rows of W per block a cuBLAS matmul unpacks at a time (at most 16M values, a multiple of
-/// 16) for K = `k`.
-fn unpack_chunk(k: usize) -> usize {
-    ((16usize << 20) / k.max(1)).max(16) / 16 * 16
+/// Values of W per row block of a cuBLAS prefill matmul by default
+/// ([`Cuda::set_unpack_block`]).
+pub const UNPACK_VALUES: usize = 16 << 20;
+
+/// Rows of W per block a cuBLAS matmul unpacks at a time (at most `values` values, a multiple
+/// of 16, at least 16) for K = `k`.
+fn unpack_chunk(k: usize, values: usize) -> usize {
+    (values / k.max(1)).max(16) / 16 * 16
 }
 
-/// Weight scratch values [`Cuda::matmul_cublas_split`] needs for `w`: none for plain bf16,
-/// one row block for packed bf16, two (hi and lo) for the block formats.
-fn unpack_len(w: &Weight<Cuda>) -> usize {
-    let block = unpack_chunk(w.cols).min(w.rows) * w.cols;
+/// Weight scratch values [`Cuda::matmul_cublas_split`] needs for `w` with row blocks of at
+/// most `values` values: none for plain bf16, one row block for packed bf16, two (hi and lo)
+/// for the block formats.
+fn unpack_len(w: &Weight<Cuda>, values: usize) -> usize {
+    let block = unpack_chunk(w.cols, values).min(w.rows) * w.cols;
     match &w.buf {
         CudaWeightBuf::Bf16P(_) => block,
         CudaWeightBuf::Q8_0 { .. }
@@ -3256,7 +3282,11 @@ impl Backend for Cuda {
         if ws.len() > 1 && rows > SKINNY_ROWS && self.split_group(ws, k, rows) {
             check("matmul", "x", rows * k, x.len)?;
             let fast = self.prefill_fast();
-            let wlen = ws.iter().map(|w| unpack_len(w)).max().unwrap_or(0);
+            let wlen = ws
+                .iter()
+                .map(|w| unpack_len(w, self.unpack_values()))
+                .max()
+                .unwrap_or(0);
             let mut s = lock(&self.scratch);
             let (wu, hi, lo) = s.prefill_buffers(&self.stream, wlen, rows * k)?;
             self.split_x(x, hi, (!fast).then_some(&mut *lo), rows, k, false)?;

@@ -235,6 +235,11 @@ pub struct BenchArgs {
     /// this list in turn (`on`, `off`: `Cuda::set_prefill_producers`).
     #[arg(long, default_value = "on")]
     prefill_producers: String,
+    /// With --prefill: the values of W per row block its cuBLAS matmuls of packed bf16 or
+    /// block-format weights unpack at a time, in Mi (2^20) values, each entry of this list in
+    /// turn (`Cuda::set_unpack_block`; default the library's, 16).
+    #[arg(long, default_value = "16")]
+    unpack_block: String,
     /// Time a Gated DeltaNet layer's recurrent ops (`causal_conv1d` and `gated_delta_rule`)
     /// at the Qwen3.6-27B target's linear-layer shape (16 key / 48 value heads of 128, conv
     /// kernel 4) for each token count of this list (16 and fewer: with the per-token stash of
@@ -1220,6 +1225,11 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             .collect::<Result<_>>()?;
         let fas = on_off_list("--attn-prefill-fa", &a.attn_prefill_fa)?;
         let prods = on_off_list("--prefill-producers", &a.prefill_producers)?;
+        let blocks: Vec<usize> = a
+            .unpack_block
+            .split(',')
+            .map(|c| c.trim().parse::<usize>().map(|m| m << 20))
+            .collect::<Result<_, _>>()?;
         let mut runs = Vec::new();
         for &p in &ps {
             for &mf in modes {
@@ -1227,14 +1237,17 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                     for &pp in &precisions {
                         for &fa in &fas {
                             for &pr in &prods {
-                                runs.push((p, mf, sp, pp, fa, pr));
+                                for &ub in &blocks {
+                                    runs.push((p, mf, sp, pp, fa, pr, ub));
+                                }
                             }
                         }
                     }
                 }
             }
         }
-        for (p, (mode, from), split, pp, fa, pr) in runs {
+        for (p, (mode, from), split, pp, fa, pr, ub) in runs {
+            g.set_unpack_block(ub);
             g.set_quant_prefill_rows(from);
             g.set_attn_prefill_split(split)?;
             g.set_prefill_precision(pp);
@@ -1256,6 +1269,9 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             }
             if prods.len() > 1 {
                 label += if pr { ", producers" } else { ", no producers" };
+            }
+            if blocks.len() > 1 {
+                label += &format!(", unpack {}M", ub >> 20);
             }
             let r = (|| -> Result<f64> {
                 let mut b = m.bufs(g, p)?;
@@ -1294,6 +1310,7 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     g.set_prefill_precision(PrefillPrecision::Exact);
     g.set_attn_prefill_fa(true);
     g.set_prefill_producers(true);
+    g.set_unpack_block(dflash_cuda_kernels::UNPACK_VALUES);
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;

@@ -415,7 +415,11 @@ impl Cuda {
         if act.hi_only != fast {
             return Ok(false);
         }
-        let wlen = ws.iter().map(|w| unpack_len(w)).max().unwrap_or(0);
+        let wlen = ws
+            .iter()
+            .map(|w| unpack_len(w, self.unpack_values()))
+            .max()
+            .unwrap_or(0);
         let mut s = lock(&self.scratch);
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
             let Some(bufs) = s.split_current(&self.stream, act, wlen)? else {
