@@ -18,13 +18,15 @@ use clap::Args;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use dflash_backend::{
-    AttnOp, AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, LayerTail, QkNormRope,
-    RopeSpec, TailScratch, Weight, WeightFormat,
+    AttnOp, AttnParams, Backend, KvCacheRows, KvStorage, LayerTail, QkNormRope, RopeSpec,
+    TailScratch, Weight, WeightFormat,
 };
 use dflash_cuda_kernels::registry::{SMEM_CARVEOUT_A8, SMEM_CARVEOUT_OTHER};
 use dflash_cuda_kernels::{
     A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, PrefillPrecision, SKINNY_ROWS,
 };
+
+mod hybrid;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -247,6 +249,13 @@ pub struct BenchArgs {
     /// (`tools/bench/torch_gdn.py`, unless `--no-torch`); then exit.
     #[arg(long)]
     recurrent: Option<String>,
+    /// Time the hybrid target (Gated DeltaNet + gated full attention) at the Qwen3.6-27B
+    /// layer shape, 4 layers (3 linear + 1 full), bf16, random weights: the prefill of P
+    /// tokens for each P of this list, then a decode (1 token) and a verify (16 tokens, the
+    /// stash arm) at context P, each rolled back; `Cuda::set_recurrent_parallel` on and off;
+    /// then exit.
+    #[arg(long)]
+    hybrid: Option<String>,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,
@@ -1318,157 +1327,6 @@ fn prefill(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     Ok(())
 }
 
-/// `--recurrent`: a Gated DeltaNet layer's recurrent ops at the Qwen3.6-27B target's shape
-/// per token count, both kernels of each, eager, median of `--iters` (at most 10) device-event
-/// timings of one call each; the PyTorch peers beside them.
-fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
-    let ts: Vec<usize> = list
-        .split(',')
-        .map(|c| c.trim().parse())
-        .collect::<Result<_, _>>()?;
-    let (nk, nv, dk, dv, ker) = (16usize, 48usize, 128usize, 128usize, 4usize);
-    let ch = 2 * nk * dk + nv * dv;
-    let iters = a.iters.clamp(1, 10);
-    let torch = if a.no_torch {
-        Vec::new()
-    } else {
-        match run_torch_gdn(&ts, [nk, nv, dk, dv, ker], iters) {
-            Ok(v) => v,
-            Err(e) => {
-                println!("PyTorch recurrent ops: {e:#}");
-                Vec::new()
-            }
-        }
-    };
-    let peer = |t: usize, name: &str| -> Option<f64> {
-        torch
-            .iter()
-            .find(|v| v["t"].as_u64() == Some(t as u64) && v["name"].as_str() == Some(name))
-            .and_then(|v| v["ms"].as_f64())
-    };
-    let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
-    let mut md = format!(
-        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        g.context().name()?,
-        g.num_sms(),
-    );
-    for &t in &ts {
-        let stash = t <= SKINNY_ROWS;
-        let x = g.random_buf(t * ch, 1, 1.0)?;
-        let w = g.random_buf(ch * ker, 2, 0.5)?;
-        let mut cst = g.random_buf((ker - 1) * ch, 3, 1.0)?;
-        let mut cout = g.zeros(t * ch)?;
-        let mut cstash = if stash {
-            Some(g.zeros(t * (ker - 1) * ch)?)
-        } else {
-            None
-        };
-        let q = g.random_buf(t * nk * dk, 4, 1.0)?;
-        let k = g.random_buf(t * nk * dk, 5, 1.0)?;
-        let v = g.random_buf(t * nv * dv, 6, 1.0)?;
-        let (ga, gb) = (g.random_buf(t * nv, 7, 2.0)?, g.random_buf(t * nv, 8, 2.0)?);
-        let (alog, dtb) = (g.random_buf(nv, 9, 1.0)?, g.random_buf(nv, 10, 1.0)?);
-        let (mut gg, mut beta) = (g.zeros(t * nv)?, g.zeros(t * nv)?);
-        g.gdn_gates(&ga, &gb, &alog, &dtb, nv, &mut gg, &mut beta)?;
-        let mut st = g.random_buf(nv * dk * dv, 11, 0.1)?;
-        let mut out = g.zeros(t * nv * dv)?;
-        let mut rstash = if stash {
-            Some(g.zeros(t * nv * dk * dv)?)
-        } else {
-            None
-        };
-        let p = DeltaParams {
-            t,
-            n_k_heads: nk,
-            n_v_heads: nv,
-            dk,
-            dv,
-            qk_l2norm: true,
-            q_scale: (dk as f32).powf(-0.5),
-        };
-        let mut ms = [[0.0f64; 2]; 2];
-        for (i, par) in [true, false].into_iter().enumerate() {
-            g.set_recurrent_parallel(par);
-            ms[0][i] = time_ms(g, iters, || {
-                Ok(g.causal_conv1d(&x, t, ch, ker, &w, &mut cst, &mut cout, cstash.as_mut())?)
-            })?;
-            ms[1][i] = time_ms(g, iters, || {
-                Ok(g.gated_delta_rule(
-                    &q,
-                    &k,
-                    &v,
-                    &gg,
-                    &beta,
-                    &p,
-                    &mut st,
-                    &mut out,
-                    rstash.as_mut(),
-                )?)
-            })?;
-        }
-        g.set_recurrent_parallel(true);
-        println!(
-            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {:.3} / {:.3} ms (parallel / sequential)",
-            ms[0][0], ms[0][1], ms[1][0], ms[1][1]
-        );
-        md += &format!(
-            "| {t} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
-            ms[0][0],
-            ms[0][1],
-            fmt(peer(t, "conv")),
-            ms[1][0],
-            ms[1][1],
-            ms[0][1] / ms[0][0],
-            ms[1][1] / ms[1][0],
-            fmt(peer(t, "transformers recurrent")),
-            fmt(peer(t, "transformers chunked")),
-            fmt(peer(t, "fla fused_recurrent")),
-            fmt(peer(t, "fla chunk")),
-        );
-    }
-    println!("\n{md}");
-    if let Some(path) = &a.md {
-        std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
-}
-
-fn run_torch_gdn(ts: &[usize], shape: [usize; 5], iters: usize) -> Result<Vec<serde_json::Value>> {
-    let script = PathBuf::from("tools/bench/torch_gdn.py");
-    let script = if script.exists() {
-        script
-    } else {
-        crate::repo_root().join("tools/bench/torch_gdn.py")
-    };
-    let t: Vec<String> = ts.iter().map(|c| c.to_string()).collect();
-    let [nk, nv, dk, dv, ker] = shape;
-    let out = Command::new(crate::python())
-        .arg(&script)
-        .args(["--t", &t.join(",")])
-        .args(["--k-heads", &nk.to_string()])
-        .args(["--v-heads", &nv.to_string()])
-        .args(["--dk", &dk.to_string()])
-        .args(["--dv", &dv.to_string()])
-        .args(["--kernel", &ker.to_string()])
-        .args(["--iters", &iters.to_string()])
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!(
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('['))
-        .ok_or_else(|| anyhow!("no JSON line from {}", script.display()))?;
-    Ok(serde_json::from_str(line)?)
-}
-
 /// A comma-separated list of `on` / `off` (option `opt`'s value).
 fn on_off_list(opt: &str, list: &str) -> Result<Vec<bool>> {
     list.split(',')
@@ -2428,7 +2286,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return prefill(&g, &a, list);
     }
     if let Some(list) = &a.recurrent {
-        return recurrent(&g, &a, list);
+        return hybrid::recurrent(&g, &a, list);
+    }
+    if let Some(list) = &a.hybrid {
+        return hybrid::hybrid_target(&g, &a, list);
     }
     if let Some(list) = &a.a8_sweep {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);

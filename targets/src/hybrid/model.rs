@@ -3,7 +3,8 @@
 use std::path::Path;
 
 use dflash_backend::{
-    f16_pair_values, AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, QkNormRope, Weight,
+    f16_pair_values, AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, LayerTail,
+    QkNormRope, TailScratch, Weight,
 };
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
@@ -260,6 +261,15 @@ impl<B: Backend> HybridTarget<B> {
         let mut h = be.zeros(t * d)?;
         let mut o = be.zeros(t * d)?;
         let mut stashes: LinearStates<B> = Vec::with_capacity(depth);
+        // The dense MLP's scratch (`Backend::layer_tail`).
+        let dense = self
+            .w
+            .layers
+            .iter()
+            .take(depth)
+            .any(|l| matches!(l.mlp, Mlp::Dense(_)));
+        let mlp_len = if dense { t * c.intermediate } else { 0 };
+        let (mut mg, mut mu, mut ma) = (be.zeros(mlp_len)?, be.zeros(mlp_len)?, be.zeros(mlp_len)?);
 
         for (li, (layer, state)) in self
             .w
@@ -269,17 +279,25 @@ impl<B: Backend> HybridTarget<B> {
             .enumerate()
             .take(depth)
         {
-            be.rms_norm(&x, &layer.in_norm, d, eps, &mut h)?;
-            match (&layer.mixer, state) {
+            // Each mixer leaves its rows for the output projection in `mixed` (the norm before
+            // it and its projections of x in one call: the fused launches where the backend
+            // has them, the bits of the separate ops).
+            let (mixed, wo) = match (&layer.mixer, state) {
                 (Mixer::Linear(lw), LayerState::Linear { conv, rec }) => {
                     let mut qkv = be.zeros(t * ch)?;
                     let mut z = be.zeros(t * vd)?;
                     let mut bb = be.zeros(t * nv)?;
                     let mut aa = be.zeros(t * nv)?;
-                    be.matmul(&h, t, &lw.qkv, &mut qkv)?;
-                    be.matmul(&h, t, &lw.z, &mut z)?;
-                    be.matmul(&h, t, &lw.b, &mut bb)?;
-                    be.matmul(&h, t, &lw.a, &mut aa)?;
+                    be.norm_matmul_many(
+                        &x,
+                        &layer.in_norm,
+                        d,
+                        eps,
+                        &mut h,
+                        t,
+                        &[&lw.qkv, &lw.z, &lw.b, &lw.a],
+                        &mut [&mut qkv, &mut z, &mut bb, &mut aa],
+                    )?;
                     let mut conv_out = be.zeros(t * ch)?;
                     let mut conv_stash = if stash {
                         Some(be.zeros(t * sl * ch)?)
@@ -324,18 +342,24 @@ impl<B: Backend> HybridTarget<B> {
                     )?;
                     let mut normed = be.zeros(t * vd)?;
                     be.rms_norm_gated(&core, &z, &lw.norm, dv, eps, &mut normed)?;
-                    be.matmul(&normed, t, &lw.out, &mut o)?;
                     stashes.push(conv_stash.zip(rec_stash));
+                    (normed, &lw.out)
                 }
                 (Mixer::Full(fw), LayerState::Full { k: kc, v: vc }) => {
                     let mut q = be.zeros(t * qw)?;
                     let mut gate = be.zeros(t * qw)?;
                     let mut k = be.zeros(t * kvw)?;
                     let mut v = be.zeros(t * kvw)?;
-                    be.matmul(&h, t, &fw.q, &mut q)?;
-                    be.matmul(&h, t, &fw.gate, &mut gate)?;
-                    be.matmul(&h, t, &fw.k, &mut k)?;
-                    be.matmul(&h, t, &fw.v, &mut v)?;
+                    be.norm_matmul_many(
+                        &x,
+                        &layer.in_norm,
+                        d,
+                        eps,
+                        &mut h,
+                        t,
+                        &[&fw.q, &fw.gate, &fw.k, &fw.v],
+                        &mut [&mut q, &mut gate, &mut k, &mut v],
+                    )?;
                     let mut qn = be.zeros(t * qw)?;
                     let mut kn = be.zeros(t * kvw)?;
                     // Per-head norms + RoPE, K and V into the caches at `start` (one launch
@@ -372,29 +396,47 @@ impl<B: Backend> HybridTarget<B> {
                     let mut att = be.zeros(t * qw)?;
                     crate::qwen3::attn_op(self.kv).run(be, &qn, kc, vc, &p, &mut att)?;
                     be.mul_sigmoid(&mut att, &gate)?;
-                    be.matmul(&att, t, &fw.o, &mut o)?;
                     stashes.push(None);
+                    (att, &fw.o)
                 }
                 _ => {
                     return Err(TargetError::Unsupported(format!(
                     "layer {li}: weights and state disagree on the layer kind (internal invariant)"
                 )))
                 }
-            }
-            be.add_assign(&mut x, 0, &o, t * d)?;
-            be.rms_norm(&x, &layer.post_norm, d, eps, &mut h)?;
+            };
+            // x += mixed W_o; h = norm(x); x += MLP(h).
             match &layer.mlp {
-                Mlp::Dense(m) => swiglu(be, &h, t, m, &mut o)?,
+                Mlp::Dense(m) => {
+                    let tail = LayerTail {
+                        wo,
+                        post_norm: &layer.post_norm,
+                        eps,
+                        w_gate: &m.gate,
+                        w_up: &m.up,
+                        w_down: &m.down,
+                    };
+                    let scratch = TailScratch {
+                        o: &mut o,
+                        xn: &mut h,
+                        gate: &mut mg,
+                        up: &mut mu,
+                        act: &mut ma,
+                    };
+                    be.layer_tail(&mixed, t, &mut x, &tail, scratch)?;
+                }
                 Mlp::Moe(m) => {
                     let moe = c.moe.ok_or_else(|| {
                         TargetError::Unsupported(format!(
                             "layer {li}: MoE weights without an MoE shape"
                         ))
                     })?;
-                    moe_forward(be, &h, t, d, m, &moe, &mut o)?
+                    be.matmul(&mixed, t, wo, &mut o)?;
+                    be.add_rms_norm(&mut x, &o, &layer.post_norm, t, d, eps, &mut h)?;
+                    moe_forward(be, &h, t, d, m, &moe, &mut o)?;
+                    be.add_assign(&mut x, 0, &o, t * d)?;
                 }
             }
-            be.add_assign(&mut x, 0, &o, t * d)?;
             write_taps(be, li as i32, &x, &mut tap_buf)?;
         }
 

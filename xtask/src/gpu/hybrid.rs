@@ -1,0 +1,353 @@
+//! `xtask bench gpu --recurrent` and `--hybrid`: the hybrid targets' recurrent ops, and the
+//! hybrid target itself, on the GPU.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use dflash_backend::{
+    Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
+};
+use dflash_cuda_kernels::{Cuda, SKINNY_ROWS};
+use dflash_spec_round::{RollbackArm, Target};
+use dflash_targets::hybrid::{
+    HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames, TensorSource,
+};
+use dflash_targets::LoadOptions;
+use rayon::prelude::*;
+
+use super::{time_ms, BenchArgs};
+
+/// `--recurrent`: a Gated DeltaNet layer's recurrent ops at the Qwen3.6-27B target's shape
+/// per token count, both kernels of each, eager, median of `--iters` (at most 10) device-event
+/// timings of one call each; the PyTorch peers beside them.
+pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
+    let ts: Vec<usize> = list
+        .split(',')
+        .map(|c| c.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let (nk, nv, dk, dv, ker) = (16usize, 48usize, 128usize, 128usize, 4usize);
+    let ch = 2 * nk * dk + nv * dv;
+    let iters = a.iters.clamp(1, 10);
+    let torch = if a.no_torch {
+        Vec::new()
+    } else {
+        match run_torch_gdn(&ts, [nk, nv, dk, dv, ker], iters) {
+            Ok(v) => v,
+            Err(e) => {
+                println!("PyTorch recurrent ops: {e:#}");
+                Vec::new()
+            }
+        }
+    };
+    let peer = |t: usize, name: &str| -> Option<f64> {
+        torch
+            .iter()
+            .find(|v| v["t"].as_u64() == Some(t as u64) && v["name"].as_str() == Some(name))
+            .and_then(|v| v["ms"].as_f64())
+    };
+    let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
+    let mut md = format!(
+        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        g.context().name()?,
+        g.num_sms(),
+    );
+    for &t in &ts {
+        let stash = t <= SKINNY_ROWS;
+        let x = g.random_buf(t * ch, 1, 1.0)?;
+        let w = g.random_buf(ch * ker, 2, 0.5)?;
+        let mut cst = g.random_buf((ker - 1) * ch, 3, 1.0)?;
+        let mut cout = g.zeros(t * ch)?;
+        let mut cstash = if stash {
+            Some(g.zeros(t * (ker - 1) * ch)?)
+        } else {
+            None
+        };
+        let q = g.random_buf(t * nk * dk, 4, 1.0)?;
+        let k = g.random_buf(t * nk * dk, 5, 1.0)?;
+        let v = g.random_buf(t * nv * dv, 6, 1.0)?;
+        let (ga, gb) = (g.random_buf(t * nv, 7, 2.0)?, g.random_buf(t * nv, 8, 2.0)?);
+        let (alog, dtb) = (g.random_buf(nv, 9, 1.0)?, g.random_buf(nv, 10, 1.0)?);
+        let (mut gg, mut beta) = (g.zeros(t * nv)?, g.zeros(t * nv)?);
+        g.gdn_gates(&ga, &gb, &alog, &dtb, nv, &mut gg, &mut beta)?;
+        let mut st = g.random_buf(nv * dk * dv, 11, 0.1)?;
+        let mut out = g.zeros(t * nv * dv)?;
+        let mut rstash = if stash {
+            Some(g.zeros(t * nv * dk * dv)?)
+        } else {
+            None
+        };
+        let p = DeltaParams {
+            t,
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            qk_l2norm: true,
+            q_scale: (dk as f32).powf(-0.5),
+        };
+        let mut ms = [[0.0f64; 2]; 2];
+        for (i, par) in [true, false].into_iter().enumerate() {
+            g.set_recurrent_parallel(par);
+            ms[0][i] = time_ms(g, iters, || {
+                Ok(g.causal_conv1d(&x, t, ch, ker, &w, &mut cst, &mut cout, cstash.as_mut())?)
+            })?;
+            ms[1][i] = time_ms(g, iters, || {
+                Ok(g.gated_delta_rule(
+                    &q,
+                    &k,
+                    &v,
+                    &gg,
+                    &beta,
+                    &p,
+                    &mut st,
+                    &mut out,
+                    rstash.as_mut(),
+                )?)
+            })?;
+        }
+        g.set_recurrent_parallel(true);
+        println!(
+            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {:.3} / {:.3} ms (parallel / sequential)",
+            ms[0][0], ms[0][1], ms[1][0], ms[1][1]
+        );
+        md += &format!(
+            "| {t} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
+            ms[0][0],
+            ms[0][1],
+            fmt(peer(t, "conv")),
+            ms[1][0],
+            ms[1][1],
+            ms[0][1] / ms[0][0],
+            ms[1][1] / ms[1][0],
+            fmt(peer(t, "transformers recurrent")),
+            fmt(peer(t, "transformers chunked")),
+            fmt(peer(t, "fla fused_recurrent")),
+            fmt(peer(t, "fla chunk")),
+        );
+    }
+    println!("\n{md}");
+    if let Some(path) = &a.md {
+        std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn run_torch_gdn(ts: &[usize], shape: [usize; 5], iters: usize) -> Result<Vec<serde_json::Value>> {
+    let script = PathBuf::from("tools/bench/torch_gdn.py");
+    let script = if script.exists() {
+        script
+    } else {
+        crate::repo_root().join("tools/bench/torch_gdn.py")
+    };
+    let t: Vec<String> = ts.iter().map(|c| c.to_string()).collect();
+    let [nk, nv, dk, dv, ker] = shape;
+    let out = Command::new(crate::python())
+        .arg(&script)
+        .args(["--t", &t.join(",")])
+        .args(["--k-heads", &nk.to_string()])
+        .args(["--v-heads", &nv.to_string()])
+        .args(["--dk", &dk.to_string()])
+        .args(["--dv", &dv.to_string()])
+        .args(["--kernel", &ker.to_string()])
+        .args(["--iters", &iters.to_string()])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('['))
+        .ok_or_else(|| anyhow!("no JSON line from {}", script.display()))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+/// Random bf16 tensors made on request (a hybrid target's loader asks for each one once):
+/// value i of a tensor is a hash of (its name, i) scaled into [-amp, amp], with amp
+/// 1 / sqrt(cols) for matrices; vectors (norms, conv taps, gates) as small values.
+struct RandomSource;
+
+fn hash64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+fn name_seed(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Uniform in [-amp, amp] from (seed, i).
+fn uniform(seed: u64, i: u64, amp: f32) -> f32 {
+    let u =
+        (hash64(seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 40) as f32 / (1u64 << 24) as f32;
+    (2.0 * u - 1.0) * amp
+}
+
+impl TensorSource for RandomSource {
+    fn has(&self, name: &str) -> bool {
+        // The Qwen3.5 layout (separate projections), its own lm_head.
+        !name.contains("in_proj_qkvz") && !name.contains("experts")
+    }
+
+    fn matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        _precision: Option<WeightFormat>,
+    ) -> dflash_targets::Result<HostWeight> {
+        let seed = name_seed(name);
+        let amp = 1.0 / (cols.max(1) as f32).sqrt();
+        let bits: Vec<u16> = (0..(rows * cols) as u64)
+            .into_par_iter()
+            .map(|i| (uniform(seed, i, amp).to_bits() >> 16) as u16)
+            .collect();
+        Ok(HostWeight::new(name, rows, cols, HostData::Bf16(bits))?)
+    }
+
+    fn values(&self, name: &str, shape: &[usize]) -> dflash_targets::Result<Vec<f32>> {
+        let seed = name_seed(name);
+        let n: usize = shape.iter().product();
+        Ok((0..n as u64).map(|i| uniform(seed, i, 0.1)).collect())
+    }
+
+    fn names(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// The Qwen3.6-27B target's shape with 4 layers (3 Gated DeltaNet + 1 gated full attention)
+/// and a 32768-token vocabulary (the bench times the layers, not the vocabulary tables).
+fn hybrid_27b_4_layers() -> HybridConfig {
+    let rot = 64; // partial_rotary_factor 0.25 of head_dim 256
+    HybridConfig {
+        arch: HybridArch::Qwen3_5,
+        vocab: 32768,
+        hidden: 5120,
+        intermediate: 17408,
+        n_layers: 4,
+        n_heads: 24,
+        n_kv_heads: 4,
+        head_dim: 256,
+        rms_eps: 1e-6,
+        rope: RopeSpec {
+            inv_freq: (0..rot / 2)
+                .map(|i| 1.0f32 / 1e7f32.powf((2 * i) as f32 / rot as f32))
+                .collect(),
+            attention_scaling: 1.0,
+        },
+        tie_embeddings: false,
+        layer_kinds: vec![
+            LayerKind::Linear,
+            LayerKind::Linear,
+            LayerKind::Linear,
+            LayerKind::Full,
+        ],
+        moe_layers: vec![false; 4],
+        moe: None,
+        lin_k_heads: 16,
+        lin_v_heads: 48,
+        lin_dk: 128,
+        lin_dv: 128,
+        conv_kernel: 4,
+        max_positions: 262_144,
+    }
+}
+
+/// `--hybrid`: the hybrid target's prefill, decode and verify (see the option), wall-clock
+/// milliseconds (each call ends in the host's copy of its argmax), median of `--iters` (the
+/// prefill's at most 3).
+pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
+    let ps: Vec<usize> = list
+        .split(',')
+        .map(|c| c.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let cfg = hybrid_27b_4_layers();
+    let cap = ps.iter().max().copied().unwrap_or(512) + 2 * SKINNY_ROWS;
+    let names = TensorNames {
+        prefix: "model.".into(),
+        lm_head: "lm_head.weight".into(),
+    };
+    let opts = LoadOptions {
+        precision: None,
+        ctx_cap: Some(cap),
+        kv_storage: KvStorage::F32,
+    };
+    let t0 = Instant::now();
+    let mut t = HybridTarget::from_source(g, cfg.clone(), &RandomSource, &names, opts)?;
+    g.stream().synchronize()?;
+    println!(
+        "hybrid target loaded in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    t.set_rollback(RollbackArm::Stash);
+    let tokens: Vec<u32> = (0..cap as u64)
+        .map(|i| (hash64(i) % cfg.vocab as u64) as u32)
+        .collect();
+    let iters = a.iters.max(1);
+    let mut md = format!(
+        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) at context P, each rolled back (`commit(0)`).\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode |\n|---:|---|---:|---:|---:|---:|\n",
+        cfg.n_layers,
+        cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Linear).count(),
+        cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Full).count(),
+        cfg.hidden,
+        cfg.lin_k_heads,
+        cfg.lin_v_heads,
+        cfg.lin_dk,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate,
+        cfg.vocab,
+        g.context().name()?,
+        g.num_sms(),
+        iters.min(3),
+    );
+    for &p in &ps {
+        for par in [true, false] {
+            g.set_recurrent_parallel(par);
+            let prompt = &tokens[..p];
+            let prefill = super::wall_ms(g, iters.min(3), || {
+                t.prime(g, prompt, &[])?;
+                Ok(())
+            })?;
+            let dec = super::wall_ms(g, iters, || {
+                t.verify(g, &tokens[p..p + 1], p, &[], false)?;
+                t.commit(g, 0)?;
+                Ok(())
+            })?;
+            let ver = super::wall_ms(g, iters, || {
+                t.verify(g, &tokens[p..p + SKINNY_ROWS], p, &[], false)?;
+                t.commit(g, 0)?;
+                Ok(())
+            })?;
+            let label = if par { "parallel" } else { "sequential" };
+            println!(
+                "hybrid P {p} {label}: prefill {prefill:.2} ms, decode {dec:.3} ms, verify16 {ver:.3} ms"
+            );
+            md += &format!(
+                "| {p} | {label} | {prefill:.2} | {dec:.3} | {ver:.3} | {:.2}x |\n",
+                ver / dec
+            );
+        }
+    }
+    g.set_recurrent_parallel(true);
+    println!("\n{md}");
+    if let Some(path) = &a.md {
+        std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
