@@ -239,8 +239,8 @@ pub struct BenchArgs {
     prefill_producers: String,
     /// With --prefill: the values of W per row block its cuBLAS matmuls of packed bf16 or
     /// block-format weights unpack at a time, in Mi (2^20) values, each entry of this list in
-    /// turn (`Cuda::set_unpack_block`; default the library's, 16).
-    #[arg(long, default_value = "16")]
+    /// turn (`Cuda::set_unpack_block`; default the library's, 64).
+    #[arg(long, default_value = "64")]
     unpack_block: String,
     /// Time a Gated DeltaNet layer's recurrent ops (`causal_conv1d` and `gated_delta_rule`)
     /// at the Qwen3.6-27B target's linear-layer shape (16 key / 48 value heads of 128, conv
@@ -252,7 +252,7 @@ pub struct BenchArgs {
     /// Time the hybrid target (Gated DeltaNet + gated full attention) at the Qwen3.6-27B
     /// layer shape, 4 layers (3 linear + 1 full), bf16, random weights: the prefill of P
     /// tokens for each P of this list, then a decode (1 token) and a verify (16 tokens, the
-    /// stash arm) at context P, each rolled back; `Cuda::set_recurrent_parallel` on and off;
+    /// stash arm) from context P, each committing one row; `Cuda::set_recurrent_parallel` on and off;
     /// then exit.
     #[arg(long)]
     hybrid: Option<String>,

@@ -276,7 +276,9 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         .map(|c| c.trim().parse())
         .collect::<Result<_, _>>()?;
     let cfg = hybrid_27b_4_layers();
-    let cap = ps.iter().max().copied().unwrap_or(512) + 2 * SKINNY_ROWS;
+    let iters = a.iters.max(1);
+    // Each decode / verify call advances the context by one (3 warm-up calls each).
+    let cap = ps.iter().max().copied().unwrap_or(512) + 2 * (iters + 3) + 2 * SKINNY_ROWS;
     let names = TensorNames {
         prefix: "model.".into(),
         lm_head: "lm_head.weight".into(),
@@ -297,9 +299,8 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     let tokens: Vec<u32> = (0..cap as u64)
         .map(|i| (hash64(i) % cfg.vocab as u64) as u32)
         .collect();
-    let iters = a.iters.max(1);
     let mut md = format!(
-        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) at context P, each rolled back (`commit(0)`).\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode |\n|---:|---|---:|---:|---:|---:|\n",
+        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) from context P, each call committing its first row (the verify rolls 15 back from the stash).\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode |\n|---:|---|---:|---:|---:|---:|\n",
         cfg.n_layers,
         cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Linear).count(),
         cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Full).count(),
@@ -324,16 +325,17 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 t.prime(g, prompt, &[])?;
                 Ok(())
             })?;
-            let dec = super::wall_ms(g, iters, || {
-                t.verify(g, &tokens[p..p + 1], p, &[], false)?;
-                t.commit(g, 0)?;
+            // Every call commits its first row (a round keeps at least the target's own
+            // token): the context grows by one per call.
+            let mut pos = p;
+            let mut round = |n: usize| -> Result<()> {
+                t.verify(g, &tokens[pos..pos + n], pos, &[], false)?;
+                t.commit(g, 1)?;
+                pos += 1;
                 Ok(())
-            })?;
-            let ver = super::wall_ms(g, iters, || {
-                t.verify(g, &tokens[p..p + SKINNY_ROWS], p, &[], false)?;
-                t.commit(g, 0)?;
-                Ok(())
-            })?;
+            };
+            let dec = super::wall_ms(g, iters, || round(1))?;
+            let ver = super::wall_ms(g, iters, || round(SKINNY_ROWS))?;
             let label = if par { "parallel" } else { "sequential" };
             println!(
                 "hybrid P {p} {label}: prefill {prefill:.2} ms, decode {dec:.3} ms, verify16 {ver:.3} ms"
