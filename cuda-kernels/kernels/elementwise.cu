@@ -501,7 +501,8 @@ extern "C" __global__ void gdn_gates(const float *a, const float *b, const float
 // so the chunks run side by side; each output is the same sum in the same order whatever the
 // chunk. The window of a chunk's first token comes from x or, before token 0, from the state.
 // Only chunk 0's threads read the state (the host keeps chunk >= kernel - 1), and they write
-// the new state (the last kernel - 1 inputs) after their reads.
+// the new state (the last kernel - 1 inputs) after their reads (from the window itself when
+// the call is one chunk).
 extern "C" __global__ void causal_conv1d(const float *x, int t_len, int channels, int kernel, int chunk, const float *w,
                                          float *state, float *out, float *stash) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -523,7 +524,10 @@ extern "C" __global__ void causal_conv1d(const float *x, int t_len, int channels
         if (stash)
             for (int j = 0; j < km1; ++j) stash[((long long)t * km1 + j) * channels + c] = win[j];
     }
-    if (blockIdx.y == 0) {
+    if (gridDim.y == 1) {
+        // One chunk (a decode or a verify): the window holds the last kernel - 1 inputs.
+        for (int j = 0; j < km1; ++j) state[(long long)j * channels + c] = win[j];
+    } else if (blockIdx.y == 0) {
         // Ascending j reads index t_len + j > j of the old state before anything writes it.
         for (int j = 0; j < km1; ++j) {
             const int s = t_len - km1 + j;
