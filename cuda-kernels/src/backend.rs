@@ -1116,6 +1116,13 @@ impl Cuda {
         self.unpack_values.load(Ordering::Relaxed)
     }
 
+    /// Weight scratch values for the cuBLAS matmuls of `ws` one after another
+    /// ([`unpack_len`] of the largest).
+    fn unpack_scratch(&self, ws: &[&Weight<Self>]) -> usize {
+        let values = self.unpack_values();
+        ws.iter().map(|w| unpack_len(w, values)).max().unwrap_or(0)
+    }
+
     pub fn set_a8_evict_first(&self, on: bool) {
         *lock(&self.a8_evict_first) = on;
     }
@@ -2700,8 +2707,7 @@ impl Cuda {
         };
         let len = rows * w.cols;
         let mut s = lock(&self.scratch);
-        let (wu, hi, lo) =
-            s.prefill_buffers(&self.stream, unpack_len(w, self.unpack_values()), len)?;
+        let (wu, hi, lo) = s.prefill_buffers(&self.stream, self.unpack_scratch(&[w]), len)?;
         // (the fast prefill reads the hi halves only: no lo written)
         let lo_w = (!fast).then_some(&mut *lo);
         self.split_x(x, hi, lo_w, rows, w.cols, a8)?;
@@ -3286,11 +3292,7 @@ impl Backend for Cuda {
         if ws.len() > 1 && rows > SKINNY_ROWS && self.split_group(ws, k, rows) {
             check("matmul", "x", rows * k, x.len)?;
             let fast = self.prefill_fast();
-            let wlen = ws
-                .iter()
-                .map(|w| unpack_len(w, self.unpack_values()))
-                .max()
-                .unwrap_or(0);
+            let wlen = self.unpack_scratch(ws);
             let mut s = lock(&self.scratch);
             let (wu, hi, lo) = s.prefill_buffers(&self.stream, wlen, rows * k)?;
             self.split_x(x, hi, (!fast).then_some(&mut *lo), rows, k, false)?;

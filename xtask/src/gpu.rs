@@ -1339,24 +1339,33 @@ fn on_off_list(opt: &str, list: &str) -> Result<Vec<bool>> {
 }
 
 fn run_torch_prefill(s: &Shape, ps: &[usize], iters: usize) -> Result<Vec<serde_json::Value>> {
-    let script = PathBuf::from("tools/bench/torch_prefill.py");
-    let script = if script.exists() {
-        script
-    } else {
-        crate::repo_root().join("tools/bench/torch_prefill.py")
-    };
     let p: Vec<String> = ps.iter().map(|c| c.to_string()).collect();
+    let args = [
+        ("--hidden", s.hidden.to_string()),
+        ("--layers", s.layers.to_string()),
+        ("--heads", s.heads.to_string()),
+        ("--kv-heads", s.kv_heads.to_string()),
+        ("--head-dim", s.head_dim.to_string()),
+        ("--inter", s.inter.to_string()),
+        ("--vocab", s.vocab.to_string()),
+        ("--p", p.join(",")),
+        ("--iters", iters.to_string()),
+    ];
+    json_list(&run_peer("torch_prefill.py", &args)?, "torch_prefill.py")
+}
+
+/// Run the PyTorch peer `tools/bench/<name>` (from the working directory, else from the
+/// repository) with `args` (option, value); its stdout.
+fn run_peer(name: &str, args: &[(&str, String)]) -> Result<String> {
+    let rel = PathBuf::from("tools/bench").join(name);
+    let script = if rel.exists() {
+        rel
+    } else {
+        crate::repo_root().join(rel)
+    };
     let out = Command::new(crate::python())
         .arg(&script)
-        .args(["--hidden", &s.hidden.to_string()])
-        .args(["--layers", &s.layers.to_string()])
-        .args(["--heads", &s.heads.to_string()])
-        .args(["--kv-heads", &s.kv_heads.to_string()])
-        .args(["--head-dim", &s.head_dim.to_string()])
-        .args(["--inter", &s.inter.to_string()])
-        .args(["--vocab", &s.vocab.to_string()])
-        .args(["--p", &p.join(",")])
-        .args(["--iters", &iters.to_string()])
+        .args(args.iter().flat_map(|(k, v)| [*k, v.as_str()]))
         .output()
         .with_context(|| format!("running {}", script.display()))?;
     if !out.status.success() {
@@ -1366,12 +1375,16 @@ fn run_torch_prefill(s: &Shape, ps: &[usize], iters: usize) -> Result<Vec<serde_
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The last line of a peer's stdout that is a JSON list.
+fn json_list(text: &str, name: &str) -> Result<Vec<serde_json::Value>> {
     let line = text
         .lines()
         .rev()
         .find(|l| l.starts_with('['))
-        .ok_or_else(|| anyhow!("no JSON line from {}", script.display()))?;
+        .ok_or_else(|| anyhow!("no JSON line from {name}"))?;
     Ok(serde_json::from_str(line)?)
 }
 
@@ -1467,63 +1480,27 @@ fn copy_bandwidth(g: &Cuda) -> Result<f64> {
 }
 
 fn run_torch(s: &Shape, ctxs: &[usize], iters: usize) -> Result<Vec<serde_json::Value>> {
-    let script = PathBuf::from("tools/bench/torch_drafter.py");
-    let script = if script.exists() {
-        script
-    } else {
-        crate::repo_root().join("tools/bench/torch_drafter.py")
-    };
     let windows: Vec<String> = s
         .windows
         .iter()
         .map(|w| w.map(|x| x.to_string()).unwrap_or_else(|| "none".into()))
         .collect();
     let ctx: Vec<String> = ctxs.iter().map(|c| c.to_string()).collect();
-    let out = Command::new(crate::python())
-        .arg(&script)
-        .args([
-            "--hidden",
-            &s.hidden.to_string(),
-            "--layers",
-            &s.layers.to_string(),
-        ])
-        .args([
-            "--heads",
-            &s.heads.to_string(),
-            "--kv-heads",
-            &s.kv_heads.to_string(),
-        ])
-        .args([
-            "--head-dim",
-            &s.head_dim.to_string(),
-            "--inter",
-            &s.inter.to_string(),
-        ])
-        .args([
-            "--vocab",
-            &s.vocab.to_string(),
-            "--block",
-            &s.block.to_string(),
-        ])
-        .args([
-            "--windows",
-            &windows.join(","),
-            "--ctx",
-            &ctx.join(","),
-            "--iters",
-            &iters.to_string(),
-            "--name",
-            s.name,
-        ])
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!(
-            "torch_drafter.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    String::from_utf8_lossy(&out.stdout)
+    let args = [
+        ("--hidden", s.hidden.to_string()),
+        ("--layers", s.layers.to_string()),
+        ("--heads", s.heads.to_string()),
+        ("--kv-heads", s.kv_heads.to_string()),
+        ("--head-dim", s.head_dim.to_string()),
+        ("--inter", s.inter.to_string()),
+        ("--vocab", s.vocab.to_string()),
+        ("--block", s.block.to_string()),
+        ("--windows", windows.join(",")),
+        ("--ctx", ctx.join(",")),
+        ("--iters", iters.to_string()),
+        ("--name", s.name.to_string()),
+    ];
+    run_peer("torch_drafter.py", &args)?
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| {
@@ -3009,5 +2986,15 @@ mod tests {
         for bad in ["tc", "tcx", "tc4q", "tc4r", "tc4rs2", "gpu"] {
             assert!(parse_attn_kernel(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_peers_last_json_list_is_its_result() {
+        let text = "warming up\n[{\"p\": 1}]\nnote\n[{\"p\": 2, \"ms\": 3.5}]\n";
+        let v = json_list(text, "peer").unwrap();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0]["p"].as_u64(), Some(2));
+        assert_eq!(v[0]["ms"].as_f64(), Some(3.5));
+        assert!(json_list("no list here\n", "peer").is_err());
     }
 }

@@ -415,11 +415,7 @@ impl Cuda {
         if act.hi_only != fast {
             return Ok(false);
         }
-        let wlen = ws
-            .iter()
-            .map(|w| unpack_len(w, self.unpack_values()))
-            .max()
-            .unwrap_or(0);
+        let wlen = self.unpack_scratch(ws);
         let mut s = lock(&self.scratch);
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
             let Some(bufs) = s.split_current(&self.stream, act, wlen)? else {

@@ -1,11 +1,9 @@
 //! `xtask bench gpu --recurrent` and `--hybrid`: the hybrid targets' recurrent ops, and the
 //! hybrid target itself, on the GPU.
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{Context, Result};
 use dflash_backend::{
     Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
@@ -135,39 +133,18 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
 }
 
 fn run_torch_gdn(ts: &[usize], shape: [usize; 5], iters: usize) -> Result<Vec<serde_json::Value>> {
-    let script = PathBuf::from("tools/bench/torch_gdn.py");
-    let script = if script.exists() {
-        script
-    } else {
-        crate::repo_root().join("tools/bench/torch_gdn.py")
-    };
     let t: Vec<String> = ts.iter().map(|c| c.to_string()).collect();
     let [nk, nv, dk, dv, ker] = shape;
-    let out = Command::new(crate::python())
-        .arg(&script)
-        .args(["--t", &t.join(",")])
-        .args(["--k-heads", &nk.to_string()])
-        .args(["--v-heads", &nv.to_string()])
-        .args(["--dk", &dk.to_string()])
-        .args(["--dv", &dv.to_string()])
-        .args(["--kernel", &ker.to_string()])
-        .args(["--iters", &iters.to_string()])
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!(
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('['))
-        .ok_or_else(|| anyhow!("no JSON line from {}", script.display()))?;
-    Ok(serde_json::from_str(line)?)
+    let args = [
+        ("--t", t.join(",")),
+        ("--k-heads", nk.to_string()),
+        ("--v-heads", nv.to_string()),
+        ("--dk", dk.to_string()),
+        ("--dv", dv.to_string()),
+        ("--kernel", ker.to_string()),
+        ("--iters", iters.to_string()),
+    ];
+    super::json_list(&super::run_peer("torch_gdn.py", &args)?, "torch_gdn.py")
 }
 
 /// Random bf16 tensors made on request (a hybrid target's loader asks for each one once):
