@@ -11,7 +11,7 @@ At each token count T, f32 on the GPU, the shapes of the Qwen3.6-27B target's li
   where the `fla` package imports. q / k are repeated to the value heads before the timed
   call, as transformers' layer does before calling them.
 
-Median of --iters CUDA-event timings after 2 warm-up calls. Prints one JSON list on stdout:
+Median of --iters CUDA-event timings after 2 warm-up calls (torch_drafter.timed). Prints one JSON list on stdout:
 [{"t": T, "name": ..., "ms": median}, ...]; a peer that fails is left out (reason on stderr).
 
 usage: torch_gdn.py --t 1,16,512,8192 --k-heads 16 --v-heads 48 --dk 128 --dv 128 --kernel 4
@@ -23,22 +23,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, iters):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    ts.sort()
-    return ts[len(ts) // 2]
+from torch_drafter import timed  # the drafter peer's CUDA-event median (same folder)
 
 
 def main():
@@ -82,7 +67,7 @@ def main():
 
         try:
             with torch.inference_mode():
-                out.append({"t": t, "name": "conv", "ms": timed(conv, a.iters)})
+                out.append({"t": t, "name": "conv", "ms": timed(conv, a.iters, warm=2)})
         except Exception as e:  # noqa: BLE001
             print(f"conv T={t}: {e}", file=sys.stderr)
         q = torch.randn(1, t, nk, dk, device=dev).repeat_interleave(nv // nk, dim=2)
@@ -102,7 +87,7 @@ def main():
                                   use_qk_l2norm_in_kernel=True)
             try:
                 with torch.inference_mode():
-                    out.append({"t": t, "name": name, "ms": timed(call, a.iters)})
+                    out.append({"t": t, "name": name, "ms": timed(call, a.iters, warm=2)})
             except Exception as e:  # noqa: BLE001
                 print(f"{name} T={t}: {e}", file=sys.stderr)
     print(json.dumps(out))

@@ -1340,7 +1340,14 @@ fn on_off_list(opt: &str, list: &str) -> Result<Vec<bool>> {
 
 fn run_torch_prefill(s: &Shape, ps: &[usize], iters: usize) -> Result<Vec<serde_json::Value>> {
     let p: Vec<String> = ps.iter().map(|c| c.to_string()).collect();
-    let args = [
+    let mut args = shape_args(s);
+    args.extend([("--p", p.join(",")), ("--iters", iters.to_string())]);
+    json_list(&run_peer("torch_prefill.py", &args)?, "torch_prefill.py")
+}
+
+/// A shape's options of the PyTorch peers (`--hidden` .. `--vocab`).
+fn shape_args(s: &Shape) -> Vec<(&'static str, String)> {
+    vec![
         ("--hidden", s.hidden.to_string()),
         ("--layers", s.layers.to_string()),
         ("--heads", s.heads.to_string()),
@@ -1348,10 +1355,7 @@ fn run_torch_prefill(s: &Shape, ps: &[usize], iters: usize) -> Result<Vec<serde_
         ("--head-dim", s.head_dim.to_string()),
         ("--inter", s.inter.to_string()),
         ("--vocab", s.vocab.to_string()),
-        ("--p", p.join(",")),
-        ("--iters", iters.to_string()),
-    ];
-    json_list(&run_peer("torch_prefill.py", &args)?, "torch_prefill.py")
+    ]
 }
 
 /// Run the PyTorch peer `tools/bench/<name>` (from the working directory, else from the
@@ -1486,20 +1490,14 @@ fn run_torch(s: &Shape, ctxs: &[usize], iters: usize) -> Result<Vec<serde_json::
         .map(|w| w.map(|x| x.to_string()).unwrap_or_else(|| "none".into()))
         .collect();
     let ctx: Vec<String> = ctxs.iter().map(|c| c.to_string()).collect();
-    let args = [
-        ("--hidden", s.hidden.to_string()),
-        ("--layers", s.layers.to_string()),
-        ("--heads", s.heads.to_string()),
-        ("--kv-heads", s.kv_heads.to_string()),
-        ("--head-dim", s.head_dim.to_string()),
-        ("--inter", s.inter.to_string()),
-        ("--vocab", s.vocab.to_string()),
+    let mut args = shape_args(s);
+    args.extend([
         ("--block", s.block.to_string()),
         ("--windows", windows.join(",")),
         ("--ctx", ctx.join(",")),
         ("--iters", iters.to_string()),
         ("--name", s.name.to_string()),
-    ];
+    ]);
     run_peer("torch_drafter.py", &args)?
         .lines()
         .filter(|l| l.starts_with('{'))
