@@ -3473,17 +3473,34 @@ impl Backend for Cuda {
             }
         }
         // bf16 / q8_0 / q4_0: the norm writes the matmuls' x (the skinny kernels', or a
-        // prefill's for cuBLAS: the bits of the two ops below, one launch fewer).
-        if ws.len() == outs.len()
-            && self.split_group(ws, dim, rows)
+        // prefill's for cuBLAS: the bits of the two ops below, one launch fewer). More than 3
+        // matrices for the skinny kernels (a hybrid layer's q / k / v, z, b, a): launches of
+        // up to 3 reading that x, the groups `matmul_many` would launch.
+        let group = if rows <= SKINNY_ROWS {
+            3
+        } else {
+            ws.len().max(1)
+        };
+        if !ws.is_empty()
+            && ws.len() == outs.len()
+            && ws.chunks(group).all(|c| self.split_group(c, dim, rows))
             && x.len == rows * dim
             && w.len >= dim
         {
             let act = self.rms_norm_split(x, w, dim, eps, rows)?;
-            // Another thread's launch in between: the separate ops below.
-            if self.matmul_many_split(&act, ws, outs, false)? {
+            let mut done = 0;
+            for (wc, oc) in ws.chunks(group).zip(outs.chunks_mut(group)) {
+                // Another thread's launch in between: the rest as the separate ops.
+                if !self.matmul_many_split(&act, wc, oc, false)? {
+                    break;
+                }
+                done += wc.len();
+            }
+            if done == ws.len() {
                 return Ok(());
             }
+            self.rms_norm(x, w, dim, eps, xn)?;
+            return self.matmul_many(xn, rows, &ws[done..], &mut outs[done..]);
         }
         self.rms_norm(x, w, dim, eps, xn)?;
         self.matmul_many(xn, rows, ws, outs)

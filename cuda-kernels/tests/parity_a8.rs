@@ -1299,6 +1299,30 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                         ns[i],
                     );
                 }
+                // More than 3 matrices (a hybrid layer's q / k / v, z, b, a): launches of up to
+                // 3 reading the norm's x, the bits of rms_norm + matmul_many.
+                let ws5 = [&wq, &wk, &wk, &wq, &wk];
+                let ns5 = [kq, kq / 4, kq / 4, kq, kq / 4];
+                let mut want5: Vec<_> = ns5.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut refs: Vec<_> = want5.iter_mut().collect();
+                g.matmul_many(&xn, rows, &ws5, &mut refs).expect("many 5");
+                let mut got5: Vec<_> = ns5.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut xn5 = poisoned(g, rows * d);
+                let mut refs: Vec<_> = got5.iter_mut().collect();
+                g.norm_matmul_many(&x, &ln, d, 1e-6, &mut xn5, rows, &ws5, &mut refs)
+                    .expect("norm_matmul_many 5");
+                assert!(
+                    g.download(&xn5).expect("dl").iter().all(|v| v.is_nan()),
+                    "{fmt:?}: norm_matmul_many of 5 matrices fell back to the separate ops"
+                );
+                for i in 0..5 {
+                    assert_bits(
+                        &format!("{fmt:?} norm_matmul_many of 5, d={d} rows={rows} matrix {i}"),
+                        &g.download(&got5[i]).expect("dl"),
+                        &g.download(&want5[i]).expect("dl"),
+                        ns5[i],
+                    );
+                }
                 // The knob off: the separate ops (xn written), the same bits.
                 g.set_skinny_producers(false);
                 let mut off: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
