@@ -727,6 +727,249 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32)
     gated_delta_rule_regs<32>(q, k, v, g, beta, t_len, nk, nv, dk, dv, l2norm, q_scale, state, out, stash);
 }
 
+// Gated delta rule, chunked form (a prompt's long calls; no stash; q / k L2-normalized,
+// dk <= GDC_DK). Per chunk of GDC tokens with G the cumulative log decay inside it,
+// M[i][j] = b_i e^(G_i - G_j) k_i.k_j (j < i) and X = (I + M)^-1 [b e^G k | b v] = [W | U], the
+// chunk's deltas are U - W S0 (S0: the state before the chunk), its outputs
+// e^(G_i) q_i S0 + sum_{j <= i} e^(G_i - G_j) (q_i.k_j) delta_j, and the state after it
+// e^(G_last) S0 + sum_j e^(G_last - G_j) k_j delta_j^T: the recurrence's algebra, summed in
+// another order. Two kernels: gdn_chunk_prep (every chunk of a span side by side: W, U, the
+// decayed q.k and G into scratch) and gdn_chunk_scan (per value head and 32 state columns, the
+// chunks in order over the state in shared memory). Padding rows past the call's tokens have
+// g = 0, b = 0, q = k = v = 0: no delta, no decay, no output.
+#define GDC 64
+#define GDC_DK 128
+// Row i's q / k at lanes lane + 32 p, L2-normalized (times scale) into dst (GDC_DK per row,
+// zeros past dk and for rows past n).
+__device__ __forceinline__ void gdc_norm_row(const float *src, int dk, bool ok, float scale, float *dst, int lane) {
+    float x[GDC_DK / 32];
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < GDC_DK / 32; ++p) {
+        const int r = lane + 32 * p;
+        x[p] = ok && r < dk ? src[r] : 0.0f;
+        ss = fmaf(x[p], x[p], ss);
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) + 1e-6f) * scale;
+#pragma unroll
+    for (int p = 0; p < GDC_DK / 32; ++p) dst[lane + 32 * p] = x[p] * inv;
+}
+// Grid (chunks of the span, n_k_heads), 256 threads. Dynamic shared memory: kn, qn
+// [GDC][GDC_DK + 1] (M [GDC][GDC] over qn once k.k and q.k are in registers), G, b [GDC].
+// Scratch (span-local chunk c, value head h): wk [c][h][GDC][dk], uu [c][h][GDC][dv],
+// qk [c][h][GDC][GDC], gc [c][h][GDC].
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_prep(const float *q, const float *k, const float *v, const float *g, const float *beta, int t0,
+                   int t_len, int nk, int nv, int dk, int dv, float q_scale, float *wk, float *uu, float *qk,
+                   float *gc) {
+    extern __shared__ float sm[];
+    constexpr int LD = GDC_DK + 1;
+    float *kn = sm;
+    float *qn = kn + GDC * LD;
+    float *Ms = qn;
+    float *Gs = qn + GDC * LD;
+    float *Bs = Gs + GDC;
+    const int c = blockIdx.x, hk = blockIdx.y, grp = nv / nk;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int tb = t0 + c * GDC;
+    const int n = min(GDC, t_len - tb);
+    for (int i = w; i < GDC; i += 8) {
+        const long long row = ((long long)(tb + i) * nk + hk) * dk;
+        gdc_norm_row(k + row, dk, i < n, 1.0f, kn + i * LD, lane);
+        gdc_norm_row(q + row, dk, i < n, q_scale, qn + i * LD, lane);
+    }
+    __syncthreads();
+    // k.k and q.k: rows ti + 16 a, columns tj + 16 b.
+    const int ti = tid >> 4, tj = tid & 15;
+    float akk[4][4] = {}, aqk[4][4] = {};
+    for (int r = 0; r < dk; ++r) {
+        float ka[4], qa[4], kb[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            ka[a] = kn[(ti + 16 * a) * LD + r];
+            qa[a] = qn[(ti + 16 * a) * LD + r];
+            kb[a] = kn[(tj + 16 * a) * LD + r];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                akk[a][b] = fmaf(ka[a], kb[b], akk[a][b]);
+                aqk[a][b] = fmaf(qa[a], kb[b], aqk[a][b]);
+            }
+    }
+    __syncthreads(); // qn is M from here on
+    for (int hh = 0; hh < grp; ++hh) {
+        const int h = hk * grp + hh;
+        const long long ch = (long long)c * nv + h;
+        if (w == 0) {
+            // Inclusive cumulative sum of g over the chunk (padding: 0).
+            float g0 = lane < n ? g[(long long)(tb + lane) * nv + h] : 0.0f;
+            float g1 = lane + 32 < n ? g[(long long)(tb + lane + 32) * nv + h] : 0.0f;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const float a0 = __shfl_up_sync(0xffffffffu, g0, o);
+                const float a1 = __shfl_up_sync(0xffffffffu, g1, o);
+                if (lane >= o) { g0 += a0; g1 += a1; }
+            }
+            g1 += __shfl_sync(0xffffffffu, g0, 31);
+            Gs[lane] = g0;
+            Gs[lane + 32] = g1;
+            gc[ch * GDC + lane] = g0;
+            gc[ch * GDC + lane + 32] = g1;
+            Bs[lane] = lane < n ? beta[(long long)(tb + lane) * nv + h] : 0.0f;
+            Bs[lane + 32] = lane + 32 < n ? beta[(long long)(tb + lane + 32) * nv + h] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int i = ti + 16 * a, j = tj + 16 * b;
+                const float e = expf(Gs[i] - Gs[j]);
+                Ms[i * GDC + j] = j < i ? Bs[i] * e * akk[a][b] : 0.0f;
+                qk[(ch * GDC + i) * GDC + j] = j <= i ? e * aqk[a][b] : 0.0f;
+            }
+        __syncthreads();
+        // Forward substitution, one column of [W | U] per thread: X_i = rhs_i - sum_{j<i} M_ij X_j.
+        for (int col = tid; col < dk + dv; col += 256) {
+            float X[GDC];
+            const bool isk = col < dk;
+            const float *vc = v + (long long)h * dv + (isk ? 0 : col - dk);
+#pragma unroll
+            for (int i = 0; i < GDC; ++i) {
+                float x = isk ? Bs[i] * expf(Gs[i]) * kn[i * LD + col]
+                              : (i < n ? Bs[i] * vc[(long long)(tb + i) * nv * dv] : 0.0f);
+#pragma unroll
+                for (int j = 0; j < (i & ~3); j += 4) {
+                    const float4 m4 = *reinterpret_cast<const float4 *>(Ms + i * GDC + j);
+                    x = fmaf(-m4.x, X[j], x);
+                    x = fmaf(-m4.y, X[j + 1], x);
+                    x = fmaf(-m4.z, X[j + 2], x);
+                    x = fmaf(-m4.w, X[j + 3], x);
+                }
+#pragma unroll
+                for (int j = i & ~3; j < i; ++j) x = fmaf(-Ms[i * GDC + j], X[j], x);
+                X[i] = x;
+            }
+            if (isk) {
+                float *dst = wk + ch * GDC * dk + col;
+#pragma unroll
+                for (int i = 0; i < GDC; ++i) dst[(long long)i * dk] = X[i];
+            } else {
+                float *dst = uu + ch * GDC * dv + (col - dk);
+#pragma unroll
+                for (int i = 0; i < GDC; ++i) dst[(long long)i * dv] = X[i];
+            }
+        }
+        __syncthreads();
+    }
+}
+// Grid (ceil(dv / 32), n_v_heads), 256 threads: the state's 32 columns j0 + lane of value head h,
+// the span's chunks in order. Dynamic shared memory: S [GDC_DK][32], Ws / Qg / Kd
+// [GDC][GDC_DK], QK [GDC][GDC], Vn [GDC][32], G [GDC].
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_scan(const float *q, const float *k, const float *wk, const float *uu, const float *qk,
+                   const float *gc, int t0, int t_len, int n_chunks, int nk, int nv, int dk, int dv,
+                   float q_scale, float *state, float *out) {
+    extern __shared__ float sm[];
+    float *S = sm;
+    float *Ws = S + GDC_DK * 32;
+    float *Qg = Ws + GDC * GDC_DK;
+    float *Kd = Qg + GDC * GDC_DK;
+    float *QKs = Kd + GDC * GDC_DK;
+    float *Vn = QKs + GDC * GDC;
+    float *Gs = Vn + GDC * 32;
+    const int h = blockIdx.y, hk = h / (nv / nk);
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int j = blockIdx.x * 32 + lane;
+    const bool jok = j < dv;
+    float *st = state + (long long)h * dk * dv;
+    for (int r = w; r < GDC_DK; r += 8) S[r * 32 + lane] = jok && r < dk ? st[(long long)r * dv + j] : 0.0f;
+    for (int c = 0; c < n_chunks; ++c) {
+        const int tb = t0 + c * GDC;
+        const int n = min(GDC, t_len - tb);
+        const long long ch = (long long)c * nv + h;
+        if (tid < GDC) Gs[tid] = gc[ch * GDC + tid];
+        for (int e = tid; e < GDC * GDC; e += 256) QKs[e] = qk[ch * GDC * GDC + e];
+        for (int e = tid; e < GDC * GDC_DK; e += 256) {
+            const int i = e / GDC_DK, r = e % GDC_DK;
+            Ws[e] = r < dk ? wk[(ch * GDC + i) * dk + r] : 0.0f;
+        }
+        float u[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) u[m] = jok ? uu[(ch * GDC + w + 8 * m) * dv + j] : 0.0f;
+        __syncthreads();
+        const float glast = Gs[GDC - 1];
+        for (int i = w; i < GDC; i += 8) {
+            const long long row = ((long long)(tb + i) * nk + hk) * dk;
+            gdc_norm_row(q + row, dk, i < n, q_scale, Qg + i * GDC_DK, lane);
+            gdc_norm_row(k + row, dk, i < n, 1.0f, Kd + i * GDC_DK, lane);
+            const float eq = expf(Gs[i]), ek = expf(glast - Gs[i]);
+#pragma unroll
+            for (int p = 0; p < GDC_DK / 32; ++p) {
+                Qg[i * GDC_DK + lane + 32 * p] *= eq;
+                Kd[i * GDC_DK + lane + 32 * p] *= ek;
+            }
+        }
+        __syncthreads();
+        // Rows i = w + 8 m: the deltas U - W S and the outputs' first term Qg S.
+        float dl[8], o[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) { dl[m] = 0.0f; o[m] = 0.0f; }
+        for (int r = 0; r < GDC_DK; r += 4) {
+            const float s0 = S[r * 32 + lane], s1 = S[(r + 1) * 32 + lane], s2 = S[(r + 2) * 32 + lane],
+                        s3 = S[(r + 3) * 32 + lane];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const float4 w4 = *reinterpret_cast<const float4 *>(Ws + (w + 8 * m) * GDC_DK + r);
+                const float4 q4 = *reinterpret_cast<const float4 *>(Qg + (w + 8 * m) * GDC_DK + r);
+                dl[m] = fmaf(w4.x, s0, fmaf(w4.y, s1, fmaf(w4.z, s2, fmaf(w4.w, s3, dl[m]))));
+                o[m] = fmaf(q4.x, s0, fmaf(q4.y, s1, fmaf(q4.z, s2, fmaf(q4.w, s3, o[m]))));
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) Vn[(w + 8 * m) * 32 + lane] = u[m] - dl[m];
+        __syncthreads();
+        // The outputs' second term: sum over l <= i of QK[i][l] Vn[l] (QK is zero past the diagonal).
+        for (int l = 0; l < GDC; l += 4) {
+            const float v0 = Vn[l * 32 + lane], v1 = Vn[(l + 1) * 32 + lane], v2 = Vn[(l + 2) * 32 + lane],
+                        v3 = Vn[(l + 3) * 32 + lane];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const float4 a4 = *reinterpret_cast<const float4 *>(QKs + (w + 8 * m) * GDC + l);
+                o[m] = fmaf(a4.x, v0, fmaf(a4.y, v1, fmaf(a4.z, v2, fmaf(a4.w, v3, o[m]))));
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int i = w + 8 * m;
+            if (jok && i < n) out[((long long)(tb + i) * nv + h) * dv + j] = o[m];
+        }
+        // The state: rows r = 16 w + m, S = e^(G_last) S + Kd^T Vn.
+        const float dec = expf(glast);
+        float acc[16];
+#pragma unroll
+        for (int m = 0; m < 16; ++m) acc[m] = S[(16 * w + m) * 32 + lane] * dec;
+        for (int i = 0; i < GDC; ++i) {
+            const float vn = Vn[i * 32 + lane];
+#pragma unroll
+            for (int m = 0; m < 16; m += 4) {
+                const float4 k4 = *reinterpret_cast<const float4 *>(Kd + i * GDC_DK + 16 * w + m);
+                acc[m] = fmaf(k4.x, vn, acc[m]);
+                acc[m + 1] = fmaf(k4.y, vn, acc[m + 1]);
+                acc[m + 2] = fmaf(k4.z, vn, acc[m + 2]);
+                acc[m + 3] = fmaf(k4.w, vn, acc[m + 3]);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 16; ++m) S[(16 * w + m) * 32 + lane] = acc[m];
+        __syncthreads();
+    }
+    for (int r = w; r < dk; r += 8)
+        if (jok) st[(long long)r * dv + j] = S[r * 32 + lane];
+}
+
 // A hint to the L2: bring up to 6 byte ranges in (the weights the next kernels will stream,
 // issued while latency-bound kernels leave the memory idle). No results; nothing reads them
 // through this kernel. Starts are 16-byte aligned (device allocations are); a tail of the range

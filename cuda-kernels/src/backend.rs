@@ -498,6 +498,8 @@ struct Scratch {
     x_lo: Option<CudaSlice<u16>>,
     /// Row blocks of a fragment-order bf16 matrix, unpacked for cuBLAS (prefills).
     w_unpack: Option<CudaSlice<u16>>,
+    /// The chunked delta rule's W, U, decayed q.k and G per chunk of a span.
+    gdn: Option<CudaSlice<f32>>,
     /// A counter bumped by every launch that writes x_hi / x_lo, and the (K, rows) they hold;
     /// a [`SplitAct`] names the generation it was written as.
     x_gen: u64,
@@ -752,6 +754,8 @@ pub struct Cuda {
     markov_mma: Mutex<bool>,
     /// [`Cuda::set_recurrent_parallel`].
     recurrent_parallel: Mutex<bool>,
+    /// [`Cuda::set_delta_chunk_min`].
+    delta_chunk_min: AtomicUsize,
     /// [`Cuda::set_unpack_block`].
     unpack_values: AtomicUsize,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
@@ -895,6 +899,7 @@ impl Cuda {
                 x_hi: None,
                 x_lo: None,
                 w_unpack: None,
+                gdn: None,
                 x_gen: 0,
                 x_shape: None,
                 a8_q: None,
@@ -930,6 +935,7 @@ impl Cuda {
             markov_persistent: Mutex::new(true),
             markov_mma: Mutex::new(true),
             recurrent_parallel: Mutex::new(true),
+            delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
@@ -1099,6 +1105,16 @@ impl Cuda {
     /// does not depend on how many tokens the call holds (a benchmark knob).
     pub fn set_recurrent_parallel(&self, on: bool) {
         *lock(&self.recurrent_parallel) = on;
+    }
+
+    /// The fewest tokens a `gated_delta_rule` call without a stash takes through the chunked
+    /// kernels (q / k L2-normalized, dk <= 128, [`Cuda::set_recurrent_parallel`] on);
+    /// `usize::MAX`: never. Default [`DELTA_CHUNK_MIN`]. The chunked form sums in another order
+    /// than the recurrent kernels (within f32 rounding of them), and its rounding depends on
+    /// where the call's chunks of 64 tokens begin: a prompt split into other calls gives other
+    /// low bits (a benchmark knob).
+    pub fn set_delta_chunk_min(&self, tokens: usize) {
+        self.delta_chunk_min.store(tokens, Ordering::Relaxed);
     }
 
     /// Values of W per row block that a prefill's cuBLAS matmul of packed bf16 or block-format
@@ -1289,6 +1305,96 @@ impl Cuda {
             set.insert(k, bytes);
         }
         Ok(f)
+    }
+
+    /// `gated_delta_rule` in chunks of [`GDC`] tokens (no stash; the caller checked the
+    /// shapes): per span of chunks whose scratch fits, `gdn_chunk_prep` over every chunk side
+    /// by side, then `gdn_chunk_scan` through them in order.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_chunked(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        g: &CudaBuf,
+        beta: &CudaBuf,
+        p: &DeltaParams,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let op = "gated_delta_rule";
+        let (nv, dk, dv) = (p.n_v_heads, p.dk, p.dv);
+        let prep_smem = (2 * GDC * (GDC_DK + 1) + 2 * GDC) * 4;
+        let scan_smem = (GDC_DK * 32 + 3 * GDC * GDC_DK + GDC * GDC + GDC * 32 + GDC) * 4;
+        if scan_smem > self.smem.block {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "the chunked kernels need {scan_smem} bytes of shared memory per block, the device allows {}",
+                    self.smem.block
+                ),
+            });
+        }
+        let (wk_len, uu_len, qk_len) = (nv * GDC * dk, nv * GDC * dv, nv * GDC * GDC);
+        let per_chunk = wk_len + uu_len + qk_len + nv * GDC;
+        let chunks = p.t.div_ceil(GDC);
+        let span = (DELTA_SCRATCH_VALUES / per_chunk).clamp(1, chunks);
+        let prep = self.func_smem(Kernel::GdnChunkPrep, prep_smem)?;
+        let scan = self.func_smem(Kernel::GdnChunkScan, scan_smem)?;
+        let mut s = lock(&self.scratch);
+        ensure(&self.stream, &mut s.gdn, span * per_chunk).map_err(dev)?;
+        let buf = s.gdn.as_mut().ok_or_else(internal)?;
+        let (mut wk, mut rest) = buf.split_at_mut(span * wk_len);
+        let (mut uu, mut rest) = rest.split_at_mut(span * uu_len);
+        let (mut qk, mut gc) = rest.split_at_mut(span * qk_len);
+        let (t_len, nk, nv32, dk32, dv32) = (
+            i32_of(op, "t", p.t)?,
+            p.n_k_heads as i32,
+            nv as i32,
+            dk as i32,
+            dv as i32,
+        );
+        for c0 in (0..chunks).step_by(span) {
+            let nc = span.min(chunks - c0);
+            let (t0, nc32) = ((c0 * GDC) as i32, nc as i32);
+            let mut b = self.stream.launch_builder(&prep);
+            b.arg(&q.data)
+                .arg(&k.data)
+                .arg(&v.data)
+                .arg(&g.data)
+                .arg(&beta.data);
+            b.arg(&t0)
+                .arg(&t_len)
+                .arg(&nk)
+                .arg(&nv32)
+                .arg(&dk32)
+                .arg(&dv32)
+                .arg(&p.q_scale);
+            b.arg(&mut wk).arg(&mut uu).arg(&mut qk).arg(&mut gc);
+            // SAFETY: gdn_chunk_prep's parameters, in order; the span's chunks fit the scratch.
+            unsafe { b.launch(cfg((nc as u32, nk as u32, 1), 256, prep_smem as u32)) }
+                .map_err(dev)?;
+            let mut b = self.stream.launch_builder(&scan);
+            b.arg(&q.data)
+                .arg(&k.data)
+                .arg(&mut wk)
+                .arg(&mut uu)
+                .arg(&mut qk)
+                .arg(&mut gc);
+            b.arg(&t0)
+                .arg(&t_len)
+                .arg(&nc32)
+                .arg(&nk)
+                .arg(&nv32)
+                .arg(&dk32)
+                .arg(&dv32)
+                .arg(&p.q_scale);
+            b.arg(&mut state.data).arg(&mut out.data);
+            let grid = (dv.div_ceil(32) as u32, nv as u32, 1);
+            // SAFETY: gdn_chunk_scan's parameters, in order, over the scratch prep wrote.
+            unsafe { b.launch(cfg(grid, 256, scan_smem as u32)) }.map_err(dev)?;
+        }
+        Ok(())
     }
 
     /// The preferred shared-memory carveouts, in percent of the most the device allows (-1:
@@ -2887,6 +2993,19 @@ impl Cuda {
 /// 327.43 -> 322.12 at 8192.
 pub const UNPACK_VALUES: usize = 64 << 20;
 
+/// The fewest tokens of a `gated_delta_rule` call without a stash that the chunked kernels
+/// take ([`Cuda::set_delta_chunk_min`]).
+pub const DELTA_CHUNK_MIN: usize = 64;
+
+/// Tokens per chunk of the chunked delta rule and the largest dk it takes (elementwise.cu's
+/// `GDC`, `GDC_DK`).
+const GDC: usize = 64;
+const GDC_DK: usize = 128;
+
+/// Scratch values of the chunked delta rule at most (128 MB): a longer call runs in spans of
+/// chunks that fit.
+const DELTA_SCRATCH_VALUES: usize = 32 << 20;
+
 /// Rows of W per block a cuBLAS matmul unpacks at a time (at most `values` values, a multiple
 /// of 16, at least 16) for K = `k`.
 fn unpack_chunk(k: usize, values: usize) -> usize {
@@ -4267,6 +4386,14 @@ impl Backend for Cuda {
             p.dv as i32,
         );
         let (l2, qs) = (p.qk_l2norm as i32, p.q_scale);
+        if stash.is_none()
+            && p.qk_l2norm
+            && p.dk <= GDC_DK
+            && p.t >= self.delta_chunk_min.load(Ordering::Relaxed)
+            && *lock(&self.recurrent_parallel)
+        {
+            return self.gated_delta_rule_chunked(q, k, v, g, beta, p, state, out);
+        }
         // The register kernels: 8 warps x R rows per thread cover dk.
         let regs = match p.dk {
             _ if !*lock(&self.recurrent_parallel) => None,

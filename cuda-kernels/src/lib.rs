@@ -17,6 +17,6 @@ pub mod registry;
 pub use backend::{
     a8_split_kernel_shapes, A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, CudaOptions,
     CudaWeightBuf, PrefillPrecision, SplitAct, A8_PREFILL_ROWS, ATTN_PREFILL_SPLIT,
-    QUANT_PREFILL_ROWS, SKINNY_ROWS, UNPACK_VALUES,
+    DELTA_CHUNK_MIN, QUANT_PREFILL_ROWS, SKINNY_ROWS, UNPACK_VALUES,
 };
 pub use error::CudaError;

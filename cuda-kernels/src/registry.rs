@@ -107,6 +107,8 @@ kernels! {
     GatedDeltaRule => (Elementwise, "gated_delta_rule"),
     GatedDeltaRuleR16 => (Elementwise, "gated_delta_rule_r16"),
     GatedDeltaRuleR32 => (Elementwise, "gated_delta_rule_r32"),
+    GdnChunkPrep => (Elementwise, "gdn_chunk_prep"),
+    GdnChunkScan => (Elementwise, "gdn_chunk_scan"),
     L2Prefetch => (Elementwise, "l2_prefetch"),
     FillRandomU32 => (Elementwise, "fill_random_u32"),
     FillRandomHalf => (Elementwise, "fill_random_half"),

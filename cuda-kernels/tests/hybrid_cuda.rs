@@ -54,29 +54,34 @@ fn hybrid_target_cuda_vs_cpu() {
     for (pattern, next_style) in [("lfl", false), ("llf", true), ("lflf", false)] {
         let cfg = tiny_config(64, 32, pattern, next_style);
         let seed: u64 = r.random();
-        let mut tc = target(
-            &cpu,
-            &cfg,
-            seed,
-            64,
-            RollbackArm::Stash,
-            None,
-            KvStorage::F32,
-        );
-        let mut tg = target(g, &cfg, seed, 64, RollbackArm::Stash, None, KvStorage::F32);
-        let toks: Vec<u32> = (0..19).map(|_| r.random_range(0..64)).collect();
-        let fc = tc.run(&cpu, &toks, &[], LogitRows::All).expect("cpu run");
-        let fg = tg.run(g, &toks, &[], LogitRows::All).expect("cuda run");
-        let lc = cpu
-            .download(fc.logits.as_ref().expect("logits"))
-            .expect("dl");
-        let lg = g.download(fg.logits.as_ref().expect("logits")).expect("dl");
-        report(
-            &format!("hybrid target logits pattern {pattern} next_style {next_style} (19 tokens)"),
-            &lg,
-            &lc,
-            1e-4,
-        );
+        // 19 tokens: the recurrent kernels; 150: the chunked delta rule (DELTA_CHUNK_MIN).
+        for n in [19usize, 150] {
+            let mut tc = target(
+                &cpu,
+                &cfg,
+                seed,
+                160,
+                RollbackArm::Stash,
+                None,
+                KvStorage::F32,
+            );
+            let mut tg = target(g, &cfg, seed, 160, RollbackArm::Stash, None, KvStorage::F32);
+            let toks: Vec<u32> = (0..n).map(|_| r.random_range(0..64)).collect();
+            let fc = tc.run(&cpu, &toks, &[], LogitRows::All).expect("cpu run");
+            let fg = tg.run(g, &toks, &[], LogitRows::All).expect("cuda run");
+            let lc = cpu
+                .download(fc.logits.as_ref().expect("logits"))
+                .expect("dl");
+            let lg = g.download(fg.logits.as_ref().expect("logits")).expect("dl");
+            report(
+                &format!(
+                    "hybrid target logits pattern {pattern} next_style {next_style} ({n} tokens)"
+                ),
+                &lg,
+                &lc,
+                1e-4,
+            );
+        }
     }
 }
 
@@ -88,7 +93,7 @@ fn hybrid_spec_equals_greedy_on_cuda_every_arm() {
     let mut r = rng("hybrid_spec_equals_greedy_on_cuda_every_arm");
     let mut accepted = 0;
     for arm in [RollbackArm::Stash, RollbackArm::Replay, RollbackArm::Gate] {
-        // The last pattern with the full-attention layers' K / V in f16.
+        // The last pattern with the full-attention layers' K / V in f16 (and a long prompt).
         for (pattern, next_style, markov, kv) in [
             ("lfl", false, 0usize, KvStorage::F32),
             ("llf", true, 32, KvStorage::F32),
@@ -96,9 +101,13 @@ fn hybrid_spec_equals_greedy_on_cuda_every_arm() {
         ] {
             let cfg = tiny_config(64, 32, pattern, next_style);
             let seed: u64 = r.random();
-            let prompt: Vec<u32> = (0..r.random_range(1..10))
-                .map(|_| r.random_range(0..64u32))
-                .collect();
+            // The last pattern's prompt long enough for the chunked delta rule in its prefill.
+            let plen = if pattern == "lflf" {
+                r.random_range(64..100)
+            } else {
+                r.random_range(1..10)
+            };
+            let prompt: Vec<u32> = (0..plen).map(|_| r.random_range(0..64u32)).collect();
             let max_new = r.random_range(8..=48usize);
             let cap = prompt.len() + 64 + 16;
             let mut t = target(g, &cfg, seed, cap, arm, Some((5, 2.0)), kv);

@@ -19,7 +19,7 @@ use dflash_backend::{
     AttnParams, Backend, BackendError, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope,
     RopeSpec, WeightFormat,
 };
-use dflash_cuda_kernels::{AttnFa, AttnKernel};
+use dflash_cuda_kernels::{AttnFa, AttnKernel, DELTA_CHUNK_MIN};
 use rand::Rng;
 
 const FORMATS: [WeightFormat; 5] = [
@@ -993,6 +993,58 @@ fn recurrent_kernels_per_token_and_against_cpu(
             }
             g.set_recurrent_parallel(true);
         }
+    }
+    // gated_delta_rule in chunks of 64 (calls of DELTA_CHUNK_MIN tokens or more, no stash,
+    // l2norm on, dk <= 128) against the CPU's token-by-token recurrence: a whole chunk, a
+    // ragged last chunk, dk under 128 with dv not a multiple of 32, gates strong enough that a
+    // chunk's cumulative decay underflows, and the Qwen3.6-27B shape over enough tokens for
+    // two spans of the scratch. The same call through the recurrent kernels (the knob) agrees
+    // with the CPU too, so the comparison has a second witness on the device.
+    for (t, nk, nv, dk, dv, gscale) in [
+        (64usize, 1usize, 2usize, 128usize, 128usize, 1.0f32),
+        (100, 2, 4, 128, 64, 1.0),
+        (200, 1, 3, 72, 40, 1.0),
+        (300, 2, 2, 128, 96, 30.0),
+        (2200, 16, 48, 128, 128, 0.3),
+    ] {
+        let p = DeltaParams {
+            t,
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            qk_l2norm: true,
+            q_scale: (dk as f32).powf(-0.5),
+        };
+        let q = rand_vec(r, t * nk * dk, 1.0);
+        let k = rand_vec(r, t * nk * dk, 1.0);
+        let v = rand_vec(r, t * nv * dv, 1.0);
+        let gl: Vec<f32> = rand_vec(r, t * nv, gscale)
+            .iter()
+            .map(|x| -x.abs())
+            .collect();
+        let be: Vec<f32> = rand_vec(r, t * nv, 1.0)
+            .iter()
+            .map(|x| x.abs().min(1.0))
+            .collect();
+        let s0 = rand_vec(r, nv * dk * dv, 0.5);
+        let (mut sc, mut oc) = (s0.clone(), vec![0.0; t * nv * dv]);
+        cpu.gated_delta_rule(&q, &k, &v, &gl, &be, &p, &mut sc, &mut oc, None)
+            .unwrap();
+        let up = |v: &Vec<f32>| g.upload(v).unwrap();
+        let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gl), up(&be));
+        for (name, min) in [("chunked", DELTA_CHUNK_MIN), ("recurrent", usize::MAX)] {
+            g.set_delta_chunk_min(min);
+            let what =
+                format!("gated_delta_rule {name} t={t} {nk}/{nv} dk={dk} dv={dv} g*{gscale}");
+            let mut sg = up(&s0);
+            let mut og = poisoned(g, oc.len());
+            g.gated_delta_rule(&qg, &kg, &vg, &gg, &bg, &p, &mut sg, &mut og, None)
+                .unwrap();
+            report(&format!("{what} out"), &dl(&og), &oc, 1e-4);
+            report(&format!("{what} state"), &dl(&sg), &sc, 1e-4);
+        }
+        g.set_delta_chunk_min(DELTA_CHUNK_MIN);
     }
 }
 

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use dflash_backend::{
     Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
-use dflash_cuda_kernels::{Cuda, SKINNY_ROWS};
+use dflash_cuda_kernels::{Cuda, DELTA_CHUNK_MIN, SKINNY_ROWS};
 use dflash_spec_round::{RollbackArm, Target};
 use dflash_targets::hybrid::{
     HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames, TensorSource,
@@ -47,7 +47,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     };
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
     let mut md = format!(
-        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         g.context().name()?,
         g.num_sms(),
     );
@@ -86,12 +86,8 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             q_scale: (dk as f32).powf(-0.5),
         };
         let mut ms = [[0.0f64; 2]; 2];
-        for (i, par) in [true, false].into_iter().enumerate() {
-            g.set_recurrent_parallel(par);
-            ms[0][i] = time_ms(g, iters, || {
-                Ok(g.causal_conv1d(&x, t, ch, ker, &w, &mut cst, &mut cout, cstash.as_mut())?)
-            })?;
-            ms[1][i] = time_ms(g, iters, || {
+        let mut delta = |g: &Cuda| {
+            time_ms(g, iters, || {
                 Ok(g.gated_delta_rule(
                     &q,
                     &k,
@@ -103,18 +99,36 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                     &mut out,
                     rstash.as_mut(),
                 )?)
+            })
+        };
+        // The chunked kernels at any length (a call with a stash never takes them).
+        let chunked = if stash {
+            None
+        } else {
+            g.set_delta_chunk_min(1);
+            let c = delta(g)?;
+            g.set_delta_chunk_min(usize::MAX);
+            Some(c)
+        };
+        for (i, par) in [true, false].into_iter().enumerate() {
+            g.set_recurrent_parallel(par);
+            ms[0][i] = time_ms(g, iters, || {
+                Ok(g.causal_conv1d(&x, t, ch, ker, &w, &mut cst, &mut cout, cstash.as_mut())?)
             })?;
+            ms[1][i] = delta(g)?;
         }
         g.set_recurrent_parallel(true);
+        g.set_delta_chunk_min(DELTA_CHUNK_MIN);
         println!(
-            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {:.3} / {:.3} ms (parallel / sequential)",
-            ms[0][0], ms[0][1], ms[1][0], ms[1][1]
+            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {} / {:.3} / {:.3} ms (chunked / registers / shared memory)",
+            ms[0][0], ms[0][1], fmt(chunked), ms[1][0], ms[1][1]
         );
         md += &format!(
-            "| {t} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
+            "| {t} | {:.3} | {:.3} | {} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
             ms[0][0],
             ms[0][1],
             fmt(peer(t, "conv")),
+            fmt(chunked),
             ms[1][0],
             ms[1][1],
             ms[0][1] / ms[0][0],
