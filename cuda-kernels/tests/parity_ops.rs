@@ -1033,17 +1033,34 @@ fn recurrent_kernels_per_token_and_against_cpu(
             .unwrap();
         let up = |v: &Vec<f32>| g.upload(v).unwrap();
         let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gl), up(&be));
-        for (name, min) in [("chunked", DELTA_CHUNK_MIN), ("recurrent", usize::MAX)] {
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+        for (name, min, wide) in [
+            ("chunked", DELTA_CHUNK_MIN, false),
+            ("chunked, wide scan", DELTA_CHUNK_MIN, true),
+            ("recurrent", usize::MAX, false),
+        ] {
             g.set_delta_chunk_min(min);
+            g.set_delta_scan_wide(wide);
             let what =
                 format!("gated_delta_rule {name} t={t} {nk}/{nv} dk={dk} dv={dv} g*{gscale}");
             let mut sg = up(&s0);
             let mut og = poisoned(g, oc.len());
             g.gated_delta_rule(&qg, &kg, &vg, &gg, &bg, &p, &mut sg, &mut og, None)
                 .unwrap();
-            report(&format!("{what} out"), &dl(&og), &oc, 1e-4);
-            report(&format!("{what} state"), &dl(&sg), &sc, 1e-4);
+            let (o, st) = (dl(&og), dl(&sg));
+            report(&format!("{what} out"), &o, &oc, 1e-4);
+            report(&format!("{what} state"), &st, &sc, 1e-4);
+            // The two scans' shared-memory layouts run the same arithmetic.
+            match &first {
+                None => first = Some((o, st)),
+                Some((o0, s0)) if wide => {
+                    assert_same_bits(&format!("{what} out vs the default scan"), &o, o0);
+                    assert_same_bits(&format!("{what} state vs the default scan"), &st, s0);
+                }
+                Some(_) => {}
+            }
         }
+        g.set_delta_scan_wide(false);
         g.set_delta_chunk_min(DELTA_CHUNK_MIN);
     }
 }

@@ -47,7 +47,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     };
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
     let mut md = format!(
-        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | chunked, wide scan | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         g.context().name()?,
         g.num_sms(),
     );
@@ -102,13 +102,16 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             })
         };
         // The chunked kernels at any length (a call with a stash never takes them).
-        let chunked = if stash {
-            None
+        let (chunked, wide) = if stash {
+            (None, None)
         } else {
             g.set_delta_chunk_min(1);
+            g.set_delta_scan_wide(true);
+            let w = delta(g)?;
+            g.set_delta_scan_wide(false);
             let c = delta(g)?;
             g.set_delta_chunk_min(usize::MAX);
-            Some(c)
+            (Some(c), Some(w))
         };
         for (i, par) in [true, false].into_iter().enumerate() {
             g.set_recurrent_parallel(par);
@@ -120,15 +123,16 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         g.set_recurrent_parallel(true);
         g.set_delta_chunk_min(DELTA_CHUNK_MIN);
         println!(
-            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {} / {:.3} / {:.3} ms (chunked / registers / shared memory)",
-            ms[0][0], ms[0][1], fmt(chunked), ms[1][0], ms[1][1]
+            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {} / {} / {:.3} / {:.3} ms (chunked / wide scan / registers / shared memory)",
+            ms[0][0], ms[0][1], fmt(chunked), fmt(wide), ms[1][0], ms[1][1]
         );
         md += &format!(
-            "| {t} | {:.3} | {:.3} | {} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
+            "| {t} | {:.3} | {:.3} | {} | {} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
             ms[0][0],
             ms[0][1],
             fmt(peer(t, "conv")),
             fmt(chunked),
+            fmt(wide),
             ms[1][0],
             ms[1][1],
             ms[0][1] / ms[0][0],
