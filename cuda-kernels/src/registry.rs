@@ -422,9 +422,12 @@ pub const SMEM_CARVEOUT_A8: i32 = 100;
 /// 8.7 ms with every kernel at 100).
 pub const SMEM_CARVEOUT_OTHER: i32 = -1;
 
-/// The preferred carveout of kernel `k` under the (Q8_0A8, other) pair `co`.
+/// The preferred carveout of kernel `k` under the (Q8_0A8, other) pair `co`. The chunked delta
+/// rule's scan always prefers all of it: its blocks of 104 KB run two per SM only there.
 fn carveout_of(k: Kernel, co: (i32, i32)) -> i32 {
-    if k.name().starts_with("a8") {
+    if k == Kernel::GdnChunkScan {
+        100
+    } else if k.name().starts_with("a8") {
         co.0
     } else {
         co.1
