@@ -253,7 +253,8 @@ pub struct BenchArgs {
     /// layer shape, 4 layers (3 linear + 1 full), bf16, random weights: the prefill of P
     /// tokens for each P of this list, then a decode (1 token) and a verify (16 tokens, the
     /// stash arm) from context P, each committing one row; `Cuda::set_recurrent_parallel` on and off;
-    /// then exit.
+    /// beside transformers' Qwen3.5 model at the same shape (`tools/bench/torch_hybrid.py`,
+    /// unless `--no-torch`); then exit.
     #[arg(long)]
     hybrid: Option<String>,
     /// Write the markdown report here (it is printed either way).

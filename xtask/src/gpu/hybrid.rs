@@ -272,6 +272,31 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         .collect::<Result<_, _>>()?;
     let cfg = hybrid_27b_4_layers();
     let iters = a.iters.max(1);
+    // The PyTorch peer first (its own process; our weights are not loaded yet).
+    let torch = if a.no_torch {
+        Vec::new()
+    } else {
+        let args = [
+            ("--p", list.to_string()),
+            ("--iters", iters.min(3).to_string()),
+        ];
+        match super::run_peer("torch_hybrid.py", &args)
+            .and_then(|t| super::json_list(&t, "torch_hybrid.py"))
+        {
+            Ok(v) => v,
+            Err(e) => {
+                println!("PyTorch hybrid target: {e:#}");
+                Vec::new()
+            }
+        }
+    };
+    let peer = |p: usize, name: &str| -> Option<f64> {
+        torch
+            .iter()
+            .find(|v| v["p"].as_u64() == Some(p as u64) && v["name"].as_str() == Some(name))
+            .and_then(|v| v["ms"].as_f64())
+    };
+    let fmt = |x: Option<f64>| x.map(|x| format!("{x:.2}")).unwrap_or("-".into());
     // Each decode / verify call advances the context by one (3 warm-up calls each).
     let cap = ps.iter().max().copied().unwrap_or(512) + 2 * (iters + 3) + 2 * SKINNY_ROWS;
     let names = TensorNames {
@@ -295,7 +320,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         .map(|i| (hash64(i) % cfg.vocab as u64) as u32)
         .collect();
     let mut md = format!(
-        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) from context P, each call committing its first row (the verify rolls 15 back from the stash).\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode |\n|---:|---|---:|---:|---:|---:|\n",
+        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) from context P, each call committing its first row (the verify rolls 15 back from the stash). PyTorch: transformers' Qwen3.5 model at the same shape in bf16 (`tools/bench/torch_hybrid.py`; its Gated DeltaNet through the torch fallbacks, flash-linear-attention not installed), CUDA-event ms, median of {}; its decode from a copy of the prefilled cache, the copy's time taken off.\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode | PyTorch prefill | PyTorch decode | PyTorch / ours, prefill / decode |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
         cfg.n_layers,
         cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Linear).count(),
         cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Full).count(),
@@ -310,6 +335,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         cfg.vocab,
         g.context().name()?,
         g.num_sms(),
+        iters.min(3),
         iters.min(3),
     );
     for &p in &ps {
@@ -335,9 +361,20 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             println!(
                 "hybrid P {p} {label}: prefill {prefill:.2} ms, decode {dec:.3} ms, verify16 {ver:.3} ms"
             );
+            let (tp, td) = if par {
+                (peer(p, "prefill"), peer(p, "decode"))
+            } else {
+                (None, None)
+            };
+            let ratio = match (tp, td) {
+                (Some(tp), Some(td)) => format!("{:.2}x / {:.2}x", tp / prefill, td / dec),
+                _ => "-".into(),
+            };
             md += &format!(
-                "| {p} | {label} | {prefill:.2} | {dec:.3} | {ver:.3} | {:.2}x |\n",
-                ver / dec
+                "| {p} | {label} | {prefill:.2} | {dec:.3} | {ver:.3} | {:.2}x | {} | {} | {ratio} |\n",
+                ver / dec,
+                fmt(tp),
+                fmt(td),
             );
         }
     }
