@@ -109,7 +109,6 @@ kernels! {
     GatedDeltaRuleR32 => (Elementwise, "gated_delta_rule_r32"),
     GdnChunkPrep => (Elementwise, "gdn_chunk_prep"),
     GdnChunkScan => (Elementwise, "gdn_chunk_scan"),
-    GdnChunkScanWide => (Elementwise, "gdn_chunk_scan_wide"),
     L2Prefetch => (Elementwise, "l2_prefetch"),
     FillRandomU32 => (Elementwise, "fill_random_u32"),
     FillRandomHalf => (Elementwise, "fill_random_half"),

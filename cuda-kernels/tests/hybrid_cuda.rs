@@ -10,7 +10,7 @@ mod hybrid_common;
 use common::{gpu, report, rng};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{Backend, KvStorage};
-use dflash_cuda_kernels::Cuda;
+use dflash_cuda_kernels::{Cuda, DELTA_CHUNK_MIN};
 use dflash_draft_model::random::{random_tensor_map, tiny_config as draft_tiny_config};
 use dflash_draft_model::{Drafter as DraftModel, LoadOptions as DraftLoad};
 use dflash_spec_round::{generate, plain_greedy, DflashDrafter, RollbackArm, SpecConfig, Target};
@@ -54,8 +54,8 @@ fn hybrid_target_cuda_vs_cpu() {
     for (pattern, next_style) in [("lfl", false), ("llf", true), ("lflf", false)] {
         let cfg = tiny_config(64, 32, pattern, next_style);
         let seed: u64 = r.random();
-        // 19 tokens: the recurrent kernels; 150: the chunked delta rule (DELTA_CHUNK_MIN).
-        for n in [19usize, 150] {
+        // 19 tokens: the recurrent kernels; more than DELTA_CHUNK_MIN: the chunked delta rule.
+        for n in [19usize, DELTA_CHUNK_MIN + 22] {
             let mut tc = target(
                 &cpu,
                 &cfg,
@@ -103,7 +103,7 @@ fn hybrid_spec_equals_greedy_on_cuda_every_arm() {
             let seed: u64 = r.random();
             // The last pattern's prompt long enough for the chunked delta rule in its prefill.
             let plen = if pattern == "lflf" {
-                r.random_range(64..100)
+                r.random_range(DELTA_CHUNK_MIN..DELTA_CHUNK_MIN + 40)
             } else {
                 r.random_range(1..10)
             };

@@ -994,8 +994,8 @@ fn recurrent_kernels_per_token_and_against_cpu(
             g.set_recurrent_parallel(true);
         }
     }
-    // gated_delta_rule in chunks of 64 (calls of DELTA_CHUNK_MIN tokens or more, no stash,
-    // l2norm on, dk <= 128) against the CPU's token-by-token recurrence: a whole chunk, a
+    // gated_delta_rule in chunks of 64 (by default calls of DELTA_CHUNK_MIN tokens or more, no
+    // stash, l2norm on, dk <= 128) against the CPU's token-by-token recurrence: a whole chunk, a
     // ragged last chunk, dk under 128 with dv not a multiple of 32, gates strong enough that a
     // chunk's cumulative decay underflows, and the Qwen3.6-27B shape over enough tokens for
     // two spans of the scratch. The same call through the recurrent kernels (the knob) agrees
@@ -1033,34 +1033,18 @@ fn recurrent_kernels_per_token_and_against_cpu(
             .unwrap();
         let up = |v: &Vec<f32>| g.upload(v).unwrap();
         let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gl), up(&be));
-        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
-        for (name, min, wide) in [
-            ("chunked", DELTA_CHUNK_MIN, false),
-            ("chunked, wide scan", DELTA_CHUNK_MIN, true),
-            ("recurrent", usize::MAX, false),
-        ] {
+        // Chunked at any length (the knob at 1), then the recurrent kernels (never chunked).
+        for (name, min) in [("chunked", 1), ("recurrent", usize::MAX)] {
             g.set_delta_chunk_min(min);
-            g.set_delta_scan_wide(wide);
             let what =
                 format!("gated_delta_rule {name} t={t} {nk}/{nv} dk={dk} dv={dv} g*{gscale}");
             let mut sg = up(&s0);
             let mut og = poisoned(g, oc.len());
             g.gated_delta_rule(&qg, &kg, &vg, &gg, &bg, &p, &mut sg, &mut og, None)
                 .unwrap();
-            let (o, st) = (dl(&og), dl(&sg));
-            report(&format!("{what} out"), &o, &oc, 1e-4);
-            report(&format!("{what} state"), &st, &sc, 1e-4);
-            // The two scans' shared-memory layouts run the same arithmetic.
-            match &first {
-                None => first = Some((o, st)),
-                Some((o0, s0)) if wide => {
-                    assert_same_bits(&format!("{what} out vs the default scan"), &o, o0);
-                    assert_same_bits(&format!("{what} state vs the default scan"), &st, s0);
-                }
-                Some(_) => {}
-            }
+            report(&format!("{what} out"), &dl(&og), &oc, 1e-4);
+            report(&format!("{what} state"), &dl(&sg), &sc, 1e-4);
         }
-        g.set_delta_scan_wide(false);
         g.set_delta_chunk_min(DELTA_CHUNK_MIN);
     }
 }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use dflash_backend::{
-    Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
+    AttnParams, Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
 use dflash_cuda_kernels::{Cuda, DELTA_CHUNK_MIN, SKINNY_ROWS};
 use dflash_spec_round::{RollbackArm, Target};
@@ -47,7 +47,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     };
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
     let mut md = format!(
-        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | chunked, wide scan | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         g.context().name()?,
         g.num_sms(),
     );
@@ -102,16 +102,13 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             })
         };
         // The chunked kernels at any length (a call with a stash never takes them).
-        let (chunked, wide) = if stash {
-            (None, None)
+        let chunked = if stash {
+            None
         } else {
             g.set_delta_chunk_min(1);
-            g.set_delta_scan_wide(true);
-            let w = delta(g)?;
-            g.set_delta_scan_wide(false);
             let c = delta(g)?;
             g.set_delta_chunk_min(usize::MAX);
-            (Some(c), Some(w))
+            Some(c)
         };
         for (i, par) in [true, false].into_iter().enumerate() {
             g.set_recurrent_parallel(par);
@@ -123,16 +120,15 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         g.set_recurrent_parallel(true);
         g.set_delta_chunk_min(DELTA_CHUNK_MIN);
         println!(
-            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {} / {} / {:.3} / {:.3} ms (chunked / wide scan / registers / shared memory)",
-            ms[0][0], ms[0][1], fmt(chunked), fmt(wide), ms[1][0], ms[1][1]
+            "recurrent T {t}: conv {:.3} / {:.3} ms, delta rule {} / {:.3} / {:.3} ms (chunked / registers / shared memory)",
+            ms[0][0], ms[0][1], fmt(chunked), ms[1][0], ms[1][1]
         );
         md += &format!(
-            "| {t} | {:.3} | {:.3} | {} | {} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
+            "| {t} | {:.3} | {:.3} | {} | {} | {:.3} | {:.3} | {:.1}x / {:.1}x | {} | {} | {} | {} |\n",
             ms[0][0],
             ms[0][1],
             fmt(peer(t, "conv")),
             fmt(chunked),
-            fmt(wide),
             ms[1][0],
             ms[1][1],
             ms[0][1] / ms[0][0],
@@ -379,6 +375,57 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         }
     }
     g.set_recurrent_parallel(true);
+    // The full-attention layer's prompt attention alone (f32 cache, the exact op the layer
+    // runs), beside a head dim of 128 with twice the heads (the same products, the
+    // tensor-core prefill kernels).
+    md += &format!(
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {} | {}/{} heads of {} (same products) |\n|---:|---:|---:|\n",
+        iters.min(5),
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        2 * cfg.n_heads,
+        2 * cfg.n_kv_heads,
+        cfg.head_dim / 2
+    );
+    for &p in &ps {
+        let mut ms = [0.0f64; 2];
+        for (i, (nh, nkv, hd)) in [
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+            (2 * cfg.n_heads, 2 * cfg.n_kv_heads, cfg.head_dim / 2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let ap = AttnParams {
+                n_q: p,
+                n_kv: p,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_pos0: 0,
+                kv_pos0: 0,
+                causal: true,
+                window: None,
+                scale: (hd as f32).powf(-0.5),
+            };
+            let q = g.random_buf(p * nh * hd, 21, 1.0)?;
+            let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
+            let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
+            let mut out = g.zeros(p * nh * hd)?;
+            ms[i] = time_ms(g, iters.min(5), || {
+                Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
+            })?;
+        }
+        println!(
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}), {:.2} ms (head dim {})",
+            ms[0],
+            cfg.head_dim,
+            ms[1],
+            cfg.head_dim / 2
+        );
+        md += &format!("| {p} | {:.2} | {:.2} |\n", ms[0], ms[1]);
+    }
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
