@@ -1099,10 +1099,12 @@ impl Cuda {
     /// The hybrid targets' recurrent ops (default on): `gated_delta_rule` keeps each state
     /// column in the registers of a warp's lanes, 32 columns of a head per block (heads with
     /// dk <= 256), instead of one block per head over the state in shared memory; and
-    /// `causal_conv1d` runs its tokens in chunks side by side instead of one after another.
-    /// The convolution's bits are the same either way; the delta rule's sums run in another
-    /// order (within f32 rounding of each other), and in both kernels a token's arithmetic
-    /// does not depend on how many tokens the call holds (a benchmark knob).
+    /// `causal_conv1d` runs its tokens in chunks side by side instead of one after another;
+    /// a long call of the delta rule without a stash runs in chunks of 64 tokens
+    /// ([`Cuda::set_delta_chunk_min`]; off with this knob). The convolution's bits are the
+    /// same either way; the delta rule's sums run in another order (within f32 rounding of
+    /// each other), and in the recurrent kernels a token's arithmetic does not depend on how
+    /// many tokens the call holds (a benchmark knob).
     pub fn set_recurrent_parallel(&self, on: bool) {
         *lock(&self.recurrent_parallel) = on;
     }
