@@ -39,12 +39,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             }
         }
     };
-    let peer = |t: usize, name: &str| -> Option<f64> {
-        torch
-            .iter()
-            .find(|v| v["t"].as_u64() == Some(t as u64) && v["name"].as_str() == Some(name))
-            .and_then(|v| v["ms"].as_f64())
-    };
+    let peer = |t: usize, name: &str| peer_ms(&torch, "t", t, name);
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
     let mut md = format!(
         "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
@@ -144,6 +139,13 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The `ms` of the peer's entry with `key` == `n` and this `name`.
+fn peer_ms(list: &[serde_json::Value], key: &str, n: usize, name: &str) -> Option<f64> {
+    list.iter()
+        .find(|v| v[key].as_u64() == Some(n as u64) && v["name"].as_str() == Some(name))
+        .and_then(|v| v["ms"].as_f64())
 }
 
 fn run_torch_gdn(ts: &[usize], shape: [usize; 5], iters: usize) -> Result<Vec<serde_json::Value>> {
@@ -286,12 +288,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             }
         }
     };
-    let peer = |p: usize, name: &str| -> Option<f64> {
-        torch
-            .iter()
-            .find(|v| v["p"].as_u64() == Some(p as u64) && v["name"].as_str() == Some(name))
-            .and_then(|v| v["ms"].as_f64())
-    };
+    let peer = |p: usize, name: &str| peer_ms(&torch, "p", p, name);
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.2}")).unwrap_or("-".into());
     // Each decode / verify call advances the context by one (3 warm-up calls each).
     let cap = ps.iter().max().copied().unwrap_or(512) + 2 * (iters + 3) + 2 * SKINNY_ROWS;
