@@ -381,6 +381,36 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
         if (h == H - 1) a8_zero_pad(i, H * D / 32, KBp, NT, xq, xd);
     }
 }
+// attention_gemm's masked softmax, in place: row (g, i) of g * r rows of nk scores (keys jlo
+// ..), query row r0 + i of the call. Its visible keys [lo, hi) as the CPU backend's: causal,
+// hi = min(qpos - kv_pos0 + 1, n_kv) (0 when qpos < kv_pos0); window w, lo = qpos + 1 - w -
+// kv_pos0 (at least 0, at most hi). Keys outside are 0; a row that sees none is all zeros.
+extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(float *s, int nk, int r, long long r0, long long jlo,
+                                                                  long long q_pos0, long long kv_pos0, long long n_kv,
+                                                                  int causal, long long window) {
+    __shared__ float red[32];
+    const int row = blockIdx.x, i = row % r;
+    float *x = s + (long long)row * nk;
+    const long long qpos = q_pos0 + r0 + i;
+    long long hi = !causal ? n_kv : (qpos < kv_pos0 ? 0 : min(qpos - kv_pos0 + 1, n_kv));
+    long long lo = 0;
+    if (window > 0) lo = min(max(qpos + 1 - window - kv_pos0, 0LL), hi);
+    const int a = (int)max(lo - jlo, 0LL), b = (int)max(min(hi - jlo, (long long)nk), 0LL);
+    float m = NEG_INF;
+    for (int j = a + threadIdx.x; j < b; j += blockDim.x) m = fmaxf(m, x[j]);
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) m = fmaxf(m, red[w]);
+    float l = 0.0f;
+    for (int j = a + threadIdx.x; j < b; j += blockDim.x) l += expf(x[j] - m);
+    l = block_sum(l, red);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int j = threadIdx.x; j < nk; j += blockDim.x) x[j] = j >= a && j < b ? expf(x[j] - m) * inv : 0.0f;
+}
+
 extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out,
                                         int H, int NT, int KBp, u32 *xq, float *xd, u16 *hi, u16 *lo) {
     attn_combine_impl<16>(ws_o, ws_ml, n_split, rows_total, D, out, H, NT, KBp, xq, xd, hi, lo);

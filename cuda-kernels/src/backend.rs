@@ -488,6 +488,8 @@ struct Scratch {
     mm_counters: Option<CudaSlice<u32>>,
     att_o: Option<CudaSlice<f32>>,
     att_ml: Option<CudaSlice<f32>>,
+    /// [`Cuda::attention_gemm`]'s scores of one kv head's block of rows.
+    att_s: Option<CudaSlice<f32>>,
     am_v: Option<CudaSlice<f32>>,
     am_i: Option<CudaSlice<u32>>,
     /// The persistent Markov chain's grid barrier: [arrivals, generation], zero at rest.
@@ -756,6 +758,10 @@ pub struct Cuda {
     recurrent_parallel: Mutex<bool>,
     /// [`Cuda::set_delta_chunk_min`].
     delta_chunk_min: AtomicUsize,
+    /// [`Cuda::set_attn_gemm`].
+    attn_gemm: std::sync::atomic::AtomicBool,
+    /// [`Cuda::set_attn_gemm_scores`].
+    attn_gemm_scores: AtomicUsize,
     /// [`Cuda::set_unpack_block`].
     unpack_values: AtomicUsize,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
@@ -891,6 +897,7 @@ impl Cuda {
                 mm_counters: None,
                 att_o: None,
                 att_ml: None,
+                att_s: None,
                 am_v: None,
                 am_i: None,
                 mk_bar: None,
@@ -936,6 +943,8 @@ impl Cuda {
             markov_mma: Mutex::new(true),
             recurrent_parallel: Mutex::new(true),
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
+            attn_gemm: std::sync::atomic::AtomicBool::new(true),
+            attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
@@ -1117,6 +1126,22 @@ impl Cuda {
     /// low bits (a benchmark knob).
     pub fn set_delta_chunk_min(&self, tokens: usize) {
         self.delta_chunk_min.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Whether a prompt's attention (64 query rows or more, f32 cache) at a head dim without a
+    /// tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
+    /// 256) runs as two f32 cuBLAS products around a masked softmax (default on) instead of
+    /// the SIMT split kernel. Another summation order, within f32 rounding (a benchmark knob).
+    pub fn set_attn_gemm(&self, on: bool) {
+        self.attn_gemm.store(on, Ordering::Relaxed);
+    }
+
+    /// The most score values of one block of rows in that path (default 32M, 128 MB of
+    /// scratch); smaller: more blocks of fewer rows (for tests).
+    #[doc(hidden)]
+    pub fn set_attn_gemm_scores(&self, values: usize) {
+        self.attn_gemm_scores
+            .store(values.max(1), Ordering::Relaxed);
     }
 
     /// Values of W per row block that a prefill's cuBLAS matmul of packed bf16 or block-format

@@ -251,6 +251,7 @@ kernels! {
     AttnTcD128Kw4X1 => (Attention, "attn_tc_d128_kw4_x1"),
     AttnCombine => (Attention, "attn_combine"),
     AttnCombineWide => (Attention, "attn_combine_wide"),
+    AttnSoftmaxRows => (Attention, "attn_softmax_rows"),
     AttnGeneric => (Attention, "attn_generic"),
 }
 

@@ -2755,3 +2755,63 @@ fn attention_prefill_fa_against_cpu() {
         "prefill FA kernels: within bound of the CPU, rows independent of the call's other rows"
     );
 }
+
+/// A prompt's attention at a head dim without a tensor-core prefill kernel (256: the Qwen3.5
+/// / Qwen3.6 full-attention layers; 16 and 96 too) through two f32 cuBLAS products around the
+/// masked softmax (`Cuda::set_attn_gemm`, 64+ rows, f32 cache) against the CPU, in one block of
+/// rows and in several, with causal / window / non-causal masks and rows that see no key;
+/// the SIMT split kernel (the knob off) against the CPU too.
+#[test]
+fn attention_gemm_against_cpu() {
+    if gpu("attention_gemm_against_cpu").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_gemm_against_cpu");
+    // A private backend: the knobs change the bits.
+    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    for &(ctx, nq, h, hkv, hd, win, causal, kv0) in &[
+        (
+            0usize, 300usize, 24usize, 4usize, 256usize, None, true, 0usize,
+        ),
+        (100, 200, 6, 2, 256, Some(150usize), true, 0),
+        (0, 64, 4, 4, 256, None, false, 0),
+        (0, 100, 4, 2, 16, None, true, 0),
+        (50, 90, 8, 8, 96, Some(40), true, 0),
+        // kv positions from 10: the first 10 rows see no key (zeros).
+        (0, 70, 6, 3, 256, None, true, 10),
+    ] {
+        let (q, k, v, mut p) =
+            attn_inputs(&mut r, (h, hkv, hd), ctx, nq, ctx + nq + 5, win, causal);
+        p.kv_pos0 = kv0;
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let what =
+            format!("ctx={ctx} nq={nq} h={h}/{hkv} d={hd} win={win:?} causal={causal} kv0={kv0}");
+        // (knob, score values per block: one block, then blocks of a few rows)
+        for (on, scores) in [
+            (true, 32usize << 20),
+            (true, 7 * h / hkv * p.n_kv),
+            (false, 32 << 20),
+        ] {
+            g.set_attn_gemm(on);
+            g.set_attn_gemm_scores(scores);
+            let mut og = poisoned(g, oc.len());
+            g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
+            let name = if on { "products" } else { "SIMT split kernel" };
+            report(
+                &format!("attention {name} {what} scores/block {scores}"),
+                &g.download(&og).unwrap(),
+                &oc,
+                2e-5,
+            );
+        }
+        g.set_attn_gemm(true);
+        g.set_attn_gemm_scores(32 << 20);
+    }
+}

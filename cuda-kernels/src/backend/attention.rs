@@ -17,6 +17,13 @@ use cudarc::driver::{CudaView, CudaViewMut};
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
 
+/// The fewest query rows a call takes through [`Cuda::attention_gemm`] (head dims without a
+/// tensor-core prefill kernel, f32 cache, no fused activation).
+pub(super) const ATTN_GEMM_MIN_ROWS: usize = 64;
+
+/// Score values of one kv head's block of rows at most (128 MB) in [`Cuda::attention_gemm`].
+pub(super) const ATTN_GEMM_SCORES: usize = 32 << 20;
+
 /// What the attention's split combine writes besides its f32 output: the next projection's
 /// activation, in the layout its matmul reads ([`Cuda::attention_op`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -720,6 +727,180 @@ impl Cuda {
         Ok(())
     }
 
+    /// A prompt's attention as products: per block of R query rows and per kv head, S = scale
+    /// Q K^T over the keys the block sees (one f32 cuBLAS product, batched over the head's
+    /// query heads), the masked softmax of each row in place (`attn_softmax_rows`: the CPU's
+    /// visible-key range per row, a row that sees no key all zeros), then O = P V (a second
+    /// product, written into `out`'s rows). f32 throughout (CUBLAS_COMPUTE_32F: no TF32).
+    fn attention_gemm(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let op = "attention";
+        let (d, hq, hkv) = (p.head_dim, p.n_heads, p.n_kv_heads);
+        let g = hq / hkv;
+        // Visible keys [lo, hi) of query row i (the CPU backend's rule).
+        let range = |i: usize| -> (usize, usize) {
+            let qpos = p.q_pos0 + i;
+            let hi = if !p.causal {
+                p.n_kv
+            } else if qpos < p.kv_pos0 {
+                0
+            } else {
+                (qpos - p.kv_pos0 + 1).min(p.n_kv)
+            };
+            let lo = match p.window {
+                Some(w) => (qpos + 1)
+                    .saturating_sub(w)
+                    .saturating_sub(p.kv_pos0)
+                    .min(hi),
+                None => 0,
+            };
+            (lo, hi)
+        };
+        let scores = self
+            .attn_gemm_scores
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let rows_per_block = (scores / (g * p.n_kv.max(1))).max(1).min(p.n_q);
+        let sm = self.func(Kernel::AttnSoftmaxRows)?;
+        let mut s = lock(&self.scratch);
+        ensure(
+            &self.stream,
+            &mut s.att_s,
+            g * rows_per_block * p.n_kv.max(1),
+        )
+        .map_err(dev)?;
+        let sbuf = s.att_s.as_mut().ok_or_else(internal)?;
+        let (one, zero) = (1.0f32, 0.0f32);
+        let f = std::mem::size_of::<f32>() as u64;
+        for r0 in (0..p.n_q).step_by(rows_per_block) {
+            let r = rows_per_block.min(p.n_q - r0);
+            let jlo = range(r0).0;
+            let jhi = (r0..r0 + r).map(|i| range(i).1).max().unwrap_or(0);
+            let nk = jhi.saturating_sub(jlo);
+            if nk == 0 {
+                // No row of the block sees a key: its outputs are zeros.
+                let (a, e) = (r0 * hq * d, (r0 + r) * hq * d);
+                self.stream
+                    .memset_zeros(&mut out.data.slice_mut(a..e))
+                    .map_err(dev)?;
+                continue;
+            }
+            let (r32, nk32, d32) = (
+                i32_of(op, "rows", r)?,
+                i32_of(op, "keys", nk)?,
+                i32_of(op, "head_dim", d)?,
+            );
+            for hk in 0..hkv {
+                self.with_blas(|blas| {
+                    let (qp, _g1) = q.data.device_ptr(&self.stream);
+                    let (kp, _g2) = k.data.device_ptr(&self.stream);
+                    let (sp, _g3) = sbuf.device_ptr_mut(&self.stream);
+                    let qa = qp + (((r0 * hq) + hk * g) * d) as u64 * f;
+                    let ka = kp + ((jlo * hkv + hk) * d) as u64 * f;
+                    // S (column-major nk x r per query head) = K^T Q.
+                    // SAFETY: the views address q / k / the scratch within their lengths (checked
+                    // by attention_op and sized above) on the handle's stream.
+                    unsafe {
+                        cudarc::cublas::result::gemm_strided_batched_ex(
+                            *blas.handle(),
+                            cublasOperation_t::CUBLAS_OP_T,
+                            cublasOperation_t::CUBLAS_OP_N,
+                            nk32,
+                            r32,
+                            d32,
+                            &p.scale as *const f32 as *const _,
+                            ka as *const _,
+                            cudaDataType::CUDA_R_32F,
+                            i32_of(op, "kv row", hkv * d)?,
+                            0,
+                            qa as *const _,
+                            cudaDataType::CUDA_R_32F,
+                            i32_of(op, "q row", hq * d)?,
+                            d as i64,
+                            &zero as *const f32 as *const _,
+                            sp as *mut _,
+                            cudaDataType::CUDA_R_32F,
+                            nk32,
+                            (r * nk) as i64,
+                            g as i32,
+                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                    }
+                    .map_err(dev)?;
+                    Ok(())
+                })?;
+                let (rows, nk_a, r_a, r0_a, jlo_a) =
+                    ((g * r) as u32, nk as i32, r as i32, r0 as i64, jlo as i64);
+                let (qp0, kp0, nkv) = (p.q_pos0 as i64, p.kv_pos0 as i64, p.n_kv as i64);
+                let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
+                {
+                    let mut b = self.stream.launch_builder(&sm);
+                    b.arg(&mut *sbuf)
+                        .arg(&nk_a)
+                        .arg(&r_a)
+                        .arg(&r0_a)
+                        .arg(&jlo_a)
+                        .arg(&qp0)
+                        .arg(&kp0)
+                        .arg(&nkv)
+                        .arg(&causal)
+                        .arg(&window);
+                    // SAFETY: attn_softmax_rows's parameters, in order; g * r rows of nk scores.
+                    unsafe { b.launch(cfg((rows, 1, 1), 256, 0)) }.map_err(dev)?;
+                }
+                self.with_blas(|blas| {
+                    let (vp, _g1) = v.data.device_ptr(&self.stream);
+                    let (sp, _g2) = sbuf.device_ptr(&self.stream);
+                    let (op_, _g3) = out.data.device_ptr_mut(&self.stream);
+                    let va = vp + ((jlo * hkv + hk) * d) as u64 * f;
+                    let oa = op_ + (((r0 * hq) + hk * g) * d) as u64 * f;
+                    // O (column-major d x r per query head, rows of `out`) = V P.
+                    // SAFETY: as above; out holds n_q * n_heads * head_dim values.
+                    unsafe {
+                        cudarc::cublas::result::gemm_strided_batched_ex(
+                            *blas.handle(),
+                            cublasOperation_t::CUBLAS_OP_N,
+                            cublasOperation_t::CUBLAS_OP_N,
+                            d32,
+                            r32,
+                            nk32,
+                            &one as *const f32 as *const _,
+                            va as *const _,
+                            cudaDataType::CUDA_R_32F,
+                            i32_of(op, "kv row", hkv * d)?,
+                            0,
+                            sp as *const _,
+                            cudaDataType::CUDA_R_32F,
+                            nk32,
+                            (r * nk) as i64,
+                            &zero as *const f32 as *const _,
+                            oa as *mut _,
+                            cudaDataType::CUDA_R_32F,
+                            i32_of(op, "q row", hq * d)?,
+                            d as i64,
+                            g as i32,
+                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                    }
+                    .map_err(dev)?;
+                    Ok(())
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// The attention op; `extra`: what the split combine writes besides `out` (the next
     /// projection's activation; returned if it did: the paths without a combine write `out`
     /// only).
@@ -735,6 +916,28 @@ impl Cuda {
         extra: AttnExtra,
         out: &mut CudaBuf,
     ) -> Result<Option<AttnAct>> {
+        // A long prompt's rows at a head dim the tensor-core prefill kernels do not take: two
+        // f32 cuBLAS products per block of rows around a masked softmax.
+        if kv == KvStorage::F32
+            && matches!(extra, AttnExtra::None)
+            && p.n_q >= ATTN_GEMM_MIN_ROWS
+            && p.n_kv_heads > 0
+            && p.n_heads.is_multiple_of(p.n_kv_heads)
+            && p.n_heads > 0
+            && p.head_dim > 0
+            && p.window != Some(0)
+            && pf_kernel(p.head_dim, true).is_none()
+            && self.attn_gemm.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            let op = if fast { "attention_fast" } else { "attention" };
+            check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
+            let kv_slots = p.n_kv * p.n_kv_heads * p.head_dim;
+            check(op, "k", kv_slots, k.len)?;
+            check(op, "v", kv_slots, v.len)?;
+            check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
+            self.attention_gemm(q, k, v, p, out)?;
+            return Ok(None);
+        }
         let w = p.n_heads * p.head_dim;
         // Causal rows under the automatic split: each row's keys in the splits the keys it
         // sees choose ([`CAUSAL_SPLITS`]), so a row of a verify has the bits of its decode;

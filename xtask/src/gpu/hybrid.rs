@@ -373,10 +373,11 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     }
     g.set_recurrent_parallel(true);
     // The full-attention layer's prompt attention alone (f32 cache, the exact op the layer
-    // runs), beside a head dim of 128 with twice the heads (the same products, the
-    // tensor-core prefill kernels).
+    // runs: the two products, `Cuda::set_attn_gemm`), the SIMT split kernel it replaced, and
+    // a head dim of 128 with twice the heads (the same products, the tensor-core prefill
+    // kernels).
     md += &format!(
-        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {} | {}/{} heads of {} (same products) |\n|---:|---:|---:|\n",
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|\n",
         iters.min(5),
         cfg.n_heads,
         cfg.n_kv_heads,
@@ -386,14 +387,16 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         cfg.head_dim / 2
     );
     for &p in &ps {
-        let mut ms = [0.0f64; 2];
-        for (i, (nh, nkv, hd)) in [
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
-            (2 * cfg.n_heads, 2 * cfg.n_kv_heads, cfg.head_dim / 2),
+        let mut ms = [0.0f64; 3];
+        for (i, (nh, nkv, hd, gemm)) in [
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, true),
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, false),
+            (2 * cfg.n_heads, 2 * cfg.n_kv_heads, cfg.head_dim / 2, true),
         ]
         .into_iter()
         .enumerate()
         {
+            g.set_attn_gemm(gemm);
             let ap = AttnParams {
                 n_q: p,
                 n_kv: p,
@@ -414,14 +417,16 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
             })?;
         }
+        g.set_attn_gemm(true);
         println!(
-            "hybrid P {p}: attention alone {:.2} ms (head dim {}), {:.2} ms (head dim {})",
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}; SIMT {:.2}), {:.2} ms (head dim {})",
             ms[0],
             cfg.head_dim,
             ms[1],
+            ms[2],
             cfg.head_dim / 2
         );
-        md += &format!("| {p} | {:.2} | {:.2} |\n", ms[0], ms[1]);
+        md += &format!("| {p} | {:.2} | {:.2} | {:.2} |\n", ms[0], ms[1], ms[2]);
     }
     println!("\n{md}");
     if let Some(path) = &a.md {
