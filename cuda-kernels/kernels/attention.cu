@@ -381,22 +381,21 @@ __device__ __forceinline__ void attn_combine_impl(const float *ws_o, const float
         if (h == H - 1) a8_zero_pad(i, H * D / 32, KBp, NT, xq, xd);
     }
 }
-// attention_gemm's masked softmax, in place: row (g, i) of g * r rows of nk scores (keys jlo
-// ..), query row r0 + i of the call. Its visible keys [lo, hi) as the CPU backend's: causal,
-// hi = min(qpos - kv_pos0 + 1, n_kv) (0 when qpos < kv_pos0); window w, lo = qpos + 1 - w -
-// kv_pos0 (at least 0, at most hi). Keys outside are 0; a row that sees none is all zeros.
-extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(float *s, int nk, int r, long long r0, long long jlo,
-                                                                  long long q_pos0, long long kv_pos0, long long n_kv,
-                                                                  int causal, long long window) {
-    __shared__ float red[32];
-    const int row = blockIdx.x, i = row % r;
-    float *x = s + (long long)row * nk;
+// attention_gemm's masked softmax of row (g, i) of g * r rows of nk scores (keys jlo ..),
+// query row r0 + i of the call. Its visible keys [lo, hi) as the CPU backend's: causal, hi =
+// min(qpos - kv_pos0 + 1, n_kv) (0 when qpos < kv_pos0); window w, lo = qpos + 1 - w - kv_pos0
+// (at least 0, at most hi). Returns the block-relative range [a, b), the row's maximum m and
+// 1 / sum (0 for a row that sees no key). blockDim 256.
+__device__ __forceinline__ void softmax_row_stats(const float *x, int nk, int i, long long r0, long long jlo, long long q_pos0,
+                                                  long long kv_pos0, long long n_kv, int causal, long long window, float *red,
+                                                  int &a, int &b, float &m, float &inv) {
     const long long qpos = q_pos0 + r0 + i;
     long long hi = !causal ? n_kv : (qpos < kv_pos0 ? 0 : min(qpos - kv_pos0 + 1, n_kv));
     long long lo = 0;
     if (window > 0) lo = min(max(qpos + 1 - window - kv_pos0, 0LL), hi);
-    const int a = (int)max(lo - jlo, 0LL), b = (int)max(min(hi - jlo, (long long)nk), 0LL);
-    float m = NEG_INF;
+    a = (int)max(lo - jlo, 0LL);
+    b = (int)max(min(hi - jlo, (long long)nk), 0LL);
+    m = NEG_INF;
     for (int j = a + threadIdx.x; j < b; j += blockDim.x) m = fmaxf(m, x[j]);
     m = warp_max(m);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
@@ -407,8 +406,61 @@ extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(float *s, in
     float l = 0.0f;
     for (int j = a + threadIdx.x; j < b; j += blockDim.x) l += expf(x[j] - m);
     l = block_sum(l, red);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    inv = l > 0.0f ? 1.0f / l : 0.0f;
+}
+
+// The softmax in place (f32 P): keys outside the row's range are 0; a row that sees none is
+// all zeros.
+extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(float *s, int nk, int r, long long r0, long long jlo,
+                                                                  long long q_pos0, long long kv_pos0, long long n_kv,
+                                                                  int causal, long long window) {
+    __shared__ float red[32];
+    const int row = blockIdx.x;
+    float *x = s + (long long)row * nk;
+    int a, b;
+    float m, inv;
+    softmax_row_stats(x, nk, row % r, r0, jlo, q_pos0, kv_pos0, n_kv, causal, window, red, a, b, m, inv);
     for (int j = threadIdx.x; j < nk; j += blockDim.x) x[j] = j >= a && j < b ? expf(x[j] - m) * inv : 0.0f;
+}
+
+// The softmax written as the bf16 three-product operand: P's row (stride ldp values) holds per
+// key j the triple (hi, hi, lo) of its probability (split_bf16x2's bits), against V's (hi, lo,
+// hi) of attn_split3: O = Vhi Phi + Vlo Phi + Vhi Plo in one product over 3 nk.
+extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows_x3(const float *s, u16 *p, int nk, int ldp, int r, long long r0,
+                                                                     long long jlo, long long q_pos0, long long kv_pos0,
+                                                                     long long n_kv, int causal, long long window) {
+    __shared__ float red[32];
+    const int row = blockIdx.x;
+    const float *x = s + (long long)row * nk;
+    u16 *y = p + (long long)row * ldp;
+    int a, b;
+    float m, inv;
+    softmax_row_stats(x, nk, row % r, r0, jlo, q_pos0, kv_pos0, n_kv, causal, window, red, a, b, m, inv);
+    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+        const float v = j >= a && j < b ? expf(x[j] - m) * inv : 0.0f;
+        u32 h, l;
+        split_bf16x2(v, 0.0f, h, l);
+        y[3 * j] = (u16)(h & 0xffffu);
+        y[3 * j + 1] = (u16)(h & 0xffffu);
+        y[3 * j + 2] = (u16)(l & 0xffffu);
+    }
+}
+
+// attention_gemm's bf16 operands: each of `rows` rows of w f32 values as 3 w bf16 values, three
+// parts of w: part t the hi (bit t of `lo_parts` clear) or lo (set) halves of split_bf16x2.
+// Q [hi | hi | lo] (0b100) against K [hi | lo | hi] (0b010): S = Qhi Khi + Qhi Klo + Qlo Khi
+// in one product over 3 d; V per key row the same as K.
+extern "C" __global__ void attn_split3(const float *__restrict__ x, u16 *__restrict__ y, long long rows, int w, int lo_parts) {
+    const long long n = rows * w, step = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
+        const long long row = i / w;
+        const int c = (int)(i - row * w);
+        u32 h, l;
+        split_bf16x2(x[i], 0.0f, h, l);
+        u16 *o = y + row * 3 * w + c;
+#pragma unroll
+        for (int t = 0; t < 3; ++t) o[(long long)t * w] = (u16)(((lo_parts >> t) & 1 ? l : h) & 0xffffu);
+    }
 }
 
 extern "C" __global__ void attn_combine(const float *ws_o, const float *ws_ml, int n_split, long long rows_total, int D, float *out,

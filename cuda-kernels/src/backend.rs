@@ -70,6 +70,24 @@ pub enum PrefillPrecision {
     Fast,
 }
 
+/// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without a
+/// tensor-core prefill kernel ([`Cuda::set_attn_gemm`]): per block of query rows and per kv
+/// head, S = scale Q K^T (one cuBLAS product batched over the head's query heads), a masked
+/// softmax kernel, O = P V (a second product). Under [`PrefillPrecision::Fast`] either
+/// product mode is one product with f16 operands (CUBLAS_COMPUTE_32F_FAST_16F).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttnGemm {
+    /// The SIMT split kernel of the decode and verify rows instead.
+    Off,
+    /// f32 products (CUBLAS_COMPUTE_32F: CUDA cores, no TF32).
+    F32,
+    /// Q, K, V and P split into bf16 hi + lo, each product as one bf16 tensor-core product
+    /// over three times its inner dimension (hi hi + hi lo + lo hi, f32 accumulation): the
+    /// arithmetic of the FlashAttention-2-style prefill kernels at head dims 32 / 64 / 128.
+    #[default]
+    Bf16x3,
+}
+
 /// Keys per split of a prefill's causal attention by default ([`Cuda::set_attn_prefill_split`]):
 /// one split for any span up to 2^20 keys.
 pub const ATTN_PREFILL_SPLIT: usize = 1 << 20;
@@ -490,6 +508,12 @@ struct Scratch {
     att_ml: Option<CudaSlice<f32>>,
     /// [`Cuda::attention_gemm`]'s scores of one kv head's block of rows.
     att_s: Option<CudaSlice<f32>>,
+    /// Its bf16 operands under [`AttnGemm::Bf16x3`]: the block's Q, the keys' K and V (three
+    /// parts each), and P (three values a score).
+    att_q3: Option<CudaSlice<u16>>,
+    att_k3: Option<CudaSlice<u16>>,
+    att_v3: Option<CudaSlice<u16>>,
+    att_p3: Option<CudaSlice<u16>>,
     am_v: Option<CudaSlice<f32>>,
     am_i: Option<CudaSlice<u32>>,
     /// The persistent Markov chain's grid barrier: [arrivals, generation], zero at rest.
@@ -759,7 +783,7 @@ pub struct Cuda {
     /// [`Cuda::set_delta_chunk_min`].
     delta_chunk_min: AtomicUsize,
     /// [`Cuda::set_attn_gemm`].
-    attn_gemm: std::sync::atomic::AtomicBool,
+    attn_gemm: Mutex<AttnGemm>,
     /// [`Cuda::set_attn_gemm_scores`].
     attn_gemm_scores: AtomicUsize,
     /// [`Cuda::set_unpack_block`].
@@ -898,6 +922,10 @@ impl Cuda {
                 att_o: None,
                 att_ml: None,
                 att_s: None,
+                att_q3: None,
+                att_k3: None,
+                att_v3: None,
+                att_p3: None,
                 am_v: None,
                 am_i: None,
                 mk_bar: None,
@@ -943,7 +971,7 @@ impl Cuda {
             markov_mma: Mutex::new(true),
             recurrent_parallel: Mutex::new(true),
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
-            attn_gemm: std::sync::atomic::AtomicBool::new(true),
+            attn_gemm: Mutex::new(AttnGemm::default()),
             attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
             markov_fit: Mutex::new(HashMap::new()),
@@ -1128,12 +1156,11 @@ impl Cuda {
         self.delta_chunk_min.store(tokens, Ordering::Relaxed);
     }
 
-    /// Whether a prompt's attention (64 query rows or more, f32 cache) at a head dim without a
-    /// tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
-    /// 256) runs as two f32 cuBLAS products around a masked softmax (default on) instead of
-    /// the SIMT split kernel. Another summation order, within f32 rounding (a benchmark knob).
-    pub fn set_attn_gemm(&self, on: bool) {
-        self.attn_gemm.store(on, Ordering::Relaxed);
+    /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
+    /// a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
+    /// 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
+    pub fn set_attn_gemm(&self, mode: AttnGemm) {
+        *lock(&self.attn_gemm) = mode;
     }
 
     /// The most score values of one block of rows in that path (default 32M, 128 MB of

@@ -15,8 +15,8 @@ mod error;
 pub mod registry;
 
 pub use backend::{
-    a8_split_kernel_shapes, A8Act, A8Kernel, AttnFa, AttnKernel, Cuda, CudaBuf, CudaOptions,
-    CudaWeightBuf, PrefillPrecision, SplitAct, A8_PREFILL_ROWS, ATTN_PREFILL_SPLIT,
+    a8_split_kernel_shapes, A8Act, A8Kernel, AttnFa, AttnGemm, AttnKernel, Cuda, CudaBuf,
+    CudaOptions, CudaWeightBuf, PrefillPrecision, SplitAct, A8_PREFILL_ROWS, ATTN_PREFILL_SPLIT,
     DELTA_CHUNK_MIN, QUANT_PREFILL_ROWS, SKINNY_ROWS, UNPACK_VALUES,
 };
 pub use error::CudaError;

@@ -252,6 +252,8 @@ kernels! {
     AttnCombine => (Attention, "attn_combine"),
     AttnCombineWide => (Attention, "attn_combine_wide"),
     AttnSoftmaxRows => (Attention, "attn_softmax_rows"),
+    AttnSoftmaxRowsX3 => (Attention, "attn_softmax_rows_x3"),
+    AttnSplit3 => (Attention, "attn_split3"),
     AttnGeneric => (Attention, "attn_generic"),
 }
 

@@ -2757,12 +2757,16 @@ fn attention_prefill_fa_against_cpu() {
 }
 
 /// A prompt's attention at a head dim without a tensor-core prefill kernel (256: the Qwen3.5
-/// / Qwen3.6 full-attention layers; 16 and 96 too) through two f32 cuBLAS products around the
-/// masked softmax (`Cuda::set_attn_gemm`, 64+ rows, f32 cache) against the CPU, in one block of
-/// rows and in several, with causal / window / non-causal masks and rows that see no key;
-/// the SIMT split kernel (the knob off) against the CPU too.
+/// / Qwen3.6 full-attention layers; 16 and 96 too) through two cuBLAS products around the
+/// masked softmax (`Cuda::set_attn_gemm`, 64+ rows, f32 cache) against the CPU: bf16 hi / lo
+/// operands on the tensor cores and f32 products, each in one block of rows and in several,
+/// with causal / window / non-causal masks and rows that see no key; a causal prefill under
+/// `PrefillPrecision::Fast` (f16 operands) within the fast bound; the SIMT split kernel (the
+/// knob off) against the CPU too. The two product modes do not give the same bits (each is
+/// the path it names).
 #[test]
 fn attention_gemm_against_cpu() {
+    use dflash_cuda_kernels::{AttnGemm, PrefillPrecision};
     if gpu("attention_gemm_against_cpu").is_none() {
         return;
     }
@@ -2793,25 +2797,43 @@ fn attention_gemm_against_cpu() {
         );
         let what =
             format!("ctx={ctx} nq={nq} h={h}/{hkv} d={hd} win={win:?} causal={causal} kv0={kv0}");
-        // (knob, score values per block: one block, then blocks of a few rows)
-        for (on, scores) in [
-            (true, 32usize << 20),
-            (true, 7 * h / hkv * p.n_kv),
-            (false, 32 << 20),
+        let mut outs = Vec::new();
+        // (mode, precision, score values per block: one block, then blocks of a few rows)
+        let few = 7 * h / hkv * p.n_kv;
+        for (mode, prec, scores) in [
+            (AttnGemm::Bf16x3, PrefillPrecision::Exact, 32usize << 20),
+            (AttnGemm::Bf16x3, PrefillPrecision::Exact, few),
+            (AttnGemm::F32, PrefillPrecision::Exact, 32 << 20),
+            (AttnGemm::F32, PrefillPrecision::Exact, few),
+            (AttnGemm::Bf16x3, PrefillPrecision::Fast, few),
+            (AttnGemm::Off, PrefillPrecision::Exact, 32 << 20),
         ] {
-            g.set_attn_gemm(on);
+            g.set_attn_gemm(mode);
             g.set_attn_gemm_scores(scores);
+            g.set_prefill_precision(prec);
             let mut og = poisoned(g, oc.len());
             g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
-            let name = if on { "products" } else { "SIMT split kernel" };
+            // The fast precision applies to a causal prefill only.
+            let f16 = prec == PrefillPrecision::Fast && causal;
+            let tol = if f16 { 4e-3 } else { 2e-5 };
+            let o = g.download(&og).unwrap();
             report(
-                &format!("attention {name} {what} scores/block {scores}"),
-                &g.download(&og).unwrap(),
+                &format!("attention {mode:?} {prec:?} {what} scores/block {scores}"),
+                &o,
                 &oc,
-                2e-5,
+                tol,
             );
+            outs.push(o);
         }
-        g.set_attn_gemm(true);
+        assert!(
+            outs[0]
+                .iter()
+                .zip(&outs[2])
+                .any(|(a, b)| a.to_bits() != b.to_bits()),
+            "{what}: the bf16 products gave the f32 products' bits"
+        );
+        g.set_attn_gemm(AttnGemm::default());
         g.set_attn_gemm_scores(32 << 20);
+        g.set_prefill_precision(PrefillPrecision::Exact);
     }
 }

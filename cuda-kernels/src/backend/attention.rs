@@ -7,8 +7,9 @@
 //! (kernels/attention.cu).
 
 use super::{
-    cfg, check, ensure, i32_of, internal, lock, A8Act, AttnParams, BackendError, Cuda, CudaBuf,
-    Kernel, KvStorage, PushKernelArg, RawArgs, Result, Scratch, SmemLimits, SplitAct,
+    cfg, check, ensure, grid_1d, i32_of, internal, lock, A8Act, AttnGemm, AttnParams, BackendError,
+    Cuda, CudaBuf, Kernel, KvStorage, PushKernelArg, RawArgs, Result, Scratch, SmemLimits,
+    SplitAct,
 };
 use crate::error::dev;
 use crate::registry::{module_arch, Module};
@@ -425,6 +426,75 @@ fn pf_kernel(d: usize, x3: bool) -> Option<Kernel> {
     })
 }
 
+/// One strided-batched cuBLAS product of column-major matrices, C (f32, beta 0) = alpha op(A)
+/// B: A m x k (`trans_a`: stored k x m), B k x n, each of `batch` with strides `sa`, `sb`,
+/// `sc` values; A and B of type `ab`. Addresses are device pointers.
+struct BatchedGemm {
+    op: &'static str,
+    trans_a: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: u64,
+    lda: usize,
+    sa: usize,
+    b: u64,
+    ldb: usize,
+    sb: usize,
+    c: u64,
+    ldc: usize,
+    sc: usize,
+    batch: usize,
+    ab: cudarc::cublas::sys::cudaDataType,
+    compute: cudarc::cublas::sys::cublasComputeType_t,
+}
+
+impl BatchedGemm {
+    /// # Safety
+    /// The addresses hold the matrices the sizes, leading dimensions and strides address,
+    /// ordered on the handle's stream.
+    unsafe fn run(&self, blas: &cudarc::cublas::CudaBlas) -> Result<()> {
+        use cudarc::cublas::sys::{cublasGemmAlgo_t, cublasOperation_t as Op, cudaDataType};
+        let i = |what: &str, v: usize| i32_of(self.op, what, v);
+        let zero = 0.0f32;
+        let ta = if self.trans_a {
+            Op::CUBLAS_OP_T
+        } else {
+            Op::CUBLAS_OP_N
+        };
+        // SAFETY: the caller's contract.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *blas.handle(),
+                ta,
+                Op::CUBLAS_OP_N,
+                i("m", self.m)?,
+                i("n", self.n)?,
+                i("k", self.k)?,
+                &self.alpha as *const f32 as *const _,
+                self.a as *const _,
+                self.ab,
+                i("lda", self.lda)?,
+                self.sa as i64,
+                self.b as *const _,
+                self.ab,
+                i("ldb", self.ldb)?,
+                self.sb as i64,
+                &zero as *const f32 as *const _,
+                self.c as *mut _,
+                cudaDataType::CUDA_R_32F,
+                i("ldc", self.ldc)?,
+                self.sc as i64,
+                i("batch", self.batch)?,
+                self.compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(dev)
+    }
+}
+
 /// Threads of an `attn_pf_*` block (8 warps of 16 query rows).
 const PF_THREADS: usize = 256;
 
@@ -727,26 +797,31 @@ impl Cuda {
         Ok(())
     }
 
-    /// A prompt's attention as products: per block of R query rows and per kv head, S = scale
-    /// Q K^T over the keys the block sees (one f32 cuBLAS product, batched over the head's
-    /// query heads), the masked softmax of each row in place (`attn_softmax_rows`: the CPU's
+    /// A prompt's attention as products ([`AttnGemm`]): per block of R query rows and per kv
+    /// head, S = scale Q K^T over the keys the block sees (one cuBLAS product, batched over the
+    /// head's query heads), the masked softmax of each row (`attn_softmax_rows`: the CPU's
     /// visible-key range per row, a row that sees no key all zeros), then O = P V (a second
-    /// product, written into `out`'s rows). f32 throughout (CUBLAS_COMPUTE_32F: no TF32).
+    /// product, written into `out`'s rows). `fast`: one product on f16 operands each.
     fn attention_gemm(
         &self,
         q: &CudaBuf,
         k: &CudaBuf,
         v: &CudaBuf,
         p: &AttnParams,
+        fast: bool,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-        };
+        use cudarc::cublas::sys::{cublasComputeType_t as Ct, cudaDataType as Dt};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let op = "attention";
         let (d, hq, hkv) = (p.head_dim, p.n_heads, p.n_kv_heads);
         let g = hq / hkv;
+        let x3 = !fast && *lock(&self.attn_gemm) == AttnGemm::Bf16x3;
+        let compute = if fast {
+            Ct::CUBLAS_COMPUTE_32F_FAST_16F
+        } else {
+            Ct::CUBLAS_COMPUTE_32F
+        };
         // Visible keys [lo, hi) of query row i (the CPU backend's rule).
         let range = |i: usize| -> (usize, usize) {
             let qpos = p.q_pos0 + i;
@@ -766,21 +841,39 @@ impl Cuda {
             };
             (lo, hi)
         };
+        // P's row stride under Bf16x3: three values a key, a whole number of 16-byte rows.
+        let ldp = |nk: usize| (3 * nk).next_multiple_of(8);
         let scores = self
             .attn_gemm_scores
             .load(std::sync::atomic::Ordering::Relaxed);
         let rows_per_block = (scores / (g * p.n_kv.max(1))).max(1).min(p.n_q);
-        let sm = self.func(Kernel::AttnSoftmaxRows)?;
+        let sm = self.func(if x3 {
+            Kernel::AttnSoftmaxRowsX3
+        } else {
+            Kernel::AttnSoftmaxRows
+        })?;
+        let split3 = self.func(Kernel::AttnSplit3)?;
         let mut s = lock(&self.scratch);
+        let s = &mut *s;
         ensure(
             &self.stream,
             &mut s.att_s,
             g * rows_per_block * p.n_kv.max(1),
         )
         .map_err(dev)?;
+        if x3 {
+            ensure(&self.stream, &mut s.att_q3, rows_per_block * hq * 3 * d).map_err(dev)?;
+            ensure(&self.stream, &mut s.att_k3, p.n_kv * hkv * 3 * d).map_err(dev)?;
+            ensure(&self.stream, &mut s.att_v3, p.n_kv * hkv * 3 * d).map_err(dev)?;
+            ensure(
+                &self.stream,
+                &mut s.att_p3,
+                g * rows_per_block * ldp(p.n_kv),
+            )
+            .map_err(dev)?;
+        }
         let sbuf = s.att_s.as_mut().ok_or_else(internal)?;
-        let (one, zero) = (1.0f32, 0.0f32);
-        let f = std::mem::size_of::<f32>() as u64;
+        let (f, h) = (4u64, 2u64);
         for r0 in (0..p.n_q).step_by(rows_per_block) {
             let r = rows_per_block.min(p.n_q - r0);
             let jlo = range(r0).0;
@@ -794,50 +887,95 @@ impl Cuda {
                     .map_err(dev)?;
                 continue;
             }
-            let (r32, nk32, d32) = (
-                i32_of(op, "rows", r)?,
-                i32_of(op, "keys", nk)?,
-                i32_of(op, "head_dim", d)?,
-            );
+            if x3 {
+                // The block's Q as [hi | hi | lo], the keys' K and V as [hi | lo | hi].
+                let w32 = i32_of(op, "kv row", hkv * d)?;
+                let d32 = i32_of(op, "head_dim", d)?;
+                for (x, y, rows, w, lo_parts) in [
+                    (
+                        q.data.slice(r0 * hq * d..(r0 + r) * hq * d),
+                        s.att_q3.as_mut().ok_or_else(internal)?,
+                        r * hq,
+                        d32,
+                        0b100,
+                    ),
+                    (
+                        k.data.slice(jlo * hkv * d..jhi * hkv * d),
+                        s.att_k3.as_mut().ok_or_else(internal)?,
+                        nk * hkv,
+                        d32,
+                        0b010,
+                    ),
+                    (
+                        v.data.slice(jlo * hkv * d..jhi * hkv * d),
+                        s.att_v3.as_mut().ok_or_else(internal)?,
+                        nk,
+                        w32,
+                        0b010,
+                    ),
+                ] {
+                    let (rows, lo_parts): (i64, i32) = (rows as i64, lo_parts);
+                    let mut b = self.stream.launch_builder(&split3);
+                    b.arg(&x).arg(y).arg(&rows).arg(&w).arg(&lo_parts);
+                    // SAFETY: attn_split3(x, y, rows, w, lo_parts): x holds rows * w values, y
+                    // 3 rows w (sized above).
+                    unsafe { b.launch(grid_1d(rows as usize * w as usize, 256)) }.map_err(dev)?;
+                }
+            }
             for hk in 0..hkv {
+                // S (column-major nk x r per query head) = K^T Q.
                 self.with_blas(|blas| {
-                    let (qp, _g1) = q.data.device_ptr(&self.stream);
-                    let (kp, _g2) = k.data.device_ptr(&self.stream);
-                    let (sp, _g3) = sbuf.device_ptr_mut(&self.stream);
-                    let qa = qp + (((r0 * hq) + hk * g) * d) as u64 * f;
-                    let ka = kp + ((jlo * hkv + hk) * d) as u64 * f;
-                    // S (column-major nk x r per query head) = K^T Q.
-                    // SAFETY: the views address q / k / the scratch within their lengths (checked
-                    // by attention_op and sized above) on the handle's stream.
-                    unsafe {
-                        cudarc::cublas::result::gemm_strided_batched_ex(
-                            *blas.handle(),
-                            cublasOperation_t::CUBLAS_OP_T,
-                            cublasOperation_t::CUBLAS_OP_N,
-                            nk32,
-                            r32,
-                            d32,
-                            &p.scale as *const f32 as *const _,
-                            ka as *const _,
-                            cudaDataType::CUDA_R_32F,
-                            i32_of(op, "kv row", hkv * d)?,
-                            0,
-                            qa as *const _,
-                            cudaDataType::CUDA_R_32F,
-                            i32_of(op, "q row", hq * d)?,
-                            d as i64,
-                            &zero as *const f32 as *const _,
-                            sp as *mut _,
-                            cudaDataType::CUDA_R_32F,
-                            nk32,
-                            (r * nk) as i64,
-                            g as i32,
-                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                        )
+                    let (sp, _gs) = sbuf.device_ptr_mut(&self.stream);
+                    let mut gm = BatchedGemm {
+                        op,
+                        trans_a: true,
+                        m: nk,
+                        n: r,
+                        k: d,
+                        alpha: p.scale,
+                        c: sp,
+                        ldc: nk,
+                        sc: r * nk,
+                        batch: g,
+                        ab: Dt::CUDA_R_32F,
+                        compute,
+                        a: 0,
+                        lda: hkv * d,
+                        sa: 0,
+                        b: 0,
+                        ldb: hq * d,
+                        sb: d,
+                    };
+                    if x3 {
+                        let (kp, _gk) = s
+                            .att_k3
+                            .as_ref()
+                            .ok_or_else(internal)?
+                            .device_ptr(&self.stream);
+                        let (qp, _gq) = s
+                            .att_q3
+                            .as_ref()
+                            .ok_or_else(internal)?
+                            .device_ptr(&self.stream);
+                        gm.k = 3 * d;
+                        gm.ab = Dt::CUDA_R_16BF;
+                        gm.a = kp + (hk * 3 * d) as u64 * h;
+                        gm.lda = hkv * 3 * d;
+                        gm.b = qp + (hk * g * 3 * d) as u64 * h;
+                        gm.ldb = hq * 3 * d;
+                        gm.sb = 3 * d;
+                        // SAFETY: the views address the split operands within their lengths
+                        // (sized above) on the handle's stream.
+                        unsafe { gm.run(blas) }
+                    } else {
+                        let (kp, _gk) = k.data.device_ptr(&self.stream);
+                        let (qp, _gq) = q.data.device_ptr(&self.stream);
+                        gm.a = kp + ((jlo * hkv + hk) * d) as u64 * f;
+                        gm.b = qp + (((r0 * hq) + hk * g) * d) as u64 * f;
+                        // SAFETY: the views address q / k / the scratch within their lengths
+                        // (checked by attention_op and sized above) on the handle's stream.
+                        unsafe { gm.run(blas) }
                     }
-                    .map_err(dev)?;
-                    Ok(())
                 })?;
                 let (rows, nk_a, r_a, r0_a, jlo_a) =
                     ((g * r) as u32, nk as i32, r as i32, r0 as i64, jlo as i64);
@@ -845,9 +983,16 @@ impl Cuda {
                 let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
                 {
                     let mut b = self.stream.launch_builder(&sm);
-                    b.arg(&mut *sbuf)
-                        .arg(&nk_a)
-                        .arg(&r_a)
+                    let ldp_a = ldp(nk) as i32;
+                    b.arg(&mut *sbuf);
+                    if x3 {
+                        b.arg(s.att_p3.as_mut().ok_or_else(internal)?)
+                            .arg(&nk_a)
+                            .arg(&ldp_a);
+                    } else {
+                        b.arg(&nk_a);
+                    }
+                    b.arg(&r_a)
                         .arg(&r0_a)
                         .arg(&jlo_a)
                         .arg(&qp0)
@@ -855,46 +1000,60 @@ impl Cuda {
                         .arg(&nkv)
                         .arg(&causal)
                         .arg(&window);
-                    // SAFETY: attn_softmax_rows's parameters, in order; g * r rows of nk scores.
+                    // SAFETY: attn_softmax_rows(_x3)'s parameters, in order; g * r rows of nk
+                    // scores (and of ldp(nk) P values).
                     unsafe { b.launch(cfg((rows, 1, 1), 256, 0)) }.map_err(dev)?;
                 }
+                // O (column-major d x r per query head, rows of `out`) = V P.
                 self.with_blas(|blas| {
-                    let (vp, _g1) = v.data.device_ptr(&self.stream);
-                    let (sp, _g2) = sbuf.device_ptr(&self.stream);
-                    let (op_, _g3) = out.data.device_ptr_mut(&self.stream);
-                    let va = vp + ((jlo * hkv + hk) * d) as u64 * f;
-                    let oa = op_ + (((r0 * hq) + hk * g) * d) as u64 * f;
-                    // O (column-major d x r per query head, rows of `out`) = V P.
-                    // SAFETY: as above; out holds n_q * n_heads * head_dim values.
-                    unsafe {
-                        cudarc::cublas::result::gemm_strided_batched_ex(
-                            *blas.handle(),
-                            cublasOperation_t::CUBLAS_OP_N,
-                            cublasOperation_t::CUBLAS_OP_N,
-                            d32,
-                            r32,
-                            nk32,
-                            &one as *const f32 as *const _,
-                            va as *const _,
-                            cudaDataType::CUDA_R_32F,
-                            i32_of(op, "kv row", hkv * d)?,
-                            0,
-                            sp as *const _,
-                            cudaDataType::CUDA_R_32F,
-                            nk32,
-                            (r * nk) as i64,
-                            &zero as *const f32 as *const _,
-                            oa as *mut _,
-                            cudaDataType::CUDA_R_32F,
-                            i32_of(op, "q row", hq * d)?,
-                            d as i64,
-                            g as i32,
-                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                        )
+                    let (op_, _go) = out.data.device_ptr_mut(&self.stream);
+                    let mut gm = BatchedGemm {
+                        op,
+                        trans_a: false,
+                        m: d,
+                        n: r,
+                        k: nk,
+                        alpha: 1.0,
+                        c: op_ + (((r0 * hq) + hk * g) * d) as u64 * f,
+                        ldc: hq * d,
+                        sc: d,
+                        batch: g,
+                        ab: Dt::CUDA_R_32F,
+                        compute,
+                        a: 0,
+                        lda: hkv * d,
+                        sa: 0,
+                        b: 0,
+                        ldb: nk,
+                        sb: r * nk,
+                    };
+                    if x3 {
+                        let (vp, _gv) = s
+                            .att_v3
+                            .as_ref()
+                            .ok_or_else(internal)?
+                            .device_ptr(&self.stream);
+                        let (pp, _gp) = s
+                            .att_p3
+                            .as_ref()
+                            .ok_or_else(internal)?
+                            .device_ptr(&self.stream);
+                        gm.k = 3 * nk;
+                        gm.ab = Dt::CUDA_R_16BF;
+                        gm.a = vp + (hk * d) as u64 * h;
+                        gm.b = pp;
+                        gm.ldb = ldp(nk);
+                        gm.sb = r * ldp(nk);
+                        // SAFETY: as above; out holds n_q * n_heads * head_dim values.
+                        unsafe { gm.run(blas) }
+                    } else {
+                        let (vp, _gv) = v.data.device_ptr(&self.stream);
+                        let (sp, _gs) = sbuf.device_ptr(&self.stream);
+                        gm.a = vp + ((jlo * hkv + hk) * d) as u64 * f;
+                        gm.b = sp;
+                        // SAFETY: as above; out holds n_q * n_heads * head_dim values.
+                        unsafe { gm.run(blas) }
                     }
-                    .map_err(dev)?;
-                    Ok(())
                 })?;
             }
         }
@@ -917,7 +1076,9 @@ impl Cuda {
         out: &mut CudaBuf,
     ) -> Result<Option<AttnAct>> {
         // A long prompt's rows at a head dim the tensor-core prefill kernels do not take: two
-        // f32 cuBLAS products per block of rows around a masked softmax.
+        // cuBLAS products per block of rows around a masked softmax ([`AttnGemm`]); f16
+        // operands for a prefill under `PrefillPrecision::Fast` (as the prefill kernels' f16
+        // arithmetic), else `set_attn_gemm`'s.
         if kv == KvStorage::F32
             && matches!(extra, AttnExtra::None)
             && p.n_q >= ATTN_GEMM_MIN_ROWS
@@ -927,7 +1088,7 @@ impl Cuda {
             && p.head_dim > 0
             && p.window != Some(0)
             && pf_kernel(p.head_dim, true).is_none()
-            && self.attn_gemm.load(std::sync::atomic::Ordering::Relaxed)
+            && *lock(&self.attn_gemm) != AttnGemm::Off
         {
             let op = if fast { "attention_fast" } else { "attention" };
             check(op, "q", p.n_q * p.n_heads * p.head_dim, q.len)?;
@@ -935,7 +1096,8 @@ impl Cuda {
             check(op, "k", kv_slots, k.len)?;
             check(op, "v", kv_slots, v.len)?;
             check(op, "out", p.n_q * p.n_heads * p.head_dim, out.len)?;
-            self.attention_gemm(q, k, v, p, out)?;
+            let f16 = p.causal && self.prefill_fast();
+            self.attention_gemm(q, k, v, p, f16, out)?;
             return Ok(None);
         }
         let w = p.n_heads * p.head_dim;

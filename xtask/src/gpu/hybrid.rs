@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use dflash_backend::{
     AttnParams, Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
-use dflash_cuda_kernels::{Cuda, DELTA_CHUNK_MIN, SKINNY_ROWS};
+use dflash_cuda_kernels::{AttnGemm, Cuda, DELTA_CHUNK_MIN, SKINNY_ROWS};
 use dflash_spec_round::{RollbackArm, Target};
 use dflash_targets::hybrid::{
     HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames, TensorSource,
@@ -373,11 +373,11 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     }
     g.set_recurrent_parallel(true);
     // The full-attention layer's prompt attention alone (f32 cache, the exact op the layer
-    // runs: the two products, `Cuda::set_attn_gemm`), the SIMT split kernel it replaced, and
-    // a head dim of 128 with twice the heads (the same products, the tensor-core prefill
-    // kernels).
+    // runs: the two products on bf16 hi / lo operands, `Cuda::set_attn_gemm`), the same on
+    // f32 operands, the SIMT split kernel, and a head dim of 128 with twice the heads (the
+    // same products, the tensor-core prefill kernels).
     md += &format!(
-        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|\n",
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products, bf16 x3 | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|\n",
         iters.min(5),
         cfg.n_heads,
         cfg.n_kv_heads,
@@ -387,11 +387,17 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         cfg.head_dim / 2
     );
     for &p in &ps {
-        let mut ms = [0.0f64; 3];
+        let mut ms = [0.0f64; 4];
         for (i, (nh, nkv, hd, gemm)) in [
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, true),
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, false),
-            (2 * cfg.n_heads, 2 * cfg.n_kv_heads, cfg.head_dim / 2, true),
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::Bf16x3),
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::F32),
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::Off),
+            (
+                2 * cfg.n_heads,
+                2 * cfg.n_kv_heads,
+                cfg.head_dim / 2,
+                AttnGemm::default(),
+            ),
         ]
         .into_iter()
         .enumerate()
@@ -417,16 +423,20 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
             })?;
         }
-        g.set_attn_gemm(true);
+        g.set_attn_gemm(AttnGemm::default());
         println!(
-            "hybrid P {p}: attention alone {:.2} ms (head dim {}; SIMT {:.2}), {:.2} ms (head dim {})",
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}; f32 products {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
             ms[0],
             cfg.head_dim,
             ms[1],
             ms[2],
+            ms[3],
             cfg.head_dim / 2
         );
-        md += &format!("| {p} | {:.2} | {:.2} | {:.2} |\n", ms[0], ms[1], ms[2]);
+        md += &format!(
+            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+            ms[0], ms[1], ms[2], ms[3]
+        );
     }
     println!("\n{md}");
     if let Some(path) = &a.md {
