@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use dflash_backend::{
     AttnParams, Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
-use dflash_cuda_kernels::{AttnGemm, Cuda, DELTA_CHUNK_MIN, SKINNY_ROWS};
+use dflash_cuda_kernels::{AttnGemm, Cuda, PrefillPrecision, DELTA_CHUNK_MIN, SKINNY_ROWS};
 use dflash_spec_round::{RollbackArm, Target};
 use dflash_targets::hybrid::{
     HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames, TensorSource,
@@ -332,13 +332,32 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         iters.min(3),
     );
     for &p in &ps {
-        for par in [true, false] {
+        // (recurrent kernels parallel, prefill precision)
+        for (par, pp) in [
+            (true, PrefillPrecision::Exact),
+            (true, PrefillPrecision::Fast),
+            (false, PrefillPrecision::Exact),
+        ] {
             g.set_recurrent_parallel(par);
+            g.set_prefill_precision(pp);
             let prompt = &tokens[..p];
             let prefill = super::wall_ms(g, iters.min(3), || {
                 t.prime(g, prompt, &[])?;
                 Ok(())
             })?;
+            g.set_prefill_precision(PrefillPrecision::Exact);
+            let tp = peer(p, "prefill").filter(|_| par);
+            if pp == PrefillPrecision::Fast {
+                // The prefill's precision changes no decode or verify row.
+                println!("hybrid P {p} parallel, fast prefill: prefill {prefill:.2} ms");
+                let ratio = tp.map(|tp| format!("{:.2}x / -", tp / prefill));
+                md += &format!(
+                    "| {p} | parallel, `PrefillPrecision::Fast` | {prefill:.2} | - | - | - | {} | - | {} |\n",
+                    fmt(tp),
+                    ratio.unwrap_or("-".into()),
+                );
+                continue;
+            }
             // Every call commits its first row (a round keeps at least the target's own
             // token): the context grows by one per call.
             let mut pos = p;
@@ -354,11 +373,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             println!(
                 "hybrid P {p} {label}: prefill {prefill:.2} ms, decode {dec:.3} ms, verify16 {ver:.3} ms"
             );
-            let (tp, td) = if par {
-                (peer(p, "prefill"), peer(p, "decode"))
-            } else {
-                (None, None)
-            };
+            let td = peer(p, "decode").filter(|_| par);
             let ratio = match (tp, td) {
                 (Some(tp), Some(td)) => format!("{:.2}x / {:.2}x", tp / prefill, td / dec),
                 _ => "-".into(),
