@@ -70,11 +70,12 @@ pub enum PrefillPrecision {
     Fast,
 }
 
-/// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without a
-/// tensor-core prefill kernel ([`Cuda::set_attn_gemm`]): per block of query rows and per kv
-/// head, S = scale Q K^T (one cuBLAS product batched over the head's query heads), a masked
-/// softmax kernel, O = P V (a second product). Under [`PrefillPrecision::Fast`] either
-/// product mode is one product with f16 operands (CUBLAS_COMPUTE_32F_FAST_16F).
+/// How a prompt's attention (64 query rows or more, f32 cache, up to 65536 keys) runs at a
+/// head dim without a tensor-core prefill kernel ([`Cuda::set_attn_gemm`]): per block of
+/// query rows and per kv head, S = scale Q K^T (one cuBLAS product batched over the head's
+/// query heads), a masked softmax kernel, O = P V (a second product). Under
+/// [`PrefillPrecision::Fast`] either product mode is one product with f16 operands
+/// (CUBLAS_COMPUTE_32F_FAST_16F).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttnGemm {
     /// The SIMT split kernel of the decode and verify rows instead.
@@ -1156,9 +1157,9 @@ impl Cuda {
         self.delta_chunk_min.store(tokens, Ordering::Relaxed);
     }
 
-    /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
-    /// a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
-    /// 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
+    /// How a prompt's attention (64 query rows or more, f32 cache, up to 65536 keys) runs at a
+    /// head dim without a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6
+    /// full-attention layers' 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
     pub fn set_attn_gemm(&self, mode: AttnGemm) {
         *lock(&self.attn_gemm) = mode;
     }

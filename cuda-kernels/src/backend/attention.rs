@@ -22,6 +22,12 @@ pub(super) const ATT_SPLIT: usize = 256;
 /// tensor-core prefill kernel, f32 cache, no fused activation).
 pub(super) const ATTN_GEMM_MIN_ROWS: usize = 64;
 
+/// The most keys a call takes through [`Cuda::attention_gemm`]: each block of rows splits the
+/// keys it sees into bf16 operands again, so that traffic grows with the cube of a prompt's
+/// length (~1 GB at 8192 tokens of the 27B layer, ~0.5 TB at 65536); longer spans keep the
+/// SIMT split kernel.
+pub(super) const ATTN_GEMM_MAX_KEYS: usize = 1 << 16;
+
 /// Score values of one kv head's block of rows at most (128 MB) in [`Cuda::attention_gemm`].
 pub(super) const ATTN_GEMM_SCORES: usize = 32 << 20;
 
@@ -1082,6 +1088,7 @@ impl Cuda {
         if kv == KvStorage::F32
             && matches!(extra, AttnExtra::None)
             && p.n_q >= ATTN_GEMM_MIN_ROWS
+            && p.n_kv <= ATTN_GEMM_MAX_KEYS
             && p.n_kv_heads > 0
             && p.n_heads.is_multiple_of(p.n_kv_heads)
             && p.n_heads > 0
