@@ -770,25 +770,7 @@ impl Cpu {
         let p = *p;
         let stride = kw;
         // Visible keys of query i: one contiguous range of j.
-        let range = |i: usize| -> (usize, usize) {
-            let qpos = p.q_pos0 + i;
-            let hi = if !p.causal {
-                p.n_kv
-            } else if qpos < p.kv_pos0 {
-                0
-            } else {
-                (qpos - p.kv_pos0 + 1).min(p.n_kv)
-            };
-            let lo = match p.window {
-                // kpos + w > qpos  <=>  kv_pos0 + j >= qpos + 1 - w
-                Some(w) => (qpos + 1)
-                    .saturating_sub(w)
-                    .saturating_sub(p.kv_pos0)
-                    .min(hi),
-                None => 0,
-            };
-            (lo, hi)
-        };
+        let range = |i: usize| p.visible_keys(i);
         // The queries of one kv head: u = i * group + hh reads head g * group + hh.
         let m = p.n_q * group;
         let head = |g: usize| -> Vec<f32> {

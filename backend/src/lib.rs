@@ -71,6 +71,30 @@ pub struct AttnParams {
     pub scale: f32,
 }
 
+impl AttnParams {
+    /// The keys query row `i` sees, one contiguous range [lo, hi) of key indices: causal, up
+    /// to its own position (`kv_pos0 + j <= q_pos0 + i`; none when `q_pos0 + i < kv_pos0`);
+    /// with a window `w`, from `q_pos0 + i + 1 - w` (`kv_pos0 + j + w > q_pos0 + i`).
+    pub fn visible_keys(&self, i: usize) -> (usize, usize) {
+        let qpos = self.q_pos0 + i;
+        let hi = if !self.causal {
+            self.n_kv
+        } else if qpos < self.kv_pos0 {
+            0
+        } else {
+            (qpos - self.kv_pos0 + 1).min(self.n_kv)
+        };
+        let lo = match self.window {
+            Some(w) => (qpos + 1)
+                .saturating_sub(w)
+                .saturating_sub(self.kv_pos0)
+                .min(hi),
+            None => 0,
+        };
+        (lo, hi)
+    }
+}
+
 /// Shape of one gated-delta-rule call (Gated DeltaNet, as transformers' recurrent form).
 ///
 /// `q`, `k`: `[t, n_k_heads, dk]`; `v`: `[t, n_v_heads, dv]`; `g` (log decay) and `beta`:

@@ -829,24 +829,7 @@ impl Cuda {
             Ct::CUBLAS_COMPUTE_32F
         };
         // Visible keys [lo, hi) of query row i (the CPU backend's rule).
-        let range = |i: usize| -> (usize, usize) {
-            let qpos = p.q_pos0 + i;
-            let hi = if !p.causal {
-                p.n_kv
-            } else if qpos < p.kv_pos0 {
-                0
-            } else {
-                (qpos - p.kv_pos0 + 1).min(p.n_kv)
-            };
-            let lo = match p.window {
-                Some(w) => (qpos + 1)
-                    .saturating_sub(w)
-                    .saturating_sub(p.kv_pos0)
-                    .min(hi),
-                None => 0,
-            };
-            (lo, hi)
-        };
+        let range = |i: usize| p.visible_keys(i);
         // P's row stride under Bf16x3: three values a key, a whole number of 16-byte rows.
         let ldp = |nk: usize| (3 * nk).next_multiple_of(8);
         let scores = self
