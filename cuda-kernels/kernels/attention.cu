@@ -423,43 +423,77 @@ extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(float *s, in
     for (int j = threadIdx.x; j < nk; j += blockDim.x) x[j] = j >= a && j < b ? expf(x[j] - m) * inv : 0.0f;
 }
 
-// The softmax written as the bf16 three-product operand: P's row (stride ldp values) holds per
-// key j the triple (hi, hi, lo) of its probability (split_bf16x2's bits), against V's (hi, lo,
-// hi) of attn_split3: O = Vhi Phi + Vlo Phi + Vhi Plo in one product over 3 nk.
-extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows_x3(const float *s, u16 *p, int nk, int ldp, int r, long long r0,
-                                                                     long long jlo, long long q_pos0, long long kv_pos0,
-                                                                     long long n_kv, int causal, long long window) {
+// The softmax written as P's 16-bit operand of attention_gemm's second product: row R = (kv
+// head hk, query head of the group, row i) of hq * r rows (gr = g * r per kv head); key j of
+// the block in chunk c = j / kc at position jj = j % kc of row (hk, c, R % gr) of P (parts * kc
+// values: f16, or the bf16 triple (hi, hi, lo) against V's (hi, lo, hi) of
+// attn_gemm_operand: O = Vhi Phi + Vlo Phi + Vhi Plo over the chunk in one product). Keys
+// outside the row's range and the chunks' padding past nk are 0.
+extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows_p16(const float *s, u16 *p, int nk, int r, int gr, int kc, int nc,
+                                                                      long long r0, long long jlo, long long q_pos0,
+                                                                      long long kv_pos0, long long n_kv, int causal,
+                                                                      long long window, int f16) {
     __shared__ float red[32];
-    const int row = blockIdx.x;
+    const int row = blockIdx.x, hk = row / gr, col = row % gr;
     const float *x = s + (long long)row * nk;
-    u16 *y = p + (long long)row * ldp;
     int a, b;
     float m, inv;
     softmax_row_stats(x, nk, row % r, r0, jlo, q_pos0, kv_pos0, n_kv, causal, window, red, a, b, m, inv);
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+    const int parts = f16 ? 1 : 3, ldk = parts * kc;
+    for (int j = threadIdx.x; j < nc * kc; j += blockDim.x) {
         const float v = j >= a && j < b ? expf(x[j] - m) * inv : 0.0f;
-        u32 h, l;
-        split_bf16x2(v, 0.0f, h, l);
-        y[3 * j] = (u16)(h & 0xffffu);
-        y[3 * j + 1] = (u16)(h & 0xffffu);
-        y[3 * j + 2] = (u16)(l & 0xffffu);
+        const int c = j / kc, jj = j - c * kc;
+        u16 *y = p + (((long long)hk * nc + c) * gr + col) * ldk;
+        if (f16) {
+            y[jj] = h_pack(v);
+        } else {
+            u32 h, l;
+            split_bf16x2(v, 0.0f, h, l);
+            y[3 * jj] = (u16)(h & 0xffffu);
+            y[3 * jj + 1] = (u16)(h & 0xffffu);
+            y[3 * jj + 2] = (u16)(l & 0xffffu);
+        }
     }
 }
 
-// attention_gemm's bf16 operands: each of `rows` rows of w f32 values as 3 w bf16 values, three
-// parts of w: part t the hi (bit t of `lo_parts` clear) or lo (set) halves of split_bf16x2.
-// Q [hi | hi | lo] (0b100) against K [hi | lo | hi] (0b010): S = Qhi Khi + Qhi Klo + Qlo Khi
-// in one product over 3 d; V per key row the same as K.
-extern "C" __global__ void attn_split3(const float *__restrict__ x, u16 *__restrict__ y, long long rows, int w, int lo_parts) {
-    const long long n = rows * w, step = (long long)gridDim.x * blockDim.x;
+// attention_gemm's 16-bit operands: source row (a, b) of `heads` rows of w values per a (the
+// layout of q / k / v: a the token, b the head) written as row b * rows_out + a (head-major),
+// rows a >= valid as zeros. f16: one f16 value each; else three bf16 parts of w, part t the hi
+// (bit t of `lo_parts` clear) or lo (set) half of split_bf16x2: Q [hi | hi | lo] (0b100)
+// against K [hi | lo | hi] (0b010) gives S = Qhi Khi + Qhi Klo + Qlo Khi in one product over
+// 3 w; V the same as K.
+extern "C" __global__ void attn_gemm_operand(const float *__restrict__ x, u16 *__restrict__ y, long long valid, long long rows_out,
+                                             int heads, int w, int lo_parts, int f16) {
+    const long long hw = (long long)heads * w, n = rows_out * hw, step = (long long)gridDim.x * blockDim.x;
+    const int parts = f16 ? 1 : 3;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
-        const long long row = i / w;
-        const int c = (int)(i - row * w);
+        const long long a = i / hw;
+        const int rem = (int)(i - a * hw), b = rem / w, c = rem - b * w;
+        const float v = a < valid ? x[i] : 0.0f;
+        u16 *o = y + ((long long)b * rows_out + a) * parts * w + c;
+        if (f16) {
+            o[0] = h_pack(v);
+            continue;
+        }
         u32 h, l;
-        split_bf16x2(x[i], 0.0f, h, l);
-        u16 *o = y + row * 3 * w + c;
+        split_bf16x2(v, 0.0f, h, l);
 #pragma unroll
         for (int t = 0; t < 3; ++t) o[(long long)t * w] = (u16)(((lo_parts >> t) & 1 ? l : h) & 0xffffu);
+    }
+}
+
+// attention_gemm's output: out row i, head h = hk g + gi (r rows of hq heads of d) = the sum
+// in chunk order of the partials [hk][c][gi r + i][d] of its nc key chunks.
+extern "C" __global__ void attn_gemm_reduce(const float *__restrict__ part, float *__restrict__ out, int r, int hq, int g, int d, int nc) {
+    const long long n = (long long)r * hq * d, step = (long long)gridDim.x * blockDim.x;
+    const long long gr = (long long)g * r;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < n; idx += step) {
+        const int i = (int)(idx / ((long long)hq * d)), rem = (int)(idx - (long long)i * hq * d);
+        const int h = rem / d, dd = rem - h * d, hk = h / g, gi = h - hk * g;
+        const long long col = (long long)gi * r + i;
+        float acc = 0.0f;
+        for (int c = 0; c < nc; ++c) acc += part[(((long long)hk * nc + c) * gr + col) * d + dd];
+        out[idx] = acc;
     }
 }
 

@@ -70,21 +70,24 @@ pub enum PrefillPrecision {
     Fast,
 }
 
-/// How a prompt's attention (64 query rows or more, f32 cache, up to 65536 keys) runs at a
-/// head dim without a tensor-core prefill kernel ([`Cuda::set_attn_gemm`]): per block of
-/// query rows and per kv head, S = scale Q K^T (one cuBLAS product batched over the head's
-/// query heads), a masked softmax kernel, O = P V (a second product). Under
-/// [`PrefillPrecision::Fast`] either product mode is one product with f16 operands
-/// (CUBLAS_COMPUTE_32F_FAST_16F).
+/// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without a
+/// tensor-core prefill kernel ([`Cuda::set_attn_gemm`]): per block of query rows, S = scale Q
+/// K^T over the keys the block sees (one cuBLAS product), a masked softmax kernel, O = P V (a
+/// second product). Under [`PrefillPrecision::Fast`], [`AttnGemm::Bf16x3`]'s products take
+/// f16 operands (Q, K, V and P rounded to f16, one product each, as the prefill kernels' fast
+/// arithmetic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttnGemm {
     /// The SIMT split kernel of the decode and verify rows instead.
     Off,
-    /// f32 products (CUBLAS_COMPUTE_32F: CUDA cores, no TF32).
+    /// f32 products (CUBLAS_COMPUTE_32F: CUDA cores, no TF32), one kv head at a time, under
+    /// either precision.
     F32,
     /// Q, K, V and P split into bf16 hi + lo, each product as one bf16 tensor-core product
     /// over three times its inner dimension (hi hi + hi lo + lo hi, f32 accumulation): the
     /// arithmetic of the FlashAttention-2-style prefill kernels at head dims 32 / 64 / 128.
+    /// Every head in one product; the second product's long inner dimension (three values a
+    /// key) in chunks of keys whose partial outputs a kernel sums, so that it fills the GPU.
     #[default]
     Bf16x3,
 }
@@ -787,6 +790,8 @@ pub struct Cuda {
     attn_gemm: Mutex<AttnGemm>,
     /// [`Cuda::set_attn_gemm_scores`].
     attn_gemm_scores: AtomicUsize,
+    /// [`Cuda::set_attn_gemm_chunks`].
+    attn_gemm_chunks: AtomicUsize,
     /// [`Cuda::set_unpack_block`].
     unpack_values: AtomicUsize,
     /// [`Cuda::markov_persistent_tiles`] per (vocabulary, rank): computed once.
@@ -974,6 +979,7 @@ impl Cuda {
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
             attn_gemm: Mutex::new(AttnGemm::default()),
             attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
+            attn_gemm_chunks: AtomicUsize::new(0),
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
@@ -1162,6 +1168,13 @@ impl Cuda {
     /// full-attention layers' 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
     pub fn set_attn_gemm(&self, mode: AttnGemm) {
         *lock(&self.attn_gemm) = mode;
+    }
+
+    /// The key chunks of that path's second product (0, the default: enough for two waves of
+    /// its tiles; more chunks: another summation order; for tests).
+    #[doc(hidden)]
+    pub fn set_attn_gemm_chunks(&self, chunks: usize) {
+        self.attn_gemm_chunks.store(chunks, Ordering::Relaxed);
     }
 
     /// The most score values of one block of rows in that path (default 32M, 128 MB of

@@ -252,8 +252,9 @@ kernels! {
     AttnCombine => (Attention, "attn_combine"),
     AttnCombineWide => (Attention, "attn_combine_wide"),
     AttnSoftmaxRows => (Attention, "attn_softmax_rows"),
-    AttnSoftmaxRowsX3 => (Attention, "attn_softmax_rows_x3"),
-    AttnSplit3 => (Attention, "attn_split3"),
+    AttnSoftmaxRowsP16 => (Attention, "attn_softmax_rows_p16"),
+    AttnGemmOperand => (Attention, "attn_gemm_operand"),
+    AttnGemmReduce => (Attention, "attn_gemm_reduce"),
     AttnGeneric => (Attention, "attn_generic"),
 }
 

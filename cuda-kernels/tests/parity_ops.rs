@@ -2759,8 +2759,9 @@ fn attention_prefill_fa_against_cpu() {
 /// A prompt's attention at a head dim without a tensor-core prefill kernel (256: the Qwen3.5
 /// / Qwen3.6 full-attention layers; 16 and 96 too) through two cuBLAS products around the
 /// masked softmax (`Cuda::set_attn_gemm`, 64+ rows, f32 cache) against the CPU: bf16 hi / lo
-/// operands on the tensor cores and f32 products, each in one block of rows and in several,
-/// with causal / window / non-causal masks and rows that see no key; a causal prefill under
+/// operands on the tensor cores (every head in one product, the second product in key chunks:
+/// automatic, 3 and 2) and f32 products, each in one block of rows and in several, with causal
+/// / window / non-causal masks and rows that see no key; a causal prefill under
 /// `PrefillPrecision::Fast` (f16 operands) within the fast bound; the SIMT split kernel (the
 /// knob off) against the CPU too. The two product modes do not give the same bits (each is
 /// the path it names).
@@ -2798,18 +2799,25 @@ fn attention_gemm_against_cpu() {
         let what =
             format!("ctx={ctx} nq={nq} h={h}/{hkv} d={hd} win={win:?} causal={causal} kv0={kv0}");
         let mut outs = Vec::new();
-        // (mode, precision, score values per block: one block, then blocks of a few rows)
-        let few = 7 * h / hkv * p.n_kv;
-        for (mode, prec, scores) in [
-            (AttnGemm::Bf16x3, PrefillPrecision::Exact, 32usize << 20),
-            (AttnGemm::Bf16x3, PrefillPrecision::Exact, few),
-            (AttnGemm::F32, PrefillPrecision::Exact, 32 << 20),
-            (AttnGemm::F32, PrefillPrecision::Exact, few),
-            (AttnGemm::Bf16x3, PrefillPrecision::Fast, few),
-            (AttnGemm::Off, PrefillPrecision::Exact, 32 << 20),
+        // (mode, precision, score values per block: one block, then blocks of 7 rows; key
+        // chunks, 0 automatic)
+        let few = 7 * h * p.n_kv;
+        for (mode, prec, scores, chunks) in [
+            (
+                AttnGemm::Bf16x3,
+                PrefillPrecision::Exact,
+                32usize << 20,
+                0usize,
+            ),
+            (AttnGemm::Bf16x3, PrefillPrecision::Exact, few, 3),
+            (AttnGemm::F32, PrefillPrecision::Exact, 32 << 20, 0),
+            (AttnGemm::F32, PrefillPrecision::Exact, few, 0),
+            (AttnGemm::Bf16x3, PrefillPrecision::Fast, few, 2),
+            (AttnGemm::Off, PrefillPrecision::Exact, 32 << 20, 0),
         ] {
             g.set_attn_gemm(mode);
             g.set_attn_gemm_scores(scores);
+            g.set_attn_gemm_chunks(chunks);
             g.set_prefill_precision(prec);
             let mut og = poisoned(g, oc.len());
             g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
@@ -2818,7 +2826,9 @@ fn attention_gemm_against_cpu() {
             let tol = if f16 { 4e-3 } else { 2e-5 };
             let o = g.download(&og).unwrap();
             report(
-                &format!("attention {mode:?} {prec:?} {what} scores/block {scores}"),
+                &format!(
+                    "attention {mode:?} {prec:?} {what} scores/block {scores} chunks {chunks}"
+                ),
                 &o,
                 &oc,
                 tol,
@@ -2834,6 +2844,7 @@ fn attention_gemm_against_cpu() {
         );
         g.set_attn_gemm(AttnGemm::default());
         g.set_attn_gemm_scores(32 << 20);
+        g.set_attn_gemm_chunks(0);
         g.set_prefill_precision(PrefillPrecision::Exact);
     }
 }

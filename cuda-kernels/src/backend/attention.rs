@@ -803,72 +803,31 @@ impl Cuda {
         Ok(())
     }
 
-    /// A prompt's attention as products ([`AttnGemm`]): per block of R query rows and per kv
-    /// head, S = scale Q K^T over the keys the block sees (one cuBLAS product, batched over the
-    /// head's query heads), the masked softmax of each row (`attn_softmax_rows`: the CPU's
-    /// visible-key range per row, a row that sees no key all zeros), then O = P V (a second
-    /// product, written into `out`'s rows). `fast`: one product on f16 operands each.
+    /// A prompt's attention as products ([`AttnGemm`]): per block of query rows, the keys
+    /// [jlo, jhi) its rows see. `f16`: one product on f16 operands (a prefill under
+    /// `PrefillPrecision::Fast`), else [`Cuda::set_attn_gemm`]'s.
     fn attention_gemm(
         &self,
         q: &CudaBuf,
         k: &CudaBuf,
         v: &CudaBuf,
         p: &AttnParams,
-        fast: bool,
+        f16: bool,
         out: &mut CudaBuf,
     ) -> Result<()> {
-        use cudarc::cublas::sys::{cublasComputeType_t as Ct, cudaDataType as Dt};
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let op = "attention";
+        let f32_products = *lock(&self.attn_gemm) == AttnGemm::F32;
         let (d, hq, hkv) = (p.head_dim, p.n_heads, p.n_kv_heads);
-        let g = hq / hkv;
-        let x3 = !fast && *lock(&self.attn_gemm) == AttnGemm::Bf16x3;
-        let compute = if fast {
-            Ct::CUBLAS_COMPUTE_32F_FAST_16F
-        } else {
-            Ct::CUBLAS_COMPUTE_32F
-        };
-        // Visible keys [lo, hi) of query row i (the CPU backend's rule).
-        let range = |i: usize| p.visible_keys(i);
-        // P's row stride under Bf16x3: three values a key, a whole number of 16-byte rows.
-        let ldp = |nk: usize| (3 * nk).next_multiple_of(8);
         let scores = self
             .attn_gemm_scores
             .load(std::sync::atomic::Ordering::Relaxed);
-        let rows_per_block = (scores / (g * p.n_kv.max(1))).max(1).min(p.n_q);
-        let sm = self.func(if x3 {
-            Kernel::AttnSoftmaxRowsX3
-        } else {
-            Kernel::AttnSoftmaxRows
-        })?;
-        let split3 = self.func(Kernel::AttnSplit3)?;
-        let mut s = lock(&self.scratch);
-        let s = &mut *s;
-        ensure(
-            &self.stream,
-            &mut s.att_s,
-            g * rows_per_block * p.n_kv.max(1),
-        )
-        .map_err(dev)?;
-        if x3 {
-            ensure(&self.stream, &mut s.att_q3, rows_per_block * hq * 3 * d).map_err(dev)?;
-            ensure(&self.stream, &mut s.att_k3, p.n_kv * hkv * 3 * d).map_err(dev)?;
-            ensure(&self.stream, &mut s.att_v3, p.n_kv * hkv * 3 * d).map_err(dev)?;
-            ensure(
-                &self.stream,
-                &mut s.att_p3,
-                g * rows_per_block * ldp(p.n_kv),
-            )
-            .map_err(dev)?;
-        }
-        let sbuf = s.att_s.as_mut().ok_or_else(internal)?;
-        let (f, h) = (4u64, 2u64);
+        // f32 products run one kv head at a time; the 16-bit ones every head at once.
+        let heads = if f32_products { hq / hkv } else { hq };
+        let rows_per_block = (scores / (heads * p.n_kv.max(1))).max(1).min(p.n_q);
         for r0 in (0..p.n_q).step_by(rows_per_block) {
             let r = rows_per_block.min(p.n_q - r0);
-            let jlo = range(r0).0;
-            let jhi = (r0..r0 + r).map(|i| range(i).1).max().unwrap_or(0);
-            let nk = jhi.saturating_sub(jlo);
-            if nk == 0 {
+            let jlo = p.visible_keys(r0).0;
+            let jhi = (r0..r0 + r).map(|i| p.visible_keys(i).1).max().unwrap_or(0);
+            if jhi <= jlo {
                 // No row of the block sees a key: its outputs are zeros.
                 let (a, e) = (r0 * hq * d, (r0 + r) * hq * d);
                 self.stream
@@ -876,176 +835,355 @@ impl Cuda {
                     .map_err(dev)?;
                 continue;
             }
-            if x3 {
-                // The block's Q as [hi | hi | lo], the keys' K and V as [hi | lo | hi].
-                let w32 = i32_of(op, "kv row", hkv * d)?;
-                let d32 = i32_of(op, "head_dim", d)?;
-                for (x, y, rows, w, lo_parts) in [
-                    (
-                        q.data.slice(r0 * hq * d..(r0 + r) * hq * d),
-                        s.att_q3.as_mut().ok_or_else(internal)?,
-                        r * hq,
-                        d32,
-                        0b100,
-                    ),
-                    (
-                        k.data.slice(jlo * hkv * d..jhi * hkv * d),
-                        s.att_k3.as_mut().ok_or_else(internal)?,
-                        nk * hkv,
-                        d32,
-                        0b010,
-                    ),
-                    (
-                        v.data.slice(jlo * hkv * d..jhi * hkv * d),
-                        s.att_v3.as_mut().ok_or_else(internal)?,
-                        nk,
-                        w32,
-                        0b010,
-                    ),
-                ] {
-                    let (rows, lo_parts): (i64, i32) = (rows as i64, lo_parts);
-                    let mut b = self.stream.launch_builder(&split3);
-                    b.arg(&x).arg(y).arg(&rows).arg(&w).arg(&lo_parts);
-                    // SAFETY: attn_split3(x, y, rows, w, lo_parts): x holds rows * w values, y
-                    // 3 rows w (sized above).
-                    unsafe { b.launch(grid_1d(rows as usize * w as usize, 256)) }.map_err(dev)?;
-                }
-            }
-            for hk in 0..hkv {
-                // S (column-major nk x r per query head) = K^T Q.
-                self.with_blas(|blas| {
-                    let (sp, _gs) = sbuf.device_ptr_mut(&self.stream);
-                    let mut gm = BatchedGemm {
-                        op,
-                        trans_a: true,
-                        m: nk,
-                        n: r,
-                        k: d,
-                        alpha: p.scale,
-                        c: sp,
-                        ldc: nk,
-                        sc: r * nk,
-                        batch: g,
-                        ab: Dt::CUDA_R_32F,
-                        compute,
-                        a: 0,
-                        lda: hkv * d,
-                        sa: 0,
-                        b: 0,
-                        ldb: hq * d,
-                        sb: d,
-                    };
-                    if x3 {
-                        let (kp, _gk) = s
-                            .att_k3
-                            .as_ref()
-                            .ok_or_else(internal)?
-                            .device_ptr(&self.stream);
-                        let (qp, _gq) = s
-                            .att_q3
-                            .as_ref()
-                            .ok_or_else(internal)?
-                            .device_ptr(&self.stream);
-                        gm.k = 3 * d;
-                        gm.ab = Dt::CUDA_R_16BF;
-                        gm.a = kp + (hk * 3 * d) as u64 * h;
-                        gm.lda = hkv * 3 * d;
-                        gm.b = qp + (hk * g * 3 * d) as u64 * h;
-                        gm.ldb = hq * 3 * d;
-                        gm.sb = 3 * d;
-                        // SAFETY: the views address the split operands within their lengths
-                        // (sized above) on the handle's stream.
-                        unsafe { gm.run(blas) }
-                    } else {
-                        let (kp, _gk) = k.data.device_ptr(&self.stream);
-                        let (qp, _gq) = q.data.device_ptr(&self.stream);
-                        gm.a = kp + ((jlo * hkv + hk) * d) as u64 * f;
-                        gm.b = qp + (((r0 * hq) + hk * g) * d) as u64 * f;
-                        // SAFETY: the views address q / k / the scratch within their lengths
-                        // (checked by attention_op and sized above) on the handle's stream.
-                        unsafe { gm.run(blas) }
-                    }
-                })?;
-                let (rows, nk_a, r_a, r0_a, jlo_a) =
-                    ((g * r) as u32, nk as i32, r as i32, r0 as i64, jlo as i64);
-                let (qp0, kp0, nkv) = (p.q_pos0 as i64, p.kv_pos0 as i64, p.n_kv as i64);
-                let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
-                {
-                    let mut b = self.stream.launch_builder(&sm);
-                    let ldp_a = ldp(nk) as i32;
-                    b.arg(&mut *sbuf);
-                    if x3 {
-                        b.arg(s.att_p3.as_mut().ok_or_else(internal)?)
-                            .arg(&nk_a)
-                            .arg(&ldp_a);
-                    } else {
-                        b.arg(&nk_a);
-                    }
-                    b.arg(&r_a)
-                        .arg(&r0_a)
-                        .arg(&jlo_a)
-                        .arg(&qp0)
-                        .arg(&kp0)
-                        .arg(&nkv)
-                        .arg(&causal)
-                        .arg(&window);
-                    // SAFETY: attn_softmax_rows(_x3)'s parameters, in order; g * r rows of nk
-                    // scores (and of ldp(nk) P values).
-                    unsafe { b.launch(cfg((rows, 1, 1), 256, 0)) }.map_err(dev)?;
-                }
-                // O (column-major d x r per query head, rows of `out`) = V P.
-                self.with_blas(|blas| {
-                    let (op_, _go) = out.data.device_ptr_mut(&self.stream);
-                    let mut gm = BatchedGemm {
-                        op,
-                        trans_a: false,
-                        m: d,
-                        n: r,
-                        k: nk,
-                        alpha: 1.0,
-                        c: op_ + (((r0 * hq) + hk * g) * d) as u64 * f,
-                        ldc: hq * d,
-                        sc: d,
-                        batch: g,
-                        ab: Dt::CUDA_R_32F,
-                        compute,
-                        a: 0,
-                        lda: hkv * d,
-                        sa: 0,
-                        b: 0,
-                        ldb: nk,
-                        sb: r * nk,
-                    };
-                    if x3 {
-                        let (vp, _gv) = s
-                            .att_v3
-                            .as_ref()
-                            .ok_or_else(internal)?
-                            .device_ptr(&self.stream);
-                        let (pp, _gp) = s
-                            .att_p3
-                            .as_ref()
-                            .ok_or_else(internal)?
-                            .device_ptr(&self.stream);
-                        gm.k = 3 * nk;
-                        gm.ab = Dt::CUDA_R_16BF;
-                        gm.a = vp + (hk * d) as u64 * h;
-                        gm.b = pp;
-                        gm.ldb = ldp(nk);
-                        gm.sb = r * ldp(nk);
-                        // SAFETY: as above; out holds n_q * n_heads * head_dim values.
-                        unsafe { gm.run(blas) }
-                    } else {
-                        let (vp, _gv) = v.data.device_ptr(&self.stream);
-                        let (sp, _gs) = sbuf.device_ptr(&self.stream);
-                        gm.a = vp + ((jlo * hkv + hk) * d) as u64 * f;
-                        gm.b = sp;
-                        // SAFETY: as above; out holds n_q * n_heads * head_dim values.
-                        unsafe { gm.run(blas) }
-                    }
-                })?;
+            if f32_products {
+                self.attention_gemm_f32(q, k, v, p, (r0, r, jlo, jhi), rows_per_block, out)?;
+            } else {
+                self.attention_gemm_16(q, k, v, p, (r0, r, jlo, jhi), rows_per_block, f16, out)?;
             }
         }
+        Ok(())
+    }
+
+    /// [`AttnGemm::F32`]'s block of rows (`blk`: first row, rows, keys [jlo, jhi)): per kv
+    /// head, S = scale K^T Q (one f32 product batched over its query heads), the masked
+    /// softmax in place (`attn_softmax_rows`), O = V P into `out`'s rows.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_gemm_f32(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        (r0, r, jlo, jhi): (usize, usize, usize, usize),
+        rows_per_block: usize,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{cublasComputeType_t as Ct, cudaDataType as Dt};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let op = "attention";
+        let (d, hq, hkv) = (p.head_dim, p.n_heads, p.n_kv_heads);
+        let (g, nk, f) = (hq / hkv, jhi - jlo, 4u64);
+        let sm = self.func(Kernel::AttnSoftmaxRows)?;
+        let mut s = lock(&self.scratch);
+        ensure(
+            &self.stream,
+            &mut s.att_s,
+            g * rows_per_block * p.n_kv.max(1),
+        )
+        .map_err(dev)?;
+        let sbuf = s.att_s.as_mut().ok_or_else(internal)?;
+        let (nk_a, r_a, r0_a, jlo_a) = (nk as i32, r as i32, r0 as i64, jlo as i64);
+        let (qp0, kp0, nkv) = (p.q_pos0 as i64, p.kv_pos0 as i64, p.n_kv as i64);
+        let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
+        for hk in 0..hkv {
+            // S (column-major nk x r per query head) = K^T Q.
+            self.with_blas(|blas| {
+                let (sp, _gs) = sbuf.device_ptr_mut(&self.stream);
+                let (kp, _gk) = k.data.device_ptr(&self.stream);
+                let (qp, _gq) = q.data.device_ptr(&self.stream);
+                let gm = BatchedGemm {
+                    op,
+                    trans_a: true,
+                    m: nk,
+                    n: r,
+                    k: d,
+                    alpha: p.scale,
+                    a: kp + ((jlo * hkv + hk) * d) as u64 * f,
+                    lda: hkv * d,
+                    sa: 0,
+                    b: qp + (((r0 * hq) + hk * g) * d) as u64 * f,
+                    ldb: hq * d,
+                    sb: d,
+                    c: sp,
+                    ldc: nk,
+                    sc: r * nk,
+                    batch: g,
+                    ab: Dt::CUDA_R_32F,
+                    compute: Ct::CUBLAS_COMPUTE_32F,
+                };
+                // SAFETY: the views address q / k / the scratch within their lengths
+                // (checked by attention_op and sized above) on the handle's stream.
+                unsafe { gm.run(blas) }
+            })?;
+            {
+                let mut b = self.stream.launch_builder(&sm);
+                b.arg(&mut *sbuf)
+                    .arg(&nk_a)
+                    .arg(&r_a)
+                    .arg(&r0_a)
+                    .arg(&jlo_a)
+                    .arg(&qp0)
+                    .arg(&kp0)
+                    .arg(&nkv)
+                    .arg(&causal)
+                    .arg(&window);
+                // SAFETY: attn_softmax_rows's parameters, in order; g * r rows of nk scores.
+                unsafe { b.launch(cfg(((g * r) as u32, 1, 1), 256, 0)) }.map_err(dev)?;
+            }
+            // O (column-major d x r per query head, rows of `out`) = V P.
+            self.with_blas(|blas| {
+                let (op_, _go) = out.data.device_ptr_mut(&self.stream);
+                let (vp, _gv) = v.data.device_ptr(&self.stream);
+                let (sp, _gs) = sbuf.device_ptr(&self.stream);
+                let gm = BatchedGemm {
+                    op,
+                    trans_a: false,
+                    m: d,
+                    n: r,
+                    k: nk,
+                    alpha: 1.0,
+                    a: vp + ((jlo * hkv + hk) * d) as u64 * f,
+                    lda: hkv * d,
+                    sa: 0,
+                    b: sp,
+                    ldb: nk,
+                    sb: r * nk,
+                    c: op_ + (((r0 * hq) + hk * g) * d) as u64 * f,
+                    ldc: hq * d,
+                    sc: d,
+                    batch: g,
+                    ab: Dt::CUDA_R_32F,
+                    compute: Ct::CUBLAS_COMPUTE_32F,
+                };
+                // SAFETY: as above; out holds n_q * n_heads * head_dim values.
+                unsafe { gm.run(blas) }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The 16-bit products' block of rows (`blk`: first row, rows, keys [jlo, jhi)), every
+    /// head at once: Q (head-major rows), K and V (kv-head-major rows) as 16-bit operands
+    /// (`attn_gemm_operand`: bf16 [hi | hi | lo] against [hi | lo | hi], or f16), S = scale
+    /// K^T Q (one product batched over the kv heads), the masked softmax written as P's
+    /// operand in `nc` chunks of keys (`attn_softmax_rows_p16`), O's partials = V P per (kv
+    /// head, chunk) (one product batched over both: the chunks split the long inner dimension
+    /// so that the product fills the GPU), and their sum in chunk order into `out`'s rows
+    /// (`attn_gemm_reduce`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_gemm_16(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        p: &AttnParams,
+        (r0, r, jlo, jhi): (usize, usize, usize, usize),
+        rows_per_block: usize,
+        f16: bool,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{cublasComputeType_t as Ct, cudaDataType as Dt};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let op = "attention";
+        let (d, hq, hkv) = (p.head_dim, p.n_heads, p.n_kv_heads);
+        let (g, nk) = (hq / hkv, jhi - jlo);
+        let gr = g * r;
+        // Operand values per source value: three bf16 parts, or one f16.
+        let parts = if f16 { 1 } else { 3 };
+        // Key chunks: enough (kv head, chunk) tiles of the second product for two waves, at
+        // least 256 keys a chunk, at most 8 chunks (or the test knob's count).
+        let tiles = d.div_ceil(128) * gr.div_ceil(128) * hkv;
+        let nc = match self
+            .attn_gemm_chunks
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => (2 * self.num_sms)
+                .div_ceil(tiles.max(1))
+                .clamp(1, (nk / 256).clamp(1, 8)),
+            n => n.min(nk),
+        };
+        let kc = nk.div_ceil(nc).next_multiple_of(8);
+        let nkp = nc * kc;
+        let ldk = parts * kc;
+        let most_keys = p.n_kv.next_multiple_of(8) + 8 * nc;
+        {
+            let mut s = lock(&self.scratch);
+            let s = &mut *s;
+            ensure(
+                &self.stream,
+                &mut s.att_s,
+                hq * rows_per_block * p.n_kv.max(1),
+            )
+            .map_err(dev)?;
+            ensure(&self.stream, &mut s.att_q3, rows_per_block * hq * parts * d).map_err(dev)?;
+            ensure(&self.stream, &mut s.att_k3, most_keys * hkv * parts * d).map_err(dev)?;
+            ensure(&self.stream, &mut s.att_v3, most_keys * hkv * parts * d).map_err(dev)?;
+            ensure(
+                &self.stream,
+                &mut s.att_p3,
+                hq * rows_per_block * parts * most_keys,
+            )
+            .map_err(dev)?;
+            ensure(&self.stream, &mut s.att_o, nc * hq * rows_per_block * d).map_err(dev)?;
+        }
+        let mut guard = lock(&self.scratch);
+        let s = &mut *guard;
+        // The operands: Q [head][row], K and V [kv head][key] (keys past nk zero).
+        let operand = self.func(Kernel::AttnGemmOperand)?;
+        let (f16_a, d32) = (f16 as i32, i32_of(op, "head_dim", d)?);
+        for (x, y, valid, rows_out, heads, lo_parts) in [
+            (
+                q.data.slice(r0 * hq * d..(r0 + r) * hq * d),
+                s.att_q3.as_mut().ok_or_else(internal)?,
+                r,
+                r,
+                hq,
+                0b100,
+            ),
+            (
+                k.data.slice(jlo * hkv * d..jhi * hkv * d),
+                s.att_k3.as_mut().ok_or_else(internal)?,
+                nk,
+                nkp,
+                hkv,
+                0b010,
+            ),
+            (
+                v.data.slice(jlo * hkv * d..jhi * hkv * d),
+                s.att_v3.as_mut().ok_or_else(internal)?,
+                nk,
+                nkp,
+                hkv,
+                0b010,
+            ),
+        ] {
+            let (valid, rows_out, heads_a, lo_parts): (i64, i64, i32, i32) =
+                (valid as i64, rows_out as i64, heads as i32, lo_parts);
+            let mut b = self.stream.launch_builder(&operand);
+            b.arg(&x)
+                .arg(y)
+                .arg(&valid)
+                .arg(&rows_out)
+                .arg(&heads_a)
+                .arg(&d32)
+                .arg(&lo_parts)
+                .arg(&f16_a);
+            // SAFETY: attn_gemm_operand(x, y, valid, rows_out, heads, w, lo_parts, f16): x
+            // holds valid * heads * w values, y parts * rows_out * heads * w (sized above).
+            unsafe { b.launch(grid_1d(rows_out as usize * heads * d, 256)) }.map_err(dev)?;
+        }
+        let ab = if f16 { Dt::CUDA_R_16F } else { Dt::CUDA_R_16BF };
+        // S [kv head][query head of the group, row][key] = scale K^T Q.
+        self.with_blas(|blas| {
+            let (sp, _gs) = s
+                .att_s
+                .as_mut()
+                .ok_or_else(internal)?
+                .device_ptr_mut(&self.stream);
+            let (kp, _gk) = s
+                .att_k3
+                .as_ref()
+                .ok_or_else(internal)?
+                .device_ptr(&self.stream);
+            let (qp, _gq) = s
+                .att_q3
+                .as_ref()
+                .ok_or_else(internal)?
+                .device_ptr(&self.stream);
+            let gm = BatchedGemm {
+                op,
+                trans_a: true,
+                m: nk,
+                n: gr,
+                k: parts * d,
+                alpha: p.scale,
+                a: kp,
+                lda: parts * d,
+                sa: nkp * parts * d,
+                b: qp,
+                ldb: parts * d,
+                sb: gr * parts * d,
+                c: sp,
+                ldc: nk,
+                sc: gr * nk,
+                batch: hkv,
+                ab,
+                compute: Ct::CUBLAS_COMPUTE_32F,
+            };
+            // SAFETY: the operands (sized above) within their lengths, on the handle's stream.
+            unsafe { gm.run(blas) }
+        })?;
+        {
+            let sm = self.func(Kernel::AttnSoftmaxRowsP16)?;
+            let (nk_a, r_a, gr_a, kc_a, nc_a) =
+                (nk as i32, r as i32, gr as i32, kc as i32, nc as i32);
+            let (r0_a, jlo_a) = (r0 as i64, jlo as i64);
+            let (qp0, kp0, nkv) = (p.q_pos0 as i64, p.kv_pos0 as i64, p.n_kv as i64);
+            let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
+            let mut b = self.stream.launch_builder(&sm);
+            b.arg(s.att_s.as_ref().ok_or_else(internal)?)
+                .arg(s.att_p3.as_mut().ok_or_else(internal)?)
+                .arg(&nk_a)
+                .arg(&r_a)
+                .arg(&gr_a)
+                .arg(&kc_a)
+                .arg(&nc_a)
+                .arg(&r0_a)
+                .arg(&jlo_a)
+                .arg(&qp0)
+                .arg(&kp0)
+                .arg(&nkv)
+                .arg(&causal)
+                .arg(&window)
+                .arg(&f16_a);
+            // SAFETY: attn_softmax_rows_p16's parameters, in order; hq * r rows of nk scores,
+            // P hkv * nc * gr rows of parts * kc values.
+            unsafe { b.launch(cfg(((hq * r) as u32, 1, 1), 256, 0)) }.map_err(dev)?;
+        }
+        // O's partials [kv head, chunk][query head of the group, row][d] = V P.
+        self.with_blas(|blas| {
+            let (op_, _go) = s
+                .att_o
+                .as_mut()
+                .ok_or_else(internal)?
+                .device_ptr_mut(&self.stream);
+            let (vp, _gv) = s
+                .att_v3
+                .as_ref()
+                .ok_or_else(internal)?
+                .device_ptr(&self.stream);
+            let (pp, _gp) = s
+                .att_p3
+                .as_ref()
+                .ok_or_else(internal)?
+                .device_ptr(&self.stream);
+            let gm = BatchedGemm {
+                op,
+                trans_a: false,
+                m: d,
+                n: gr,
+                k: ldk,
+                alpha: 1.0,
+                a: vp,
+                lda: d,
+                sa: ldk * d,
+                b: pp,
+                ldb: ldk,
+                sb: gr * ldk,
+                c: op_,
+                ldc: d,
+                sc: gr * d,
+                batch: hkv * nc,
+                ab,
+                compute: Ct::CUBLAS_COMPUTE_32F,
+            };
+            // SAFETY: as above.
+            unsafe { gm.run(blas) }
+        })?;
+        let red = self.func(Kernel::AttnGemmReduce)?;
+        let (r_a, hq_a, g_a, nc_a) = (r as i32, hq as i32, g as i32, nc as i32);
+        let mut o = out.data.slice_mut(r0 * hq * d..(r0 + r) * hq * d);
+        let mut b = self.stream.launch_builder(&red);
+        b.arg(s.att_o.as_ref().ok_or_else(internal)?)
+            .arg(&mut o)
+            .arg(&r_a)
+            .arg(&hq_a)
+            .arg(&g_a)
+            .arg(&d32)
+            .arg(&nc_a);
+        // SAFETY: attn_gemm_reduce(part, out, r, hq, g, d, nc): part holds hkv * nc * g * r * d
+        // values, out r * hq * d.
+        unsafe { b.launch(grid_1d(r * hq * d, 256)) }.map_err(dev)?;
         Ok(())
     }
 

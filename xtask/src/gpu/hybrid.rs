@@ -42,7 +42,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     let peer = |t: usize, name: &str| peer_ms(&torch, "t", t, name);
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
     let mut md = format!(
-        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         g.context().name()?,
         g.num_sms(),
     );
@@ -313,7 +313,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         .map(|i| (hash64(i) % cfg.vocab as u64) as u32)
         .collect();
     let mut md = format!(
-        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) from context P, each call committing its first row (the verify rolls 15 back from the stash). PyTorch: transformers' Qwen3.5 model at the same shape in bf16 (`tools/bench/torch_hybrid.py`; its Gated DeltaNet through the torch fallbacks, flash-linear-attention not installed), CUDA-event ms, median of {}; its decode from a copy of the prefilled cache, the copy's time taken off.\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode | PyTorch prefill | PyTorch decode | PyTorch / ours, prefill / decode |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) from context P, each call committing its first row (the verify rolls 15 back from the stash). PyTorch: transformers' Qwen3.5 model at the same shape in bf16 (`tools/bench/torch_hybrid.py`; its Gated DeltaNet through the torch fallbacks, flash-linear-attention not installed), CUDA-event ms, median of {}; its decode from a copy of the prefilled cache, the copy's time taken off.\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode | PyTorch prefill | PyTorch decode | PyTorch / ours, prefill / decode |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         cfg.n_layers,
         cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Linear).count(),
         cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Full).count(),
@@ -392,7 +392,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     // f32 operands, the SIMT split kernel, and a head dim of 128 with twice the heads (the
     // same products, the tensor-core prefill kernels).
     md += &format!(
-        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products, bf16 x3 | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|\n",
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products, bf16 x3 | the same, one key chunk | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|\n",
         iters.min(5),
         cfg.n_heads,
         cfg.n_kv_heads,
@@ -402,22 +402,37 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         cfg.head_dim / 2
     );
     for &p in &ps {
-        let mut ms = [0.0f64; 4];
-        for (i, (nh, nkv, hd, gemm)) in [
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::Bf16x3),
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::F32),
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::Off),
+        let mut ms = [0.0f64; 5];
+        for (i, (nh, nkv, hd, gemm, chunks)) in [
+            (
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                AttnGemm::Bf16x3,
+                0,
+            ),
+            (
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                AttnGemm::Bf16x3,
+                1,
+            ),
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::F32, 0),
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::Off, 0),
             (
                 2 * cfg.n_heads,
                 2 * cfg.n_kv_heads,
                 cfg.head_dim / 2,
                 AttnGemm::default(),
+                0,
             ),
         ]
         .into_iter()
         .enumerate()
         {
             g.set_attn_gemm(gemm);
+            g.set_attn_gemm_chunks(chunks);
             let ap = AttnParams {
                 n_q: p,
                 n_kv: p,
@@ -439,18 +454,20 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             })?;
         }
         g.set_attn_gemm(AttnGemm::default());
+        g.set_attn_gemm_chunks(0);
         println!(
-            "hybrid P {p}: attention alone {:.2} ms (head dim {}; f32 products {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}; one key chunk {:.2}, f32 products {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
             ms[0],
             cfg.head_dim,
             ms[1],
             ms[2],
             ms[3],
+            ms[4],
             cfg.head_dim / 2
         );
         md += &format!(
-            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
-            ms[0], ms[1], ms[2], ms[3]
+            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+            ms[0], ms[1], ms[2], ms[3], ms[4]
         );
     }
     println!("\n{md}");
