@@ -1163,9 +1163,9 @@ impl Cuda {
         self.delta_chunk_min.store(tokens, Ordering::Relaxed);
     }
 
-    /// How a prompt's attention (64 query rows or more, f32 cache, up to 65536 keys) runs at a
-    /// head dim without a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6
-    /// full-attention layers' 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
+    /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
+    /// a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
+    /// 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
     pub fn set_attn_gemm(&self, mode: AttnGemm) {
         *lock(&self.attn_gemm) = mode;
     }

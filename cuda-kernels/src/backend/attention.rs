@@ -13,7 +13,7 @@ use super::{
 };
 use crate::error::dev;
 use crate::registry::{module_arch, Module};
-use cudarc::driver::{CudaView, CudaViewMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 /// Keys per split by default (a multiple of 64).
 pub(super) const ATT_SPLIT: usize = 256;
@@ -22,14 +22,11 @@ pub(super) const ATT_SPLIT: usize = 256;
 /// tensor-core prefill kernel, f32 cache, no fused activation).
 pub(super) const ATTN_GEMM_MIN_ROWS: usize = 64;
 
-/// The most keys a call takes through [`Cuda::attention_gemm`]: each block of rows splits the
-/// keys it sees into bf16 operands again, so that traffic grows with the cube of a prompt's
-/// length (~1 GB at 8192 tokens of the 27B layer, ~0.5 TB at 65536); longer spans keep the
-/// SIMT split kernel.
-pub(super) const ATTN_GEMM_MAX_KEYS: usize = 1 << 16;
-
-/// Score values of one kv head's block of rows at most (128 MB) in [`Cuda::attention_gemm`].
+/// Score values of one block of rows at most (128 MB) in [`Cuda::attention_gemm`].
 pub(super) const ATTN_GEMM_SCORES: usize = 32 << 20;
+
+/// Key chunks of [`Cuda::attention_gemm`]'s second product at most.
+pub(super) const ATTN_GEMM_MAX_CHUNKS: usize = 16;
 
 /// What the attention's split combine writes besides its f32 output: the next projection's
 /// activation, in the layout its matmul reads ([`Cuda::attention_op`]).
@@ -823,6 +820,23 @@ impl Cuda {
         // f32 products run one kv head at a time; the 16-bit ones every head at once.
         let heads = if f32_products { hq / hkv } else { hq };
         let rows_per_block = (scores / (heads * p.n_kv.max(1))).max(1).min(p.n_q);
+        if !f32_products {
+            // K and V as 16-bit operands once for every block: [kv head][key], the padding
+            // past n_kv zeros (a block's last key chunk may reach into it).
+            let nkvp = p.n_kv.next_multiple_of(8) + 8 * ATTN_GEMM_MAX_CHUNKS;
+            let parts = if f16 { 1 } else { 3 };
+            let mut s = lock(&self.scratch);
+            let s = &mut *s;
+            ensure(&self.stream, &mut s.att_k3, nkvp * hkv * parts * d).map_err(dev)?;
+            ensure(&self.stream, &mut s.att_v3, nkvp * hkv * parts * d).map_err(dev)?;
+            let kv = p.n_kv * hkv * d;
+            for (x, y) in [
+                (k.data.slice(..kv), s.att_k3.as_mut().ok_or_else(internal)?),
+                (v.data.slice(..kv), s.att_v3.as_mut().ok_or_else(internal)?),
+            ] {
+                self.gemm_operand(&x, y, (p.n_kv, nkvp, hkv, d), 0b010, f16)?;
+            }
+        }
         for r0 in (0..p.n_q).step_by(rows_per_block) {
             let r = rows_per_block.min(p.n_q - r0);
             let jlo = p.visible_keys(r0).0;
@@ -838,7 +852,7 @@ impl Cuda {
             if f32_products {
                 self.attention_gemm_f32(q, k, v, p, (r0, r, jlo, jhi), rows_per_block, out)?;
             } else {
-                self.attention_gemm_16(q, k, v, p, (r0, r, jlo, jhi), rows_per_block, f16, out)?;
+                self.attention_gemm_16(q, p, (r0, r, jlo, jhi), rows_per_block, f16, out)?;
             }
         }
         Ok(())
@@ -952,20 +966,54 @@ impl Cuda {
         Ok(())
     }
 
+    /// `attn_gemm_operand` of `x` ([`Cuda::attention_gemm`]'s 16-bit operands): `valid` rows
+    /// of `heads` rows of `w` values (a token's heads) into `rows_out` rows per head,
+    /// head-major (`dims` = (valid, rows_out, heads, w)); three bf16 parts by `lo_parts`, or
+    /// one f16 value.
+    fn gemm_operand(
+        &self,
+        x: &CudaView<f32>,
+        y: &mut CudaSlice<u16>,
+        (valid, rows_out, heads, w): (usize, usize, usize, usize),
+        lo_parts: i32,
+        f16: bool,
+    ) -> Result<()> {
+        let op = "attention";
+        let f = self.func(Kernel::AttnGemmOperand)?;
+        let (valid_a, rows_a) = (valid as i64, rows_out as i64);
+        let (heads_a, w_a, f16_a) = (
+            i32_of(op, "heads", heads)?,
+            i32_of(op, "head_dim", w)?,
+            f16 as i32,
+        );
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x)
+            .arg(y)
+            .arg(&valid_a)
+            .arg(&rows_a)
+            .arg(&heads_a)
+            .arg(&w_a)
+            .arg(&lo_parts)
+            .arg(&f16_a);
+        // SAFETY: attn_gemm_operand(x, y, valid, rows_out, heads, w, lo_parts, f16): x holds
+        // valid * heads * w values, y (3 or 1) * rows_out * heads * w (the callers' sizes).
+        unsafe { b.launch(grid_1d(rows_out * heads * w, 256)) }.map_err(dev)?;
+        Ok(())
+    }
+
     /// The 16-bit products' block of rows (`blk`: first row, rows, keys [jlo, jhi)), every
-    /// head at once: Q (head-major rows), K and V (kv-head-major rows) as 16-bit operands
-    /// (`attn_gemm_operand`: bf16 [hi | hi | lo] against [hi | lo | hi], or f16), S = scale
-    /// K^T Q (one product batched over the kv heads), the masked softmax written as P's
-    /// operand in `nc` chunks of keys (`attn_softmax_rows_p16`), O's partials = V P per (kv
-    /// head, chunk) (one product batched over both: the chunks split the long inner dimension
+    /// head at once, over K and V as operands already ([`Cuda::attention_gemm`]: [kv head][key],
+    /// `ATTN_GEMM_MAX_CHUNKS` chunks' padding past n_kv): Q as the block's operand
+    /// (`attn_gemm_operand`: bf16 [hi | hi | lo] against K's [hi | lo | hi], or f16, head-major
+    /// rows), S = scale K^T Q (one product batched over the kv heads), the masked softmax
+    /// written as P's operand in `nc` chunks of keys (`attn_softmax_rows_p16`), O's partials =
+    /// V P per kv head (a product batched over the chunks: they split the long inner dimension
     /// so that the product fills the GPU), and their sum in chunk order into `out`'s rows
     /// (`attn_gemm_reduce`).
     #[allow(clippy::too_many_arguments)]
     fn attention_gemm_16(
         &self,
         q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
         p: &AttnParams,
         (r0, r, jlo, jhi): (usize, usize, usize, usize),
         rows_per_block: usize,
@@ -978,24 +1026,23 @@ impl Cuda {
         let (d, hq, hkv) = (p.head_dim, p.n_heads, p.n_kv_heads);
         let (g, nk) = (hq / hkv, jhi - jlo);
         let gr = g * r;
+        let nkvp = p.n_kv.next_multiple_of(8) + 8 * ATTN_GEMM_MAX_CHUNKS;
         // Operand values per source value: three bf16 parts, or one f16.
         let parts = if f16 { 1 } else { 3 };
-        // Key chunks: enough (kv head, chunk) tiles of the second product for two waves, at
-        // least 256 keys a chunk, at most 8 chunks (or the test knob's count).
-        let tiles = d.div_ceil(128) * gr.div_ceil(128) * hkv;
+        // Key chunks: enough chunk tiles of a kv head's second product for two waves, at
+        // least 256 keys a chunk (or the test knob's count).
+        let tiles = d.div_ceil(128) * gr.div_ceil(128);
         let nc = match self
             .attn_gemm_chunks
             .load(std::sync::atomic::Ordering::Relaxed)
         {
             0 => (2 * self.num_sms)
                 .div_ceil(tiles.max(1))
-                .clamp(1, (nk / 256).clamp(1, 8)),
-            n => n.min(nk),
+                .clamp(1, (nk / 256).clamp(1, ATTN_GEMM_MAX_CHUNKS)),
+            n => n.clamp(1, nk.min(ATTN_GEMM_MAX_CHUNKS)),
         };
         let kc = nk.div_ceil(nc).next_multiple_of(8);
-        let nkp = nc * kc;
         let ldk = parts * kc;
-        let most_keys = p.n_kv.next_multiple_of(8) + 8 * nc;
         {
             let mut s = lock(&self.scratch);
             let s = &mut *s;
@@ -1006,63 +1053,25 @@ impl Cuda {
             )
             .map_err(dev)?;
             ensure(&self.stream, &mut s.att_q3, rows_per_block * hq * parts * d).map_err(dev)?;
-            ensure(&self.stream, &mut s.att_k3, most_keys * hkv * parts * d).map_err(dev)?;
-            ensure(&self.stream, &mut s.att_v3, most_keys * hkv * parts * d).map_err(dev)?;
             ensure(
                 &self.stream,
                 &mut s.att_p3,
-                hq * rows_per_block * parts * most_keys,
+                hq * rows_per_block * parts * (nc * kc),
             )
             .map_err(dev)?;
             ensure(&self.stream, &mut s.att_o, nc * hq * rows_per_block * d).map_err(dev)?;
         }
         let mut guard = lock(&self.scratch);
         let s = &mut *guard;
-        // The operands: Q [head][row], K and V [kv head][key] (keys past nk zero).
-        let operand = self.func(Kernel::AttnGemmOperand)?;
-        let (f16_a, d32) = (f16 as i32, i32_of(op, "head_dim", d)?);
-        for (x, y, valid, rows_out, heads, lo_parts) in [
-            (
-                q.data.slice(r0 * hq * d..(r0 + r) * hq * d),
-                s.att_q3.as_mut().ok_or_else(internal)?,
-                r,
-                r,
-                hq,
-                0b100,
-            ),
-            (
-                k.data.slice(jlo * hkv * d..jhi * hkv * d),
-                s.att_k3.as_mut().ok_or_else(internal)?,
-                nk,
-                nkp,
-                hkv,
-                0b010,
-            ),
-            (
-                v.data.slice(jlo * hkv * d..jhi * hkv * d),
-                s.att_v3.as_mut().ok_or_else(internal)?,
-                nk,
-                nkp,
-                hkv,
-                0b010,
-            ),
-        ] {
-            let (valid, rows_out, heads_a, lo_parts): (i64, i64, i32, i32) =
-                (valid as i64, rows_out as i64, heads as i32, lo_parts);
-            let mut b = self.stream.launch_builder(&operand);
-            b.arg(&x)
-                .arg(y)
-                .arg(&valid)
-                .arg(&rows_out)
-                .arg(&heads_a)
-                .arg(&d32)
-                .arg(&lo_parts)
-                .arg(&f16_a);
-            // SAFETY: attn_gemm_operand(x, y, valid, rows_out, heads, w, lo_parts, f16): x
-            // holds valid * heads * w values, y parts * rows_out * heads * w (sized above).
-            unsafe { b.launch(grid_1d(rows_out as usize * heads * d, 256)) }.map_err(dev)?;
-        }
+        self.gemm_operand(
+            &q.data.slice(r0 * hq * d..(r0 + r) * hq * d),
+            s.att_q3.as_mut().ok_or_else(internal)?,
+            (r, r, hq, d),
+            0b100,
+            f16,
+        )?;
         let ab = if f16 { Dt::CUDA_R_16F } else { Dt::CUDA_R_16BF };
+        let h = 2u64;
         // S [kv head][query head of the group, row][key] = scale K^T Q.
         self.with_blas(|blas| {
             let (sp, _gs) = s
@@ -1087,9 +1096,9 @@ impl Cuda {
                 n: gr,
                 k: parts * d,
                 alpha: p.scale,
-                a: kp,
+                a: kp + (jlo * parts * d) as u64 * h,
                 lda: parts * d,
-                sa: nkp * parts * d,
+                sa: nkvp * parts * d,
                 b: qp,
                 ldb: parts * d,
                 sb: gr * parts * d,
@@ -1110,6 +1119,7 @@ impl Cuda {
             let (r0_a, jlo_a) = (r0 as i64, jlo as i64);
             let (qp0, kp0, nkv) = (p.q_pos0 as i64, p.kv_pos0 as i64, p.n_kv as i64);
             let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
+            let f16_a = f16 as i32;
             let mut b = self.stream.launch_builder(&sm);
             b.arg(s.att_s.as_ref().ok_or_else(internal)?)
                 .arg(s.att_p3.as_mut().ok_or_else(internal)?)
@@ -1130,48 +1140,50 @@ impl Cuda {
             // P hkv * nc * gr rows of parts * kc values.
             unsafe { b.launch(cfg(((hq * r) as u32, 1, 1), 256, 0)) }.map_err(dev)?;
         }
-        // O's partials [kv head, chunk][query head of the group, row][d] = V P.
-        self.with_blas(|blas| {
-            let (op_, _go) = s
-                .att_o
-                .as_mut()
-                .ok_or_else(internal)?
-                .device_ptr_mut(&self.stream);
-            let (vp, _gv) = s
-                .att_v3
-                .as_ref()
-                .ok_or_else(internal)?
-                .device_ptr(&self.stream);
-            let (pp, _gp) = s
-                .att_p3
-                .as_ref()
-                .ok_or_else(internal)?
-                .device_ptr(&self.stream);
-            let gm = BatchedGemm {
-                op,
-                trans_a: false,
-                m: d,
-                n: gr,
-                k: ldk,
-                alpha: 1.0,
-                a: vp,
-                lda: d,
-                sa: ldk * d,
-                b: pp,
-                ldb: ldk,
-                sb: gr * ldk,
-                c: op_,
-                ldc: d,
-                sc: gr * d,
-                batch: hkv * nc,
-                ab,
-                compute: Ct::CUBLAS_COMPUTE_32F,
-            };
-            // SAFETY: as above.
-            unsafe { gm.run(blas) }
-        })?;
+        // O's partials [kv head][chunk][query head of the group, row][d] = V P, per kv head.
+        for hk in 0..hkv {
+            self.with_blas(|blas| {
+                let (op_, _go) = s
+                    .att_o
+                    .as_mut()
+                    .ok_or_else(internal)?
+                    .device_ptr_mut(&self.stream);
+                let (vp, _gv) = s
+                    .att_v3
+                    .as_ref()
+                    .ok_or_else(internal)?
+                    .device_ptr(&self.stream);
+                let (pp, _gp) = s
+                    .att_p3
+                    .as_ref()
+                    .ok_or_else(internal)?
+                    .device_ptr(&self.stream);
+                let gm = BatchedGemm {
+                    op,
+                    trans_a: false,
+                    m: d,
+                    n: gr,
+                    k: ldk,
+                    alpha: 1.0,
+                    a: vp + ((hk * nkvp + jlo) * parts * d) as u64 * h,
+                    lda: d,
+                    sa: ldk * d,
+                    b: pp + (hk * nc * gr * ldk) as u64 * h,
+                    ldb: ldk,
+                    sb: gr * ldk,
+                    c: op_ + (hk * nc * gr * d) as u64 * 4,
+                    ldc: d,
+                    sc: gr * d,
+                    batch: nc,
+                    ab,
+                    compute: Ct::CUBLAS_COMPUTE_32F,
+                };
+                // SAFETY: as above (the chunks end within the kv head's padded keys).
+                unsafe { gm.run(blas) }
+            })?;
+        }
         let red = self.func(Kernel::AttnGemmReduce)?;
-        let (r_a, hq_a, g_a, nc_a) = (r as i32, hq as i32, g as i32, nc as i32);
+        let (r_a, hq_a, g_a, d_a, nc_a) = (r as i32, hq as i32, g as i32, d as i32, nc as i32);
         let mut o = out.data.slice_mut(r0 * hq * d..(r0 + r) * hq * d);
         let mut b = self.stream.launch_builder(&red);
         b.arg(s.att_o.as_ref().ok_or_else(internal)?)
@@ -1179,7 +1191,7 @@ impl Cuda {
             .arg(&r_a)
             .arg(&hq_a)
             .arg(&g_a)
-            .arg(&d32)
+            .arg(&d_a)
             .arg(&nc_a);
         // SAFETY: attn_gemm_reduce(part, out, r, hq, g, d, nc): part holds hkv * nc * g * r * d
         // values, out r * hq * d.
@@ -1209,7 +1221,6 @@ impl Cuda {
         if kv == KvStorage::F32
             && matches!(extra, AttnExtra::None)
             && p.n_q >= ATTN_GEMM_MIN_ROWS
-            && p.n_kv <= ATTN_GEMM_MAX_KEYS
             && p.n_kv_heads > 0
             && p.n_heads.is_multiple_of(p.n_kv_heads)
             && p.n_heads > 0
