@@ -733,10 +733,13 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32)
 // chunk's deltas are U - W S0 (S0: the state before the chunk), its outputs
 // e^(G_i) q_i S0 + sum_{j <= i} e^(G_i - G_j) (q_i.k_j) delta_j, and the state after it
 // e^(G_last) S0 + sum_j e^(G_last - G_j) k_j delta_j^T: the recurrence's algebra, summed in
-// another order. Two kernels: gdn_chunk_prep (every chunk of a span side by side: W, U, the
-// decayed q.k and G into scratch) and gdn_chunk_scan (per value head and 32 state columns, the
-// chunks in order over the state in shared memory). Padding rows past the call's tokens have
-// g = 0, b = 0, q = k = v = 0: no delta, no decay, no output.
+// another order. Three kernels over a span of chunks: gdn_chunk_prep (every chunk side by side:
+// W, U, k decayed to the chunk's end, the normalized q, the decayed q.k and G into scratch),
+// gdn_chunk_state (per value head and 32 state columns, the chunks in order over the state in
+// shared memory: each chunk's deltas, and the state before it into scratch) and gdn_chunk_out
+// (every chunk side by side: the outputs from the state before the chunk and its deltas).
+// Padding rows past the call's tokens have g = 0, b = 0, q = k = v = 0: no delta, no decay, no
+// output. Rows of W, the decayed k and the normalized q are GDC_DK values, zeros past dk.
 #define GDC 64
 #define GDC_DK 128
 // Row i's q / k at lanes lane + 32 p, L2-normalized (times scale) into dst (GDC_DK per row,
@@ -756,12 +759,12 @@ __device__ __forceinline__ void gdc_norm_row(const float *src, int dk, bool ok, 
 }
 // Grid (chunks of the span, n_k_heads), 256 threads. Dynamic shared memory: kn, qn
 // [GDC][GDC_DK + 1] (M [GDC][GDC] over qn once k.k and q.k are in registers), G, b [GDC].
-// Scratch (span-local chunk c, value head h): wk [c][h][GDC][dk], uu [c][h][GDC][dv],
-// qk [c][h][GDC][GDC], gc [c][h][GDC].
+// Scratch (span-local chunk c, value head h, key head hk): wk, kd [c][h][GDC][GDC_DK],
+// uu [c][h][GDC][dv], qk [c][h][GDC][GDC], gc [c][h][GDC], qs [c][hk][GDC][GDC_DK].
 extern "C" __global__ void __launch_bounds__(256)
     gdn_chunk_prep(const float *q, const float *k, const float *v, const float *g, const float *beta, int t0,
-                   int t_len, int nk, int nv, int dk, int dv, float q_scale, float *wk, float *uu, float *qk,
-                   float *gc) {
+                   int t_len, int nk, int nv, int dk, int dv, float q_scale, float *wk, float *kd, float *uu,
+                   float *qk, float *gc, float *qs) {
     extern __shared__ float sm[];
     constexpr int LD = GDC_DK + 1;
     float *kn = sm;
@@ -779,6 +782,10 @@ extern "C" __global__ void __launch_bounds__(256)
         gdc_norm_row(q + row, dk, i < n, q_scale, qn + i * LD, lane);
     }
     __syncthreads();
+    {
+        float *dst = qs + ((long long)c * nk + hk) * GDC * GDC_DK;
+        for (int e = tid; e < GDC * GDC_DK; e += 256) dst[e] = qn[(e / GDC_DK) * LD + e % GDC_DK];
+    }
     // k.k and q.k: rows ti + 16 a, columns tj + 16 b.
     const int ti = tid >> 4, tj = tid & 15;
     float akk[4][4] = {}, aqk[4][4] = {};
@@ -830,6 +837,15 @@ extern "C" __global__ void __launch_bounds__(256)
                 Ms[i * GDC + j] = j < i ? Bs[i] * e * akk[a][b] : 0.0f;
                 qk[(ch * GDC + i) * GDC + j] = j <= i ? e * aqk[a][b] : 0.0f;
             }
+        {
+            // k's rows decayed to the chunk's end.
+            float *dst = kd + ch * GDC * GDC_DK;
+            const float glast = Gs[GDC - 1];
+            for (int e = tid; e < GDC * GDC_DK; e += 256) {
+                const int i = e / GDC_DK;
+                dst[e] = kn[i * LD + e % GDC_DK] * expf(glast - Gs[i]);
+            }
+        }
         __syncthreads();
         // Forward substitution, one column of [W | U] per thread: X_i = rhs_i - sum_{j<i} M_ij X_j.
         for (int col = tid; col < dk + dv; col += 256) {
@@ -853,106 +869,90 @@ extern "C" __global__ void __launch_bounds__(256)
                 X[i] = x;
             }
             if (isk) {
-                float *dst = wk + ch * GDC * dk + col;
+                float *dst = wk + ch * GDC * GDC_DK + col;
 #pragma unroll
-                for (int i = 0; i < GDC; ++i) dst[(long long)i * dk] = X[i];
+                for (int i = 0; i < GDC; ++i) dst[(long long)i * GDC_DK] = X[i];
             } else {
                 float *dst = uu + ch * GDC * dv + (col - dk);
 #pragma unroll
                 for (int i = 0; i < GDC; ++i) dst[(long long)i * dv] = X[i];
             }
         }
+        // W's columns past dk: zeros.
+        for (int e = tid; e < GDC * (GDC_DK - dk); e += 256)
+            wk[(ch * GDC + e / (GDC_DK - dk)) * GDC_DK + dk + e % (GDC_DK - dk)] = 0.0f;
         __syncthreads();
     }
 }
-// Row i's k L2-normalized and decayed to the chunk's end, into kd.
-__device__ __forceinline__ void gdc_kd_row(const float *k, const float *Gs, float glast, int tb, int i, int n, int nk,
-                                           int hk, int dk, float *kd, int lane) {
-    gdc_norm_row(k + ((long long)(tb + i) * nk + hk) * dk, dk, i < n, 1.0f, kd, lane);
-    const float ek = expf(glast - Gs[i]);
-#pragma unroll
-    for (int p = 0; p < GDC_DK / 32; ++p) kd[lane + 32 * p] *= ek;
+// 16-byte asynchronous copies from global into shared memory (sm_80+; both addresses 16-byte
+// aligned), their groups and waits.
+__device__ __forceinline__ void gdc_cp16(float *smem, const float *gmem) {
+    const u32 sa = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void gdc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void gdc_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void gdc_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// A chunk's GDC x GDC_DK scratch values into shared memory, 16 bytes per copy (one group).
+__device__ __forceinline__ void gdc_load_rows(float *dst, const float *src, int tid) {
+    for (int e = tid; e < GDC * GDC_DK / 4; e += 256) gdc_cp16(dst + 4 * e, src + 4 * e);
+    gdc_commit();
 }
 // Grid (ceil(dv / 32), n_v_heads), 256 threads: the state's 32 columns j0 + lane of value head h,
-// the span's chunks in order. Dynamic shared memory (104 KB: two blocks per SM): S [GDC_DK][32],
-// Ws and Qg [GDC][GDC_DK] (k's rows decayed to the chunk's end, Kd, over Ws once the deltas are
-// summed), QK [GDC][GDC], Vn [GDC][32], G [GDC]. (Kd in its own 32 KB, one block per SM: 7.90
-// against 5.74 ms at 8192 tokens, 27B shape, H100.)
+// the span's chunks in order. Dynamic shared memory (88 KB: two blocks per SM): S [GDC_DK][32],
+// Ws and Kd [GDC][GDC_DK], Vn [GDC][32]. Each chunk's W arrives while the previous chunk's state
+// is updated, its decayed k while its deltas are summed (cp.async). uu: U in, the deltas out
+// (each thread rewrites the values it read); hs [c][h][dk][dv]: the state before chunk c.
 extern "C" __global__ void __launch_bounds__(256, 2)
-    gdn_chunk_scan(const float *q, const float *k, const float *wk, const float *uu, const float *qk, const float *gc,
-                   int t0, int t_len, int n_chunks, int nk, int nv, int dk, int dv, float q_scale, float *state,
-                   float *out) {
-    extern __shared__ float sm[];
+    gdn_chunk_state(const float *wk, const float *kd, const float *gc, int n_chunks, int nv, int dk, int dv,
+                    float *uu, float *state, float *hs) {
+    extern __shared__ __align__(16) float sm[];
     float *S = sm;
     float *Ws = S + GDC_DK * 32;
-    float *Qg = Ws + GDC * GDC_DK;
-    float *Kd = Ws;
-    float *QKs = Qg + GDC * GDC_DK;
-    float *Vn = QKs + GDC * GDC;
-    float *Gs = Vn + GDC * 32;
-    const int h = blockIdx.y, hk = h / (nv / nk);
+    float *Kd = Ws + GDC * GDC_DK;
+    float *Vn = Kd + GDC * GDC_DK;
+    const int h = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int j = blockIdx.x * 32 + lane;
     const bool jok = j < dv;
     float *st = state + (long long)h * dk * dv;
     for (int r = w; r < GDC_DK; r += 8) S[r * 32 + lane] = jok && r < dk ? st[(long long)r * dv + j] : 0.0f;
+    gdc_load_rows(Ws, wk + (long long)h * GDC * GDC_DK, tid);
     for (int c = 0; c < n_chunks; ++c) {
-        const int tb = t0 + c * GDC;
-        const int n = min(GDC, t_len - tb);
         const long long ch = (long long)c * nv + h;
-        if (tid < GDC) Gs[tid] = gc[ch * GDC + tid];
-        for (int e = tid; e < GDC * GDC; e += 256) QKs[e] = qk[ch * GDC * GDC + e];
-        for (int e = tid; e < GDC * GDC_DK; e += 256) {
-            const int i = e / GDC_DK, r = e % GDC_DK;
-            Ws[e] = r < dk ? wk[(ch * GDC + i) * dk + r] : 0.0f;
-        }
+        gdc_load_rows(Kd, kd + ch * GDC * GDC_DK, tid);
         float u[8];
 #pragma unroll
         for (int m = 0; m < 8; ++m) u[m] = jok ? uu[(ch * GDC + w + 8 * m) * dv + j] : 0.0f;
+        const float glast = gc[ch * GDC + GDC - 1];
+        gdc_wait1(); // this thread's copies of W
         __syncthreads();
-        const float glast = Gs[GDC - 1];
-        for (int i = w; i < GDC; i += 8) {
-            gdc_norm_row(q + ((long long)(tb + i) * nk + hk) * dk, dk, i < n, q_scale, Qg + i * GDC_DK, lane);
-            const float eq = expf(Gs[i]);
+        if (jok)
+            for (int r = w; r < dk; r += 8) hs[(ch * dk + r) * dv + j] = S[r * 32 + lane];
+        // Rows i = w + 8 m: the deltas U - W S.
+        float dl[8];
 #pragma unroll
-            for (int p = 0; p < GDC_DK / 32; ++p) Qg[i * GDC_DK + lane + 32 * p] *= eq;
-        }
-        __syncthreads();
-        // Rows i = w + 8 m: the deltas U - W S and the outputs' first term Qg S.
-        float dl[8], o[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) { dl[m] = 0.0f; o[m] = 0.0f; }
+        for (int m = 0; m < 8; ++m) dl[m] = 0.0f;
         for (int r = 0; r < GDC_DK; r += 4) {
             const float s0 = S[r * 32 + lane], s1 = S[(r + 1) * 32 + lane], s2 = S[(r + 2) * 32 + lane],
                         s3 = S[(r + 3) * 32 + lane];
 #pragma unroll
             for (int m = 0; m < 8; ++m) {
                 const float4 w4 = *reinterpret_cast<const float4 *>(Ws + (w + 8 * m) * GDC_DK + r);
-                const float4 q4 = *reinterpret_cast<const float4 *>(Qg + (w + 8 * m) * GDC_DK + r);
                 dl[m] = fmaf(w4.x, s0, fmaf(w4.y, s1, fmaf(w4.z, s2, fmaf(w4.w, s3, dl[m]))));
-                o[m] = fmaf(q4.x, s0, fmaf(q4.y, s1, fmaf(q4.z, s2, fmaf(q4.w, s3, o[m]))));
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < 8; ++m) Vn[(w + 8 * m) * 32 + lane] = u[m] - dl[m];
-        __syncthreads(); // every warp is done with Ws: Kd over it
-        for (int i = w; i < GDC; i += 8) gdc_kd_row(k, Gs, glast, tb, i, n, nk, hk, dk, Kd + i * GDC_DK, lane);
-        __syncthreads();
-        // The outputs' second term: sum over l <= i of QK[i][l] Vn[l] (QK is zero past the diagonal).
-        for (int l = 0; l < GDC; l += 4) {
-            const float v0 = Vn[l * 32 + lane], v1 = Vn[(l + 1) * 32 + lane], v2 = Vn[(l + 2) * 32 + lane],
-                        v3 = Vn[(l + 3) * 32 + lane];
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                const float4 a4 = *reinterpret_cast<const float4 *>(QKs + (w + 8 * m) * GDC + l);
-                o[m] = fmaf(a4.x, v0, fmaf(a4.y, v1, fmaf(a4.z, v2, fmaf(a4.w, v3, o[m]))));
             }
         }
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
-            const int i = w + 8 * m;
-            if (jok && i < n) out[((long long)(tb + i) * nv + h) * dv + j] = o[m];
+            const float d = u[m] - dl[m];
+            Vn[(w + 8 * m) * 32 + lane] = d;
+            if (jok) uu[(ch * GDC + w + 8 * m) * dv + j] = d;
         }
+        __syncthreads(); // every warp is done with Ws; Vn is whole
+        if (c + 1 < n_chunks) gdc_load_rows(Ws, wk + (ch + nv) * GDC * GDC_DK, tid);
+        else gdc_commit();
+        gdc_wait1(); // this thread's copies of Kd
+        __syncthreads();
         // The state: rows r = 16 w + m, S = e^(G_last) S + Kd^T Vn.
         const float dec = expf(glast);
         float acc[16];
@@ -975,6 +975,65 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     }
     for (int r = w; r < dk; r += 8)
         if (jok) st[(long long)r * dv + j] = S[r * 32 + lane];
+}
+// Grid (ceil(dv / 32), n_v_heads, chunks of the span), 256 threads: chunk c's outputs at value
+// head h, columns j0 + lane, rows w + 8 m: (e^(G_i) q_i) S0 summed over the state's rows, then
+// the decayed q.k times the deltas. Dynamic shared memory (72 KB): S0 [GDC_DK][32], Qg
+// [GDC][GDC_DK], QK [GDC][GDC], Vn [GDC][32], G [GDC].
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_chunk_out(const float *qs, const float *hs, const float *uu, const float *qk, const float *gc, int t0,
+                  int t_len, int nk, int nv, int dk, int dv, float *out) {
+    extern __shared__ __align__(16) float sm[];
+    float *S = sm;
+    float *Qg = S + GDC_DK * 32;
+    float *QKs = Qg + GDC * GDC_DK;
+    float *Vn = QKs + GDC * GDC;
+    float *Gs = Vn + GDC * 32;
+    const int c = blockIdx.z, h = blockIdx.y, hk = h / (nv / nk);
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int j = blockIdx.x * 32 + lane;
+    const bool jok = j < dv;
+    const int tb = t0 + c * GDC;
+    const int n = min(GDC, t_len - tb);
+    const long long ch = (long long)c * nv + h;
+    gdc_load_rows(Qg, qs + ((long long)c * nk + hk) * GDC * GDC_DK, tid);
+    for (int e = tid; e < GDC * GDC / 4; e += 256) gdc_cp16(QKs + 4 * e, qk + ch * GDC * GDC + 4 * e);
+    gdc_commit();
+    if (tid < GDC) Gs[tid] = gc[ch * GDC + tid];
+    for (int r = w; r < GDC_DK; r += 8) S[r * 32 + lane] = jok && r < dk ? hs[(ch * dk + r) * dv + j] : 0.0f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) Vn[(w + 8 * m) * 32 + lane] = jok ? uu[(ch * GDC + w + 8 * m) * dv + j] : 0.0f;
+    gdc_wait_all();
+    __syncthreads();
+    for (int e = tid; e < GDC * GDC_DK; e += 256) Qg[e] *= expf(Gs[e / GDC_DK]);
+    __syncthreads();
+    float o[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) o[m] = 0.0f;
+    for (int r = 0; r < GDC_DK; r += 4) {
+        const float s0 = S[r * 32 + lane], s1 = S[(r + 1) * 32 + lane], s2 = S[(r + 2) * 32 + lane],
+                    s3 = S[(r + 3) * 32 + lane];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float4 q4 = *reinterpret_cast<const float4 *>(Qg + (w + 8 * m) * GDC_DK + r);
+            o[m] = fmaf(q4.x, s0, fmaf(q4.y, s1, fmaf(q4.z, s2, fmaf(q4.w, s3, o[m]))));
+        }
+    }
+    // Sum over l <= i of QK[i][l] Vn[l] (QK is zero past the diagonal).
+    for (int l = 0; l < GDC; l += 4) {
+        const float v0 = Vn[l * 32 + lane], v1 = Vn[(l + 1) * 32 + lane], v2 = Vn[(l + 2) * 32 + lane],
+                    v3 = Vn[(l + 3) * 32 + lane];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float4 a4 = *reinterpret_cast<const float4 *>(QKs + (w + 8 * m) * GDC + l);
+            o[m] = fmaf(a4.x, v0, fmaf(a4.y, v1, fmaf(a4.z, v2, fmaf(a4.w, v3, o[m]))));
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int i = w + 8 * m;
+        if (jok && i < n) out[((long long)(tb + i) * nv + h) * dv + j] = o[m];
+    }
 }
 
 // A hint to the L2: bring up to 6 byte ranges in (the weights the next kernels will stream,

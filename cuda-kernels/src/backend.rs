@@ -1377,7 +1377,8 @@ impl Cuda {
 
     /// `gated_delta_rule` in chunks of [`GDC`] tokens (no stash; the caller checked the
     /// shapes): per span of chunks whose scratch fits, `gdn_chunk_prep` over every chunk side
-    /// by side, then `gdn_chunk_scan` through them in order.
+    /// by side, `gdn_chunk_state` through them in order, then `gdn_chunk_out` over every chunk
+    /// side by side.
     #[allow(clippy::too_many_arguments)]
     fn gated_delta_rule_chunked(
         &self,
@@ -1391,33 +1392,42 @@ impl Cuda {
         out: &mut CudaBuf,
     ) -> Result<()> {
         let op = "gated_delta_rule";
-        let (nv, dk, dv) = (p.n_v_heads, p.dk, p.dv);
+        let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.dk, p.dv);
         let prep_smem = (2 * GDC * (GDC_DK + 1) + 2 * GDC) * 4;
-        let scan_smem = (GDC_DK * 32 + 2 * GDC * GDC_DK + GDC * GDC + GDC * 32 + GDC) * 4;
-        if scan_smem > self.smem.block {
+        let state_smem = (GDC_DK * 32 + 2 * GDC * GDC_DK + GDC * 32) * 4;
+        let out_smem = (GDC_DK * 32 + GDC * GDC_DK + GDC * GDC + GDC * 32 + GDC) * 4;
+        if state_smem > self.smem.block {
             return Err(BackendError::Invalid {
                 op,
                 msg: format!(
-                    "the chunked kernels need {scan_smem} bytes of shared memory per block, the device allows {}",
+                    "the chunked kernels need {state_smem} bytes of shared memory per block, the device allows {}",
                     self.smem.block
                 ),
             });
         }
-        let (wk_len, uu_len, qk_len) = (nv * GDC * dk, nv * GDC * dv, nv * GDC * GDC);
-        let per_chunk = wk_len + uu_len + qk_len + nv * GDC;
+        // Per chunk: W and k decayed ([h][GDC][GDC_DK] each), U then the deltas, the decayed
+        // q.k, G, the normalized q ([hk][GDC][GDC_DK]) and the state before the chunk.
+        let (wk_len, uu_len, qk_len, gc_len) =
+            (nv * GDC * GDC_DK, nv * GDC * dv, nv * GDC * GDC, nv * GDC);
+        let (qs_len, hs_len) = (nk * GDC * GDC_DK, nv * dk * dv);
+        let per_chunk = 2 * wk_len + uu_len + qk_len + gc_len + qs_len + hs_len;
         let chunks = p.t.div_ceil(GDC);
         let span = (DELTA_SCRATCH_VALUES / per_chunk).clamp(1, chunks);
         let prep = self.func_smem(Kernel::GdnChunkPrep, prep_smem)?;
-        let scan = self.func_smem(Kernel::GdnChunkScan, scan_smem)?;
+        let state_k = self.func_smem(Kernel::GdnChunkState, state_smem)?;
+        let out_k = self.func_smem(Kernel::GdnChunkOut, out_smem)?;
         let mut s = lock(&self.scratch);
         ensure(&self.stream, &mut s.gdn, span * per_chunk).map_err(dev)?;
         let buf = s.gdn.as_mut().ok_or_else(internal)?;
         let (mut wk, mut rest) = buf.split_at_mut(span * wk_len);
+        let (mut kd, mut rest) = rest.split_at_mut(span * wk_len);
         let (mut uu, mut rest) = rest.split_at_mut(span * uu_len);
-        let (mut qk, mut gc) = rest.split_at_mut(span * qk_len);
-        let (t_len, nk, nv32, dk32, dv32) = (
+        let (mut qk, mut rest) = rest.split_at_mut(span * qk_len);
+        let (mut gc, mut rest) = rest.split_at_mut(span * gc_len);
+        let (mut qs, mut hs) = rest.split_at_mut(span * qs_len);
+        let (t_len, nk32, nv32, dk32, dv32) = (
             i32_of(op, "t", p.t)?,
-            p.n_k_heads as i32,
+            nk as i32,
             nv as i32,
             dk as i32,
             dv as i32,
@@ -1433,34 +1443,44 @@ impl Cuda {
                 .arg(&beta.data);
             b.arg(&t0)
                 .arg(&t_len)
-                .arg(&nk)
+                .arg(&nk32)
                 .arg(&nv32)
                 .arg(&dk32)
                 .arg(&dv32)
                 .arg(&p.q_scale);
-            b.arg(&mut wk).arg(&mut uu).arg(&mut qk).arg(&mut gc);
+            b.arg(&mut wk)
+                .arg(&mut kd)
+                .arg(&mut uu)
+                .arg(&mut qk)
+                .arg(&mut gc)
+                .arg(&mut qs);
             // SAFETY: gdn_chunk_prep's parameters, in order; the span's chunks fit the scratch.
             unsafe { b.launch(cfg((nc as u32, nk as u32, 1), 256, prep_smem as u32)) }
                 .map_err(dev)?;
-            let mut b = self.stream.launch_builder(&scan);
-            b.arg(&q.data)
-                .arg(&k.data)
-                .arg(&mut wk)
+            let mut b = self.stream.launch_builder(&state_k);
+            b.arg(&mut wk).arg(&mut kd).arg(&mut gc);
+            b.arg(&nc32).arg(&nv32).arg(&dk32).arg(&dv32);
+            b.arg(&mut uu).arg(&mut state.data).arg(&mut hs);
+            let grid = (dv.div_ceil(32) as u32, nv as u32, 1);
+            // SAFETY: gdn_chunk_state's parameters, in order, over the scratch prep wrote.
+            unsafe { b.launch(cfg(grid, 256, state_smem as u32)) }.map_err(dev)?;
+            let mut b = self.stream.launch_builder(&out_k);
+            b.arg(&mut qs)
+                .arg(&mut hs)
                 .arg(&mut uu)
                 .arg(&mut qk)
                 .arg(&mut gc);
             b.arg(&t0)
                 .arg(&t_len)
-                .arg(&nc32)
-                .arg(&nk)
+                .arg(&nk32)
                 .arg(&nv32)
                 .arg(&dk32)
-                .arg(&dv32)
-                .arg(&p.q_scale);
-            b.arg(&mut state.data).arg(&mut out.data);
-            let grid = (dv.div_ceil(32) as u32, nv as u32, 1);
-            // SAFETY: gdn_chunk_scan's parameters, in order, over the scratch prep wrote.
-            unsafe { b.launch(cfg(grid, 256, scan_smem as u32)) }.map_err(dev)?;
+                .arg(&dv32);
+            b.arg(&mut out.data);
+            let grid = (dv.div_ceil(32) as u32, nv as u32, nc as u32);
+            // SAFETY: gdn_chunk_out's parameters, in order, over the scratch the two kernels
+            // before it wrote.
+            unsafe { b.launch(cfg(grid, 256, out_smem as u32)) }.map_err(dev)?;
         }
         Ok(())
     }
@@ -3072,9 +3092,10 @@ pub const DELTA_CHUNK_MIN: usize = 128;
 const GDC: usize = 64;
 const GDC_DK: usize = 128;
 
-/// Scratch values of the chunked delta rule at most (128 MB): a longer call runs in spans of
-/// chunks that fit.
-const DELTA_SCRATCH_VALUES: usize = 32 << 20;
+/// Scratch values of the chunked delta rule at most (256 MB; about 27 chunks of the
+/// Qwen3.6-27B linear-layer shape, whose state before each chunk is 3 MB): a longer call runs
+/// in spans of chunks that fit.
+const DELTA_SCRATCH_VALUES: usize = 64 << 20;
 
 /// Rows of W per block a cuBLAS matmul unpacks at a time (at most `values` values, a multiple
 /// of 16, at least 16) for K = `k`.

@@ -108,7 +108,8 @@ kernels! {
     GatedDeltaRuleR16 => (Elementwise, "gated_delta_rule_r16"),
     GatedDeltaRuleR32 => (Elementwise, "gated_delta_rule_r32"),
     GdnChunkPrep => (Elementwise, "gdn_chunk_prep"),
-    GdnChunkScan => (Elementwise, "gdn_chunk_scan"),
+    GdnChunkState => (Elementwise, "gdn_chunk_state"),
+    GdnChunkOut => (Elementwise, "gdn_chunk_out"),
     L2Prefetch => (Elementwise, "l2_prefetch"),
     FillRandomU32 => (Elementwise, "fill_random_u32"),
     FillRandomHalf => (Elementwise, "fill_random_half"),
@@ -426,9 +427,10 @@ pub const SMEM_CARVEOUT_A8: i32 = 100;
 pub const SMEM_CARVEOUT_OTHER: i32 = -1;
 
 /// The preferred carveout of kernel `k` under the (Q8_0A8, other) pair `co`. The chunked delta
-/// rule's scan always prefers all of it: its blocks of 104 KB run two per SM only there.
+/// rule's state and output kernels always prefer all of it: their blocks of 88 / 72 KB run two
+/// / three per SM only there.
 fn carveout_of(k: Kernel, co: (i32, i32)) -> i32 {
-    if k == Kernel::GdnChunkScan {
+    if matches!(k, Kernel::GdnChunkState | Kernel::GdnChunkOut) {
         100
     } else if k.name().starts_with("a8") {
         co.0
