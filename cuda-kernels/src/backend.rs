@@ -3092,7 +3092,7 @@ pub const DELTA_CHUNK_MIN: usize = 128;
 const GDC: usize = 64;
 const GDC_DK: usize = 128;
 
-/// Scratch values of the chunked delta rule at most (256 MB; about 27 chunks of the
+/// Scratch values of the chunked delta rule at most (256 MB; 29 chunks of the
 /// Qwen3.6-27B linear-layer shape, whose state before each chunk is 3 MB): a longer call runs
 /// in spans of chunks that fit.
 const DELTA_SCRATCH_VALUES: usize = 64 << 20;
