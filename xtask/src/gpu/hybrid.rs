@@ -388,11 +388,12 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     }
     g.set_recurrent_parallel(true);
     // The full-attention layer's prompt attention alone (f32 cache, the exact op the layer
-    // runs: the two products on bf16 hi / lo operands, `Cuda::set_attn_gemm`), the same on
-    // f32 operands, the SIMT split kernel, and a head dim of 128 with twice the heads (the
-    // same products, the tensor-core prefill kernels).
+    // runs: the two products on bf16 hi / lo operands, `Cuda::set_attn_gemm`), the same in
+    // one key chunk, on f16 operands (the fast prefill's) and on f32 operands, the SIMT split
+    // kernel, and a head dim of 128 with twice the heads (the same products, the tensor-core
+    // prefill kernels).
     md += &format!(
-        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products, bf16 x3 | the same, one key chunk | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|\n",
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products, bf16 x3 | the same, one key chunk | f16 products (`PrefillPrecision::Fast`) | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|---:|\n",
         iters.min(5),
         cfg.n_heads,
         cfg.n_kv_heads,
@@ -402,37 +403,23 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         cfg.head_dim / 2
     );
     for &p in &ps {
-        let mut ms = [0.0f64; 5];
-        for (i, (nh, nkv, hd, gemm, chunks)) in [
-            (
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                AttnGemm::Bf16x3,
-                0,
-            ),
-            (
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                AttnGemm::Bf16x3,
-                1,
-            ),
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::F32, 0),
-            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, AttnGemm::Off, 0),
-            (
-                2 * cfg.n_heads,
-                2 * cfg.n_kv_heads,
-                cfg.head_dim / 2,
-                AttnGemm::default(),
-                0,
-            ),
+        let mut ms = [0.0f64; 6];
+        let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+        let exact = PrefillPrecision::Exact;
+        for (i, (nh, nkv, hd, gemm, chunks, precision)) in [
+            (nh, nkv, hd, AttnGemm::Bf16x3, 0, exact),
+            (nh, nkv, hd, AttnGemm::Bf16x3, 1, exact),
+            (nh, nkv, hd, AttnGemm::Bf16x3, 0, PrefillPrecision::Fast),
+            (nh, nkv, hd, AttnGemm::F32, 0, exact),
+            (nh, nkv, hd, AttnGemm::Off, 0, exact),
+            (2 * nh, 2 * nkv, hd / 2, AttnGemm::default(), 0, exact),
         ]
         .into_iter()
         .enumerate()
         {
             g.set_attn_gemm(gemm);
             g.set_attn_gemm_chunks(chunks);
+            g.set_prefill_precision(precision);
             let ap = AttnParams {
                 n_q: p,
                 n_kv: p,
@@ -455,19 +442,21 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         }
         g.set_attn_gemm(AttnGemm::default());
         g.set_attn_gemm_chunks(0);
+        g.set_prefill_precision(exact);
         println!(
-            "hybrid P {p}: attention alone {:.2} ms (head dim {}; one key chunk {:.2}, f32 products {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}; one key chunk {:.2}, f16 products {:.2}, f32 products {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
             ms[0],
             cfg.head_dim,
             ms[1],
             ms[2],
             ms[3],
             ms[4],
+            ms[5],
             cfg.head_dim / 2
         );
         md += &format!(
-            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
-            ms[0], ms[1], ms[2], ms[3], ms[4]
+            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+            ms[0], ms[1], ms[2], ms[3], ms[4], ms[5]
         );
     }
     println!("\n{md}");
