@@ -1485,14 +1485,14 @@ __device__ __forceinline__ void att_softmax_fa(float (&s)[NT][4], bool full, lon
 }
 
 // The f32 pairs of Q's A-fragments of this lane's rows ra / rb (real: va / vb; query ia / ib),
-// d 16 ks + 2 t (+1, +8, +9): all loads issued before any is used.
-template <int D>
-__device__ __forceinline__ void att_q_pairs(const float *__restrict__ q, float2 (&x)[D / 16][4], int ia, int ib, int ra, int rb, bool va,
-                                            bool vb, int hk, int H, const IDiv &G, int t) {
-    const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + 2 * t;
-    const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + 2 * t;
+// d 16 ks + 2 t (+1, +8, +9), of the DW dims from col0: all loads issued before any is used.
+template <int D, int DW = D>
+__device__ __forceinline__ void att_q_pairs(const float *__restrict__ q, float2 (&x)[DW / 16][4], int ia, int ib, int ra, int rb, bool va,
+                                            bool vb, int hk, int H, const IDiv &G, int t, int col0 = 0) {
+    const float *qa = q + ((long long)ia * H + hk * G.d + (ra - ia * G.d)) * D + col0 + 2 * t;
+    const float *qb = q + ((long long)ib * H + hk * G.d + (rb - ib * G.d)) * D + col0 + 2 * t;
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
+    for (int ks = 0; ks < DW / 16; ++ks) {
         const float2 z = make_float2(0.f, 0.f);
         x[ks][0] = va ? *(const float2 *)(qa + 16 * ks) : z;
         x[ks][1] = vb ? *(const float2 *)(qb + 16 * ks) : z;
@@ -1502,13 +1502,13 @@ __device__ __forceinline__ void att_q_pairs(const float *__restrict__ q, float2 
 }
 
 // Q's A-fragments (att_q_pairs) rounded to f16 (attn_fa_impl, attn_wg_impl, attn_pf_impl x1).
-template <int D>
-__device__ __forceinline__ void att_q_frags(const float *__restrict__ q, u32 (&qf)[D / 16][4], int ia, int ib, int ra, int rb, bool va,
-                                            bool vb, int hk, int H, const IDiv &G, int t) {
-    float2 x[D / 16][4];
-    att_q_pairs<D>(q, x, ia, ib, ra, rb, va, vb, hk, H, G, t);
+template <int D, int DW = D>
+__device__ __forceinline__ void att_q_frags(const float *__restrict__ q, u32 (&qf)[DW / 16][4], int ia, int ib, int ra, int rb, bool va,
+                                            bool vb, int hk, int H, const IDiv &G, int t, int col0 = 0) {
+    float2 x[DW / 16][4];
+    att_q_pairs<D, DW>(q, x, ia, ib, ra, rb, va, vb, hk, H, G, t, col0);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
+    for (int ks = 0; ks < DW / 16; ++ks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) qf[ks][e] = h2_pack(x[ks][e].x, x[ks][e].y);
 }
@@ -1661,13 +1661,13 @@ ATTN_FA(128)
 // the chunk boundaries (fixed key indices), not on the block's other rows; such rows are never
 // compared with a decode's (the prefill is the one start a speculative and a plain run share).
 // Q's A-fragments (att_q_pairs) split into bf16 hi + lo (attn_pf_impl x3).
-template <int D>
-__device__ __forceinline__ void att_q_frags_x3(const float *__restrict__ q, u32 (&qh)[D / 16][4], u32 (&ql)[D / 16][4], int ia, int ib,
-                                               int ra, int rb, bool va, bool vb, int hk, int H, const IDiv &G, int t) {
-    float2 x[D / 16][4];
-    att_q_pairs<D>(q, x, ia, ib, ra, rb, va, vb, hk, H, G, t);
+template <int D, int DW = D>
+__device__ __forceinline__ void att_q_frags_x3(const float *__restrict__ q, u32 (&qh)[DW / 16][4], u32 (&ql)[DW / 16][4], int ia, int ib,
+                                               int ra, int rb, bool va, bool vb, int hk, int H, const IDiv &G, int t, int col0 = 0) {
+    float2 x[DW / 16][4];
+    att_q_pairs<D, DW>(q, x, ia, ib, ra, rb, va, vb, hk, H, G, t, col0);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
+    for (int ks = 0; ks < DW / 16; ++ks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) split_bf16x2(x[ks][e].x, x[ks][e].y, qh[ks][e], ql[ks][e]);
 }
@@ -1677,11 +1677,12 @@ __device__ __forceinline__ void att_q_frags_x3(const float *__restrict__ q, u32 
 // arithmetic for one live split: weight expf(m - m) = 1, acc = fmaf(o, 1, 0) = o + 0 (a -0
 // becomes +0), L = l, y = acc / L (0 for a row that sees no key); with hi != null also the o
 // projection's bf16 hi (/ lo: null for hi only) x, split_bf16x2 of y elementwise. Row i * H + h
-// of out (D values), the layout of the combine's out / hi / lo.
-template <int D>
-__device__ __forceinline__ void att_pf_store_out(float (&o)[D / 8][4], float l_a, float l_b, int t, int ra, int rb, bool va, bool vb,
+// of out (D values), the layout of the combine's out / hi / lo; the warp's DW of them from
+// column col0 (attn_pf2_impl: half a row per warp).
+template <int D, int DW = D>
+__device__ __forceinline__ void att_pf_store_out(float (&o)[DW / 8][4], float l_a, float l_b, int t, int ra, int rb, bool va, bool vb,
                                                  const IDiv &G, int hk, int H, float *__restrict__ out, u16 *__restrict__ hi,
-                                                 u16 *__restrict__ lo) {
+                                                 u16 *__restrict__ lo, int col0 = 0) {
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -1695,10 +1696,10 @@ __device__ __forceinline__ void att_pf_store_out(float (&o)[D / 8][4], float l_a
         const float L = half ? l_b : l_a;
         const int r0 = half * 2;
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
+        for (int n = 0; n < DW / 8; ++n) {
             const float y0 = L > 0.0f ? __fadd_rn(o[n][r0], 0.0f) / L : 0.0f;
             const float y1 = L > 0.0f ? __fadd_rn(o[n][r0 + 1], 0.0f) / L : 0.0f;
-            const long long e = row * D + 8 * n + 2 * t;
+            const long long e = row * D + col0 + 8 * n + 2 * t;
             *(float2 *)(out + e) = make_float2(y0, y1);
             if (hi != nullptr) {
                 u32 h2, l2;
@@ -1885,6 +1886,193 @@ ATTN_PF(64, true, x3)
 ATTN_PF(64, false, x1)
 ATTN_PF(128, true, x3)
 ATTN_PF(128, false, x1)
+
+// ------------------------------------------------------------------------------------------------
+// A prompt's prefill at a head dim too wide for attn_pf's registers (`attn_pf2_d{D}_{x3,x1}`,
+// D = 256: Q's hi + lo fragments and the output of 16 rows would take 256 registers a lane).
+// attn_pf_impl's arithmetic with each 16 rows shared by two warps, each owning half the head
+// dims (DW = D / 2): a warp's Q fragments and its output cover its half; its S is the sum of
+// both halves' partial products, the partner's read through shared memory after a pair barrier
+// (the two warps add the same two values: the same scores, softmax and P in both). 8 warps,
+// 64 rows per block (GQA-packed as attn_pf), one split (every key; attention_gemm's callers:
+// f32 cache, no combine), the rows written as att_pf_store_out writes them. K and V come as
+// attention_gemm's operands, split once per call (attn_gemm_operand: [kv head][key (nkvp rows,
+// zeros past n_kv)][bf16 hi | lo | hi], or f16 [kv head][key][D]), copied by cp.async straight
+// into two stages of 16-bit tiles (32 keys a chunk): no staging and no conversion per block.
+// X3 / X1 as attn_pf_impl (three bf16 products / one f16 product). Blocks in reverse row order.
+#define PF2_CK 32
+#define PF2_NST 2
+template <int D, bool X3>
+__device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const u16 *__restrict__ kop, const u16 *__restrict__ vop,
+                                              int nkvp, int n_q, int n_kv, int H, int Hkv, long long q_pos0, long long kv_pos0,
+                                              int causal, long long window, float scale, float *__restrict__ out) {
+    constexpr int CK = PF2_CK;
+    constexpr int NT = CK / 8;       // score n-tiles per chunk
+    constexpr int DW = D / 2;        // a warp's head dims
+    constexpr int PH = D + 8;        // halves per tile row
+    constexpr int NO = DW / 8;       // a warp's output n-tiles
+    constexpr int KS = DW / 16;      // a warp's k-steps of S
+    constexpr int PARTS = X3 ? 3 : 1;  // operand values per source value
+    constexpr int NTL = X3 ? 4 : 2;  // tiles per stage: K hi, V hi (, K lo, V lo)
+    constexpr int STAGE = NTL * CK * PH;  // halves per stage
+    constexpr u32 TILE_B = CK * PH * 2;
+    constexpr int C8 = D / 8;        // 16-byte pieces per operand row
+    griddep_launch();
+    griddep_wait();
+    extern __shared__ __align__(16) float sm[];
+    u16 *T = (u16 *)sm;                                // [PF2_NST][NTL][CK][PH]
+    float *X = (float *)(T + PF2_NST * STAGE);         // [8 warps][NT * 4][32] partial scores
+    const IDiv G(H / Hkv);
+    const int QR = n_q * G.d;
+    const int hk = blockIdx.z;
+    const int qr0 = (gridDim.x - 1 - blockIdx.x) * 64;
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const int rg = w >> 1, dh = w & 1;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = qr0 + rg * 16 + g, rb = ra + 8;
+    const bool va = ra < QR, vb = rb < QR;
+    const int ia = va ? G.div(ra) : 0, ib = vb ? G.div(rb) : 0;
+    const long long qpa = q_pos0 + ia, qpb = q_pos0 + ib;
+
+    int c_begin, c_end;
+    att_chunk_range(0, n_kv, n_kv, qr0, 64, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
+    const int nch = c_end - c_begin;
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + 64, QR) - 1, qr0));
+
+    // Chunk c's keys into stage `slot`: piece (key kk, 8 dims c8) of K hi, V hi (, K lo, V lo).
+    const u16 *kbase = kop + (long long)hk * nkvp * PARTS * D, *vbase = vop + (long long)hk * nkvp * PARTS * D;
+    const u32 t_sa = (u32)__cvta_generic_to_shared(T);
+    auto load_chunk = [&](int c, int slot) {
+        const long long j0 = (long long)c * CK;
+        for (int e = tid; e < CK * C8; e += 256) {
+            const int kk = e / C8, c8 = (e % C8) * 8;
+            const long long src = (j0 + kk) * PARTS * D + c8;
+            const u32 dst = t_sa + (u32)(slot * STAGE + kk * PH + c8) * 2;
+            cp_async16s(dst, kbase + src);
+            cp_async16s(dst + TILE_B, vbase + src);
+            if constexpr (X3) {
+                cp_async16s(dst + 2 * TILE_B, kbase + src + D);
+                cp_async16s(dst + 3 * TILE_B, vbase + src + D);
+            }
+        }
+    };
+    if (nch > 0) load_chunk(c_begin, 0);
+    cp_async_commit();
+    u32 qh[KS][4], ql[KS][4];
+    if constexpr (X3) att_q_frags_x3<D, DW>(q, qh, ql, ia, ib, ra, rb, va, vb, hk, H, G, t, dh * DW);
+    else att_q_frags<D, DW>(q, qh, ia, ib, ra, rb, va, vb, hk, H, G, t, dh * DW);
+
+    float o[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    const float scale_l2 = scale * 1.4426950408889634f;
+    // ldmatrix lanes (attn_pf_impl's), moved to this warp's half of the dims.
+    const u32 kcur0 = t_sa + (u32)((((lane & 7) + ((lane >> 4) << 3)) * PH + ((lane >> 3) & 1) * 8 + dh * DW) * 2);
+    const u32 vcur0 = t_sa + TILE_B + (u32)(((lane & 15) * PH + (lane >> 4) * 8 + dh * DW) * 2);
+    constexpr u32 LO_B = 2 * TILE_B;
+    float *xs_own = X + w * (NT * 4 * 32) + lane, *xs_par = X + (w ^ 1) * (NT * 4 * 32) + lane;
+
+    for (int ci = 0; ci < nch; ++ci) {
+        const int slot = ci & 1;
+        cp_async_wait_all();
+        __syncthreads();  // chunk ci's tiles are in; every warp is done with chunk ci - 1's
+        if (ci + 1 < nch) load_chunk(c_begin + ci + 1, slot ^ 1);
+        cp_async_commit();
+        const u32 kcur = kcur0 + slot * STAGE * 2, vcur = vcur0 + slot * STAGE * 2;
+
+        // This warp's half of S = Q K^T, 16 rows x CK keys; X3: the small terms first.
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                const u32 ka = kcur + np * 16 * PH * 2 + ks * 32;
+                ldsm_x4(ka, b0, b1, b2, b3);
+                if constexpr (X3) {
+                    u32 c0, c1, c2, c3;
+                    ldsm_x4(ka + LO_B, c0, c1, c2, c3);
+                    mma_bf16_16816(s[2 * np], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b0, b1);
+                    mma_bf16_16816(s[2 * np + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b2, b3);
+                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c0, c1);
+                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c2, c3);
+                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
+                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
+                } else {
+                    mma_h16(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
+                    mma_h16(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
+                }
+            }
+        // The pair's halves summed: low dims first in both warps (the same bits in both).
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xs_own[(nt * 4 + e) * 32] = s[nt][e];
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + rg) : "memory");
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float other = xs_par[(nt * 4 + e) * 32];
+                s[nt][e] = dh == 0 ? s[nt][e] + other : other + s[nt][e];
+            }
+        const long long j0 = (long long)(c_begin + ci) * CK;
+        const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
+                          (window < 0 || qpos_hi < kv_pos0 + j0 + window);
+        float ala, alb;
+        att_softmax_fa<NT>(s, full, j0, t, va, vb, qpa, qpb, n_kv, kv_pos0, causal, window, scale_l2, m_a, m_b, l_a, l_b, ala, alb);
+        att_rescale(o, ala, alb);
+        // O += P V over the chunk's steps of 16 keys, this warp's dims.
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            u32 p0, p1, p2, p3, r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+            if constexpr (X3) {
+                split_bf16x2(s[2 * kk][0], s[2 * kk][1], p0, r0);
+                split_bf16x2(s[2 * kk][2], s[2 * kk][3], p1, r1);
+                split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], p2, r2);
+                split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], p3, r3);
+            } else {
+                p0 = h2_pack(s[2 * kk][0], s[2 * kk][1]);
+                p1 = h2_pack(s[2 * kk][2], s[2 * kk][3]);
+                p2 = h2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                p3 = h2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < NO / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                const u32 va_ = vcur + kk * 16 * PH * 2 + np * 32;
+                ldsm_x4_t(va_, b0, b1, b2, b3);
+                if constexpr (X3) {
+                    u32 c0, c1, c2, c3;
+                    ldsm_x4_t(va_ + LO_B, c0, c1, c2, c3);
+                    mma_bf16_16816(o[2 * np], r0, r1, r2, r3, b0, b1);
+                    mma_bf16_16816(o[2 * np + 1], r0, r1, r2, r3, b2, b3);
+                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, c0, c1);
+                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, c2, c3);
+                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, b0, b1);
+                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+                } else {
+                    mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
+                    mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+                }
+            }
+        }
+    }
+    cp_async_wait_all();
+    att_pf_store_out<D, DW>(o, l_a, l_b, t, ra, rb, va, vb, G, hk, H, out, nullptr, nullptr, dh * DW);
+}
+
+#define ATTN_PF2(D, X3, SUFFIX)                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) attn_pf2_d##D##_##SUFFIX(                                                  \
+        const float *q, const u16 *kop, const u16 *vop, int nkvp, int n_q, int n_kv, int H, int Hkv, long long q_pos0,              \
+        long long kv_pos0, int causal, long long window, float scale, float *out) {                                                 \
+        attn_pf2_impl<D, X3>(q, kop, vop, nkvp, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, out);                    \
+    }
+ATTN_PF2(256, true, x3)
+ATTN_PF2(256, false, x1)
 
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \

@@ -88,8 +88,13 @@ pub enum AttnGemm {
     /// arithmetic of the FlashAttention-2-style prefill kernels at head dims 32 / 64 / 128.
     /// Every head in one product; the second product's long inner dimension (three values a
     /// key) in chunks of keys whose partial outputs a kernel sums, so that it fills the GPU.
-    #[default]
     Bf16x3,
+    /// [`AttnGemm::Bf16x3`]'s arithmetic (f16 under [`PrefillPrecision::Fast`]) in one
+    /// FlashAttention-2-style kernel at head dim 256 (`attn_pf2_d256_*`: two warps per 16 rows,
+    /// half the head dims each; K and V split into their operands once per call): no scores
+    /// or probabilities through memory. Other head dims take [`AttnGemm::Bf16x3`]'s products.
+    #[default]
+    Fused,
 }
 
 /// Keys per split of a prefill's causal attention by default ([`Cuda::set_attn_prefill_split`]):
@@ -1165,7 +1170,7 @@ impl Cuda {
 
     /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
     /// a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
-    /// 256): see [`AttnGemm`] (default [`AttnGemm::Bf16x3`]; a benchmark knob).
+    /// 256): see [`AttnGemm`] (default [`AttnGemm::Fused`]; a benchmark knob).
     pub fn set_attn_gemm(&self, mode: AttnGemm) {
         *lock(&self.attn_gemm) = mode;
     }

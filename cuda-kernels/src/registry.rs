@@ -201,6 +201,8 @@ kernels! {
     AttnPfD64X1 => (Attention, "attn_pf_d64_x1"),
     AttnPfD128X3 => (Attention, "attn_pf_d128_x3"),
     AttnPfD128X1 => (Attention, "attn_pf_d128_x1"),
+    AttnPf2D256X3 => (Attention, "attn_pf2_d256_x3"),
+    AttnPf2D256X1 => (Attention, "attn_pf2_d256_x1"),
     // The Q8_0A8 matmul kernels compiled for Q4_0A8 weights (`Kernel::q4_twin`).
     Q4A8N1W1 => (MatmulQ4, "a8_n1_w1"),
     Q4A8N1W2 => (MatmulQ4, "a8_n1_w2"),

@@ -2814,6 +2814,8 @@ fn attention_gemm_against_cpu() {
             (AttnGemm::F32, PrefillPrecision::Exact, few, 0),
             (AttnGemm::Bf16x3, PrefillPrecision::Fast, few, 2),
             (AttnGemm::Off, PrefillPrecision::Exact, 32 << 20, 0),
+            (AttnGemm::Fused, PrefillPrecision::Exact, 32 << 20, 0),
+            (AttnGemm::Fused, PrefillPrecision::Fast, 32 << 20, 0),
         ] {
             g.set_attn_gemm(mode);
             g.set_attn_gemm_scores(scores);
@@ -2841,6 +2843,17 @@ fn attention_gemm_against_cpu() {
                 .zip(&outs[2])
                 .any(|(a, b)| a.to_bits() != b.to_bits()),
             "{what}: the bf16 products gave the f32 products' bits"
+        );
+        // The fused kernel runs at head dim 256 (another summation order than the products'),
+        // elsewhere the products themselves.
+        let fused_differs = outs[6]
+            .iter()
+            .zip(&outs[0])
+            .any(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(
+            fused_differs,
+            hd == 256,
+            "{what}: AttnGemm::Fused against the bf16 products"
         );
         g.set_attn_gemm(AttnGemm::default());
         g.set_attn_gemm_scores(32 << 20);

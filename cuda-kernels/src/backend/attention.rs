@@ -429,6 +429,27 @@ fn pf_kernel(d: usize, x3: bool) -> Option<Kernel> {
     })
 }
 
+/// The prefill kernel over [`Cuda::attention_gemm`]'s operands for head dim `d`
+/// ([`AttnGemm::Fused`]): `x3` the exact op's three bf16 products, else the f16 one.
+fn pf2_kernel(d: usize, x3: bool) -> Option<Kernel> {
+    Some(match (d, x3) {
+        (256, true) => Kernel::AttnPf2D256X3,
+        (256, false) => Kernel::AttnPf2D256X1,
+        _ => return None,
+    })
+}
+
+/// Query rows (GQA-packed) of an `attn_pf2_*` block: 4 groups of 16, two warps each.
+const PF2_ROWS: usize = 64;
+
+/// Shared memory of an `attn_pf2_*` launch at head dim 256 (`PF2_CK` 32 keys a chunk,
+/// `PF2_NST` 2 stages in attention.cu): the 16-bit tiles (K and V, hi and lo for `x3`; rows
+/// padded by 8 halves) and the 8 warps' partial scores.
+fn pf2_smem_bytes(x3: bool) -> usize {
+    let tiles = if x3 { 4 } else { 2 };
+    2 * tiles * 32 * (256 + 8) * 2 + 8 * 32 * 16 * 4
+}
+
 /// One strided-batched cuBLAS product of column-major matrices, C (f32, beta 0) = alpha op(A)
 /// B: A m x k (`trans_a`: stored k x m), B k x n, each of `batch` with strides `sa`, `sb`,
 /// `sc` values; A and B of type `ab`. Addresses are device pointers.
@@ -836,6 +857,12 @@ impl Cuda {
             ] {
                 self.gemm_operand(&x, y, (p.n_kv, nkvp, hkv, d), 0b010, f16)?;
             }
+            let fused = pf2_kernel(d, !f16).filter(|_| {
+                *lock(&self.attn_gemm) == AttnGemm::Fused && pf2_smem_bytes(!f16) <= self.smem.block
+            });
+            if let Some(kern) = fused {
+                return self.attention_pf2(q, p, kern, (nkvp, f16), &s.att_k3, &s.att_v3, out);
+            }
         }
         for r0 in (0..p.n_q).step_by(rows_per_block) {
             let r = rows_per_block.min(p.n_q - r0);
@@ -855,6 +882,64 @@ impl Cuda {
                 self.attention_gemm_16(q, p, (r0, r, jlo, jhi), rows_per_block, f16, out)?;
             }
         }
+        Ok(())
+    }
+
+    /// [`AttnGemm::Fused`]: every row in one `attn_pf2_*` launch over K and V as
+    /// [`Cuda::attention_gemm`]'s operands (`nkvp` keys per kv head, f16 or bf16 hi / lo / hi).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_pf2(
+        &self,
+        q: &CudaBuf,
+        p: &AttnParams,
+        kern: Kernel,
+        (nkvp, f16): (usize, bool),
+        kop: &Option<CudaSlice<u16>>,
+        vop: &Option<CudaSlice<u16>>,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        let op = if f16 { "attention_fast" } else { "attention" };
+        let rows = p.n_q * (p.n_heads / p.n_kv_heads);
+        if p.n_kv_heads > 65535 {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!("n_kv_heads {}: at most 65535 on CUDA", p.n_kv_heads),
+            });
+        }
+        let f = self.func_smem(kern, pf2_smem_bytes(!f16))?;
+        let (nkvp_a, nq, nkv) = (
+            i32_of(op, "kv operand rows", nkvp)?,
+            i32_of(op, "n_q", p.n_q)?,
+            i32_of(op, "n_kv", p.n_kv)?,
+        );
+        let (h, hkv) = (
+            i32_of(op, "n_heads", p.n_heads)?,
+            i32_of(op, "n_kv_heads", p.n_kv_heads)?,
+        );
+        i32_of(op, "query rows x group", rows)?;
+        let (qp0, kp0) = (p.q_pos0 as i64, p.kv_pos0 as i64);
+        let (causal, window) = (p.causal as i32, p.window.map(|w| w as i64).unwrap_or(-1));
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&q.data)
+            .arg(kop.as_ref().ok_or_else(internal)?)
+            .arg(vop.as_ref().ok_or_else(internal)?)
+            .arg(&nkvp_a)
+            .arg(&nq)
+            .arg(&nkv)
+            .arg(&h)
+            .arg(&hkv)
+            .arg(&qp0)
+            .arg(&kp0)
+            .arg(&causal)
+            .arg(&window)
+            .arg(&p.scale)
+            .arg(&mut out.data);
+        let grid = (rows.div_ceil(PF2_ROWS) as u32, 1, p.n_kv_heads as u32);
+        // SAFETY: attn_pf2_*(q, kop, vop, nkvp, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal,
+        // window, scale, out): q / out hold n_q rows of n_heads * d (checked by attention_op),
+        // the operands n_kv_heads * nkvp rows of (3 or 1) * d (attention_gemm sized them).
+        unsafe { b.launch(cfg(grid, PF_THREADS as u32, pf2_smem_bytes(!f16) as u32)) }
+            .map_err(dev)?;
         Ok(())
     }
 

@@ -333,20 +333,34 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     );
     for &p in &ps {
         // (recurrent kernels parallel, prefill precision)
-        for (par, pp) in [
-            (true, PrefillPrecision::Exact),
-            (true, PrefillPrecision::Fast),
-            (false, PrefillPrecision::Exact),
+        for (par, pp, gemm) in [
+            (true, PrefillPrecision::Exact, AttnGemm::Fused),
+            (true, PrefillPrecision::Fast, AttnGemm::Fused),
+            (true, PrefillPrecision::Exact, AttnGemm::Bf16x3),
+            (false, PrefillPrecision::Exact, AttnGemm::Fused),
         ] {
             g.set_recurrent_parallel(par);
             g.set_prefill_precision(pp);
+            g.set_attn_gemm(gemm);
             let prompt = &tokens[..p];
             let prefill = super::wall_ms(g, iters.min(3), || {
                 t.prime(g, prompt, &[])?;
                 Ok(())
             })?;
             g.set_prefill_precision(PrefillPrecision::Exact);
+            g.set_attn_gemm(AttnGemm::default());
             let tp = peer(p, "prefill").filter(|_| par);
+            if gemm != AttnGemm::Fused {
+                // The prompt attention's arithmetic changes no decode or verify row.
+                println!("hybrid P {p} parallel, attention products: prefill {prefill:.2} ms");
+                md += &format!(
+                    "| {p} | parallel, attention as cuBLAS products (`AttnGemm::Bf16x3`) | {prefill:.2} | - | - | - | {} | - | {} |\n",
+                    fmt(tp),
+                    tp.map(|tp| format!("{:.2}x / -", tp / prefill))
+                        .unwrap_or("-".into()),
+                );
+                continue;
+            }
             if pp == PrefillPrecision::Fast {
                 // The prefill's precision changes no decode or verify row.
                 println!("hybrid P {p} parallel, fast prefill: prefill {prefill:.2} ms");
@@ -387,13 +401,13 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         }
     }
     g.set_recurrent_parallel(true);
-    // The full-attention layer's prompt attention alone (f32 cache, the exact op the layer
-    // runs: the two products on bf16 hi / lo operands, `Cuda::set_attn_gemm`), the same in
-    // one key chunk, on f16 operands (the fast prefill's) and on f32 operands, the SIMT split
-    // kernel, and a head dim of 128 with twice the heads (the same products, the tensor-core
-    // prefill kernels).
+    // The full-attention layer's prompt attention alone (f32 cache): the op the layer runs
+    // (the fused kernel, `AttnGemm::Fused`; bf16 hi / lo operands, or f16 under the fast
+    // prefill), the same arithmetic as two cuBLAS products around a masked softmax, f32
+    // products, the SIMT split kernel, and a head dim of 128 with twice the heads (the same
+    // products, the tensor-core prefill kernels).
     md += &format!(
-        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: cuBLAS products, bf16 x3 | the same, one key chunk | f16 products (`PrefillPrecision::Fast`) | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: fused kernel (`AttnGemm::Fused`), bf16 x3 | fused, f16 (`PrefillPrecision::Fast`) | cuBLAS products, bf16 x3 | cuBLAS products, f16 | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         iters.min(5),
         cfg.n_heads,
         cfg.n_kv_heads,
@@ -403,22 +417,22 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         cfg.head_dim / 2
     );
     for &p in &ps {
-        let mut ms = [0.0f64; 6];
+        let mut ms = [0.0f64; 7];
         let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-        let exact = PrefillPrecision::Exact;
-        for (i, (nh, nkv, hd, gemm, chunks, precision)) in [
-            (nh, nkv, hd, AttnGemm::Bf16x3, 0, exact),
-            (nh, nkv, hd, AttnGemm::Bf16x3, 1, exact),
-            (nh, nkv, hd, AttnGemm::Bf16x3, 0, PrefillPrecision::Fast),
-            (nh, nkv, hd, AttnGemm::F32, 0, exact),
-            (nh, nkv, hd, AttnGemm::Off, 0, exact),
-            (2 * nh, 2 * nkv, hd / 2, AttnGemm::default(), 0, exact),
+        let (exact, fast) = (PrefillPrecision::Exact, PrefillPrecision::Fast);
+        for (i, (nh, nkv, hd, gemm, precision)) in [
+            (nh, nkv, hd, AttnGemm::Fused, exact),
+            (nh, nkv, hd, AttnGemm::Fused, fast),
+            (nh, nkv, hd, AttnGemm::Bf16x3, exact),
+            (nh, nkv, hd, AttnGemm::Bf16x3, fast),
+            (nh, nkv, hd, AttnGemm::F32, exact),
+            (nh, nkv, hd, AttnGemm::Off, exact),
+            (2 * nh, 2 * nkv, hd / 2, AttnGemm::default(), exact),
         ]
         .into_iter()
         .enumerate()
         {
             g.set_attn_gemm(gemm);
-            g.set_attn_gemm_chunks(chunks);
             g.set_prefill_precision(precision);
             let ap = AttnParams {
                 n_q: p,
@@ -441,10 +455,9 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             })?;
         }
         g.set_attn_gemm(AttnGemm::default());
-        g.set_attn_gemm_chunks(0);
         g.set_prefill_precision(exact);
         println!(
-            "hybrid P {p}: attention alone {:.2} ms (head dim {}; one key chunk {:.2}, f16 products {:.2}, f32 products {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}, fused; fused f16 {:.2}, products bf16 x3 {:.2}, f16 {:.2}, f32 {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
             ms[0],
             cfg.head_dim,
             ms[1],
@@ -452,11 +465,12 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             ms[3],
             ms[4],
             ms[5],
+            ms[6],
             cfg.head_dim / 2
         );
         md += &format!(
-            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
-            ms[0], ms[1], ms[2], ms[3], ms[4], ms[5]
+            "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+            ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6]
         );
     }
     println!("\n{md}");
