@@ -2855,6 +2855,33 @@ fn attention_gemm_against_cpu() {
             hd == 256,
             "{what}: AttnGemm::Fused against the bf16 products"
         );
+        // The fused kernel's other shapes: more stages give the same bits, another chunk
+        // size another order within the tolerance.
+        g.set_attn_gemm(AttnGemm::Fused);
+        g.set_attn_gemm_scores(32 << 20);
+        for (prec, keys, stages, same_as) in [
+            (PrefillPrecision::Exact, 32, 3, Some(6)),
+            (PrefillPrecision::Fast, 32, 3, Some(7)),
+            (PrefillPrecision::Fast, 64, 2, None),
+        ] {
+            g.set_prefill_precision(prec);
+            g.set_attn_pf2_shape(keys, stages);
+            let mut og = poisoned(g, oc.len());
+            g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
+            g.set_attn_pf2_shape(0, 0);
+            let o = g.download(&og).unwrap();
+            let f16 = prec == PrefillPrecision::Fast && causal;
+            let label = format!("attention Fused {prec:?} {what} {keys} keys x {stages} stages");
+            report(&label, &o, &oc, if f16 { 4e-3 } else { 2e-5 });
+            if let Some(i) = same_as.filter(|_| hd == 256) {
+                assert!(
+                    o.iter()
+                        .zip(&outs[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{label}: not the default shape's bits"
+                );
+            }
+        }
         g.set_attn_gemm(AttnGemm::default());
         g.set_attn_gemm_scores(32 << 20);
         g.set_attn_gemm_chunks(0);

@@ -473,6 +473,57 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6]
         );
     }
+    if let Some(list) = &a.pf2_shapes {
+        let shapes: Vec<(usize, usize)> =
+            list.split(',')
+                .map(|e| -> Result<(usize, usize)> {
+                    let (k, st) = e.trim().split_once(':').with_context(|| {
+                        format!("--pf2-shapes entry {e:?}: expected KEYS:STAGES")
+                    })?;
+                    Ok((k.parse()?, st.parse()?))
+                })
+                .collect::<Result<_>>()?;
+        md += "\nThe fused prompt attention (`AttnGemm::Fused`) by kernel shape (`Cuda::set_attn_pf2_shape`: keys per chunk, stages; a shape without a kernel times the products), CUDA-event ms:\n\n| P | keys:stages | exact (bf16 x3) | fast (f16) |\n|---:|---|---:|---:|\n";
+        for &p in &ps {
+            let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+            let ap = AttnParams {
+                n_q: p,
+                n_kv: p,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_pos0: 0,
+                kv_pos0: 0,
+                causal: true,
+                window: None,
+                scale: (hd as f32).powf(-0.5),
+            };
+            let q = g.random_buf(p * nh * hd, 21, 1.0)?;
+            let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
+            let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
+            let mut out = g.zeros(p * nh * hd)?;
+            for &(keys, stages) in &shapes {
+                g.set_attn_pf2_shape(keys, stages);
+                let mut ms = [0.0f64; 2];
+                for (i, pp) in [PrefillPrecision::Exact, PrefillPrecision::Fast]
+                    .into_iter()
+                    .enumerate()
+                {
+                    g.set_prefill_precision(pp);
+                    ms[i] = time_ms(g, iters.min(5), || {
+                        Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
+                    })?;
+                }
+                g.set_prefill_precision(PrefillPrecision::Exact);
+                println!(
+                    "hybrid P {p}: fused attention {keys}:{stages} {:.2} ms exact, {:.2} fast",
+                    ms[0], ms[1]
+                );
+                md += &format!("| {p} | {keys}:{stages} | {:.2} | {:.2} |\n", ms[0], ms[1]);
+            }
+            g.set_attn_pf2_shape(0, 0);
+        }
+    }
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
