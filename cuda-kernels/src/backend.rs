@@ -794,7 +794,7 @@ pub struct Cuda {
     /// [`Cuda::set_attn_gemm`].
     attn_gemm: Mutex<AttnGemm>,
     /// [`Cuda::set_attn_pf2_shape`].
-    attn_pf2_shape: Mutex<(usize, usize)>,
+    attn_pf2_shape: Mutex<(usize, usize, usize)>,
     /// [`Cuda::set_attn_gemm_scores`].
     attn_gemm_scores: AtomicUsize,
     /// [`Cuda::set_attn_gemm_chunks`].
@@ -985,7 +985,7 @@ impl Cuda {
             recurrent_parallel: Mutex::new(true),
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
             attn_gemm: Mutex::new(AttnGemm::default()),
-            attn_pf2_shape: Mutex::new((0, 0)),
+            attn_pf2_shape: Mutex::new((0, 0, 0)),
             attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
             attn_gemm_chunks: AtomicUsize::new(0),
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
@@ -1178,12 +1178,13 @@ impl Cuda {
         *lock(&self.attn_gemm) = mode;
     }
 
-    /// [`AttnGemm::Fused`]'s kernel shape: (keys per chunk, stages), (0, 0) the default;
-    /// a shape without a compiled kernel falls back to the products. The same bits for any
-    /// stages; another chunk size is another summation order (a benchmark knob).
+    /// [`AttnGemm::Fused`]'s kernel shape: (keys per chunk, stages, query rows per block),
+    /// (0, 0, 0) the default; a shape without a compiled kernel falls back to the products.
+    /// The same bits for any stages or rows per block; another chunk size is another
+    /// summation order (a benchmark knob).
     #[doc(hidden)]
-    pub fn set_attn_pf2_shape(&self, keys: usize, stages: usize) {
-        *lock(&self.attn_pf2_shape) = (keys, stages);
+    pub fn set_attn_pf2_shape(&self, keys: usize, stages: usize, rows: usize) {
+        *lock(&self.attn_pf2_shape) = (keys, stages, rows);
     }
 
     /// The key chunks of that path's second product (0, the default: enough for two waves of

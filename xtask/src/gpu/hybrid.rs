@@ -474,16 +474,22 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         );
     }
     if let Some(list) = &a.pf2_shapes {
-        let shapes: Vec<(usize, usize)> =
-            list.split(',')
-                .map(|e| -> Result<(usize, usize)> {
-                    let (k, st) = e.trim().split_once(':').with_context(|| {
-                        format!("--pf2-shapes entry {e:?}: expected KEYS:STAGES")
-                    })?;
-                    Ok((k.parse()?, st.parse()?))
-                })
-                .collect::<Result<_>>()?;
-        md += "\nThe fused prompt attention (`AttnGemm::Fused`) by kernel shape (`Cuda::set_attn_pf2_shape`: keys per chunk, stages; a shape without a kernel times the products), CUDA-event ms:\n\n| P | keys:stages | exact (bf16 x3) | fast (f16) |\n|---:|---|---:|---:|\n";
+        let shapes: Vec<(usize, usize, usize)> = list
+            .split(',')
+            .map(|e| -> Result<(usize, usize, usize)> {
+                let v: Vec<usize> = e
+                    .trim()
+                    .split(':')
+                    .map(|x| x.parse())
+                    .collect::<Result<_, _>>()
+                    .with_context(|| format!("--pf2-shapes entry {e:?}"))?;
+                match v[..] {
+                    [k, st, r] => Ok((k, st, r)),
+                    _ => anyhow::bail!("--pf2-shapes entry {e:?}: expected KEYS:STAGES:ROWS"),
+                }
+            })
+            .collect::<Result<_>>()?;
+        md += "\nThe fused prompt attention (`AttnGemm::Fused`) by kernel shape (`Cuda::set_attn_pf2_shape`: keys per chunk, stages, query rows per block; a shape without a kernel times the products), CUDA-event ms:\n\n| P | keys:stages:rows | exact (bf16 x3) | fast (f16) |\n|---:|---|---:|---:|\n";
         for &p in &ps {
             let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
             let ap = AttnParams {
@@ -502,8 +508,8 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
             let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
             let mut out = g.zeros(p * nh * hd)?;
-            for &(keys, stages) in &shapes {
-                g.set_attn_pf2_shape(keys, stages);
+            for &(keys, stages, rows) in &shapes {
+                g.set_attn_pf2_shape(keys, stages, rows);
                 let mut ms = [0.0f64; 2];
                 for (i, pp) in [PrefillPrecision::Exact, PrefillPrecision::Fast]
                     .into_iter()
@@ -516,12 +522,15 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
                 }
                 g.set_prefill_precision(PrefillPrecision::Exact);
                 println!(
-                    "hybrid P {p}: fused attention {keys}:{stages} {:.2} ms exact, {:.2} fast",
+                    "hybrid P {p}: fused attention {keys}:{stages}:{rows} {:.2} ms exact, {:.2} fast",
                     ms[0], ms[1]
                 );
-                md += &format!("| {p} | {keys}:{stages} | {:.2} | {:.2} |\n", ms[0], ms[1]);
+                md += &format!(
+                    "| {p} | {keys}:{stages}:{rows} | {:.2} | {:.2} |\n",
+                    ms[0], ms[1]
+                );
             }
-            g.set_attn_pf2_shape(0, 0);
+            g.set_attn_pf2_shape(0, 0, 0);
         }
     }
     println!("\n{md}");
