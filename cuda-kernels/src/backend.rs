@@ -791,6 +791,8 @@ pub struct Cuda {
     recurrent_parallel: Mutex<bool>,
     /// [`Cuda::set_delta_chunk_min`].
     delta_chunk_min: AtomicUsize,
+    /// [`Cuda::set_delta_skip`].
+    delta_skip: AtomicUsize,
     /// [`Cuda::set_attn_gemm`].
     attn_gemm: Mutex<AttnGemm>,
     /// [`Cuda::set_attn_pf2_shape`].
@@ -984,6 +986,7 @@ impl Cuda {
             markov_mma: Mutex::new(true),
             recurrent_parallel: Mutex::new(true),
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
+            delta_skip: AtomicUsize::new(0),
             attn_gemm: Mutex::new(AttnGemm::default()),
             attn_pf2_shape: Mutex::new((0, 0, 0)),
             attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
@@ -1169,6 +1172,14 @@ impl Cuda {
     /// low bits (a benchmark knob).
     pub fn set_delta_chunk_min(&self, tokens: usize) {
         self.delta_chunk_min.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Timing ablations of the chunked delta rule: its `gdn_chunk_prep` (bit 0),
+    /// `gdn_chunk_state` (bit 1) and `gdn_chunk_out` (bit 2) launches left out. Its results
+    /// are then wrong: a benchmark knob, 0 (the default) for the op.
+    #[doc(hidden)]
+    pub fn set_delta_skip(&self, mask: usize) {
+        self.delta_skip.store(mask, Ordering::Relaxed);
     }
 
     /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
@@ -1449,6 +1460,7 @@ impl Cuda {
             dk as i32,
             dv as i32,
         );
+        let skip = self.delta_skip.load(Ordering::Relaxed);
         for c0 in (0..chunks).step_by(span) {
             let nc = span.min(chunks - c0);
             let (t0, nc32) = ((c0 * GDC) as i32, nc as i32);
@@ -1472,15 +1484,19 @@ impl Cuda {
                 .arg(&mut gc)
                 .arg(&mut qs);
             // SAFETY: gdn_chunk_prep's parameters, in order; the span's chunks fit the scratch.
-            unsafe { b.launch(cfg((nc as u32, nk as u32, 1), 256, prep_smem as u32)) }
-                .map_err(dev)?;
+            if skip & 1 == 0 {
+                unsafe { b.launch(cfg((nc as u32, nk as u32, 1), 256, prep_smem as u32)) }
+                    .map_err(dev)?;
+            }
             let mut b = self.stream.launch_builder(&state_k);
             b.arg(&mut wk).arg(&mut kd).arg(&mut gc);
             b.arg(&nc32).arg(&nv32).arg(&dk32).arg(&dv32);
             b.arg(&mut uu).arg(&mut state.data).arg(&mut hs);
             let grid = (dv.div_ceil(32) as u32, nv as u32, 1);
             // SAFETY: gdn_chunk_state's parameters, in order, over the scratch prep wrote.
-            unsafe { b.launch(cfg(grid, 256, state_smem as u32)) }.map_err(dev)?;
+            if skip & 2 == 0 {
+                unsafe { b.launch(cfg(grid, 256, state_smem as u32)) }.map_err(dev)?;
+            }
             let mut b = self.stream.launch_builder(&out_k);
             b.arg(&mut qs)
                 .arg(&mut hs)
@@ -1497,7 +1513,9 @@ impl Cuda {
             let grid = (dv.div_ceil(32) as u32, nv as u32, nc as u32);
             // SAFETY: gdn_chunk_out's parameters, in order, over the scratch the two kernels
             // before it wrote.
-            unsafe { b.launch(cfg(grid, 256, out_smem as u32)) }.map_err(dev)?;
+            if skip & 4 == 0 {
+                unsafe { b.launch(cfg(grid, 256, out_smem as u32)) }.map_err(dev)?;
+            }
         }
         Ok(())
     }

@@ -41,6 +41,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     };
     let peer = |t: usize, name: &str| peer_ms(&torch, "t", t, name);
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
+    let mut phases = String::new();
     let mut md = format!(
         "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         g.context().name()?,
@@ -102,6 +103,23 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         } else {
             g.set_delta_chunk_min(1);
             let c = delta(g)?;
+            // What each of its three launches costs: the time without it (wrong results).
+            let mut without = [0.0f64; 3];
+            for (i, w) in without.iter_mut().enumerate() {
+                g.set_delta_skip(1 << i);
+                *w = delta(g)?;
+            }
+            g.set_delta_skip(0);
+            println!(
+                "recurrent T {t}: chunked delta rule {c:.3} ms; without prep {:.3}, without state {:.3}, without out {:.3}",
+                without[0], without[1], without[2]
+            );
+            phases += &format!(
+                "| {t} | {c:.3} | {:.3} | {:.3} | {:.3} |\n",
+                c - without[0],
+                c - without[1],
+                c - without[2]
+            );
             g.set_delta_chunk_min(usize::MAX);
             Some(c)
         };
@@ -134,6 +152,8 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             fmt(peer(t, "fla chunk")),
         );
     }
+    md += "\nThe chunked delta rule by launch: the call's time less its time without that launch (timing ablations, `Cuda::set_delta_skip`), ms:\n\n| T | chunked | `gdn_chunk_prep` | `gdn_chunk_state` | `gdn_chunk_out` |\n|---:|---:|---:|---:|---:|\n";
+    md += &phases;
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
