@@ -1893,20 +1893,17 @@ ATTN_PF(128, false, x1)
 // attn_pf_impl's arithmetic with each 16 rows shared by two warps, each owning half the head
 // dims (DW = D / 2): a warp's Q fragments and its output cover its half; its S is the sum of
 // both halves' partial products, the partner's read through shared memory after a pair barrier
-// (the two warps add the same two values: the same scores, softmax and P in both). 8 warps,
-// 64 rows per block (GQA-packed as attn_pf), one split (every key; attention_gemm's callers:
+// (the two warps add the same two values: the same scores, softmax and P in both). RG groups
+// of 16 rows, 2 RG warps, per block (GQA-packed as attn_pf), one split (every key; attention_gemm's callers:
 // f32 cache, no combine), the rows written as att_pf_store_out writes them. K and V come as
 // attention_gemm's operands, split once per call (attn_gemm_operand: [kv head][key (nkvp rows,
 // zeros past n_kv)][bf16 hi | lo | hi], or f16 [kv head][key][D]), copied by cp.async straight
-// into two stages of 16-bit tiles (32 keys a chunk): no staging and no conversion per block.
+// into NST stages of 16-bit tiles (CK keys a chunk): no staging and no conversion per block.
 // X3 / X1 as attn_pf_impl (three bf16 products / one f16 product). Blocks in reverse row order.
-#define PF2_CK 32
-#define PF2_NST 2
-template <int D, bool X3>
+template <int D, bool X3, int CK, int NST, int RG>
 __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const u16 *__restrict__ kop, const u16 *__restrict__ vop,
                                               int nkvp, int n_q, int n_kv, int H, int Hkv, long long q_pos0, long long kv_pos0,
                                               int causal, long long window, float scale, float *__restrict__ out) {
-    constexpr int CK = PF2_CK;
     constexpr int NT = CK / 8;       // score n-tiles per chunk
     constexpr int DW = D / 2;        // a warp's head dims
     constexpr int PH = D + 8;        // halves per tile row
@@ -1917,15 +1914,17 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
     constexpr int STAGE = NTL * CK * PH;  // halves per stage
     constexpr u32 TILE_B = CK * PH * 2;
     constexpr int C8 = D / 8;        // 16-byte pieces per operand row
+    constexpr int NTH = RG * 64;     // RG groups of 16 rows, two warps each
+    constexpr int ROWS = RG * 16;
     griddep_launch();
     griddep_wait();
     extern __shared__ __align__(16) float sm[];
-    u16 *T = (u16 *)sm;                                // [PF2_NST][NTL][CK][PH]
-    float *X = (float *)(T + PF2_NST * STAGE);         // [8 warps][NT * 4][32] partial scores
+    u16 *T = (u16 *)sm;                        // [NST][NTL][CK][PH]
+    float *X = (float *)(T + NST * STAGE);     // [2 RG warps][NT * 4][32] partial scores
     const IDiv G(H / Hkv);
     const int QR = n_q * G.d;
     const int hk = blockIdx.z;
-    const int qr0 = (gridDim.x - 1 - blockIdx.x) * 64;
+    const int qr0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
     const int rg = w >> 1, dh = w & 1;
     const int g = lane >> 2, t = lane & 3;
@@ -1935,16 +1934,16 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
     const long long qpa = q_pos0 + ia, qpb = q_pos0 + ib;
 
     int c_begin, c_end;
-    att_chunk_range(0, n_kv, n_kv, qr0, 64, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
+    att_chunk_range(0, n_kv, n_kv, qr0, ROWS, QR, G, q_pos0, kv_pos0, causal, window, CK, c_begin, c_end);
     const int nch = c_end - c_begin;
-    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + 64, QR) - 1, qr0));
+    const long long qpos_lo = q_pos0 + G.div(qr0), qpos_hi = q_pos0 + G.div(max(min(qr0 + ROWS, QR) - 1, qr0));
 
     // Chunk c's keys into stage `slot`: piece (key kk, 8 dims c8) of K hi, V hi (, K lo, V lo).
     const u16 *kbase = kop + (long long)hk * nkvp * PARTS * D, *vbase = vop + (long long)hk * nkvp * PARTS * D;
     const u32 t_sa = (u32)__cvta_generic_to_shared(T);
     auto load_chunk = [&](int c, int slot) {
         const long long j0 = (long long)c * CK;
-        for (int e = tid; e < CK * C8; e += 256) {
+        for (int e = tid; e < CK * C8; e += NTH) {
             const int kk = e / C8, c8 = (e % C8) * 8;
             const long long src = (j0 + kk) * PARTS * D + c8;
             const u32 dst = t_sa + (u32)(slot * STAGE + kk * PH + c8) * 2;
@@ -1956,8 +1955,11 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
             }
         }
     };
-    if (nch > 0) load_chunk(c_begin, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int p = 0; p < NST - 1; ++p) {
+        if (p < nch) load_chunk(c_begin + p, p);
+        cp_async_commit();
+    }
     u32 qh[KS][4], ql[KS][4];
     if constexpr (X3) att_q_frags_x3<D, DW>(q, qh, ql, ia, ib, ra, rb, va, vb, hk, H, G, t, dh * DW);
     else att_q_frags<D, DW>(q, qh, ia, ib, ra, rb, va, vb, hk, H, G, t, dh * DW);
@@ -1973,11 +1975,10 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
     constexpr u32 LO_B = 2 * TILE_B;
     float *xs_own = X + w * (NT * 4 * 32) + lane, *xs_par = X + (w ^ 1) * (NT * 4 * 32) + lane;
 
-    for (int ci = 0; ci < nch; ++ci) {
-        const int slot = ci & 1;
-        cp_async_wait_all();
+    for (int ci = 0, slot = 0; ci < nch; ++ci, slot = slot + 1 == NST ? 0 : slot + 1) {
+        cp_async_wait_n<NST - 2>();
         __syncthreads();  // chunk ci's tiles are in; every warp is done with chunk ci - 1's
-        if (ci + 1 < nch) load_chunk(c_begin + ci + 1, slot ^ 1);
+        if (ci + NST - 1 < nch) load_chunk(c_begin + ci + NST - 1, slot == 0 ? NST - 1 : slot - 1);
         cp_async_commit();
         const u32 kcur = kcur0 + slot * STAGE * 2, vcur = vcur0 + slot * STAGE * 2;
 
@@ -2065,14 +2066,18 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
     att_pf_store_out<D, DW>(o, l_a, l_b, t, ra, rb, va, vb, G, hk, H, out, nullptr, nullptr, dh * DW);
 }
 
-#define ATTN_PF2(D, X3, SUFFIX)                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 1) attn_pf2_d##D##_##SUFFIX(                                                  \
+#define ATTN_PF2(D, X3, CK, NST, RG, SUFFIX)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(RG * 64, 1) attn_pf2_d##D##_##SUFFIX(                                              \
         const float *q, const u16 *kop, const u16 *vop, int nkvp, int n_q, int n_kv, int H, int Hkv, long long q_pos0,              \
         long long kv_pos0, int causal, long long window, float scale, float *out) {                                                 \
-        attn_pf2_impl<D, X3>(q, kop, vop, nkvp, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, out);                    \
+        attn_pf2_impl<D, X3, CK, NST, RG>(q, kop, vop, nkvp, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, out);           \
     }
-ATTN_PF2(256, true, x3)
-ATTN_PF2(256, false, x1)
+ATTN_PF2(256, true, 32, 2, 4, x3)
+ATTN_PF2(256, true, 32, 3, 4, x3_s3)
+ATTN_PF2(256, false, 32, 2, 4, x1)
+ATTN_PF2(256, false, 64, 2, 4, x1_c64)
+ATTN_PF2(256, false, 32, 2, 8, x1_r8)
+ATTN_PF2(256, false, 32, 3, 4, x1_s3)
 
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \

@@ -791,8 +791,12 @@ pub struct Cuda {
     recurrent_parallel: Mutex<bool>,
     /// [`Cuda::set_delta_chunk_min`].
     delta_chunk_min: AtomicUsize,
+    /// [`Cuda::set_delta_skip`].
+    delta_skip: AtomicUsize,
     /// [`Cuda::set_attn_gemm`].
     attn_gemm: Mutex<AttnGemm>,
+    /// [`Cuda::set_attn_pf2_shape`].
+    attn_pf2_shape: Mutex<(usize, usize, usize)>,
     /// [`Cuda::set_attn_gemm_scores`].
     attn_gemm_scores: AtomicUsize,
     /// [`Cuda::set_attn_gemm_chunks`].
@@ -982,7 +986,9 @@ impl Cuda {
             markov_mma: Mutex::new(true),
             recurrent_parallel: Mutex::new(true),
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
+            delta_skip: AtomicUsize::new(0),
             attn_gemm: Mutex::new(AttnGemm::default()),
+            attn_pf2_shape: Mutex::new((0, 0, 0)),
             attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
             attn_gemm_chunks: AtomicUsize::new(0),
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
@@ -1168,11 +1174,28 @@ impl Cuda {
         self.delta_chunk_min.store(tokens, Ordering::Relaxed);
     }
 
+    /// Timing ablations of the chunked delta rule: its `gdn_chunk_prep` (bit 0),
+    /// `gdn_chunk_state` (bit 1) and `gdn_chunk_out` (bit 2) launches left out. Its results
+    /// are then wrong: a benchmark knob, 0 (the default) for the op.
+    #[doc(hidden)]
+    pub fn set_delta_skip(&self, mask: usize) {
+        self.delta_skip.store(mask, Ordering::Relaxed);
+    }
+
     /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
     /// a tensor-core prefill kernel (above 128: the Qwen3.5 / Qwen3.6 full-attention layers'
     /// 256): see [`AttnGemm`] (default [`AttnGemm::Fused`]; a benchmark knob).
     pub fn set_attn_gemm(&self, mode: AttnGemm) {
         *lock(&self.attn_gemm) = mode;
+    }
+
+    /// [`AttnGemm::Fused`]'s kernel shape: (keys per chunk, stages, query rows per block),
+    /// (0, 0, 0) the default; a shape without a compiled kernel falls back to the products.
+    /// The same bits for any stages or rows per block; another chunk size is another
+    /// summation order (a benchmark knob).
+    #[doc(hidden)]
+    pub fn set_attn_pf2_shape(&self, keys: usize, stages: usize, rows: usize) {
+        *lock(&self.attn_pf2_shape) = (keys, stages, rows);
     }
 
     /// The key chunks of that path's second product (0, the default: enough for two waves of
@@ -1437,6 +1460,7 @@ impl Cuda {
             dk as i32,
             dv as i32,
         );
+        let skip = self.delta_skip.load(Ordering::Relaxed);
         for c0 in (0..chunks).step_by(span) {
             let nc = span.min(chunks - c0);
             let (t0, nc32) = ((c0 * GDC) as i32, nc as i32);
@@ -1460,15 +1484,19 @@ impl Cuda {
                 .arg(&mut gc)
                 .arg(&mut qs);
             // SAFETY: gdn_chunk_prep's parameters, in order; the span's chunks fit the scratch.
-            unsafe { b.launch(cfg((nc as u32, nk as u32, 1), 256, prep_smem as u32)) }
-                .map_err(dev)?;
+            if skip & 1 == 0 {
+                unsafe { b.launch(cfg((nc as u32, nk as u32, 1), 256, prep_smem as u32)) }
+                    .map_err(dev)?;
+            }
             let mut b = self.stream.launch_builder(&state_k);
             b.arg(&mut wk).arg(&mut kd).arg(&mut gc);
             b.arg(&nc32).arg(&nv32).arg(&dk32).arg(&dv32);
             b.arg(&mut uu).arg(&mut state.data).arg(&mut hs);
             let grid = (dv.div_ceil(32) as u32, nv as u32, 1);
             // SAFETY: gdn_chunk_state's parameters, in order, over the scratch prep wrote.
-            unsafe { b.launch(cfg(grid, 256, state_smem as u32)) }.map_err(dev)?;
+            if skip & 2 == 0 {
+                unsafe { b.launch(cfg(grid, 256, state_smem as u32)) }.map_err(dev)?;
+            }
             let mut b = self.stream.launch_builder(&out_k);
             b.arg(&mut qs)
                 .arg(&mut hs)
@@ -1485,7 +1513,9 @@ impl Cuda {
             let grid = (dv.div_ceil(32) as u32, nv as u32, nc as u32);
             // SAFETY: gdn_chunk_out's parameters, in order, over the scratch the two kernels
             // before it wrote.
-            unsafe { b.launch(cfg(grid, 256, out_smem as u32)) }.map_err(dev)?;
+            if skip & 4 == 0 {
+                unsafe { b.launch(cfg(grid, 256, out_smem as u32)) }.map_err(dev)?;
+            }
         }
         Ok(())
     }

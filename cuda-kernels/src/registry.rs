@@ -203,6 +203,10 @@ kernels! {
     AttnPfD128X1 => (Attention, "attn_pf_d128_x1"),
     AttnPf2D256X3 => (Attention, "attn_pf2_d256_x3"),
     AttnPf2D256X1 => (Attention, "attn_pf2_d256_x1"),
+    AttnPf2D256X3S3 => (Attention, "attn_pf2_d256_x3_s3"),
+    AttnPf2D256X1C64 => (Attention, "attn_pf2_d256_x1_c64"),
+    AttnPf2D256X1S3 => (Attention, "attn_pf2_d256_x1_s3"),
+    AttnPf2D256X1R8 => (Attention, "attn_pf2_d256_x1_r8"),
     // The Q8_0A8 matmul kernels compiled for Q4_0A8 weights (`Kernel::q4_twin`).
     Q4A8N1W1 => (MatmulQ4, "a8_n1_w1"),
     Q4A8N1W2 => (MatmulQ4, "a8_n1_w2"),

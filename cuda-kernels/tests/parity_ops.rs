@@ -2855,6 +2855,38 @@ fn attention_gemm_against_cpu() {
             hd == 256,
             "{what}: AttnGemm::Fused against the bf16 products"
         );
+        // The fused kernel's other shapes: more stages or rows per block give the same bits,
+        // another chunk size another order within the tolerance (a shape built only for f16
+        // runs the products in the exact op).
+        g.set_attn_gemm(AttnGemm::Fused);
+        g.set_attn_gemm_scores(32 << 20);
+        for (prec, keys, stages, rows, same_as) in [
+            (PrefillPrecision::Exact, 32, 3, 64, Some(6)),
+            (PrefillPrecision::Fast, 32, 3, 64, Some(7)),
+            (PrefillPrecision::Fast, 32, 2, 128, Some(7)),
+            (PrefillPrecision::Fast, 64, 2, 64, None),
+        ] {
+            g.set_prefill_precision(prec);
+            g.set_attn_pf2_shape(keys, stages, rows);
+            let mut og = poisoned(g, oc.len());
+            g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
+            g.set_attn_pf2_shape(0, 0, 0);
+            let o = g.download(&og).unwrap();
+            let f16 = prec == PrefillPrecision::Fast && causal;
+            let label = format!(
+                "attention Fused {prec:?} {what} {keys} keys x {stages} stages, {rows} rows"
+            );
+            report(&label, &o, &oc, if f16 { 4e-3 } else { 2e-5 });
+            let built = f16 || (keys, stages, rows) == (32, 3, 64);
+            if let Some(i) = same_as.filter(|_| hd == 256 && built) {
+                assert!(
+                    o.iter()
+                        .zip(&outs[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{label}: not the default shape's bits"
+                );
+            }
+        }
         g.set_attn_gemm(AttnGemm::default());
         g.set_attn_gemm_scores(32 << 20);
         g.set_attn_gemm_chunks(0);

@@ -257,6 +257,11 @@ pub struct BenchArgs {
     /// unless `--no-torch`); then exit.
     #[arg(long)]
     hybrid: Option<String>,
+    /// With --hybrid: also time the fused prompt attention (`AttnGemm::Fused`) at each
+    /// kernel shape of this list, `KEYS:STAGES:ROWS` entries (`Cuda::set_attn_pf2_shape`),
+    /// exact and fast.
+    #[arg(long)]
+    pf2_shapes: Option<String>,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,

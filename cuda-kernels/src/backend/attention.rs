@@ -431,23 +431,39 @@ fn pf_kernel(d: usize, x3: bool) -> Option<Kernel> {
 
 /// The prefill kernel over [`Cuda::attention_gemm`]'s operands for head dim `d`
 /// ([`AttnGemm::Fused`]): `x3` the exact op's three bf16 products, else the f16 one.
-fn pf2_kernel(d: usize, x3: bool) -> Option<Kernel> {
-    Some(match (d, x3) {
-        (256, true) => Kernel::AttnPf2D256X3,
-        (256, false) => Kernel::AttnPf2D256X1,
+/// `shape`: (keys per chunk, stages, rows per block), (0, 0, 0) for the default, else one of
+/// the compiled variants ([`Cuda::set_attn_pf2_shape`]); returns the kernel with its shape.
+/// The defaults, H100 at 8192 tokens (27B layer, fifty-second session): bf16 x3 32 keys x 2
+/// stages x 64 rows (9.05 ms; 3 stages 8.97), f16 32 x 2 x 128 (4.24 ms; 64 rows 5.27, 64-key
+/// chunks 4.59).
+fn pf2_kernel(d: usize, x3: bool, shape: Pf2Shape) -> Option<(Kernel, Pf2Shape)> {
+    let shape = match (x3, shape) {
+        (true, (0, 0, 0)) => (32, 2, 64),
+        (false, (0, 0, 0)) => (32, 2, 128),
+        _ => shape,
+    };
+    let k = match (d, x3, shape) {
+        (256, true, (32, 2, 64)) => Kernel::AttnPf2D256X3,
+        (256, true, (32, 3, 64)) => Kernel::AttnPf2D256X3S3,
+        (256, false, (32, 2, 64)) => Kernel::AttnPf2D256X1,
+        (256, false, (64, 2, 64)) => Kernel::AttnPf2D256X1C64,
+        (256, false, (32, 3, 64)) => Kernel::AttnPf2D256X1S3,
+        (256, false, (32, 2, 128)) => Kernel::AttnPf2D256X1R8,
         _ => return None,
-    })
+    };
+    Some((k, shape))
 }
 
-/// Query rows (GQA-packed) of an `attn_pf2_*` block: 4 groups of 16, two warps each.
-const PF2_ROWS: usize = 64;
+/// An `attn_pf2_*` kernel's (keys per chunk, stages, GQA-packed query rows per block: 16 per
+/// pair of warps).
+type Pf2Shape = (usize, usize, usize);
 
-/// Shared memory of an `attn_pf2_*` launch at head dim 256 (`PF2_CK` 32 keys a chunk,
-/// `PF2_NST` 2 stages in attention.cu): the 16-bit tiles (K and V, hi and lo for `x3`; rows
-/// padded by 8 halves) and the 8 warps' partial scores.
-fn pf2_smem_bytes(x3: bool) -> usize {
+/// Shared memory of an `attn_pf2_*` launch at head dim 256 of shape `(ck, nst, rows)`: the
+/// 16-bit tiles (K and V, hi and lo for `x3`; rows padded by 8 halves) and the warps' partial
+/// scores (ck / 2 values a lane, two warps per 16 rows).
+fn pf2_smem_bytes(x3: bool, (ck, nst, rows): Pf2Shape) -> usize {
     let tiles = if x3 { 4 } else { 2 };
-    2 * tiles * 32 * (256 + 8) * 2 + 8 * 32 * 16 * 4
+    nst * tiles * ck * (256 + 8) * 2 + (rows / 8) * 32 * (ck / 2) * 4
 }
 
 /// One strided-batched cuBLAS product of column-major matrices, C (f32, beta 0) = alpha op(A)
@@ -857,8 +873,10 @@ impl Cuda {
             ] {
                 self.gemm_operand(&x, y, (p.n_kv, nkvp, hkv, d), 0b010, f16)?;
             }
-            let fused = pf2_kernel(d, !f16).filter(|_| {
-                *lock(&self.attn_gemm) == AttnGemm::Fused && pf2_smem_bytes(!f16) <= self.smem.block
+            let shape = *lock(&self.attn_pf2_shape);
+            let fused = pf2_kernel(d, !f16, shape).filter(|&(_, shape)| {
+                *lock(&self.attn_gemm) == AttnGemm::Fused
+                    && pf2_smem_bytes(!f16, shape) <= self.smem.block
             });
             if let Some(kern) = fused {
                 return self.attention_pf2(q, p, kern, (nkvp, f16), &s.att_k3, &s.att_v3, out);
@@ -892,7 +910,7 @@ impl Cuda {
         &self,
         q: &CudaBuf,
         p: &AttnParams,
-        kern: Kernel,
+        (kern, shape): (Kernel, Pf2Shape),
         (nkvp, f16): (usize, bool),
         kop: &Option<CudaSlice<u16>>,
         vop: &Option<CudaSlice<u16>>,
@@ -906,7 +924,8 @@ impl Cuda {
                 msg: format!("n_kv_heads {}: at most 65535 on CUDA", p.n_kv_heads),
             });
         }
-        let f = self.func_smem(kern, pf2_smem_bytes(!f16))?;
+        let smem = pf2_smem_bytes(!f16, shape);
+        let f = self.func_smem(kern, smem)?;
         let (nkvp_a, nq, nkv) = (
             i32_of(op, "kv operand rows", nkvp)?,
             i32_of(op, "n_q", p.n_q)?,
@@ -934,12 +953,11 @@ impl Cuda {
             .arg(&window)
             .arg(&p.scale)
             .arg(&mut out.data);
-        let grid = (rows.div_ceil(PF2_ROWS) as u32, 1, p.n_kv_heads as u32);
+        let grid = (rows.div_ceil(shape.2) as u32, 1, p.n_kv_heads as u32);
         // SAFETY: attn_pf2_*(q, kop, vop, nkvp, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal,
         // window, scale, out): q / out hold n_q rows of n_heads * d (checked by attention_op),
         // the operands n_kv_heads * nkvp rows of (3 or 1) * d (attention_gemm sized them).
-        unsafe { b.launch(cfg(grid, PF_THREADS as u32, pf2_smem_bytes(!f16) as u32)) }
-            .map_err(dev)?;
+        unsafe { b.launch(cfg(grid, (shape.2 * 4) as u32, smem as u32)) }.map_err(dev)?;
         Ok(())
     }
 

@@ -41,6 +41,7 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     };
     let peer = |t: usize, name: &str| peer_ms(&torch, "t", t, name);
     let fmt = |x: Option<f64>| x.map(|x| format!("{x:.3}")).unwrap_or("-".into());
+    let mut phases = String::new();
     let mut md = format!(
         "Gated DeltaNet recurrent ops at the Qwen3.6-27B target's linear-layer shape ({nk} key / {nv} value heads, dk = dv = {dk}, conv kernel {ker} over {ch} channels), f32, {} ({} SMs); one call, eager, median of {iters}; T <= 16 with the per-token stash of a verify. ms.\n\n| T | conv parallel | conv sequential | PyTorch conv | delta rule chunked | delta rule registers | delta rule shared memory | sequential / parallel | PyTorch recurrent | PyTorch chunked | fla recurrent | fla chunk |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         g.context().name()?,
@@ -102,6 +103,23 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         } else {
             g.set_delta_chunk_min(1);
             let c = delta(g)?;
+            // What each of its three launches costs: the time without it (wrong results).
+            let mut without = [0.0f64; 3];
+            for (i, w) in without.iter_mut().enumerate() {
+                g.set_delta_skip(1 << i);
+                *w = delta(g)?;
+            }
+            g.set_delta_skip(0);
+            println!(
+                "recurrent T {t}: chunked delta rule {c:.3} ms; without prep {:.3}, without state {:.3}, without out {:.3}",
+                without[0], without[1], without[2]
+            );
+            phases += &format!(
+                "| {t} | {c:.3} | {:.3} | {:.3} | {:.3} |\n",
+                c - without[0],
+                c - without[1],
+                c - without[2]
+            );
             g.set_delta_chunk_min(usize::MAX);
             Some(c)
         };
@@ -134,6 +152,8 @@ pub(super) fn recurrent(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             fmt(peer(t, "fla chunk")),
         );
     }
+    md += "\nThe chunked delta rule by launch: the call's time less its time without that launch (timing ablations, `Cuda::set_delta_skip`), ms:\n\n| T | chunked | `gdn_chunk_prep` | `gdn_chunk_state` | `gdn_chunk_out` |\n|---:|---:|---:|---:|---:|\n";
+    md += &phases;
     println!("\n{md}");
     if let Some(path) = &a.md {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
@@ -472,6 +492,66 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
             ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6]
         );
+    }
+    if let Some(list) = &a.pf2_shapes {
+        let shapes: Vec<(usize, usize, usize)> = list
+            .split(',')
+            .map(|e| -> Result<(usize, usize, usize)> {
+                let v: Vec<usize> = e
+                    .trim()
+                    .split(':')
+                    .map(|x| x.parse())
+                    .collect::<Result<_, _>>()
+                    .with_context(|| format!("--pf2-shapes entry {e:?}"))?;
+                match v[..] {
+                    [k, st, r] => Ok((k, st, r)),
+                    _ => anyhow::bail!("--pf2-shapes entry {e:?}: expected KEYS:STAGES:ROWS"),
+                }
+            })
+            .collect::<Result<_>>()?;
+        md += "\nThe fused prompt attention (`AttnGemm::Fused`) by kernel shape (`Cuda::set_attn_pf2_shape`: keys per chunk, stages, query rows per block; a shape without a kernel times the products), CUDA-event ms:\n\n| P | keys:stages:rows | exact (bf16 x3) | fast (f16) |\n|---:|---|---:|---:|\n";
+        for &p in &ps {
+            let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+            let ap = AttnParams {
+                n_q: p,
+                n_kv: p,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_pos0: 0,
+                kv_pos0: 0,
+                causal: true,
+                window: None,
+                scale: (hd as f32).powf(-0.5),
+            };
+            let q = g.random_buf(p * nh * hd, 21, 1.0)?;
+            let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
+            let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
+            let mut out = g.zeros(p * nh * hd)?;
+            for &(keys, stages, rows) in &shapes {
+                g.set_attn_pf2_shape(keys, stages, rows);
+                let mut ms = [0.0f64; 2];
+                for (i, pp) in [PrefillPrecision::Exact, PrefillPrecision::Fast]
+                    .into_iter()
+                    .enumerate()
+                {
+                    g.set_prefill_precision(pp);
+                    ms[i] = time_ms(g, iters.min(5), || {
+                        Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
+                    })?;
+                }
+                g.set_prefill_precision(PrefillPrecision::Exact);
+                println!(
+                    "hybrid P {p}: fused attention {keys}:{stages}:{rows} {:.2} ms exact, {:.2} fast",
+                    ms[0], ms[1]
+                );
+                md += &format!(
+                    "| {p} | {keys}:{stages}:{rows} | {:.2} | {:.2} |\n",
+                    ms[0], ms[1]
+                );
+            }
+            g.set_attn_pf2_shape(0, 0, 0);
+        }
     }
     println!("\n{md}");
     if let Some(path) = &a.md {
