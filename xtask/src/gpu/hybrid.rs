@@ -7,7 +7,9 @@ use anyhow::{Context, Result};
 use dflash_backend::{
     AttnParams, Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
-use dflash_cuda_kernels::{AttnGemm, Cuda, PrefillPrecision, DELTA_CHUNK_MIN, SKINNY_ROWS};
+use dflash_cuda_kernels::{
+    AttnGemm, Cuda, CudaBuf, PrefillPrecision, DELTA_CHUNK_MIN, SKINNY_ROWS,
+};
 use dflash_spec_round::{RollbackArm, Target};
 use dflash_targets::hybrid::{
     HybridArch, HybridConfig, HybridTarget, LayerKind, TensorNames, TensorSource,
@@ -280,6 +282,32 @@ fn hybrid_27b_4_layers() -> HybridConfig {
     }
 }
 
+/// A causal prompt attention of `p` rows over `p` keys at (heads, kv heads, head dim): its
+/// parameters, random q / k / v and an output buffer.
+fn prompt_attn_inputs(
+    g: &Cuda,
+    p: usize,
+    (nh, nkv, hd): (usize, usize, usize),
+) -> Result<(AttnParams, CudaBuf, CudaBuf, CudaBuf, CudaBuf)> {
+    let ap = AttnParams {
+        n_q: p,
+        n_kv: p,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        q_pos0: 0,
+        kv_pos0: 0,
+        causal: true,
+        window: None,
+        scale: (hd as f32).powf(-0.5),
+    };
+    let q = g.random_buf(p * nh * hd, 21, 1.0)?;
+    let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
+    let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
+    let out = g.zeros(p * nh * hd)?;
+    Ok((ap, q, k, v, out))
+}
+
 /// `--hybrid`: the hybrid target's prefill, decode and verify (see the option), wall-clock
 /// milliseconds (each call ends in the host's copy of its argmax), median of `--iters` (the
 /// prefill's at most 3).
@@ -454,22 +482,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         {
             g.set_attn_gemm(gemm);
             g.set_prefill_precision(precision);
-            let ap = AttnParams {
-                n_q: p,
-                n_kv: p,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-                q_pos0: 0,
-                kv_pos0: 0,
-                causal: true,
-                window: None,
-                scale: (hd as f32).powf(-0.5),
-            };
-            let q = g.random_buf(p * nh * hd, 21, 1.0)?;
-            let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
-            let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
-            let mut out = g.zeros(p * nh * hd)?;
+            let (ap, q, k, v, mut out) = prompt_attn_inputs(g, p, (nh, nkv, hd))?;
             ms[i] = time_ms(g, iters.min(5), || {
                 Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
             })?;
@@ -511,23 +524,8 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             .collect::<Result<_>>()?;
         md += "\nThe fused prompt attention (`AttnGemm::Fused`) by kernel shape (`Cuda::set_attn_pf2_shape`: keys per chunk, stages, query rows per block; a shape without a kernel times the products), CUDA-event ms:\n\n| P | keys:stages:rows | exact (bf16 x3) | fast (f16) |\n|---:|---|---:|---:|\n";
         for &p in &ps {
-            let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-            let ap = AttnParams {
-                n_q: p,
-                n_kv: p,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-                q_pos0: 0,
-                kv_pos0: 0,
-                causal: true,
-                window: None,
-                scale: (hd as f32).powf(-0.5),
-            };
-            let q = g.random_buf(p * nh * hd, 21, 1.0)?;
-            let k = g.random_buf(p * nkv * hd, 22, 1.0)?;
-            let v = g.random_buf(p * nkv * hd, 23, 1.0)?;
-            let mut out = g.zeros(p * nh * hd)?;
+            let heads = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+            let (ap, q, k, v, mut out) = prompt_attn_inputs(g, p, heads)?;
             for &(keys, stages, rows) in &shapes {
                 g.set_attn_pf2_shape(keys, stages, rows);
                 let mut ms = [0.0f64; 2];
