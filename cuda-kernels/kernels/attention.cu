@@ -1711,6 +1711,70 @@ __device__ __forceinline__ void att_pf_store_out(float (&o)[DW / 8][4], float l_
     }
 }
 
+// One k-step of S = Q K^T for a warp's 16 rows over NT n-tiles of 8 keys (attn_pf_impl,
+// attn_pf2_impl): B-fragments by ldmatrix from ka (+ np * 16 tile rows; lo tiles lo_b bytes
+// on); X3 the small terms first.
+template <bool X3, int NT>
+__device__ __forceinline__ void att_pf_s_kstep(float (&s)[NT][4], const u32 (&qh)[4], const u32 (&ql)[4], u32 ka, u32 row16_b,
+                                               u32 lo_b) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+        u32 b0, b1, b2, b3;
+        const u32 a = ka + np * row16_b;
+        ldsm_x4(a, b0, b1, b2, b3);
+        if constexpr (X3) {
+            u32 c0, c1, c2, c3;
+            ldsm_x4(a + lo_b, c0, c1, c2, c3);
+            mma_bf16_16816(s[2 * np], ql[0], ql[1], ql[2], ql[3], b0, b1);
+            mma_bf16_16816(s[2 * np + 1], ql[0], ql[1], ql[2], ql[3], b2, b3);
+            mma_bf16_16816(s[2 * np], qh[0], qh[1], qh[2], qh[3], c0, c1);
+            mma_bf16_16816(s[2 * np + 1], qh[0], qh[1], qh[2], qh[3], c2, c3);
+            mma_bf16_16816(s[2 * np], qh[0], qh[1], qh[2], qh[3], b0, b1);
+            mma_bf16_16816(s[2 * np + 1], qh[0], qh[1], qh[2], qh[3], b2, b3);
+        } else {
+            mma_h16(s[2 * np], qh[0], qh[1], qh[2], qh[3], b0, b1);
+            mma_h16(s[2 * np + 1], qh[0], qh[1], qh[2], qh[3], b2, b3);
+        }
+    }
+}
+
+// O += P V for one step of 16 keys (P from the S accumulator's n-tiles s0 / s1) over NO output
+// n-tiles: B-fragments by ldmatrix.trans from va (+ 32 bytes per pair; lo tiles lo_b bytes on).
+template <bool X3, int NO>
+__device__ __forceinline__ void att_pf_pv_step(float (&o)[NO][4], const float (&s0)[4], const float (&s1)[4], u32 va, u32 lo_b) {
+    u32 p0, p1, p2, p3, r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+    if constexpr (X3) {
+        split_bf16x2(s0[0], s0[1], p0, r0);
+        split_bf16x2(s0[2], s0[3], p1, r1);
+        split_bf16x2(s1[0], s1[1], p2, r2);
+        split_bf16x2(s1[2], s1[3], p3, r3);
+    } else {
+        p0 = h2_pack(s0[0], s0[1]);
+        p1 = h2_pack(s0[2], s0[3]);
+        p2 = h2_pack(s1[0], s1[1]);
+        p3 = h2_pack(s1[2], s1[3]);
+    }
+#pragma unroll
+    for (int np = 0; np < NO / 2; ++np) {
+        u32 b0, b1, b2, b3;
+        const u32 a = va + np * 32;
+        ldsm_x4_t(a, b0, b1, b2, b3);
+        if constexpr (X3) {
+            u32 c0, c1, c2, c3;
+            ldsm_x4_t(a + lo_b, c0, c1, c2, c3);
+            mma_bf16_16816(o[2 * np], r0, r1, r2, r3, b0, b1);
+            mma_bf16_16816(o[2 * np + 1], r0, r1, r2, r3, b2, b3);
+            mma_bf16_16816(o[2 * np], p0, p1, p2, p3, c0, c1);
+            mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, c2, c3);
+            mma_bf16_16816(o[2 * np], p0, p1, p2, p3, b0, b1);
+            mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+        } else {
+            mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
+            mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
+        }
+    }
+}
+
 template <int D, bool X3>
 __device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                                              float *__restrict__ ws_o, float *__restrict__ ws_ml, int n_q, int n_kv, int H, int Hkv,
@@ -1803,26 +1867,7 @@ __device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const 
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b0, b1, b2, b3;
-                const u32 ka = kcur + np * 16 * PH * 2 + ks * 32;
-                ldsm_x4(ka, b0, b1, b2, b3);
-                if constexpr (X3) {
-                    u32 c0, c1, c2, c3;
-                    ldsm_x4(ka + LO_B, c0, c1, c2, c3);
-                    mma_bf16_16816(s[2 * np], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b0, b1);
-                    mma_bf16_16816(s[2 * np + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b2, b3);
-                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c0, c1);
-                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c2, c3);
-                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
-                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
-                } else {
-                    mma_h16(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
-                    mma_h16(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
-                }
-            }
+        for (int ks = 0; ks < KS; ++ks) att_pf_s_kstep<X3, NT>(s, qh[ks], ql[ks], kcur + ks * 32, 16 * PH * 2, LO_B);
         const long long j0 = jbase + (long long)(c_begin + ci) * CK;
         const bool full = j0 + CK <= n_kv && (!causal || kv_pos0 + j0 + CK - 1 <= qpos_lo) &&
                           (window < 0 || qpos_hi < kv_pos0 + j0 + window);
@@ -1831,39 +1876,7 @@ __device__ __forceinline__ void attn_pf_impl(const float *__restrict__ q, const 
         att_rescale(o, ala, alb);
         // O += P V over the chunk's 4 steps of 16 keys (P from the S accumulator).
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            u32 p0, p1, p2, p3, r0 = 0, r1 = 0, r2 = 0, r3 = 0;
-            if constexpr (X3) {
-                split_bf16x2(s[2 * kk][0], s[2 * kk][1], p0, r0);
-                split_bf16x2(s[2 * kk][2], s[2 * kk][3], p1, r1);
-                split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], p2, r2);
-                split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], p3, r3);
-            } else {
-                p0 = h2_pack(s[2 * kk][0], s[2 * kk][1]);
-                p1 = h2_pack(s[2 * kk][2], s[2 * kk][3]);
-                p2 = h2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                p3 = h2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int np = 0; np < NO / 2; ++np) {
-                u32 b0, b1, b2, b3;
-                const u32 va_ = vcur + kk * 16 * PH * 2 + np * 32;
-                ldsm_x4_t(va_, b0, b1, b2, b3);
-                if constexpr (X3) {
-                    u32 c0, c1, c2, c3;
-                    ldsm_x4_t(va_ + LO_B, c0, c1, c2, c3);
-                    mma_bf16_16816(o[2 * np], r0, r1, r2, r3, b0, b1);
-                    mma_bf16_16816(o[2 * np + 1], r0, r1, r2, r3, b2, b3);
-                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, c0, c1);
-                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, c2, c3);
-                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, b0, b1);
-                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
-                } else {
-                    mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
-                    mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
-                }
-            }
-        }
+        for (int kk = 0; kk < NT / 2; ++kk) att_pf_pv_step<X3, NO>(o, s[2 * kk], s[2 * kk + 1], vcur + kk * 16 * PH * 2, LO_B);
     }
     cp_async_wait_all();
     if (out != nullptr) att_pf_store_out<D>(o, l_a, l_b, t, ra, rb, va, vb, G, hk, H, out, hi, lo);
@@ -1987,26 +2000,7 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b0, b1, b2, b3;
-                const u32 ka = kcur + np * 16 * PH * 2 + ks * 32;
-                ldsm_x4(ka, b0, b1, b2, b3);
-                if constexpr (X3) {
-                    u32 c0, c1, c2, c3;
-                    ldsm_x4(ka + LO_B, c0, c1, c2, c3);
-                    mma_bf16_16816(s[2 * np], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b0, b1);
-                    mma_bf16_16816(s[2 * np + 1], ql[ks][0], ql[ks][1], ql[ks][2], ql[ks][3], b2, b3);
-                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c0, c1);
-                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], c2, c3);
-                    mma_bf16_16816(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
-                    mma_bf16_16816(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
-                } else {
-                    mma_h16(s[2 * np], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b0, b1);
-                    mma_h16(s[2 * np + 1], qh[ks][0], qh[ks][1], qh[ks][2], qh[ks][3], b2, b3);
-                }
-            }
+        for (int ks = 0; ks < KS; ++ks) att_pf_s_kstep<X3, NT>(s, qh[ks], ql[ks], kcur + ks * 32, 16 * PH * 2, LO_B);
         // The pair's halves summed: low dims first in both warps (the same bits in both).
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -2028,39 +2022,7 @@ __device__ __forceinline__ void attn_pf2_impl(const float *__restrict__ q, const
         att_rescale(o, ala, alb);
         // O += P V over the chunk's steps of 16 keys, this warp's dims.
 #pragma unroll
-        for (int kk = 0; kk < NT / 2; ++kk) {
-            u32 p0, p1, p2, p3, r0 = 0, r1 = 0, r2 = 0, r3 = 0;
-            if constexpr (X3) {
-                split_bf16x2(s[2 * kk][0], s[2 * kk][1], p0, r0);
-                split_bf16x2(s[2 * kk][2], s[2 * kk][3], p1, r1);
-                split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], p2, r2);
-                split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], p3, r3);
-            } else {
-                p0 = h2_pack(s[2 * kk][0], s[2 * kk][1]);
-                p1 = h2_pack(s[2 * kk][2], s[2 * kk][3]);
-                p2 = h2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                p3 = h2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int np = 0; np < NO / 2; ++np) {
-                u32 b0, b1, b2, b3;
-                const u32 va_ = vcur + kk * 16 * PH * 2 + np * 32;
-                ldsm_x4_t(va_, b0, b1, b2, b3);
-                if constexpr (X3) {
-                    u32 c0, c1, c2, c3;
-                    ldsm_x4_t(va_ + LO_B, c0, c1, c2, c3);
-                    mma_bf16_16816(o[2 * np], r0, r1, r2, r3, b0, b1);
-                    mma_bf16_16816(o[2 * np + 1], r0, r1, r2, r3, b2, b3);
-                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, c0, c1);
-                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, c2, c3);
-                    mma_bf16_16816(o[2 * np], p0, p1, p2, p3, b0, b1);
-                    mma_bf16_16816(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
-                } else {
-                    mma_h16(o[2 * np], p0, p1, p2, p3, b0, b1);
-                    mma_h16(o[2 * np + 1], p0, p1, p2, p3, b2, b3);
-                }
-            }
-        }
+        for (int kk = 0; kk < NT / 2; ++kk) att_pf_pv_step<X3, NO>(o, s[2 * kk], s[2 * kk + 1], vcur + kk * 16 * PH * 2, LO_B);
     }
     cp_async_wait_all();
     att_pf_store_out<D, DW>(o, l_a, l_b, t, ra, rb, va, vb, G, hk, H, out, nullptr, nullptr, dh * DW);
