@@ -898,6 +898,21 @@ __device__ __forceinline__ void gdc_load_rows(float *dst, const float *src, int 
     for (int e = tid; e < GDC * GDC_DK / 4; e += 256) gdc_cp16(dst + 4 * e, src + 4 * e);
     gdc_commit();
 }
+// o[m] += sum over r < N of A[(w + 8 m) * LDA + r] B[r * 32 + lane], m < 8: eight rows of A (shared
+// memory, 16-byte aligned rows) times the 32 columns of B (shared memory), four values of r per
+// step in one fma chain per row.
+template <int LDA, int N>
+__device__ __forceinline__ void gdc_rows_times(const float *A, const float *B, int w, int lane, float o[8]) {
+    for (int r = 0; r < N; r += 4) {
+        const float b0 = B[r * 32 + lane], b1 = B[(r + 1) * 32 + lane], b2 = B[(r + 2) * 32 + lane],
+                    b3 = B[(r + 3) * 32 + lane];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float4 a4 = *reinterpret_cast<const float4 *>(A + (w + 8 * m) * LDA + r);
+            o[m] = fmaf(a4.x, b0, fmaf(a4.y, b1, fmaf(a4.z, b2, fmaf(a4.w, b3, o[m]))));
+        }
+    }
+}
 // Grid (ceil(dv / 32), n_v_heads), 256 threads: the state's 32 columns j0 + lane of value head h,
 // the span's chunks in order. Dynamic shared memory (88 KB: two blocks per SM): S [GDC_DK][32],
 // Ws and Kd [GDC][GDC_DK], Vn [GDC][32]. Each chunk's W arrives while the previous chunk's state
@@ -933,15 +948,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         float dl[8];
 #pragma unroll
         for (int m = 0; m < 8; ++m) dl[m] = 0.0f;
-        for (int r = 0; r < GDC_DK; r += 4) {
-            const float s0 = S[r * 32 + lane], s1 = S[(r + 1) * 32 + lane], s2 = S[(r + 2) * 32 + lane],
-                        s3 = S[(r + 3) * 32 + lane];
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                const float4 w4 = *reinterpret_cast<const float4 *>(Ws + (w + 8 * m) * GDC_DK + r);
-                dl[m] = fmaf(w4.x, s0, fmaf(w4.y, s1, fmaf(w4.z, s2, fmaf(w4.w, s3, dl[m]))));
-            }
-        }
+        gdc_rows_times<GDC_DK, GDC_DK>(Ws, S, w, lane, dl);
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             const float d = u[m] - dl[m];
@@ -1010,25 +1017,9 @@ extern "C" __global__ void __launch_bounds__(256)
     float o[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) o[m] = 0.0f;
-    for (int r = 0; r < GDC_DK; r += 4) {
-        const float s0 = S[r * 32 + lane], s1 = S[(r + 1) * 32 + lane], s2 = S[(r + 2) * 32 + lane],
-                    s3 = S[(r + 3) * 32 + lane];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const float4 q4 = *reinterpret_cast<const float4 *>(Qg + (w + 8 * m) * GDC_DK + r);
-            o[m] = fmaf(q4.x, s0, fmaf(q4.y, s1, fmaf(q4.z, s2, fmaf(q4.w, s3, o[m]))));
-        }
-    }
+    gdc_rows_times<GDC_DK, GDC_DK>(Qg, S, w, lane, o);
     // Sum over l <= i of QK[i][l] Vn[l] (QK is zero past the diagonal).
-    for (int l = 0; l < GDC; l += 4) {
-        const float v0 = Vn[l * 32 + lane], v1 = Vn[(l + 1) * 32 + lane], v2 = Vn[(l + 2) * 32 + lane],
-                    v3 = Vn[(l + 3) * 32 + lane];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const float4 a4 = *reinterpret_cast<const float4 *>(QKs + (w + 8 * m) * GDC + l);
-            o[m] = fmaf(a4.x, v0, fmaf(a4.y, v1, fmaf(a4.z, v2, fmaf(a4.w, v3, o[m]))));
-        }
-    }
+    gdc_rows_times<GDC, GDC>(QKs, Vn, w, lane, o);
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
         const int i = w + 8 * m;
