@@ -129,6 +129,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     // ---------------------------------------------------------------- memory
     /// A zero-filled buffer of `len` f32.
     fn zeros(&self, len: usize) -> Result<Self::Buf>;
+    /// A buffer of `len` f32 whose values are unspecified until written: for an op's output
+    /// that the op writes whole before anything reads it (a GPU backend leaves out the zero
+    /// fill, which at a long prompt's activations is gigabytes of writes per forward).
+    /// Default: [`Backend::zeros`].
+    fn scratch(&self, len: usize) -> Result<Self::Buf> {
+        self.zeros(len)
+    }
     /// Upload host values.
     fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
     /// Download a whole buffer.

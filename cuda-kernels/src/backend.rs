@@ -2,13 +2,13 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
-    sys as drv_sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    result as drv_result, sys as drv_sys, CudaContext, CudaFunction, CudaSlice, CudaStream,
+    DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
     attention_fast_kv16_ops, attention_layer_tail_ops, check_f16_range, check_f16_rows,
@@ -498,6 +498,13 @@ pub struct CudaOptions {
     /// of the step; it costs ~4% of the drafter step (H200, 8B shape). `xtask bench gpu
     /// --trace FILE` writes them as CSV, `tools/bench/block_trace.py` reads that.
     pub block_trace: bool,
+    /// Bytes of freed memory the backend's memory pool keeps for later buffers at a
+    /// synchronization (its release threshold; [`Cuda::set_pool_keep`], [`Cuda::trim_pool`]).
+    /// Default `u64::MAX`: every freed byte, as a caching allocator does (a prefill frees and
+    /// allocates gigabytes of activations per call; CUDA's default pool, which returns them
+    /// to the driver at each synchronization, made the 27B-shape hybrid target's prefill of
+    /// 8192 tokens 3-5 ms slower on an H100). 0: CUDA's default behaviour.
+    pub pool_keep: u64,
 }
 
 impl Default for CudaOptions {
@@ -505,7 +512,67 @@ impl Default for CudaOptions {
         CudaOptions {
             cublas_prefill: true,
             block_trace: false,
+            pool_keep: u64::MAX,
         }
+    }
+}
+
+/// The backend's own stream-ordered memory pool on its device (`cuMemPoolCreate`): the
+/// buffers of `Backend::zeros` and `Backend::upload` come from it (outside a graph capture of
+/// the op stream), with the release threshold of [`CudaOptions::pool_keep`]. Its own pool, not
+/// the device's current one, so that the threshold changes nothing for other users of the
+/// device in the process. Destroyed with the backend; the driver frees it once its last
+/// buffer is freed.
+struct MemPool(drv_sys::CUmemoryPool);
+
+// SAFETY: a driver handle; the driver's pool calls are thread-safe.
+unsafe impl Send for MemPool {}
+// SAFETY: as above.
+unsafe impl Sync for MemPool {}
+
+impl MemPool {
+    fn new(ordinal: usize, keep: u64) -> std::result::Result<Self, CudaError> {
+        use drv_sys::{CUmemAllocationType, CUmemLocationType};
+        // SAFETY: zeroed pool properties are valid (no handle types, no flags) once the
+        // allocation type and location are set; the pool is destroyed by Drop.
+        let pool = unsafe {
+            let mut props: drv_sys::CUmemPoolProps = std::mem::zeroed();
+            props.allocType = CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            props.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = ordinal as i32;
+            drv_result::mem_pool::create(&props)?
+        };
+        let p = MemPool(pool);
+        p.set_keep(keep)?;
+        Ok(p)
+    }
+
+    fn set_keep(&self, bytes: u64) -> std::result::Result<(), CudaError> {
+        let mut v = bytes;
+        // SAFETY: a live pool; the release threshold attribute is a u64.
+        unsafe {
+            drv_result::mem_pool::set_attribute(
+                self.0,
+                drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut v as *mut u64 as *mut _,
+            )?
+        };
+        Ok(())
+    }
+
+    fn attr(&self, a: drv_sys::CUmemPool_attribute) -> std::result::Result<u64, CudaError> {
+        let mut v = 0u64;
+        // SAFETY: a live pool; the reserved / used memory attributes are u64s.
+        unsafe { drv_result::mem_pool::get_attribute(self.0, a, &mut v as *mut u64 as *mut _)? };
+        Ok(v)
+    }
+}
+
+impl Drop for MemPool {
+    fn drop(&mut self) {
+        // SAFETY: created by MemPool::new, destroyed once; buffers still allocated from it
+        // keep it alive in the driver until they are freed.
+        let _ = unsafe { drv_result::mem_pool::destroy(self.0) };
     }
 }
 
@@ -793,6 +860,10 @@ pub struct Cuda {
     delta_chunk_min: AtomicUsize,
     /// [`Cuda::set_delta_skip`].
     delta_skip: AtomicUsize,
+    /// [`Cuda::set_zero_fill`].
+    zero_fill: AtomicBool,
+    /// [`Cuda::set_poison_scratch`].
+    poison_scratch: AtomicBool,
     /// [`Cuda::set_attn_gemm`].
     attn_gemm: Mutex<AttnGemm>,
     /// [`Cuda::set_attn_pf2_shape`].
@@ -808,6 +879,8 @@ pub struct Cuda {
     /// Resident 256-thread blocks per multiprocessor of the bf16 / q8_0 / q4_0 Markov step
     /// kernels, per (kernel, dynamic shared memory): computed once.
     markov_occ: Mutex<HashMap<(Kernel, usize), usize>>,
+    /// [`MemPool`] (last: dropped after every buffer the backend holds).
+    pool: MemPool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -922,6 +995,7 @@ impl Cuda {
                 drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             )? as usize,
         };
+        let pool = MemPool::new(ordinal, opts.pool_keep)?;
         Ok(Cuda {
             reg: Registry::new(ctx.clone(), arch, opts.block_trace),
             ctx,
@@ -987,6 +1061,8 @@ impl Cuda {
             recurrent_parallel: Mutex::new(true),
             delta_chunk_min: AtomicUsize::new(DELTA_CHUNK_MIN),
             delta_skip: AtomicUsize::new(0),
+            zero_fill: AtomicBool::new(true),
+            poison_scratch: AtomicBool::new(false),
             attn_gemm: Mutex::new(AttnGemm::default()),
             attn_pf2_shape: Mutex::new((0, 0, 0)),
             attn_gemm_scores: AtomicUsize::new(attention::ATTN_GEMM_SCORES),
@@ -994,6 +1070,7 @@ impl Cuda {
             unpack_values: AtomicUsize::new(UNPACK_VALUES),
             markov_fit: Mutex::new(HashMap::new()),
             markov_occ: Mutex::new(HashMap::new()),
+            pool,
         })
     }
 
@@ -1180,6 +1257,86 @@ impl Cuda {
     #[doc(hidden)]
     pub fn set_delta_skip(&self, mask: usize) {
         self.delta_skip.store(mask, Ordering::Relaxed);
+    }
+
+    /// Timing ablation: `Backend::zeros` allocates without its memset when off (the buffer's
+    /// values are then whatever the pool held: results of ops that read before they write are
+    /// wrong). A benchmark knob; on (the default) for the op.
+    #[doc(hidden)]
+    pub fn set_zero_fill(&self, on: bool) {
+        self.zero_fill.store(on, Ordering::Relaxed);
+    }
+
+    /// `Backend::scratch` buffers filled with NaN (off by default: their values are then
+    /// whatever the pool held). A test knob: an op that reads a scratch value it did not
+    /// write first makes NaN of its result.
+    pub fn set_poison_scratch(&self, on: bool) {
+        self.poison_scratch.store(on, Ordering::Relaxed);
+    }
+
+    /// The bytes of freed memory the backend's memory pool keeps at a synchronization (see
+    /// [`CudaOptions::pool_keep`]; from now on).
+    pub fn set_pool_keep(&self, bytes: u64) -> std::result::Result<(), CudaError> {
+        self.pool.set_keep(bytes)
+    }
+
+    /// Returns the freed memory the backend's pool holds to the driver, down to `keep` bytes
+    /// of reserved memory (`cuMemPoolTrimTo`; buffers in use stay). Call after a
+    /// synchronization of the op stream to return what its last calls freed.
+    pub fn trim_pool(&self, keep: usize) -> std::result::Result<(), CudaError> {
+        // SAFETY: a live pool.
+        unsafe { drv_result::mem_pool::trim_to(self.pool.0, keep)? };
+        Ok(())
+    }
+
+    /// The backend pool's memory: (reserved from the driver, in use by buffers), bytes.
+    pub fn pool_bytes(&self) -> std::result::Result<(u64, u64), CudaError> {
+        use drv_sys::CUmemPool_attribute::*;
+        Ok((
+            self.pool.attr(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            self.pool.attr(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        ))
+    }
+
+    /// `len` values of T from the backend's pool on the op stream, not initialized; during a
+    /// graph capture of the stream from the device's pool (cudarc's stream allocation: a
+    /// capture turns it into the graph's own allocation node).
+    ///
+    /// # Safety
+    /// The values are whatever the memory held: T must be valid for any bits, and the caller
+    /// writes them before reading them.
+    unsafe fn alloc_uninit<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        let capturing = self.stream.capture_status().map_err(dev)?
+            != drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if capturing {
+            return unsafe { self.stream.alloc::<T>(len) }.map_err(dev);
+        }
+        let bytes = (len * std::mem::size_of::<T>()).max(1);
+        // SAFETY: a live pool and the backend's stream (its context bound first); the slice
+        // owns the allocation and frees it on its stream when dropped.
+        unsafe {
+            self.ctx.bind_to_thread().map_err(dev)?;
+            let ptr =
+                drv_result::mem_pool::alloc_async(self.pool.0, bytes, self.stream.cu_stream())
+                    .map_err(dev)?;
+            Ok(self.stream.upgrade_device_ptr(ptr, len))
+        }
+    }
+
+    /// `len` zeros of T from the backend's pool (see [`Cuda::alloc_uninit`]).
+    fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: zeroed before any read.
+        let mut s = unsafe { self.alloc_uninit::<T>(len) }?;
+        self.stream.memset_zeros(&mut s).map_err(dev)?;
+        Ok(s)
+    }
+
+    /// A copy of `host` in a buffer from the backend's pool (see [`Cuda::alloc_uninit`]).
+    fn alloc_copy<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        // SAFETY: every value written by the copy before any read.
+        let mut s = unsafe { self.alloc_uninit::<T>(host.len()) }?;
+        self.stream.memcpy_htod(host, &mut s).map_err(dev)?;
+        Ok(s)
     }
 
     /// How a prompt's attention (64 query rows or more, f32 cache) runs at a head dim without
@@ -1664,9 +1821,9 @@ impl Cuda {
     /// Upload token ids to a device buffer (for [`Cuda::gather_rows_dev`]).
     pub fn upload_ids(&self, ids: &[u32]) -> Result<CudaSlice<u32>> {
         if ids.is_empty() {
-            return self.stream.alloc_zeros::<u32>(1).map_err(dev);
+            return self.alloc_zeroed::<u32>(1);
         }
-        self.stream.clone_htod(ids).map_err(dev)
+        self.alloc_copy(ids)
     }
 
     /// Embedding lookup with ids already on the device (no host round trip, graph-capturable).
@@ -3920,15 +4077,32 @@ impl Backend for Cuda {
     }
 
     fn zeros(&self, len: usize) -> Result<CudaBuf> {
-        let data = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(dev)?;
+        let data = if self.zero_fill.load(Ordering::Relaxed) {
+            self.alloc_zeroed::<f32>(len.max(1))?
+        } else {
+            // SAFETY: f32 is valid for any bits (a timing ablation: the values are the pool's,
+            // see set_zero_fill).
+            unsafe { self.alloc_uninit::<f32>(len.max(1)) }?
+        };
         Ok(CudaBuf { data, len })
+    }
+
+    fn scratch(&self, len: usize) -> Result<CudaBuf> {
+        // SAFETY: f32 is valid for any bits; the caller writes the values before reading them
+        // (Backend::scratch), or they are NaN (set_poison_scratch).
+        let data = unsafe { self.alloc_uninit::<f32>(len.max(1)) }?;
+        let mut buf = CudaBuf { data, len };
+        if self.poison_scratch.load(Ordering::Relaxed) {
+            self.fill(&mut buf, f32::NAN)?;
+        }
+        Ok(buf)
     }
 
     fn upload(&self, host: &[f32]) -> Result<CudaBuf> {
         if host.is_empty() {
             return self.zeros(0);
         }
-        let data = self.stream.clone_htod(host).map_err(dev)?;
+        let data = self.alloc_copy(host)?;
         Ok(CudaBuf {
             data,
             len: host.len(),

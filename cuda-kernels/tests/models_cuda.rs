@@ -355,6 +355,7 @@ fn spec_stream_equals_greedy_across_causal_split_thresholds() {
     }
     // A private backend: the knob changes every causal call's bits.
     let g = &Cuda::new(0).expect("second CUDA backend");
+    g.set_poison_scratch(true);
     g.set_attn_causal_splits(&[(0, 64), (64, 128), (128, 192)])
         .expect("table");
     let mut r = rng("spec_stream_equals_greedy_across_causal_split_thresholds");
@@ -389,6 +390,7 @@ fn fast_prefill_against_cpu_and_spec_equals_greedy() {
     }
     // A private backend: the knob changes every prefill's bits.
     let g = &Cuda::new(0).expect("second CUDA backend");
+    g.set_poison_scratch(true);
     g.set_prefill_precision(PrefillPrecision::Fast);
     g.set_quant_prefill_rows(Some(17));
     let cpu = Cpu::new();

@@ -2893,3 +2893,59 @@ fn attention_gemm_against_cpu() {
         g.set_prefill_precision(PrefillPrecision::Exact);
     }
 }
+
+/// The backend's memory pool: freed buffers stay reserved for later ones by default (and a
+/// reused buffer from `zeros` holds zeros, not what the freed one held), `trim_pool` returns
+/// them to the driver, and `set_pool_keep(0)` returns them at each synchronization.
+#[test]
+fn memory_pool_keeps_reuses_and_trims() {
+    if gpu("memory_pool_keeps_reuses_and_trims").is_none() {
+        return;
+    }
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let n = 16 << 20;
+    let bytes = (n * 4) as u64;
+    let (r0, u0) = g.pool_bytes().expect("pool bytes");
+    let sevens = g.upload(&vec![7.0f32; n]).expect("upload");
+    g.synchronize().unwrap();
+    let (r1, u1) = g.pool_bytes().unwrap();
+    assert!(
+        u1 >= u0 + bytes && r1 >= u1,
+        "in use {u1}, reserved {r1}, buffer {bytes}"
+    );
+    drop(sevens);
+    g.synchronize().unwrap();
+    let (r2, u2) = g.pool_bytes().unwrap();
+    assert!(
+        u2 <= u0 && r2 >= r0 + bytes,
+        "freed: in use {u2}, reserved {r2} (kept)"
+    );
+    let z = g.zeros(n).expect("zeros");
+    let (r3, _) = g.pool_bytes().unwrap();
+    assert_eq!(r3, r2, "the freed memory was reused, nothing new reserved");
+    let v = g.download(&z).unwrap();
+    assert!(v.iter().all(|&x| x == 0.0), "zeros over reused memory");
+    drop(z);
+    g.synchronize().unwrap();
+    g.trim_pool(0).expect("trim");
+    let (r4, _) = g.pool_bytes().unwrap();
+    assert!(r4 < r0 + bytes, "trimmed: reserved {r4}");
+    // Scratch: the pool's values as they are, or NaN when poisoned.
+    g.set_poison_scratch(true);
+    let sc = g.download(&g.scratch(1000).expect("scratch")).unwrap();
+    assert!(sc.iter().all(|x| x.is_nan()), "a poisoned scratch buffer");
+    g.set_poison_scratch(false);
+    g.set_pool_keep(0).expect("keep none");
+    let b = g.zeros(n).expect("zeros");
+    drop(b);
+    g.synchronize().unwrap();
+    let (r5, _) = g.pool_bytes().unwrap();
+    assert!(
+        r5 < r0 + bytes,
+        "keep 0: reserved {r5} after a synchronization"
+    );
+    eprintln!(
+        "memory pool: {} MiB kept after the free, reused by zeros, trimmed to {r4} bytes",
+        r2 >> 20
+    );
+}

@@ -532,19 +532,21 @@ impl<B: Backend> Qwen3Dense<B> {
             c.n_kv_heads * c.head_dim,
             c.intermediate,
         );
+        // Each op writes its output whole before any read (a cached scratch holds the last
+        // call's values): no zero fill.
         Ok(Scratch {
-            x: be.zeros(t * d)?,
-            h: be.zeros(t * d)?,
-            q: be.zeros(t * qw)?,
-            qn: be.zeros(t * qw)?,
-            k: be.zeros(t * kvw)?,
-            kn: be.zeros(t * kvw)?,
-            v: be.zeros(t * kvw)?,
-            att: be.zeros(t * qw)?,
-            o: be.zeros(t * d)?,
-            g: be.zeros(t * i)?,
-            u: be.zeros(t * i)?,
-            a: be.zeros(t * i)?,
+            x: be.scratch(t * d)?,
+            h: be.scratch(t * d)?,
+            q: be.scratch(t * qw)?,
+            qn: be.scratch(t * qw)?,
+            k: be.scratch(t * kvw)?,
+            kn: be.scratch(t * kvw)?,
+            v: be.scratch(t * kvw)?,
+            att: be.scratch(t * qw)?,
+            o: be.scratch(t * d)?,
+            g: be.scratch(t * i)?,
+            u: be.scratch(t * i)?,
+            a: be.scratch(t * i)?,
             logits: None,
         })
     }

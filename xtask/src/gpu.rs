@@ -262,6 +262,16 @@ pub struct BenchArgs {
     /// exact and fast.
     #[arg(long)]
     pf2_shapes: Option<String>,
+    /// With --hybrid: instead of the tables, one prefill of each P at this precision (`exact`
+    /// or `fast`) between `cuProfilerStart` and `cuProfilerStop`, after a warm-up prefill (for
+    /// `ncu --profile-from-start off`: the prefill's kernels alone); then exit.
+    #[arg(long)]
+    profile_prefill: Option<String>,
+    /// With --hybrid: also the prefill (exact and fast) with the backend's memory pool keeping
+    /// none of its freed memory (`Cuda::set_pool_keep(0)`) and with `Backend::zeros` left
+    /// unfilled (`Cuda::set_zero_fill`, a timing ablation).
+    #[arg(long)]
+    alloc_ablation: bool,
     /// Write the markdown report here (it is printed either way).
     #[arg(long)]
     md: Option<PathBuf>,

@@ -15,7 +15,11 @@ static GPU: OnceLock<Option<Cuda>> = OnceLock::new();
 pub fn gpu(test: &str) -> Option<&'static Cuda> {
     let g = GPU.get_or_init(|| match Cuda::new(0) {
         Ok(c) => match c.warm_up() {
-            Ok(()) => Some(c),
+            Ok(()) => {
+                // `Backend::scratch` values an op reads before it writes them become NaN.
+                c.set_poison_scratch(true);
+                Some(c)
+            }
             Err(e) => panic!("CUDA device present but the kernels failed to load: {e}"),
         },
         Err(e) => {

@@ -255,11 +255,13 @@ impl<B: Backend> HybridTarget<B> {
             q_scale: (1.0 / (dk as f64).sqrt()) as f32,
         };
 
-        let mut x = be.zeros(t * d)?;
+        // Activations each op writes whole before any read: `Backend::scratch` (no zero
+        // fill); the stashes and taps, written in parts, stay `zeros`.
+        let mut x = be.scratch(t * d)?;
         be.gather_rows(&self.w.embed, tokens, &mut x)?;
         write_taps(be, -1, &x, &mut tap_buf)?;
-        let mut h = be.zeros(t * d)?;
-        let mut o = be.zeros(t * d)?;
+        let mut h = be.scratch(t * d)?;
+        let mut o = be.scratch(t * d)?;
         let mut stashes: LinearStates<B> = Vec::with_capacity(depth);
         // The dense MLP's scratch (`Backend::layer_tail`).
         let dense = self
@@ -269,7 +271,11 @@ impl<B: Backend> HybridTarget<B> {
             .take(depth)
             .any(|l| matches!(l.mlp, Mlp::Dense(_)));
         let mlp_len = if dense { t * c.intermediate } else { 0 };
-        let (mut mg, mut mu, mut ma) = (be.zeros(mlp_len)?, be.zeros(mlp_len)?, be.zeros(mlp_len)?);
+        let (mut mg, mut mu, mut ma) = (
+            be.scratch(mlp_len)?,
+            be.scratch(mlp_len)?,
+            be.scratch(mlp_len)?,
+        );
 
         for (li, (layer, state)) in self
             .w
@@ -284,10 +290,10 @@ impl<B: Backend> HybridTarget<B> {
             // has them, the bits of the separate ops).
             let (mixed, wo) = match (&layer.mixer, state) {
                 (Mixer::Linear(lw), LayerState::Linear { conv, rec }) => {
-                    let mut qkv = be.zeros(t * ch)?;
-                    let mut z = be.zeros(t * vd)?;
-                    let mut bb = be.zeros(t * nv)?;
-                    let mut aa = be.zeros(t * nv)?;
+                    let mut qkv = be.scratch(t * ch)?;
+                    let mut z = be.scratch(t * vd)?;
+                    let mut bb = be.scratch(t * nv)?;
+                    let mut aa = be.scratch(t * nv)?;
                     be.norm_matmul_many(
                         &x,
                         &layer.in_norm,
@@ -298,7 +304,7 @@ impl<B: Backend> HybridTarget<B> {
                         &[&lw.qkv, &lw.z, &lw.b, &lw.a],
                         &mut [&mut qkv, &mut z, &mut bb, &mut aa],
                     )?;
-                    let mut conv_out = be.zeros(t * ch)?;
+                    let mut conv_out = be.scratch(t * ch)?;
                     let mut conv_stash = if stash {
                         Some(be.zeros(t * sl * ch)?)
                     } else {
@@ -314,16 +320,16 @@ impl<B: Backend> HybridTarget<B> {
                         &mut conv_out,
                         conv_stash.as_mut(),
                     )?;
-                    let mut q = be.zeros(t * kd)?;
-                    let mut k = be.zeros(t * kd)?;
-                    let mut v = be.zeros(t * vd)?;
+                    let mut q = be.scratch(t * kd)?;
+                    let mut k = be.scratch(t * kd)?;
+                    let mut v = be.scratch(t * vd)?;
                     be.copy2d(&conv_out, 0, ch, &mut q, 0, kd, t, kd)?;
                     be.copy2d(&conv_out, kd, ch, &mut k, 0, kd, t, kd)?;
                     be.copy2d(&conv_out, 2 * kd, ch, &mut v, 0, vd, t, vd)?;
-                    let mut g = be.zeros(t * nv)?;
-                    let mut beta = be.zeros(t * nv)?;
+                    let mut g = be.scratch(t * nv)?;
+                    let mut beta = be.scratch(t * nv)?;
                     be.gdn_gates(&aa, &bb, &lw.a_log, &lw.dt_bias, nv, &mut g, &mut beta)?;
-                    let mut core = be.zeros(t * vd)?;
+                    let mut core = be.scratch(t * vd)?;
                     let mut rec_stash = if stash {
                         Some(be.zeros(t * nv * dk * dv)?)
                     } else {
@@ -340,16 +346,16 @@ impl<B: Backend> HybridTarget<B> {
                         &mut core,
                         rec_stash.as_mut(),
                     )?;
-                    let mut normed = be.zeros(t * vd)?;
+                    let mut normed = be.scratch(t * vd)?;
                     be.rms_norm_gated(&core, &z, &lw.norm, dv, eps, &mut normed)?;
                     stashes.push(conv_stash.zip(rec_stash));
                     (normed, &lw.out)
                 }
                 (Mixer::Full(fw), LayerState::Full { k: kc, v: vc }) => {
-                    let mut q = be.zeros(t * qw)?;
-                    let mut gate = be.zeros(t * qw)?;
-                    let mut k = be.zeros(t * kvw)?;
-                    let mut v = be.zeros(t * kvw)?;
+                    let mut q = be.scratch(t * qw)?;
+                    let mut gate = be.scratch(t * qw)?;
+                    let mut k = be.scratch(t * kvw)?;
+                    let mut v = be.scratch(t * kvw)?;
                     be.norm_matmul_many(
                         &x,
                         &layer.in_norm,
@@ -360,8 +366,8 @@ impl<B: Backend> HybridTarget<B> {
                         &[&fw.q, &fw.gate, &fw.k, &fw.v],
                         &mut [&mut q, &mut gate, &mut k, &mut v],
                     )?;
-                    let mut qn = be.zeros(t * qw)?;
-                    let mut kn = be.zeros(t * kvw)?;
+                    let mut qn = be.scratch(t * qw)?;
+                    let mut kn = be.scratch(t * kvw)?;
                     // Per-head norms + RoPE, K and V into the caches at `start` (one launch
                     // where the backend fuses it).
                     let qk = QkNormRope {
@@ -393,7 +399,7 @@ impl<B: Backend> HybridTarget<B> {
                         window: None,
                         scale: (1.0 / (hd as f64).sqrt()) as f32,
                     };
-                    let mut att = be.zeros(t * qw)?;
+                    let mut att = be.scratch(t * qw)?;
                     crate::qwen3::attn_op(self.kv).run(be, &qn, kc, vc, &p, &mut att)?;
                     be.mul_sigmoid(&mut att, &gate)?;
                     stashes.push(None);
@@ -459,7 +465,7 @@ impl<B: Backend> HybridTarget<B> {
             }
             LogitRows::All => {
                 be.rms_norm(&x, &self.w.norm, d, eps, &mut h)?;
-                let mut lg = be.zeros(t * c.vocab)?;
+                let mut lg = be.scratch(t * c.vocab)?;
                 be.matmul(&h, t, head, &mut lg)?;
                 (be.argmax_rows(&lg, 0, t, c.vocab)?, Some(lg))
             }

@@ -360,6 +360,26 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     let tokens: Vec<u32> = (0..cap as u64)
         .map(|i| (hash64(i) % cfg.vocab as u64) as u32)
         .collect();
+    if let Some(pp) = &a.profile_prefill {
+        let pp = match pp.as_str() {
+            "exact" => PrefillPrecision::Exact,
+            "fast" => PrefillPrecision::Fast,
+            _ => anyhow::bail!("--profile-prefill {pp:?}: expected exact or fast"),
+        };
+        g.set_prefill_precision(pp);
+        for &p in &ps {
+            let prompt = &tokens[..p];
+            t.prime(g, prompt, &[])?;
+            g.stream().synchronize()?;
+            let prof = cudarc::driver::Profiler::new()?;
+            t.prime(g, prompt, &[])?;
+            g.stream().synchronize()?;
+            drop(prof);
+            println!("hybrid P {p}: one {pp:?} prefill profiled");
+        }
+        g.set_prefill_precision(PrefillPrecision::Exact);
+        return Ok(());
+    }
     let mut md = format!(
         "Hybrid target at the Qwen3.6-27B layer shape, {} layers ({} Gated DeltaNet + {} gated full attention; hidden {}, {}/{} linear heads of {}, {}/{} attention heads of {}, MLP {}), vocabulary {}, bf16 random weights, f32 K / V cache; {} ({} SMs). Wall ms per call, median of {iters} (prefill: of {}); decode (1 token) and verify (16 tokens, stash arm) from context P, each call committing its first row (the verify rolls 15 back from the stash). PyTorch: transformers' Qwen3.5 model at the same shape in bf16 (`tools/bench/torch_hybrid.py`; its Gated DeltaNet through the torch fallbacks, flash-linear-attention not installed), CUDA-event ms, median of {}; its decode from a copy of the prefilled cache, the copy's time taken off.\n\n| P | recurrent kernels | prefill ms | decode ms | verify16 ms | verify16 / decode | PyTorch prefill | PyTorch decode | PyTorch / ours, prefill / decode |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         cfg.n_layers,
@@ -449,6 +469,45 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         }
     }
     g.set_recurrent_parallel(true);
+    if a.alloc_ablation {
+        md += &format!(
+            "\nThe prefill by allocation (the backend's memory pool keeping its freed memory at a synchronization, the default, or none of it as CUDA's default pool does, `Cuda::set_pool_keep`; `Backend::zeros` without its memset, `Cuda::set_zero_fill(false)`, a timing ablation), wall ms, median of {}, two rounds:\n\n| P | pool keeps freed memory | zeros filled | exact | fast |\n|---:|---|---|---:|---:|\n",
+            iters.min(3)
+        );
+        for round in 0..2 {
+            for &p in &ps {
+                for (keep, fill) in [(false, true), (true, true), (true, false)] {
+                    g.set_pool_keep(if keep { u64::MAX } else { 0 })?;
+                    g.set_zero_fill(fill);
+                    let mut ms = [0.0f64; 2];
+                    for (m, pp) in ms
+                        .iter_mut()
+                        .zip([PrefillPrecision::Exact, PrefillPrecision::Fast])
+                    {
+                        g.set_prefill_precision(pp);
+                        *m = super::wall_ms(g, iters.min(3), || {
+                            t.prime(g, &tokens[..p], &[])?;
+                            Ok(())
+                        })?;
+                    }
+                    println!(
+                        "hybrid P {p} round {round}: pool keeps {keep}, zeros filled {fill}: prefill exact {:.2} ms, fast {:.2} ms",
+                        ms[0], ms[1]
+                    );
+                    md += &format!(
+                        "| {p} | {} | {} | {:.2} | {:.2} |\n",
+                        if keep { "yes" } else { "no" },
+                        if fill { "yes" } else { "no" },
+                        ms[0],
+                        ms[1]
+                    );
+                }
+            }
+        }
+        g.set_pool_keep(u64::MAX)?;
+        g.set_zero_fill(true);
+        g.set_prefill_precision(PrefillPrecision::Exact);
+    }
     // The full-attention layer's prompt attention alone (f32 cache): the op the layer runs
     // (the fused kernel, `AttnGemm::Fused`; bf16 hi / lo operands, or f16 under the fast
     // prefill), the same arithmetic as two cuBLAS products around a masked softmax, f32
