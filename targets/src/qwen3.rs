@@ -592,8 +592,10 @@ impl<B: Backend> Qwen3Dense<B> {
         let (d, hd) = (c.hidden, c.head_dim);
         check_forward_input(tokens, start, self.cap, c.vocab, taps, c.n_layers)?;
         let nt = taps.len();
+        // Every tap layer is in -1..n_layers (checked above) and every layer runs: the taps
+        // are written whole.
         let mut tap_buf = if nt > 0 {
-            Some(be.zeros(t * nt * d)?)
+            Some(be.scratch(t * nt * d)?)
         } else {
             None
         };

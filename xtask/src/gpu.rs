@@ -263,8 +263,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pf2_shapes: Option<String>,
     /// With --hybrid: instead of the tables, one prefill of each P at this precision (`exact`
-    /// or `fast`) between `cuProfilerStart` and `cuProfilerStop`, after a warm-up prefill (for
-    /// `ncu --profile-from-start off`: the prefill's kernels alone); then exit.
+    /// or `fast`), then a decode and a 16-token verify from it, each between
+    /// `cuProfilerStart` and `cuProfilerStop` after an unprofiled one (for `ncu
+    /// --profile-from-start off`: those calls' kernels alone); then exit.
     #[arg(long)]
     profile_prefill: Option<String>,
     /// With --hybrid: also the prefill (exact and fast) with the backend's memory pool keeping

@@ -224,7 +224,7 @@ impl<B: Backend> HybridTarget<B> {
         check_forward_input(tokens, start, self.cap, c.vocab, taps, c.n_layers)?;
         let nt = taps.len();
         let mut tap_buf = if nt > 0 && depth == c.n_layers {
-            Some(be.zeros(t * nt * d)?)
+            Some(be.scratch(t * nt * d)?)
         } else {
             None
         };
@@ -256,7 +256,9 @@ impl<B: Backend> HybridTarget<B> {
         };
 
         // Activations each op writes whole before any read: `Backend::scratch` (no zero
-        // fill); the stashes and taps, written in parts, stay `zeros`.
+        // fill). So are the taps (every tap layer is in -1..n_layers, checked above, and the
+        // taps exist only for a forward through every layer) and the stashes (the conv and
+        // recurrent kernels write every token's state whole when they stash).
         let mut x = be.scratch(t * d)?;
         be.gather_rows(&self.w.embed, tokens, &mut x)?;
         write_taps(be, -1, &x, &mut tap_buf)?;
@@ -306,7 +308,7 @@ impl<B: Backend> HybridTarget<B> {
                     )?;
                     let mut conv_out = be.scratch(t * ch)?;
                     let mut conv_stash = if stash {
-                        Some(be.zeros(t * sl * ch)?)
+                        Some(be.scratch(t * sl * ch)?)
                     } else {
                         None
                     };
@@ -331,7 +333,7 @@ impl<B: Backend> HybridTarget<B> {
                     be.gdn_gates(&aa, &bb, &lw.a_log, &lw.dt_bias, nv, &mut g, &mut beta)?;
                     let mut core = be.scratch(t * vd)?;
                     let mut rec_stash = if stash {
-                        Some(be.zeros(t * nv * dk * dv)?)
+                        Some(be.scratch(t * nv * dk * dv)?)
                     } else {
                         None
                     };

@@ -375,7 +375,20 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             t.prime(g, prompt, &[])?;
             g.stream().synchronize()?;
             drop(prof);
-            println!("hybrid P {p}: one {pp:?} prefill profiled");
+            // Then a decode and a verify of 16 from context P, each committing one row (one
+            // of each unprofiled first).
+            let mut pos = p;
+            for profiled in [false, true] {
+                for n in [1, SKINNY_ROWS] {
+                    let prof = profiled.then(cudarc::driver::Profiler::new).transpose()?;
+                    t.verify(g, &tokens[pos..pos + n], pos, &[], false)?;
+                    t.commit(g, 1)?;
+                    g.stream().synchronize()?;
+                    drop(prof);
+                    pos += 1;
+                }
+            }
+            println!("hybrid P {p}: one {pp:?} prefill, a decode and a verify16 profiled");
         }
         g.set_prefill_precision(PrefillPrecision::Exact);
         return Ok(());
