@@ -518,8 +518,10 @@ impl Default for CudaOptions {
 }
 
 /// The backend's own stream-ordered memory pool on its device (`cuMemPoolCreate`): the
-/// buffers of `Backend::zeros` and `Backend::upload` come from it (outside a graph capture of
-/// the op stream), with the release threshold of [`CudaOptions::pool_keep`]. Its own pool, not
+/// buffers of `Backend::zeros`, `Backend::scratch`, `Backend::upload` and
+/// [`Cuda::upload_ids`] come from it (outside a graph capture of the op stream), with the
+/// release threshold of [`CudaOptions::pool_keep`]. The backend's long-lived buffers (weights,
+/// its growable scratch) come from the device's pool as before. Its own pool, not
 /// the device's current one, so that the threshold changes nothing for other users of the
 /// device in the process. Destroyed with the backend; the driver frees it once its last
 /// buffer is freed.
