@@ -2042,7 +2042,7 @@ ATTN_PF2(256, false, 32, 2, 8, x1_r8)
 ATTN_PF2(256, false, 32, 3, 4, x1_s3)
 
 #define ATTN_TC(D, KW, FPV, X1, SUFFIX)                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128 * KW, 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                                      \
+    extern "C" __global__ void __launch_bounds__(128 * KW, D > 128 ? 1 : 4 / KW) attn_tc_d##D##_kw##KW##SUFFIX(                         \
         const float *q, const float *k, const float *v, float *ws_o, float *ws_ml, int n_q, int n_kv, int H, int Hkv,                    \
         long long q_pos0, long long kv_pos0, int causal, long long window, float scale, int split_keys, int nst, int split0) {                       \
         attn_tc_impl<D, KW, FPV, X1>(q, k, v, ws_o, ws_ml, n_q, n_kv, H, Hkv, q_pos0, kv_pos0, causal, window, scale, split_keys, nst, split0); \
@@ -2065,6 +2065,11 @@ ATTN_TC(128, 2, false, true, _x1)
 ATTN_TC(32, 4, false, true, _x1)
 ATTN_TC(64, 4, false, true, _x1)
 ATTN_TC(128, 4, false, true, _x1)
+// Head dim 256 (the hybrid target's attention layers): 2 key warps (32-key chunks; 64 keys of
+// padded f32 K and V would leave one stage), one block per multiprocessor, so up to 255
+// registers for the 128 accumulators of a lane's two rows.
+ATTN_TC(256, 2, false, false, )
+ATTN_TC(256, 2, false, true, _x1)
 
 // The Hopper warpgroup-MMA twin of attn_fa_impl (`attn_wg16kv_d128`; only in the module compiled
 // for sm_90a, DFLASH_SM90A). One warpgroup (4 warps, 64 rows: the 16 queries x 4 heads of a kv

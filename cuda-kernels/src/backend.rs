@@ -78,7 +78,8 @@ pub enum PrefillPrecision {
 /// arithmetic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttnGemm {
-    /// The SIMT split kernel of the decode and verify rows instead.
+    /// The split kernel of the decode and verify rows instead (at head dim 256 the 3xTF32
+    /// tensor-core one with 2 key warps; [`AttnKernel`]).
     Off,
     /// f32 products (CUBLAS_COMPUTE_32F: CUDA cores, no TF32), one kv head at a time, under
     /// either precision.

@@ -256,6 +256,8 @@ kernels! {
     AttnTcD32Kw4X1 => (Attention, "attn_tc_d32_kw4_x1"),
     AttnTcD64Kw4X1 => (Attention, "attn_tc_d64_kw4_x1"),
     AttnTcD128Kw4X1 => (Attention, "attn_tc_d128_kw4_x1"),
+    AttnTcD256Kw2 => (Attention, "attn_tc_d256_kw2"),
+    AttnTcD256Kw2X1 => (Attention, "attn_tc_d256_kw2_x1"),
     AttnCombine => (Attention, "attn_combine"),
     AttnCombineWide => (Attention, "attn_combine_wide"),
     AttnSoftmaxRows => (Attention, "attn_softmax_rows"),

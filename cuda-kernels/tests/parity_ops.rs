@@ -1918,6 +1918,107 @@ fn attention_kernel_choices() {
     eprintln!("attention kernel choices: all match the CPU; decode == verify bit for bit; row warps and stages never change a bit");
 }
 
+/// Head dim 256 (the hybrid target's attention layers): the automatic choice runs the 3xTF32
+/// tensor-core split kernel with 2 key warps, which matches the CPU, gives the bits of its
+/// explicit choice under any row warps and stages, and keeps decode == verify bit for bit
+/// (exact and fast ops, the Qwen3.5 heads 24 / 4 over 300 and 5000 keys, windowed too); the
+/// SIMT kernel (`AttnKernel::Simt`) matches the CPU with bits of its own, and 4 key warps or P V
+/// on the CUDA cores (no such kernel at 256) run it.
+#[test]
+fn attention_head_dim_256() {
+    if gpu("attention_head_dim_256").is_none() {
+        return;
+    }
+    let cpu = Cpu::new();
+    let mut r = rng("attention_head_dim_256");
+    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let tcs = |key_warps, row_warps, ffma_pv, stages| AttnKernel::Tc {
+        key_warps,
+        row_warps,
+        ffma_pv,
+        stages,
+    };
+    let tc2 = [
+        tcs(2, 0, false, 0),
+        tcs(2, 1, false, 0),
+        tcs(2, 2, false, 0),
+        tcs(2, 4, false, 0),
+        tcs(2, 1, false, 1),
+        tcs(2, 1, false, 3),
+        tcs(2, 4, false, 2),
+    ];
+    let simt_like = [AttnKernel::Simt, tcs(4, 0, false, 0), tcs(2, 0, true, 0)];
+    for &(ctx, win, nq, causal) in &[
+        (300usize, None, 16usize, true),
+        (5000, None, 16, true),
+        (5000, Some(700usize), 16, true),
+        (5000, None, 1, true),
+        (2990, Some(1000), 33, false),
+        (1500, None, 9, false),
+    ] {
+        let (q, k, v, p) = attn_inputs(&mut r, (24, 4, 256), ctx, nq, ctx + nq, win, causal);
+        let what = format!("d=256 ctx={ctx} win={win:?} nq={nq} causal={causal}");
+        let mut oc = vec![0.0; q.len()];
+        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        let (qg, kg, vg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let run = |c: AttnKernel, fast: bool| {
+            g.set_attn_kernel(c).unwrap();
+            let mut og = poisoned(&g, oc.len());
+            if fast {
+                g.attention_fast(&qg, &kg, &vg, &p, &mut og).unwrap();
+            } else {
+                g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
+            }
+            g.download(&og).unwrap()
+        };
+        let auto = run(AttnKernel::Auto, false);
+        report(&format!("{what} auto"), &auto, &oc, 2e-5);
+        for c in tc2 {
+            let o = run(c, false);
+            assert_same_bits(&format!("{what}: {c:?} vs auto"), &o, &auto);
+        }
+        let simt = run(AttnKernel::Simt, false);
+        report(&format!("{what} simt"), &simt, &oc, 2e-5);
+        assert!(
+            simt != auto,
+            "{what}: the SIMT kernel gave the tensor-core kernel's bits (did it run at all?)"
+        );
+        for c in simt_like {
+            assert_same_bits(&format!("{what}: {c:?} vs simt"), &run(c, false), &simt);
+        }
+        let fast = run(AttnKernel::Auto, true);
+        report(&format!("{what} fast"), &fast, &oc, 4e-3);
+        g.set_attn_kernel(AttnKernel::Auto).unwrap();
+        if causal && nq > 1 {
+            assert_rows_alone_equal(
+                &g,
+                &q,
+                &kg,
+                &vg,
+                &p,
+                &auto,
+                Op::Exact,
+                &format!("{what} exact"),
+            );
+            assert_rows_alone_equal(
+                &g,
+                &q,
+                &kg,
+                &vg,
+                &p,
+                &fast,
+                Op::Fast,
+                &format!("{what} fast"),
+            );
+        }
+    }
+    eprintln!("attention at head dim 256: the tensor-core kernel by default, matching the CPU, decode == verify; row warps and stages change no bit");
+}
+
 /// Attention captured in a CUDA graph replays correctly (split kernel + ordered combine, with
 /// 3 / 5 / 9 / 33 splits, the combine's prefetched and batched partials): each replay (new
 /// queries) gives the bits of an eager call on the same inputs, and matches the CPU.
@@ -2512,7 +2613,7 @@ fn upload_refuses_a_weight_whose_shape_does_not_match_its_values() {
 /// whose rows straddle a threshold runs as one call per split): the exact, fast and f16-cache
 /// ops against the CPU, and decode == verify bit for bit (queries 0 / 7 / 15 alone over the
 /// keys up to their positions), for verifies below, across and above thresholds, windows,
-/// the SIMT kernel (head dim 256); `attention_q8` across a threshold (no combine-written
+/// head dim 256 (its 2-key-warp tensor-core kernel); `attention_q8` across a threshold (no combine-written
 /// activation there: its quantizer) gives the attention's bits. Bad tables are refused.
 #[test]
 fn attention_causal_splits() {

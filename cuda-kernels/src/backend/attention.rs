@@ -1,7 +1,8 @@
 //! The attention op of the CUDA backend: the tensor-core (3xTF32) split kernel for head dims
-//! 32 / 64 / 128, its f16 twins (over f32 or f16 caches, and the FlashAttention-2-style
-//! f16-cache kernel for long spans with its Hopper warpgroup-MMA twin, [`AttnFa`]), the f32
-//! SIMT split kernel for 256 (and on request), the generic one-warp-per-row kernel for other
+//! 32 / 64 / 128 (and 256 with 2 key warps), its f16 twins (over f32 or f16 caches, and the
+//! FlashAttention-2-style f16-cache kernel for long spans with its Hopper warpgroup-MMA twin,
+//! [`AttnFa`]), the f32 SIMT split kernel (on request, and where a tensor-core launch does not
+//! fit the device's shared memory), the generic one-warp-per-row kernel for other
 //! head dims, the prefill's FlashAttention-2-style kernel over f32 caches (`attn_pf_*`,
 //! [`Cuda::set_attn_prefill_fa`]), and the ordered combine of the splits
 //! (kernels/attention.cu).
@@ -168,13 +169,15 @@ pub(super) fn live_splits(p: &AttnParams, split_keys: usize) -> (usize, usize) {
 /// Query rows per block of the SIMT split kernel.
 const ATT_QT: usize = 16;
 
-/// Which attention kernel runs for the head dims the tensor-core kernel takes (32, 64, 128).
+/// Which attention kernel runs for the head dims the tensor-core kernel takes (32, 64, 128;
+/// 256 with 2 key warps only).
 /// Each choice, like the split size, fixes the summation order: any fixed choice keeps
 /// attention per-row deterministic, changing it between calls changes the bits (within
 /// tolerance). A benchmark and test knob; set it once, before any attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKernel {
-    /// The default: the tensor-core kernel with 4 key warps (head dims 32 / 64 / 128); a
+    /// The default: the tensor-core kernel with 4 key warps (head dims 32 / 64 / 128; 2 at
+    /// head dim 256, whose only tensor-core split kernel that is); a
     /// prefill's causal rows the FlashAttention-2-style kernels
     /// ([`Cuda::set_attn_prefill_fa`]).
     Auto,
@@ -276,7 +279,7 @@ fn tc_smem_bytes(d: usize, kw: usize, rw: usize, nst: usize, fl: TcFlavor) -> us
 
 /// Resident blocks per multiprocessor of a tensor-core launch with `nst` stages: by shared
 /// memory (the device's limits `lim`), and by registers (the kernels are built for 128 per
-/// thread).
+/// thread, 255 at head dim 256).
 fn tc_blocks_per_sm(
     d: usize,
     kw: usize,
@@ -289,7 +292,9 @@ fn tc_blocks_per_sm(
     if smem > lim.block {
         return 0;
     }
-    let by_regs = 65536 / (32 * kw * rw * 128);
+    // (head dim 256: one block per multiprocessor, up to 255 registers)
+    let regs = if d > 128 { 256 } else { 128 };
+    let by_regs = 65536 / (32 * kw * rw * regs);
     (lim.sm / (smem + 1024)).min(by_regs)
 }
 
@@ -379,6 +384,7 @@ fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
             (32, 4, false) => Kernel::AttnTcD32Kw4X1,
             (64, 4, false) => Kernel::AttnTcD64Kw4X1,
             (128, 4, false) => Kernel::AttnTcD128Kw4X1,
+            (256, 2, false) => Kernel::AttnTcD256Kw2X1,
             _ => return None,
         });
     }
@@ -389,6 +395,7 @@ fn tc_kernel(d: usize, kw: usize, fpv: bool, x1: bool) -> Option<Kernel> {
         (32, 4, false) => Kernel::AttnTcD32Kw4,
         (64, 4, false) => Kernel::AttnTcD64Kw4,
         (128, 4, false) => Kernel::AttnTcD128Kw4,
+        (256, 2, false) => Kernel::AttnTcD256Kw2,
         (32, 2, true) => Kernel::AttnTcD32Kw2Fpv,
         (64, 2, true) => Kernel::AttnTcD64Kw2Fpv,
         (128, 2, true) => Kernel::AttnTcD128Kw2Fpv,
@@ -1533,6 +1540,17 @@ impl Cuda {
                 stages,
             } => Some((key_warps, row_warps, ffma_pv, stages)),
         };
+        // Head dim 256 has the 2-key-warp kernel only (64 keys of padded f32 K and V leave
+        // room for one stage): the automatic choice takes it there.
+        let tc = tc.map(|(kw, rw, fpv, st)| match tc_kernel(d, kw, fpv, false) {
+            None if choice == AttnKernel::Auto
+                && !kv16
+                && tc_kernel(d, 2, fpv, false).is_some() =>
+            {
+                (2, rw, fpv, st)
+            }
+            _ => (kw, rw, fpv, st),
+        });
         // Kernels whose smallest launch does not fit the device's shared memory per block
         // (e.g. 99 KiB on sm_86 / sm_89) are not chosen; row warps and stages change no bit.
         let lim = self.smem;

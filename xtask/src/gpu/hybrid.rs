@@ -8,7 +8,7 @@ use dflash_backend::{
     AttnParams, Backend, DeltaParams, HostData, HostWeight, KvStorage, RopeSpec, WeightFormat,
 };
 use dflash_cuda_kernels::{
-    AttnGemm, Cuda, CudaBuf, PrefillPrecision, DELTA_CHUNK_MIN, SKINNY_ROWS,
+    AttnGemm, AttnKernel, Cuda, CudaBuf, PrefillPrecision, DELTA_CHUNK_MIN, SKINNY_ROWS,
 };
 use dflash_spec_round::{RollbackArm, Target};
 use dflash_targets::hybrid::{
@@ -414,20 +414,34 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     );
     for &p in &ps {
         // (recurrent kernels parallel, prefill precision)
-        for (par, pp, gemm) in [
-            (true, PrefillPrecision::Exact, AttnGemm::Fused),
-            (true, PrefillPrecision::Fast, AttnGemm::Fused),
-            (true, PrefillPrecision::Exact, AttnGemm::Bf16x3),
-            (false, PrefillPrecision::Exact, AttnGemm::Fused),
+        // (recurrent kernels parallel, prefill precision, prompt attention, the decode's and
+        // verify's attention on the SIMT split kernel as before the fifty-fourth session)
+        for (par, pp, gemm, simt) in [
+            (true, PrefillPrecision::Exact, AttnGemm::Fused, false),
+            (true, PrefillPrecision::Exact, AttnGemm::Fused, true),
+            (true, PrefillPrecision::Fast, AttnGemm::Fused, false),
+            (true, PrefillPrecision::Exact, AttnGemm::Bf16x3, false),
+            (false, PrefillPrecision::Exact, AttnGemm::Fused, false),
         ] {
             g.set_recurrent_parallel(par);
             g.set_prefill_precision(pp);
             g.set_attn_gemm(gemm);
-            let prompt = &tokens[..p];
-            let prefill = super::wall_ms(g, iters.min(3), || {
-                t.prime(g, prompt, &[])?;
-                Ok(())
+            g.set_attn_kernel(if simt {
+                AttnKernel::Simt
+            } else {
+                AttnKernel::Auto
             })?;
+            let prompt = &tokens[..p];
+            let prefill = if simt {
+                // (the prompt's rows take the fused kernel either way: not timed again)
+                t.prime(g, prompt, &[])?;
+                f64::NAN
+            } else {
+                super::wall_ms(g, iters.min(3), || {
+                    t.prime(g, prompt, &[])?;
+                    Ok(())
+                })?
+            };
             g.set_prefill_precision(PrefillPrecision::Exact);
             g.set_attn_gemm(AttnGemm::default());
             let tp = peer(p, "prefill").filter(|_| par);
@@ -464,6 +478,17 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
             };
             let dec = super::wall_ms(g, iters, || round(1))?;
             let ver = super::wall_ms(g, iters, || round(SKINNY_ROWS))?;
+            g.set_attn_kernel(AttnKernel::Auto)?;
+            if simt {
+                println!(
+                    "hybrid P {p} parallel, SIMT attention: decode {dec:.3} ms, verify16 {ver:.3} ms"
+                );
+                md += &format!(
+                    "| {p} | parallel, decode / verify attention on the SIMT split kernel (`AttnKernel::Simt`) | - | {dec:.3} | {ver:.3} | {:.2}x | - | - | - |\n",
+                    ver / dec
+                );
+                continue;
+            }
             let label = if par { "parallel" } else { "sequential" };
             println!(
                 "hybrid P {p} {label}: prefill {prefill:.2} ms, decode {dec:.3} ms, verify16 {ver:.3} ms"
@@ -524,10 +549,11 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
     // The full-attention layer's prompt attention alone (f32 cache): the op the layer runs
     // (the fused kernel, `AttnGemm::Fused`; bf16 hi / lo operands, or f16 under the fast
     // prefill), the same arithmetic as two cuBLAS products around a masked softmax, f32
-    // products, the SIMT split kernel, and a head dim of 128 with twice the heads (the same
+    // products, the split kernel (the 3xTF32 tensor-core one at head dim 256 since the
+    // fifty-fourth session, the SIMT one before), and a head dim of 128 with twice the heads (the same
     // products, the tensor-core prefill kernels).
     md += &format!(
-        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: fused kernel (`AttnGemm::Fused`), bf16 x3 | fused, f16 (`PrefillPrecision::Fast`) | cuBLAS products, bf16 x3 | cuBLAS products, f16 | f32 products | SIMT split kernel | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "\nThe full-attention layer's prompt attention alone (`Backend::attention`, causal, f32 K / V cache), CUDA-event ms, median of {}:\n\n| P | {}/{} heads of {}: fused kernel (`AttnGemm::Fused`), bf16 x3 | fused, f16 (`PrefillPrecision::Fast`) | cuBLAS products, bf16 x3 | cuBLAS products, f16 | f32 products | split kernel (`AttnGemm::Off`: SIMT before the fifty-fourth session, tensor cores since) | {}/{} heads of {} (same products): FlashAttention-2-style |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         iters.min(5),
         cfg.n_heads,
         cfg.n_kv_heads,
@@ -562,7 +588,7 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         g.set_attn_gemm(AttnGemm::default());
         g.set_prefill_precision(exact);
         println!(
-            "hybrid P {p}: attention alone {:.2} ms (head dim {}, fused; fused f16 {:.2}, products bf16 x3 {:.2}, f16 {:.2}, f32 {:.2}, SIMT {:.2}), {:.2} ms (head dim {})",
+            "hybrid P {p}: attention alone {:.2} ms (head dim {}, fused; fused f16 {:.2}, products bf16 x3 {:.2}, f16 {:.2}, f32 {:.2}, split kernel {:.2}), {:.2} ms (head dim {})",
             ms[0],
             cfg.head_dim,
             ms[1],
@@ -576,6 +602,54 @@ pub(super) fn hybrid_target(g: &Cuda, a: &BenchArgs, list: &str) -> Result<()> {
         md += &format!(
             "| {p} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
             ms[0], ms[1], ms[2], ms[3], ms[4], ms[5], ms[6]
+        );
+    }
+    // The full-attention layer's decode and verify attention alone: 1 and 16 causal rows at
+    // positions P.. over P + rows keys, the tensor-core split kernel (the default at head dim
+    // 256 since the fifty-fourth session) against the SIMT split kernel.
+    md += &format!(
+        "\nThe full-attention layer's decode / verify attention alone (`Backend::attention`, causal rows at positions P.., f32 K / V cache, {}/{} heads of {}; the split + combine), CUDA-event us, median of {}:\n\n| P | decode: tensor cores (3xTF32) | decode: SIMT | verify16: tensor cores | verify16: SIMT |\n|---:|---:|---:|---:|---:|\n",
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        iters.max(20)
+    );
+    for &p in &ps {
+        let mut us = [0.0f64; 4];
+        for (i, (rows, kernel)) in [
+            (1, AttnKernel::Auto),
+            (1, AttnKernel::Simt),
+            (SKINNY_ROWS, AttnKernel::Auto),
+            (SKINNY_ROWS, AttnKernel::Simt),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+            let ap = AttnParams {
+                n_q: rows,
+                n_kv: p + rows,
+                q_pos0: p,
+                ..prompt_attn_inputs(g, 1, (nh, nkv, hd))?.0
+            };
+            let q = g.random_buf(rows * nh * hd, 31, 1.0)?;
+            let k = g.random_buf((p + rows) * nkv * hd, 32, 1.0)?;
+            let v = g.random_buf((p + rows) * nkv * hd, 33, 1.0)?;
+            let mut out = g.zeros(rows * nh * hd)?;
+            g.set_attn_kernel(kernel)?;
+            us[i] = 1e3
+                * time_ms(g, iters.max(20), || {
+                    Ok(g.attention(&q, &k, &v, &ap, &mut out)?)
+                })?;
+        }
+        g.set_attn_kernel(AttnKernel::Auto)?;
+        println!(
+            "hybrid P {p}: decode attention {:.1} us (SIMT {:.1}), verify16 {:.1} us (SIMT {:.1})",
+            us[0], us[1], us[2], us[3]
+        );
+        md += &format!(
+            "| {p} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+            us[0], us[1], us[2], us[3]
         );
     }
     if let Some(list) = &a.pf2_shapes {
