@@ -260,6 +260,31 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb, acc_out); \
     }
 
+// Four matrices of one K (and one x) in one launch (SKINNY4: a Gated DeltaNet layer's q / k / v,
+// z, b, a; a gated attention layer's q, gate, k, v): SKINNY's launch with one more matrix, blocks
+// [c3, grid) taking it, one split-k (sp splits of tps k tiles) for all four, and each matrix's
+// split partials at ws + wo_i and tile counters at counters + co_i as the host lays them out (the
+// offsets SKINNY computes). Kernels of their own, so that the launches of 1-3 matrices keep
+// SKINNY's code and occupancy: its n1 kernels built as these took 72 registers on an H100 where
+// SKINNY's take 78 (7 blocks per SM for 6), and their launches of more than one wave (a 1088-block
+// gate / up) ran 13% slower for the longer last wave.
+#define SKINNY4(NAME, FMT, NT, R, MINB)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
+        NAME(const void *wq0, const u16 *wd0, float *out0, int n0, const void *wq1, const u16 *wd1, float *out1, int n1,          \
+             const void *wq2, const u16 *wd2, float *out2, int n2, const void *wq3, const u16 *wd3, float *out3, int n3, int sp,   \
+             int tps, int c1, int c2, int c3, long long wo1, long long wo2, long long wo3, int co1, int co2, int co3,              \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int acc_out) {                               \
+        const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : bx < c3 ? 2 : 3;                                          \
+        const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : sel == 2 ? wq2 : wq3;                                                \
+        const u16 *wd = sel == 0 ? wd0 : sel == 1 ? wd1 : sel == 2 ? wd2 : wd3;                                                 \
+        float *out = sel == 0 ? out0 : sel == 1 ? out1 : sel == 2 ? out2 : out3;                                                \
+        const int n = sel == 0 ? n0 : sel == 1 ? n1 : sel == 2 ? n2 : n3;                                                      \
+        const long long wo = sel == 0 ? 0 : sel == 1 ? wo1 : sel == 2 ? wo2 : wo3;                                              \
+        const int co = sel == 0 ? 0 : sel == 1 ? co1 : sel == 2 ? co2 : co3;                                                    \
+        const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : sel == 2 ? c2 : c3), nb = (n + 16 * R - 1) / (16 * R);          \
+        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb, acc_out); \
+    }
+
 // R = output tiles of 16 rows per warp (32 or 64 rows per block): 2 for most shapes, 4 for
 // very tall matrices (the lm_head), where x is re-read from L2 once per block.
 SKINNY(skinny_bf16_n1, FMT_BF16, 1, 2, 5)
@@ -278,6 +303,17 @@ SKINNY(skinny_q8_0_n1_r4, FMT_Q8_0, 1, 4, 4)
 SKINNY(skinny_q8_0_n2_r4, FMT_Q8_0, 2, 4, 3)
 SKINNY(skinny_q4_0_n1_r4, FMT_Q4_0, 1, 4, 4)
 SKINNY(skinny_q4_0_n2_r4, FMT_Q4_0, 2, 4, 3)
+
+// Four matrices: 32-row tiles (a launch of four runs these whatever its height and row count:
+// the 64-row kernels change no bit).
+SKINNY4(skinny4_bf16_n1, FMT_BF16, 1, 2, 5)
+SKINNY4(skinny4_bf16_n2, FMT_BF16, 2, 2, 5)
+SKINNY4(skinny4_bf16p_n1, FMT_BF16P, 1, 2, 5)
+SKINNY4(skinny4_bf16p_n2, FMT_BF16P, 2, 2, 5)
+SKINNY4(skinny4_q8_0_n1, FMT_Q8_0, 1, 2, 5)
+SKINNY4(skinny4_q8_0_n2, FMT_Q8_0, 2, 2, 5)
+SKINNY4(skinny4_q4_0_n1, FMT_Q4_0, 1, 2, 5)
+SKINNY4(skinny4_q4_0_n2, FMT_Q4_0, 2, 2, 5)
 
 // CUDA-core skinny kernel for any format and any K (f32 / f16 weights, and shapes the
 // tensor-core path does not take). One warp per output feature; lane l owns k = l + 32i;

@@ -3684,9 +3684,14 @@ impl Backend for Cuda {
                 msg: format!("{} weights but {} outputs", ws.len(), outs.len()),
             });
         }
-        if ws.len() > 3 {
-            // Launches of up to 3 matrices each.
-            for (wc, oc) in ws.chunks(3).zip(outs.chunks_mut(3)) {
+        // Launches of up to 3 matrices each (Q8_0A8), 4 for the other formats' skinny kernels.
+        let group = if ws.iter().any(|w| w.buf.a8().is_some()) {
+            3
+        } else {
+            skinny::SKINNY_MATS
+        };
+        if ws.len() > group {
+            for (wc, oc) in ws.chunks(group).zip(outs.chunks_mut(group)) {
                 self.matmul_many(x, rows, wc, oc)?;
             }
             return Ok(());
@@ -3878,11 +3883,11 @@ impl Backend for Cuda {
             }
         }
         // bf16 / q8_0 / q4_0: the norm writes the matmuls' x (the skinny kernels', or a
-        // prefill's for cuBLAS: the bits of the two ops below, one launch fewer). More than 3
-        // matrices for the skinny kernels (a hybrid layer's q / k / v, z, b, a): launches of
-        // up to 3 reading that x, the groups `matmul_many` would launch.
+        // prefill's for cuBLAS: the bits of the two ops below, one launch fewer). More than 4
+        // matrices for the skinny kernels: launches of up to 4 reading that x, the groups
+        // `matmul_many` would launch.
         let group = if rows <= SKINNY_ROWS {
-            3
+            skinny::SKINNY_MATS
         } else {
             ws.len().max(1)
         };

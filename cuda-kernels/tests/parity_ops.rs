@@ -1268,13 +1268,83 @@ fn assert_rows_alone_equal(
     }
 }
 
+/// `norm_matmul_many` of 4 and 5 bf16 / q8_0 / q4_0 matrices (a Gated DeltaNet layer's q / k
+/// / v, z, b, a; the norm writes the skinny kernels' x, read by launches of up to 4) gives the
+/// bits of `rms_norm` then `matmul_many`, and matches the CPU, at 1 and 16 rows.
+#[test]
+fn norm_matmul_many_skinny_groups_of_four() {
+    let Some(g) = gpu("norm_matmul_many_skinny_groups_of_four") else {
+        return;
+    };
+    let cpu = Cpu::new();
+    let mut r = rng("norm_matmul_many_skinny_groups_of_four");
+    let d = 1024usize;
+    let ln = rand_vec(&mut r, d, 1.0);
+    let (lng, lnc) = (g.upload(&ln).expect("ln"), cpu.upload(&ln).expect("ln"));
+    for ns in [vec![2048usize, 1024, 48, 48], vec![512, 256, 48, 1000, 64]] {
+        for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let hws: Vec<_> = ns
+                .iter()
+                .map(|&n| {
+                    HostWeight::from_f32("w", n, d, &rand_vec(&mut r, n * d, 1.0), fmt)
+                        .expect("encode")
+                })
+                .collect();
+            let wgs: Vec<_> = hws
+                .iter()
+                .map(|hw| g.upload_weight(hw).expect("w"))
+                .collect();
+            let wcs: Vec<_> = hws
+                .iter()
+                .map(|hw| cpu.upload_weight(hw).expect("w"))
+                .collect();
+            let ws: Vec<_> = wgs.iter().collect();
+            let wsc: Vec<_> = wcs.iter().collect();
+            for rows in [1usize, 16] {
+                let what = format!("norm_matmul_many {fmt:?} n={ns:?} rows={rows}");
+                let xv = rand_vec(&mut r, rows * d, 2.0);
+                let xg = g.upload(&xv).expect("x");
+                let mut xn = poisoned(g, rows * d);
+                let mut fused: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut outs: Vec<_> = fused.iter_mut().collect();
+                g.norm_matmul_many(&xg, &lng, d, 1e-6, &mut xn, rows, &ws, &mut outs)
+                    .expect("norm_matmul_many");
+                let mut xn2 = poisoned(g, rows * d);
+                g.rms_norm(&xg, &lng, d, 1e-6, &mut xn2).expect("rms_norm");
+                let mut sep: Vec<_> = ns.iter().map(|&n| poisoned(g, rows * n)).collect();
+                let mut outs: Vec<_> = sep.iter_mut().collect();
+                g.matmul_many(&xn2, rows, &ws, &mut outs)
+                    .expect("matmul_many");
+                let mut xnc = vec![0.0f32; rows * d];
+                let mut want: Vec<_> = ns.iter().map(|&n| vec![0.0f32; rows * n]).collect();
+                let mut outc: Vec<_> = want.iter_mut().collect();
+                cpu.norm_matmul_many(&xv, &lnc, d, 1e-6, &mut xnc, rows, &wsc, &mut outc)
+                    .expect("cpu");
+                for i in 0..ns.len() {
+                    let got = g.download(&fused[i]).expect("dl");
+                    assert_same_bits(
+                        &format!("{what} #{i}: fused vs rms_norm + matmul_many"),
+                        &got,
+                        &g.download(&sep[i]).expect("dl"),
+                    );
+                    report(&format!("{what} #{i}"), &got, &want[i], matmul_tol(fmt));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "norm_matmul_many of 4 and 5 skinny matrices == rms_norm + matmul_many bit for bit, == CPU"
+    );
+}
+
 /// The fused launches of the drafter step (`add_rms_norm`, `qk_norm_rope_kv`,
 /// `matmul_silu_mul`) against the separate backend ops they replace, bit for bit.
 /// matmul_many of bf16 / q8_0 / q4_0 matrices runs one skinny launch per 16 rows, its split-k
 /// chosen for the matrices together: each output against the CPU's matmul of its matrix, and
 /// each row's bits equal to the same row run alone (the decode == verify-row property the
 /// targets' exactness rests on). Split and unsplit launches, ragged N, tall matrices (their
-/// own 64-row kernel), 1-3 matrices, 1-16 rows and more (launches of 16).
+/// own 64-row kernel), 1-5 matrices (launches of up to 4: a Gated DeltaNet layer's q / k / v,
+/// z, b and a in one), 1-16 rows and more (launches of 16).
 #[test]
 fn matmul_many_skinny_matches_cpu_and_is_per_row_deterministic() {
     let Some(g) = gpu("matmul_many_skinny_matches_cpu_and_is_per_row_deterministic") else {
@@ -1288,6 +1358,8 @@ fn matmul_many_skinny_matches_cpu_and_is_per_row_deterministic() {
         (4096, vec![12288, 12288]),
         (96, vec![40000, 300, 20000]),
         (12288, vec![4096]),
+        (5120, vec![10240, 6144, 48, 48]),
+        (1024, vec![512, 256, 48, 1000, 64]),
     ] {
         for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
             let hws: Vec<_> = ns

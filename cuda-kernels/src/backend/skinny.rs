@@ -10,6 +10,13 @@ use super::*;
 /// twice that for the R = 4 kernels of very tall matrices).
 const SKINNY_TILE_ROWS: usize = 32;
 
+/// Matrices of one x per tensor-core skinny launch at most (the `SKINNY` kernels' parameters):
+/// a Gated DeltaNet layer's q / k / v, z, b and a, a gated attention layer's q, gate, k and v
+/// in one launch. Four, not three: the fourth matrix alone (the 48-row `a`, the 1024-row `v`)
+/// was a launch of 16-256 split blocks that took 13-16 us for 0.3-11 MB (ncu, 27B shape, H100,
+/// fifty-fourth session), and inside the others' launch it is one more column tile or 32.
+pub(super) const SKINNY_MATS: usize = 4;
+
 /// Blocks per SM of the tensor-core skinny kernels at their register use (92-96 registers x
 /// 128 threads on sm_90: 5), the occupancy their split-k fills.
 pub(super) const SKINNY_BLOCKS_PER_SM: usize = 5;
@@ -109,6 +116,22 @@ impl Cuda {
         Some((kern, tile_rows))
     }
 
+    /// The four-matrix twin (`skinny4_*`, 32-row tiles) of a skinny kernel: the same sums for
+    /// the same split as the kernel and its 64-row sibling.
+    fn skinny4_kernel(kern: Kernel) -> Option<Kernel> {
+        Some(match kern {
+            Kernel::SkinnyBf16N1 | Kernel::SkinnyBf16N1R4 => Kernel::Skinny4Bf16N1,
+            Kernel::SkinnyBf16N2 | Kernel::SkinnyBf16N2R4 => Kernel::Skinny4Bf16N2,
+            Kernel::SkinnyBf16PN1 | Kernel::SkinnyBf16PN1R4 => Kernel::Skinny4Bf16PN1,
+            Kernel::SkinnyBf16PN2 | Kernel::SkinnyBf16PN2R4 => Kernel::Skinny4Bf16PN2,
+            Kernel::SkinnyQ8N1 | Kernel::SkinnyQ8N1R4 => Kernel::Skinny4Q8N1,
+            Kernel::SkinnyQ8N2 | Kernel::SkinnyQ8N2R4 => Kernel::Skinny4Q8N2,
+            Kernel::SkinnyQ4N1 | Kernel::SkinnyQ4N1R4 => Kernel::Skinny4Q4N1,
+            Kernel::SkinnyQ4N2 | Kernel::SkinnyQ4N2R4 => Kernel::Skinny4Q4N2,
+            _ => return None,
+        })
+    }
+
     /// 1-16 rows of x times one weight (any format): the skinny matmul on the tensor cores or
     /// the SIMT kernel.
     pub(super) fn matmul_skinny(
@@ -152,7 +175,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// 1-16 rows of x times 1-3 weights of one K, all taking the same tensor-core skinny
+    /// 1-16 rows of x times 1-4 weights of one K, all taking the same tensor-core skinny
     /// kernel ([`Cuda::skinny_kernel`]): x split into bf16 hi + lo once, then one launch over
     /// the matrices' column tiles, all with the split-k [`skinny_splits`] gives their total
     /// (one wave for the 8B q/k/v: 192 tiles x 3 splits, where a split per matrix made 1152
@@ -188,7 +211,7 @@ impl Cuda {
             .map(|(w, _)| w.rows.div_ceil(SKINNY_TILE_ROWS))
             .sum();
         let (kern, tile_rows) = self.skinny_kernel(w0, rows, t32).ok_or_else(internal)?;
-        if mats.len() > 3
+        if mats.len() > SKINNY_MATS
             || mats.iter().any(|(w, _)| {
                 w.cols != k
                     || w.rows == 0
@@ -204,16 +227,25 @@ impl Cuda {
         // From the 32-row tiles whichever kernel runs, so the 64-row kernels (the same sums
         // for the same split) keep every bit ([`skinny_r4`]).
         let (splits, tps) = skinny_splits(t32, kt, self.num_sms);
-        let plan: Vec<(usize, usize, usize)> = mats
+        // Four matrices: their own kernel, on 32-row tiles.
+        let (kern, tile_rows) = if mats.len() == SKINNY_MATS {
+            (
+                Self::skinny4_kernel(kern).ok_or_else(internal)?,
+                SKINNY_TILE_ROWS,
+            )
+        } else {
+            (kern, tile_rows)
+        };
+        // Column tiles per matrix.
+        let plan: Vec<usize> = mats
             .iter()
-            .map(|(w, _)| (w.rows.div_ceil(tile_rows), splits, tps))
+            .map(|(w, _)| w.rows.div_ceil(tile_rows))
             .collect();
         let ws_len: usize = mats
             .iter()
-            .zip(&plan)
-            .map(|((w, _), &(_, splits, _))| if splits > 1 { splits * w.rows * 16 } else { 0 })
+            .map(|(w, _)| if splits > 1 { splits * w.rows * 16 } else { 0 })
             .sum();
-        let counters: usize = plan.iter().map(|p| p.0).sum();
+        let counters: usize = plan.iter().sum();
         let f = self.func(kern)?;
         let len = rows * k;
         let mut s = lock(&self.scratch);
@@ -262,32 +294,67 @@ impl Cuda {
         );
         let st = &*self.stream;
         let mut a = RawArgs::default();
-        let mut ends = [0usize; 3];
-        let mut total = 0;
-        for (i, ((w, out), &(nb, splits, tps))) in mats.iter_mut().zip(&plan).enumerate() {
+        // Per matrix: its first block, split partials (ws) and tile counters.
+        let (mut c, mut wo, mut co) = (
+            [0usize; SKINNY_MATS],
+            [0usize; SKINNY_MATS],
+            [0usize; SKINNY_MATS],
+        );
+        let (mut total, mut wsum, mut csum) = (0, 0, 0);
+        let four = mats.len() == SKINNY_MATS;
+        let n_mats = mats.len();
+        for (i, ((w, out), &nb)) in mats.iter_mut().zip(&plan).enumerate() {
             raw_weight(&mut a, &w.buf, st);
-            a.dptr_mut(out, st)
-                .i32(i32_of("matmul", "w.rows", w.rows)?)
-                .i32(i32_of("matmul", "splits", splits)?)
-                .i32(i32_of("matmul", "tiles per split", tps)?);
+            a.dptr_mut(out, st).i32(i32_of("matmul", "w.rows", w.rows)?);
+            if !four {
+                // SKINNY: each matrix's split and k tiles per split (the same for all).
+                a.i32(i32_of("matmul", "splits", splits)?).i32(i32_of(
+                    "matmul",
+                    "tiles per split",
+                    tps,
+                )?);
+            }
+            (c[i], wo[i], co[i]) = (total, wsum, csum);
             total += nb * splits;
-            ends[i] = total;
+            wsum += if splits > 1 { splits * w.rows * 16 } else { 0 };
+            csum += nb;
         }
-        for _ in mats.len()..3 {
-            a.u64(0).u64(0).u64(0).i32(0).i32(1).i32(1);
+        if !four {
+            // SKINNY (1-3 matrices): the missing ones, then the first blocks c1, c2 of
+            // matrices 1 and 2 (the grid's end where missing); it derives the offsets itself.
+            for _ in n_mats..3 {
+                a.u64(0).u64(0).u64(0).i32(0).i32(1).i32(1);
+            }
+            for (i, &ci) in c.iter().enumerate().take(3).skip(1) {
+                let ci = if i < n_mats { ci } else { total };
+                a.i32(i32_of("matmul", "blocks", ci)?);
+            }
+        } else {
+            // SKINNY4: the split, the first blocks, partials and counters of matrices 1-3.
+            a.i32(i32_of("matmul", "splits", splits)?).i32(i32_of(
+                "matmul",
+                "tiles per split",
+                tps,
+            )?);
+            for &ci in &c[1..] {
+                a.i32(i32_of("matmul", "blocks", ci)?);
+            }
+            for &w in &wo[1..] {
+                a.i64(w as i64);
+            }
+            for &ci in &co[1..] {
+                a.i32(i32_of("matmul", "tile counters", ci)?);
+            }
         }
-        let c1 = if mats.len() > 1 { ends[0] } else { total };
-        let c2 = if mats.len() > 2 { ends[1] } else { total };
-        a.i32(i32_of("matmul", "blocks", c1)?)
-            .i32(i32_of("matmul", "blocks", c2)?)
-            .dptr(&*hi, st)
+        a.dptr(&*hi, st)
             .dptr(&*lo, st)
             .dptr_mut(&mut *ws, st)
             .dptr_mut(&mut *cnt, st)
             .i32(i32_of("matmul", "w.cols", k)?)
             .i32(rows as i32)
             .i32(acc as i32);
-        // SAFETY: the parameters are those of the SKINNY kernel macro in matmul.cu, in order.
+        // SAFETY: the parameters are those of the SKINNY (1-3 matrices) or SKINNY4 kernel macro
+        // in matmul.cu, in order.
         unsafe {
             a.launch(
                 st,
@@ -299,11 +366,11 @@ impl Cuda {
         Ok(true)
     }
 
-    /// Whether `ws` (K = `k`, 1-3 of them) all take one tensor-core skinny kernel for `rows`
+    /// Whether `ws` (K = `k`, 1-4 of them) all take one tensor-core skinny kernel for `rows`
     /// (1-16) rows: what [`Cuda::matmul_many_split`] runs.
     pub(super) fn skinny_group(&self, ws: &[&Weight<Self>], k: usize, rows: usize) -> bool {
         (1..=SKINNY_ROWS).contains(&rows)
-            && (1..=3).contains(&ws.len())
+            && (1..=SKINNY_MATS).contains(&ws.len())
             && self.skinny_common(ws, k, rows)
     }
 
@@ -352,7 +419,7 @@ impl Cuda {
 
     /// The matmuls of a producer's bf16 hi / lo activation: `outs[i] = x W_i^T` for the
     /// activation's rows, or with `acc` `outs[i] += x W_i^T` (`add_assign`'s f32 add). For
-    /// 1-16 rows the skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-3 of one K, one launch);
+    /// 1-16 rows the skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-4 of one K, one launch);
     /// for more (a prefill, no `acc`) cuBLAS (bf16 / q8_0 / q4_0 matrices it takes;
     /// [`Cuda::set_prefill_producers`]). The bits of `matmul_many` of the f32 rows the
     /// producer's separate op writes (then `add_assign`).
@@ -373,7 +440,7 @@ impl Cuda {
             return Err(BackendError::Invalid {
                 op: "matmul_many_split",
                 msg: format!(
-                    "needs 1-3 bf16 / q8_0 / q4_0 matrices of K {k} taking one skinny kernel, as many outputs; found {} matrices, {} outputs",
+                    "needs 1-{SKINNY_MATS} bf16 / q8_0 / q4_0 matrices of K {k} taking one skinny kernel, as many outputs; found {} matrices, {} outputs",
                     ws.len(),
                     outs.len()
                 ),
