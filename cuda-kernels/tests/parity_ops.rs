@@ -17,7 +17,7 @@ use common::{gpu, poisoned, rand_vec, report, rng};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{
     AttnParams, Backend, BackendError, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope,
-    RopeSpec, WeightFormat,
+    RopeSpec, Weight, WeightFormat,
 };
 use dflash_cuda_kernels::{AttnFa, AttnKernel, DELTA_CHUNK_MIN};
 use rand::Rng;
@@ -29,6 +29,30 @@ const FORMATS: [WeightFormat; 5] = [
     WeightFormat::Q8_0,
     WeightFormat::Q4_0,
 ];
+
+/// Random `fmt` matrices of `ns` rows by `k` columns, uploaded to the GPU and to the CPU.
+fn weights_on_both(
+    g: &dflash_cuda_kernels::Cuda,
+    cpu: &Cpu,
+    r: &mut rand::rngs::StdRng,
+    ns: &[usize],
+    k: usize,
+    fmt: WeightFormat,
+) -> (Vec<Weight<dflash_cuda_kernels::Cuda>>, Vec<Weight<Cpu>>) {
+    let hws: Vec<_> = ns
+        .iter()
+        .map(|&n| HostWeight::from_f32("w", n, k, &rand_vec(r, n * k, 1.0), fmt).expect("encode"))
+        .collect();
+    let wgs = hws
+        .iter()
+        .map(|hw| g.upload_weight(hw).expect("w"))
+        .collect();
+    let wcs = hws
+        .iter()
+        .map(|hw| cpu.upload_weight(hw).expect("w"))
+        .collect();
+    (wgs, wcs)
+}
 
 fn matmul_tol(f: WeightFormat) -> f32 {
     match f {
@@ -1283,21 +1307,7 @@ fn norm_matmul_many_skinny_groups_of_four() {
     let (lng, lnc) = (g.upload(&ln).expect("ln"), cpu.upload(&ln).expect("ln"));
     for ns in [vec![2048usize, 1024, 48, 48], vec![512, 256, 48, 1000, 64]] {
         for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
-            let hws: Vec<_> = ns
-                .iter()
-                .map(|&n| {
-                    HostWeight::from_f32("w", n, d, &rand_vec(&mut r, n * d, 1.0), fmt)
-                        .expect("encode")
-                })
-                .collect();
-            let wgs: Vec<_> = hws
-                .iter()
-                .map(|hw| g.upload_weight(hw).expect("w"))
-                .collect();
-            let wcs: Vec<_> = hws
-                .iter()
-                .map(|hw| cpu.upload_weight(hw).expect("w"))
-                .collect();
+            let (wgs, wcs) = weights_on_both(g, &cpu, &mut r, &ns, d, fmt);
             let ws: Vec<_> = wgs.iter().collect();
             let wsc: Vec<_> = wcs.iter().collect();
             for rows in [1usize, 16] {
@@ -1362,21 +1372,7 @@ fn matmul_many_skinny_matches_cpu_and_is_per_row_deterministic() {
         (1024, vec![512, 256, 48, 1000, 64]),
     ] {
         for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
-            let hws: Vec<_> = ns
-                .iter()
-                .map(|&n| {
-                    HostWeight::from_f32("w", n, k, &rand_vec(&mut r, n * k, 1.0), fmt)
-                        .expect("encode")
-                })
-                .collect();
-            let wgs: Vec<_> = hws
-                .iter()
-                .map(|hw| g.upload_weight(hw).expect("w"))
-                .collect();
-            let wcs: Vec<_> = hws
-                .iter()
-                .map(|hw| cpu.upload_weight(hw).expect("w"))
-                .collect();
+            let (wgs, wcs) = weights_on_both(g, &cpu, &mut r, ns, k, fmt);
             let ws: Vec<_> = wgs.iter().collect();
             for rows in [1usize, 8, 9, 16, 20] {
                 let xv = rand_vec(&mut r, rows * k, 2.0);
