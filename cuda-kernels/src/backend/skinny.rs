@@ -10,11 +10,12 @@ use super::*;
 /// twice that for the R = 4 kernels of very tall matrices).
 const SKINNY_TILE_ROWS: usize = 32;
 
-/// Matrices of one x per tensor-core skinny launch at most (the `SKINNY` kernels' parameters):
-/// a Gated DeltaNet layer's q / k / v, z, b and a, a gated attention layer's q, gate, k and v
-/// in one launch. Four, not three: the fourth matrix alone (the 48-row `a`, the 1024-row `v`)
-/// was a launch of 16-256 split blocks that took 13-16 us for 0.3-11 MB (ncu, 27B shape, H100,
-/// fifty-fourth session), and inside the others' launch it is one more column tile or 32.
+/// Matrices of one x per tensor-core skinny launch at most: 1-3 through the `SKINNY` kernels
+/// of matmul.cu, exactly 4 through their `SKINNY4` twins (`skinny4_*`): a Gated DeltaNet
+/// layer's q / k / v, z, b and a, a gated attention layer's q, gate, k and v in one launch.
+/// Four, not three: the fourth matrix alone (the 48-row `a`, the 1024-row `v`) was a launch of
+/// 16-256 split blocks that took 13-16 us for 0.5-11 MB (ncu, 27B shape, H100, fifty-fourth
+/// session), and inside the others' launch it is one more column tile or 32.
 pub(super) const SKINNY_MATS: usize = 4;
 
 /// Blocks per SM of the tensor-core skinny kernels at their register use (92-96 registers x
