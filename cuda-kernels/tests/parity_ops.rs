@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{gpu, poisoned, rand_vec, report, rng};
+use common::{gpu, poisoned, private_gpu, rand_vec, report, rng};
 use dflash_backend::cpu::Cpu;
 use dflash_backend::{
     AttnParams, Backend, BackendError, DeltaParams, HostWeight, KvCacheRows, KvStorage, QkNormRope,
@@ -150,11 +150,11 @@ fn bf16_prefill_over_unpacked_row_blocks() {
 /// (127 rows through the skinny kernels, 128 through cuBLAS).
 #[test]
 fn quant_prefill_through_cublas_against_cpu() {
-    if gpu("quant_prefill_through_cublas_against_cpu").is_none() {
-        return;
-    }
     // A private backend: the knob routes other tests' quantized rows too.
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let Some(g) = private_gpu("quant_prefill_through_cublas_against_cpu") else {
+        return;
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("quant_prefill_through_cublas_against_cpu");
     let fmts = [
@@ -1154,11 +1154,10 @@ fn markov_chain_on_device() {
 /// vocabulary and at a vocabulary that leaves a ragged last tile.
 #[test]
 fn markov_chain_mma_matches_the_lane_kernels() {
-    if gpu("markov_chain_mma_matches_the_lane_kernels").is_none() {
+    let Some(g) = private_gpu("markov_chain_mma_matches_the_lane_kernels") else {
         return;
-    }
+    };
     let mut r = rng("markov_chain_mma_matches_the_lane_kernels");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     for (vocab, rank, n) in [(151936usize, 256usize, 15usize), (10007, 96, 5)] {
         let w1v = rand_vec(&mut r, vocab * rank, 1.0);
         let w2v = rand_vec(&mut r, vocab * rank, 0.2);
@@ -1188,11 +1187,10 @@ fn markov_chain_mma_matches_the_lane_kernels() {
 /// prefetch holds (rank 320), and more multiprocessors than tiles (vocabulary 40).
 #[test]
 fn markov_chain_persistent_equals_the_step_kernels_bit_for_bit() {
-    if gpu("markov_chain_persistent_equals_the_step_kernels_bit_for_bit").is_none() {
+    let Some(g) = private_gpu("markov_chain_persistent_equals_the_step_kernels_bit_for_bit") else {
         return;
-    }
+    };
     let mut r = rng("markov_chain_persistent_equals_the_step_kernels_bit_for_bit");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     for (vocab, rank, n) in [
         (151936usize, 256usize, 15usize),
         (120000, 320, 4),
@@ -1659,12 +1657,11 @@ fn fused_ops_equal_the_separate_ops_bit_for_bit() {
 /// bit for bit.
 #[test]
 fn attention_other_split_sizes() {
-    if gpu("attention_other_split_sizes").is_none() {
+    let Some(g) = private_gpu("attention_other_split_sizes") else {
         return;
-    }
+    };
     let cpu = Cpu::new();
     let mut r = rng("attention_other_split_sizes");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     assert!(g.set_attn_split(100).is_err(), "split 100 accepted");
     for split in [64usize, 128] {
         g.set_attn_split(split).expect("split");
@@ -1735,12 +1732,11 @@ fn attention_other_split_sizes() {
 /// its explicit kernel, too).
 #[test]
 fn attention_kernel_choices() {
-    if gpu("attention_kernel_choices").is_none() {
+    let Some(g) = private_gpu("attention_kernel_choices") else {
         return;
-    }
+    };
     let cpu = Cpu::new();
     let mut r = rng("attention_kernel_choices");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     assert!(g
         .set_attn_kernel(AttnKernel::Tc {
             key_warps: 3,
@@ -1994,12 +1990,11 @@ fn attention_kernel_choices() {
 /// on the CUDA cores (no such kernel at 256) run it.
 #[test]
 fn attention_head_dim_256() {
-    if gpu("attention_head_dim_256").is_none() {
+    let Some(g) = private_gpu("attention_head_dim_256") else {
         return;
-    }
+    };
     let cpu = Cpu::new();
     let mut r = rng("attention_head_dim_256");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     let tcs = |key_warps, row_warps, ffma_pv, stages| AttnKernel::Tc {
         key_warps,
         row_warps,
@@ -2093,12 +2088,11 @@ fn attention_head_dim_256() {
 #[test]
 fn attention_graph_replays() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    if gpu("attention_graph_replays").is_none() {
+    let Some(g) = private_gpu("attention_graph_replays") else {
         return;
-    }
+    };
     let cpu = Cpu::new();
     let mut r = rng("attention_graph_replays");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     for n_kv in [528usize, 1040, 2064, 8208] {
         let p = AttnParams {
             n_q: 16,
@@ -2208,11 +2202,11 @@ fn attn_inputs(
 /// block; causal decode == verify).
 #[test]
 fn attention_fast_against_cpu_and_per_row() {
-    if gpu("attention_fast_against_cpu_and_per_row").is_none() {
-        return;
-    }
     // A private backend: the f16 / 1xTF32 choice is per backend.
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let Some(g) = private_gpu("attention_fast_against_cpu_and_per_row") else {
+        return;
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_fast_against_cpu_and_per_row");
     // (context, head dim, window, causal)
@@ -2425,13 +2419,13 @@ fn kv16_case(
 /// head dim without a kernel (48) equal to `attention_fast` over the unpacked cache.
 #[test]
 fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
-    if gpu("attention_fast_kv16_against_cpu_and_the_f32_cache").is_none() {
-        return;
-    }
     // A private backend: the FA choice it sets is per backend, and the shared one serves the
     // other tests of this binary at the same time (a toggle there changed the kernel under
     // another test's per-row comparison).
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let Some(g) = private_gpu("attention_fast_kv16_against_cpu_and_the_f32_cache") else {
+        return;
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_fast_kv16_against_cpu_and_the_f32_cache");
     // (context, head dim, window, causal, queries)
@@ -2513,13 +2507,13 @@ fn attention_fast_kv16_against_cpu_and_the_f32_cache() {
 /// attention over the same f16 values within the f16 bound, rows deterministic.
 #[test]
 fn attention_fa_kernel_on_every_call_against_cpu() {
-    if gpu("attention_fa_kernel_on_every_call_against_cpu").is_none() {
-        return;
-    }
     // A private backend: the FA choice it sets is per backend, and the shared one serves the
     // other tests of this binary at the same time (a toggle there changed the kernel under
     // another test's per-row comparison).
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    let Some(g) = private_gpu("attention_fa_kernel_on_every_call_against_cpu") else {
+        return;
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_fa_kernel_on_every_call_against_cpu");
     // wgmma: its warpgroup-MMA twin where the device has it (compute capability 9.0, head dim
@@ -2579,12 +2573,11 @@ fn attention_fa_kernel_on_every_call_against_cpu() {
 #[test]
 fn markov_chain_graph_replays() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    if gpu("markov_chain_graph_replays").is_none() {
+    let Some(g) = private_gpu("markov_chain_graph_replays") else {
         return;
-    }
+    };
     let cpu = Cpu::new();
     let mut r = rng("markov_chain_graph_replays");
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     let (vocab, rank, n) = (20_000usize, 256usize, 15usize);
     for fmt in [WeightFormat::Q8_0A8, WeightFormat::Bf16, WeightFormat::Q8_0] {
         let h1 = HostWeight::from_f32("w1", vocab, rank, &rand_vec(&mut r, vocab * rank, 1.0), fmt)
@@ -2685,13 +2678,13 @@ fn upload_refuses_a_weight_whose_shape_does_not_match_its_values() {
 /// activation there: its quantizer) gives the attention's bits. Bad tables are refused.
 #[test]
 fn attention_causal_splits() {
-    if gpu("attention_causal_splits").is_none() {
+    // A private backend: the knob changes every causal call's bits.
+    let Some(g) = private_gpu("attention_causal_splits") else {
         return;
-    }
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_causal_splits");
-    // A private backend: the knob changes every causal call's bits.
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     for bad in [
         vec![],
         vec![(64usize, 256usize)],
@@ -2777,13 +2770,13 @@ fn attention_causal_splits() {
 /// splits of the keys they see (the same bits with the knob on and off).
 #[test]
 fn attention_prefill_split_against_cpu() {
-    if gpu("attention_prefill_split_against_cpu").is_none() {
+    // A private backend: the knob changes the prefill's bits.
+    let Some(g) = private_gpu("attention_prefill_split_against_cpu") else {
         return;
-    }
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_prefill_split_against_cpu");
-    // A private backend: the knob changes the prefill's bits.
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     assert!(g.set_attn_prefill_split(100).is_err(), "100 keys accepted");
     for &(ctx, hd, win, nq) in &[
         (0usize, 128usize, None, 600usize),
@@ -2840,13 +2833,13 @@ fn attention_prefill_split_against_cpu() {
 /// bits).
 #[test]
 fn attention_prefill_fa_against_cpu() {
-    if gpu("attention_prefill_fa_against_cpu").is_none() {
+    // A private backend: the knob changes the prefill's bits.
+    let Some(g) = private_gpu("attention_prefill_fa_against_cpu") else {
         return;
-    }
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_prefill_fa_against_cpu");
-    // A private backend: the knob changes the prefill's bits.
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     for &(ctx, nq, h, hkv, hd, win) in &[
         (0usize, 1000usize, 32usize, 8usize, 128usize, None),
         (700, 300, 32, 8, 128, None),
@@ -2937,13 +2930,13 @@ fn attention_prefill_fa_against_cpu() {
 #[test]
 fn attention_gemm_against_cpu() {
     use dflash_cuda_kernels::{AttnGemm, PrefillPrecision};
-    if gpu("attention_gemm_against_cpu").is_none() {
+    // A private backend: the knobs change the bits.
+    let Some(g) = private_gpu("attention_gemm_against_cpu") else {
         return;
-    }
+    };
+    let g = &g;
     let cpu = Cpu::new();
     let mut r = rng("attention_gemm_against_cpu");
-    // A private backend: the knobs change the bits.
-    let g = &dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
     for &(ctx, nq, h, hkv, hd, win, causal, kv0) in &[
         (
             0usize, 300usize, 24usize, 4usize, 256usize, None, true, 0usize,
@@ -3068,10 +3061,9 @@ fn attention_gemm_against_cpu() {
 /// them to the driver, and `set_pool_keep(0)` returns them at each synchronization.
 #[test]
 fn memory_pool_keeps_reuses_and_trims() {
-    if gpu("memory_pool_keeps_reuses_and_trims").is_none() {
+    let Some(g) = private_gpu("memory_pool_keeps_reuses_and_trims") else {
         return;
-    }
-    let g = dflash_cuda_kernels::Cuda::new(0).expect("second CUDA backend");
+    };
     let n = 16 << 20;
     let bytes = (n * 4) as u64;
     let (r0, u0) = g.pool_bytes().expect("pool bytes");

@@ -34,6 +34,13 @@ pub fn gpu(test: &str) -> Option<&'static Cuda> {
 }
 
 /// A fresh seed per run (printed, so a failure can be replayed with DFLASH_TEST_SEED).
+/// A CUDA backend of the test's own (for knobs that would change other tests' bits), or
+/// None where [`gpu`] finds no device (it prints why).
+pub fn private_gpu(test: &str) -> Option<Cuda> {
+    gpu(test)?;
+    Some(Cuda::new(0).expect("second CUDA backend"))
+}
+
 pub fn rng(test: &str) -> StdRng {
     let seed = std::env::var("DFLASH_TEST_SEED")
         .ok()
