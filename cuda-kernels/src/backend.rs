@@ -841,8 +841,9 @@ pub struct Cuda {
     a8_evict_first: Mutex<bool>,
     a8_prewait: Mutex<Option<bool>>,
     attn_split: Mutex<Option<usize>>,
-    /// Causal rows' splits by the keys they see ([`Cuda::set_attn_causal_splits`]).
-    attn_causal_splits: Mutex<Vec<(usize, usize)>>,
+    /// Causal rows' splits by the keys they see ([`Cuda::set_attn_causal_splits`]); `None`:
+    /// the default table of the call's head dim.
+    attn_causal_splits: Mutex<Option<Vec<(usize, usize)>>>,
     /// Keys per split of causal calls of more than [`SKINNY_ROWS`] rows (a prefill;
     /// [`Cuda::set_attn_prefill_split`]); 0 = the splits of the keys each row sees.
     attn_prefill_split: Mutex<usize>,
@@ -1052,7 +1053,7 @@ impl Cuda {
             a8_evict_first: Mutex::new(true),
             a8_prewait: Mutex::new(None),
             attn_split: Mutex::new(None),
-            attn_causal_splits: Mutex::new(attention::CAUSAL_SPLITS.to_vec()),
+            attn_causal_splits: Mutex::new(None),
             attn_prefill_split: Mutex::new(ATTN_PREFILL_SPLIT),
             attn_prefill_fa: Mutex::new(true),
             prefill_precision: Mutex::new(PrefillPrecision::Exact),

@@ -2670,6 +2670,70 @@ fn upload_refuses_a_weight_whose_shape_does_not_match_its_values() {
     }
 }
 
+/// One causal attention case under `g`'s causal split tables: the exact, fast and f16-cache
+/// ops against the CPU, decode == verify bit for bit (each row alone over the keys up to its
+/// position), and `attention_q8`'s bits equal to the attention's. Returns the exact output.
+fn check_causal_case(
+    g: &dflash_cuda_kernels::Cuda,
+    cpu: &Cpu,
+    r: &mut rand::rngs::StdRng,
+    (ctx, hd, win, nq): (usize, usize, Option<usize>, usize),
+) -> Vec<f32> {
+    let (q, k, v, p) = drafter_attn_inputs(r, ctx, hd, win, true, nq);
+    let what = format!("causal splits ctx={ctx} d={hd} win={win:?} nq={nq}");
+    let mut oc = vec![0.0; q.len()];
+    cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+    let (qg, kg, vg) = (
+        g.upload(&q).unwrap(),
+        g.upload(&k).unwrap(),
+        g.upload(&v).unwrap(),
+    );
+    let mut oe = poisoned(g, oc.len());
+    g.attention(&qg, &kg, &vg, &p, &mut oe).unwrap();
+    let oe = g.download(&oe).unwrap();
+    report(&format!("{what} exact"), &oe, &oc, 2e-5);
+    assert_rows_alone_equal(
+        g,
+        &q,
+        &kg,
+        &vg,
+        &p,
+        &oe,
+        Op::Exact,
+        &format!("{what} exact"),
+    );
+    let mut of = poisoned(g, oc.len());
+    g.attention_fast(&qg, &kg, &vg, &p, &mut of).unwrap();
+    let of = g.download(&of).unwrap();
+    report(&format!("{what} fast"), &of, &oc, 4e-3);
+    assert_rows_alone_equal(g, &q, &kg, &vg, &p, &of, Op::Fast, &format!("{what} fast"));
+    if hd != 256 {
+        let c = kv16_case(g, cpu, &q, &k, &v, &p);
+        report(&format!("{what} f16 cache"), &c.o16, &c.oc, 4e-3);
+        assert_rows_alone_equal(
+            g,
+            &q,
+            &c.k16,
+            &c.v16,
+            &p,
+            &c.o16,
+            Op::FastKv16,
+            &format!("{what} f16 cache"),
+        );
+    }
+    if hd % 32 == 0 && hd <= 256 {
+        let mut o8 = poisoned(g, oc.len());
+        g.attention_q8(&qg, &kg, &vg, &p, false, KvStorage::F32, &mut o8)
+            .unwrap();
+        assert_same_bits(
+            &format!("{what}: attention_q8's output vs attention"),
+            &g.download(&o8).unwrap(),
+            &oe,
+        );
+    }
+    oe
+}
+
 /// Causal rows taking the split of the keys they see (`set_attn_causal_splits`; a verify
 /// whose rows straddle a threshold runs as one call per split): the exact, fast and f16-cache
 /// ops against the CPU, and decode == verify bit for bit (queries 0 / 7 / 15 alone over the
@@ -2708,60 +2772,64 @@ fn attention_causal_splits() {
         (5000, 64, Some(3000), 9),
         (1015, 256, None, 16),
     ] {
-        let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, true, nq);
-        let what = format!("causal splits ctx={ctx} d={hd} win={win:?} nq={nq}");
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
+        check_causal_case(g, &cpu, &mut r, (ctx, hd, win, nq));
+    }
+    eprintln!("attention with causal splits by the keys a row sees: exact / fast / f16 cache match the CPU; decode == verify bit for bit");
+}
+
+/// The default causal split tables, one per head dim (64 keys per split at short contexts,
+/// 128 up to 2048 keys at head dims up to 128 and up to 8192 above): verifies whose rows
+/// straddle each threshold against the CPU, decode == verify bit for bit, and the default
+/// gives other bits than 256-key splits at short contexts (the tables are in use) and its own
+/// bits again once restored.
+#[test]
+fn attention_causal_default_tables() {
+    // A private backend: the test sets the knob.
+    let Some(g) = private_gpu("attention_causal_default_tables") else {
+        return;
+    };
+    let g = &g;
+    let cpu = Cpu::new();
+    let mut r = rng("attention_causal_default_tables");
+    for case in [
+        (300usize, 128usize, None, 16usize),
+        (1015, 128, None, 16),
+        (2040, 128, None, 16),
+        (300, 256, None, 16),
+        (2040, 256, None, 16),
+        (8185, 256, None, 16),
+        (3000, 256, Some(1500), 16),
+    ] {
+        check_causal_case(g, &cpu, &mut r, case);
+    }
+    // Short contexts: 64-key splits by default, against 256-key splits.
+    for hd in [128usize, 256] {
+        let (q, k, v, p) = drafter_attn_inputs(&mut r, 500, hd, None, true, 16);
         let (qg, kg, vg) = (
             g.upload(&q).unwrap(),
             g.upload(&k).unwrap(),
             g.upload(&v).unwrap(),
         );
-        let mut oe = poisoned(g, oc.len());
-        g.attention(&qg, &kg, &vg, &p, &mut oe).unwrap();
-        let oe = g.download(&oe).unwrap();
-        report(&format!("{what} exact"), &oe, &oc, 2e-5);
-        assert_rows_alone_equal(
-            g,
-            &q,
-            &kg,
-            &vg,
-            &p,
-            &oe,
-            Op::Exact,
-            &format!("{what} exact"),
+        let run = || {
+            let mut o = poisoned(g, q.len());
+            g.attention(&qg, &kg, &vg, &p, &mut o).unwrap();
+            g.download(&o).unwrap()
+        };
+        let default = run();
+        g.set_attn_causal_splits(&[(0, 256), (16384, 512), (32768, 1024), (65536, 2048)])
+            .expect("table");
+        let old = run();
+        g.set_attn_causal_splits_default();
+        assert_same_bits(&format!("d={hd}: the default restored"), &run(), &default);
+        assert!(
+            default
+                .iter()
+                .zip(&old)
+                .any(|(a, b)| a.to_bits() != b.to_bits()),
+            "d={hd}: the default table gave the bits of 256-key splits at 500 keys"
         );
-        let mut of = poisoned(g, oc.len());
-        g.attention_fast(&qg, &kg, &vg, &p, &mut of).unwrap();
-        let of = g.download(&of).unwrap();
-        report(&format!("{what} fast"), &of, &oc, 4e-3);
-        assert_rows_alone_equal(g, &q, &kg, &vg, &p, &of, Op::Fast, &format!("{what} fast"));
-        if hd != 256 {
-            let c = kv16_case(g, &cpu, &q, &k, &v, &p);
-            report(&format!("{what} f16 cache"), &c.o16, &c.oc, 4e-3);
-            assert_rows_alone_equal(
-                g,
-                &q,
-                &c.k16,
-                &c.v16,
-                &p,
-                &c.o16,
-                Op::FastKv16,
-                &format!("{what} f16 cache"),
-            );
-        }
-        if hd % 32 == 0 && hd <= 256 {
-            let mut o8 = poisoned(g, oc.len());
-            g.attention_q8(&qg, &kg, &vg, &p, false, KvStorage::F32, &mut o8)
-                .unwrap();
-            assert_same_bits(
-                &format!("{what}: attention_q8's output vs attention"),
-                &g.download(&o8).unwrap(),
-                &oe,
-            );
-        }
     }
-    eprintln!("attention with causal splits by the keys a row sees: exact / fast / f16 cache match the CPU; decode == verify bit for bit");
+    eprintln!("attention under the default causal split tables: exact / fast / f16 cache match the CPU; decode == verify bit for bit");
 }
 
 /// A prefill's causal attention (more than 16 query rows) under `set_attn_prefill_split`:

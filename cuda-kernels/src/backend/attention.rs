@@ -76,17 +76,67 @@ pub(super) const WAVE_NONCAUSAL_KV: usize = 2048;
 
 /// Keys per split of a causal row under the automatic split, by the keys the row sees (its
 /// position + 1 - `kv_pos0`, at most its window): (from this many keys, keys per split), the
-/// last entry that applies. A function of the row alone, so a row of a verify sums its keys in the pieces of
-/// its own one-row decode (decode == verify bit for bit); a verify whose rows straddle a
-/// threshold runs as one call per split. Long contexts in longer splits: fewer blocks, each
-/// streaming more keys, and fewer partial outputs (a 16-row verify at ctx 32768 wrote 129
-/// splits' partials, 34 MB per layer at the 8B shape: a quarter of its f16 K / V again).
-/// H100, the dense 8B target (`xtask bench gpu`, one split size for every row, ms, f32 / f16
-/// cache): at ctx 32768 256 -> 1024 keys took verify16 16.41 -> 14.04 / 11.70 -> 9.34 and
-/// decode1 11.58 -> 10.46 / 9.50 -> 8.51; at ctx 8192 1024 keys cost decode1 7.99 -> 8.48, at
-/// 512 even 512 keys cost 7.09 -> 7.58 (3 splits x 8 kv heads fill few multiprocessors).
-pub(super) const CAUSAL_SPLITS: [(usize, usize); 4] =
-    [(0, ATT_SPLIT), (16384, 512), (32768, 1024), (65536, 2048)];
+/// last entry that applies; the table for heads of up to 128 dimensions. A function of the row
+/// alone, so a row of a verify sums its keys in the pieces of its own one-row decode (decode ==
+/// verify bit for bit); a verify whose rows straddle a threshold runs as one call per split.
+///
+/// Short contexts in short splits, so that a few kv heads still fill the multiprocessors: at
+/// 512 keys 256-key splits gave 2 splits x 8 kv heads = 16 blocks. H100, the dense 8B target
+/// (`xtask bench gpu --attn-causal`, one binary, verify16 / decode1 ms; fifty-fifth session):
+/// 64 keys below 1024 took ctx 512 7.245 / 6.980 -> 7.198 / 6.702 (f16 cache 6.867 / 6.642 ->
+/// 6.852 / 6.538), 128 below 2048 took ctx 1024 7.485 / 6.998 -> 7.363 / 6.822 (f16 6.917 /
+/// 6.620 -> 6.939 / 6.580); 128 at ctx 2048 cost the f16 verify16 7.054 -> 7.279, so 256 from
+/// there.
+///
+/// Long contexts in longer splits: fewer blocks, each streaming more keys, and fewer partial
+/// outputs (a 16-row verify at ctx 32768 wrote 129 splits' partials, 34 MB per layer at the 8B
+/// shape: a quarter of its f16 K / V again). H100, the dense 8B target (one split size for
+/// every row, ms, f32 / f16 cache): at ctx 32768 256 -> 1024 keys took verify16 16.41 -> 14.04
+/// / 11.70 -> 9.34 and decode1 11.58 -> 10.46 / 9.50 -> 8.51; at ctx 8192 1024 keys cost
+/// decode1 7.99 -> 8.48, at 512 even 512 keys cost 7.09 -> 7.58.
+pub(super) const CAUSAL_SPLITS: [(usize, usize); 6] = [
+    (0, 64),
+    (1024, 128),
+    (2048, ATT_SPLIT),
+    (16384, 512),
+    (32768, 1024),
+    (65536, 2048),
+];
+
+/// [`CAUSAL_SPLITS`] for heads of more than 128 dimensions (the hybrid target's attention
+/// layers, head dim 256, 4 kv heads: 256-key splits gave 8 blocks at 512 keys). H100, that
+/// layer's attention call alone, decode / verify16 us (fifty-fifth session): 512 keys 45.3 /
+/// 46.5 -> 19.9 / 24.7 (64 keys per split), 1024 45.5 / 47.1 -> 21.0 / 37.8 (64), 2048 45.5 /
+/// 58.1 -> 29.1 / 49.4 (128), 4096 46.4 / 73.2 -> 31.7 / 71.8 (128); 128 at 8192 cost the
+/// verify 116.6 -> 135.4, so 256 from there.
+pub(super) const CAUSAL_SPLITS_WIDE: [(usize, usize); 6] = [
+    (0, 64),
+    (2048, 128),
+    (8192, ATT_SPLIT),
+    (16384, 512),
+    (32768, 1024),
+    (65536, 2048),
+];
+
+/// The default causal split table for a head dim: [`CAUSAL_SPLITS`] up to 128 dimensions,
+/// [`CAUSAL_SPLITS_WIDE`] above.
+pub(super) fn causal_splits_default(head_dim: usize) -> &'static [(usize, usize)] {
+    if head_dim > 128 {
+        &CAUSAL_SPLITS_WIDE
+    } else {
+        &CAUSAL_SPLITS
+    }
+}
+
+/// Whether `table` is a valid causal split table: entries from 0, thresholds increasing, all
+/// multiples of 64, splits of 64..=4096 keys.
+pub(super) fn valid_causal_table(table: &[(usize, usize)]) -> bool {
+    table.first().is_some_and(|e| e.0 == 0)
+        && table.windows(2).all(|w| w[0].0 < w[1].0)
+        && table.iter().all(|&(from, sk)| {
+            from.is_multiple_of(64) && sk.is_multiple_of(64) && (64..=4096).contains(&sk)
+        })
+}
 
 /// The keys causal query row `i` of `p` sees: those up to its position, within its window (0
 /// before the first key).
@@ -650,23 +700,20 @@ impl Cuda {
     /// `num_sms / n_kv_heads - 1` splits). A function of `n_kv`, the
     /// window, `n_kv_heads` and the device, never of the query rows, so rows stay
     /// deterministic across calls of any height; causal rows, where decode must equal verify
-    /// bit for bit, take the split of the keys they see (`CAUSAL_SPLITS`).
+    /// bit for bit, take the split of the keys they see (a table per head dim, see
+    /// [`Cuda::set_attn_causal_splits`]).
     pub fn set_attn_split_auto(&self) {
         *lock(&self.attn_split) = None;
     }
 
-    /// The causal rows' splits under the automatic split (default `CAUSAL_SPLITS`):
+    /// The causal rows' splits under the automatic split, for every head dim (default: a
+    /// table per head dim, `CAUSAL_SPLITS` up to 128 dimensions, `CAUSAL_SPLITS_WIDE` above):
     /// `(from this many keys seen, keys per split)` entries, the first from 0, thresholds
     /// increasing, every value a multiple of 64, splits of 64..=4096 keys. Each table fixes its
     /// own bits (decode == verify holds under any one): a benchmark knob, set once before any
     /// attention.
     pub fn set_attn_causal_splits(&self, table: &[(usize, usize)]) -> Result<()> {
-        let ok = table.first().is_some_and(|e| e.0 == 0)
-            && table.windows(2).all(|w| w[0].0 < w[1].0)
-            && table.iter().all(|&(from, sk)| {
-                from.is_multiple_of(64) && sk.is_multiple_of(64) && (64..=4096).contains(&sk)
-            });
-        if !ok {
+        if !valid_causal_table(table) {
             return Err(BackendError::Invalid {
                 op: "set_attn_causal_splits",
                 msg: format!(
@@ -674,8 +721,13 @@ impl Cuda {
                 ),
             });
         }
-        *lock(&self.attn_causal_splits) = table.to_vec();
+        *lock(&self.attn_causal_splits) = Some(table.to_vec());
         Ok(())
+    }
+
+    /// Back to the default causal split tables, one per head dim.
+    pub fn set_attn_causal_splits_default(&self) {
+        *lock(&self.attn_causal_splits) = None;
     }
 
     /// Keys per split of causal calls of more than [`SKINNY_ROWS`](super::SKINNY_ROWS) query
@@ -1351,7 +1403,7 @@ impl Cuda {
         }
         let w = p.n_heads * p.head_dim;
         // Causal rows under the automatic split: each row's keys in the splits the keys it
-        // sees choose ([`CAUSAL_SPLITS`]), so a row of a verify has the bits of its decode;
+        // sees choose ([`causal_splits_default`]), so a row of a verify has the bits of its decode;
         // rows on both sides of a threshold run as one call per split. (first row, end, split)
         let mut groups: Vec<(usize, usize, Option<usize>)> = Vec::with_capacity(1);
         let prefill = *lock(&self.attn_prefill_split);
@@ -1361,9 +1413,12 @@ impl Cuda {
         {
             groups.push((0, p.n_q, Some(prefill)));
         } else if p.causal && lock(&self.attn_split).is_none() {
-            let table = lock(&self.attn_causal_splits);
+            let set = lock(&self.attn_causal_splits);
+            let table = set
+                .as_deref()
+                .unwrap_or_else(|| causal_splits_default(p.head_dim));
             for i in 0..p.n_q.max(1) {
-                let sk = Some(causal_split_keys(causal_keys(p, i), &table));
+                let sk = Some(causal_split_keys(causal_keys(p, i), table));
                 match groups.last_mut() {
                     Some(g) if g.2 == sk => g.1 = i + 1,
                     _ => groups.push((i, i + 1, sk)),
@@ -1968,21 +2023,57 @@ mod tests {
     /// for the row whatever else the call holds.
     #[test]
     fn causal_splits_by_the_keys_a_row_sees() {
-        let t = CAUSAL_SPLITS;
-        assert_eq!(t[0], (0, ATT_SPLIT));
-        for (keys, want) in [
-            (0, 256),
-            (1, 256),
-            (16383, 256),
-            (16384, 512),
-            (32767, 512),
-            (32768, 1024),
-            (65535, 1024),
-            (65536, 2048),
-            (1 << 20, 2048),
+        for (head_dim, cases) in [
+            (
+                128,
+                [
+                    (0, 64),
+                    (1023, 64),
+                    (1024, 128),
+                    (2047, 128),
+                    (2048, 256),
+                    (8192, 256),
+                ],
+            ),
+            (
+                256,
+                [
+                    (0, 64),
+                    (1023, 64),
+                    (2047, 64),
+                    (2048, 128),
+                    (8191, 128),
+                    (8192, 256),
+                ],
+            ),
         ] {
-            assert_eq!(causal_split_keys(keys, &t), want, "{keys} keys");
+            let t = causal_splits_default(head_dim);
+            assert!(valid_causal_table(t), "head dim {head_dim}");
+            let long = [
+                (16383, 256),
+                (16384, 512),
+                (32767, 512),
+                (32768, 1024),
+                (65535, 1024),
+                (65536, 2048),
+                (1 << 20, 2048),
+            ];
+            for (keys, want) in cases.into_iter().chain(long) {
+                assert_eq!(
+                    causal_split_keys(keys, t),
+                    want,
+                    "head dim {head_dim}, {keys} keys"
+                );
+            }
         }
+        assert!(std::ptr::eq(
+            causal_splits_default(64),
+            causal_splits_default(128)
+        ));
+        assert!(!valid_causal_table(&[]));
+        assert!(!valid_causal_table(&[(0, 32)]));
+        assert!(!valid_causal_table(&[(64, 128)]));
+        assert!(!valid_causal_table(&[(0, 64), (0, 128)]));
         let p = |q_pos0, kv_pos0, window| AttnParams {
             n_q: 16,
             n_kv: 40_000,
