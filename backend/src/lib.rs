@@ -324,6 +324,28 @@ pub trait Backend: Send + Sync + Sized + 'static {
         stash: Option<&mut Self::Buf>,
     ) -> Result<()>;
 
+    /// A Gated DeltaNet layer's recurrence from its conv's rows: `qkv` is `[t, ch]` with
+    /// `ch = 2 · n_k_heads · dk + n_v_heads · dv` (q, then k, then v in each row), `a` and `b`
+    /// the gate projections `[t, n_v_heads]`; the gates as [`Backend::gdn_gates`], then
+    /// [`Backend::gated_delta_rule`] over q / k / v. The same bits as those ops (the default,
+    /// [`gated_delta_rule_qkv_ops`]); an override may read q / k / v in place and compute the
+    /// gates where it uses them.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_qkv(
+        &self,
+        qkv: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        a_log: &Self::Buf,
+        dt_bias: &Self::Buf,
+        p: &DeltaParams,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+        stash: Option<&mut Self::Buf>,
+    ) -> Result<()> {
+        gated_delta_rule_qkv_ops(self, qkv, a, b, a_log, dt_bias, p, state, out, stash)
+    }
+
     // ---------------------------------------------------------------- fused helpers with defaults
     /// Copy `len` contiguous values.
     fn copy(
@@ -783,6 +805,67 @@ pub fn attention_layer_tail_ops<B: Backend>(
 ) -> Result<()> {
     op.run(be, q, k, v, p, attn)?;
     be.layer_tail(attn, p.n_q, h, w, s)
+}
+
+/// The width of a row of [`Backend::gated_delta_rule_qkv`]'s `qkv` (`2 · n_k_heads · dk +
+/// n_v_heads · dv`), and the check that `qkv` holds `t` such rows.
+pub fn delta_qkv_width(op: &'static str, qkv_len: usize, p: &DeltaParams) -> Result<usize> {
+    let kd = p.n_k_heads * p.dk;
+    let ch = 2 * kd + p.n_v_heads * p.dv;
+    if qkv_len != p.t * ch {
+        return Err(BackendError::shape(op, "qkv", p.t * ch, qkv_len));
+    }
+    Ok(ch)
+}
+
+/// The check that [`Backend::gated_delta_rule_qkv`]'s gate projections `a` and `b` are
+/// `[t, n_v_heads]`.
+pub fn delta_gate_inputs(
+    op: &'static str,
+    a_len: usize,
+    b_len: usize,
+    p: &DeltaParams,
+) -> Result<()> {
+    let n = p.t * p.n_v_heads;
+    if a_len != n {
+        return Err(BackendError::shape(op, "a", n, a_len));
+    }
+    if b_len != n {
+        return Err(BackendError::shape(op, "b", n, b_len));
+    }
+    Ok(())
+}
+
+/// [`Backend::gated_delta_rule_qkv`] as the separate ops (the trait's default): q, k and v
+/// copied out of `qkv`'s rows, [`Backend::gdn_gates`], then [`Backend::gated_delta_rule`].
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_rule_qkv_ops<B: Backend>(
+    be: &B,
+    qkv: &B::Buf,
+    a: &B::Buf,
+    b: &B::Buf,
+    a_log: &B::Buf,
+    dt_bias: &B::Buf,
+    p: &DeltaParams,
+    state: &mut B::Buf,
+    out: &mut B::Buf,
+    stash: Option<&mut B::Buf>,
+) -> Result<()> {
+    let ch = delta_qkv_width("gated_delta_rule_qkv", be.len(qkv), p)?;
+    let (t, kd, vd) = (p.t, p.n_k_heads * p.dk, p.n_v_heads * p.dv);
+    delta_gate_inputs("gated_delta_rule_qkv", be.len(a), be.len(b), p)?;
+    let mut q = be.scratch(t * kd)?;
+    let mut k = be.scratch(t * kd)?;
+    let mut v = be.scratch(t * vd)?;
+    if t > 0 {
+        be.copy2d(qkv, 0, ch, &mut q, 0, kd, t, kd)?;
+        be.copy2d(qkv, kd, ch, &mut k, 0, kd, t, kd)?;
+        be.copy2d(qkv, 2 * kd, ch, &mut v, 0, vd, t, vd)?;
+    }
+    let mut g = be.scratch(t * p.n_v_heads)?;
+    let mut beta = be.scratch(t * p.n_v_heads)?;
+    be.gdn_gates(a, b, a_log, dt_bias, p.n_v_heads, &mut g, &mut beta)?;
+    be.gated_delta_rule(&q, &k, &v, &g, &beta, p, state, out, stash)
 }
 
 /// [`Backend::norm_rows_matmul`] as the separate ops (the trait's default): the rows copied

@@ -1006,6 +1006,76 @@ proptest! {
     }
 }
 
+/// `gated_delta_rule_qkv`: q, k and v read from the conv's rows (q, then k, then v), the gates
+/// from `a` / `b` by the published formulas in f64, then the naive recurrence; bad shapes are
+/// refused naming the operand.
+#[test]
+fn gated_delta_rule_qkv_reads_the_conv_rows() {
+    let mut rng = StdRng::seed_from_u64(61);
+    let be = Cpu::default();
+    let (t, nk, nv, dk, dv) = (5usize, 2usize, 4usize, 8usize, 6usize);
+    let p = DeltaParams {
+        t,
+        n_k_heads: nk,
+        n_v_heads: nv,
+        dk,
+        dv,
+        qk_l2norm: true,
+        q_scale: 0.3,
+    };
+    let (kd, vd) = (nk * dk, nv * dv);
+    let ch = 2 * kd + vd;
+    let qkv = rand_vec(&mut rng, t * ch, 1.0);
+    let a = rand_vec(&mut rng, t * nv, 3.0);
+    let b = rand_vec(&mut rng, t * nv, 3.0);
+    let a_log = rand_vec(&mut rng, nv, 1.0);
+    let dt_bias = rand_vec(&mut rng, nv, 1.0);
+    let state0 = rand_vec(&mut rng, nv * dk * dv, 0.5);
+    let part = |off: usize, w: usize| -> Vec<f32> {
+        qkv.chunks(ch)
+            .flat_map(|r| r[off..off + w].to_vec())
+            .collect()
+    };
+    let (q, k, v) = (part(0, kd), part(kd, kd), part(2 * kd, vd));
+    let softplus = |x: f64| if x > 20.0 { x } else { x.exp().ln_1p() };
+    let g: Vec<f32> = (0..t * nv)
+        .map(|i| (-(a_log[i % nv] as f64).exp() * softplus((a[i] + dt_bias[i % nv]) as f64)) as f32)
+        .collect();
+    let beta: Vec<f32> = b
+        .iter()
+        .map(|&x| (1.0 / (1.0 + (-(x as f64)).exp())) as f32)
+        .collect();
+    let mut nstate: Vec<f64> = state0.iter().map(|&e| e as f64).collect();
+    let (want, _) = naive_delta(&q, &k, &v, &g, &beta, &p, &mut nstate);
+    let mut state = state0.clone();
+    let mut out = vec![0.0; t * vd];
+    be.gated_delta_rule_qkv(
+        &qkv, &a, &b, &a_log, &dt_bias, &p, &mut state, &mut out, None,
+    )
+    .unwrap();
+    for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+        assert!(close(o, w, 1.0 + w.abs(), 1e-5), "out {i}: {o} vs {w}");
+    }
+    for (i, (&s, &w)) in state.iter().zip(&nstate).enumerate() {
+        assert!(close(s, w, 1.0 + w.abs(), 1e-5), "state {i}: {s} vs {w}");
+    }
+    let short = |x: &[f32]| x[..x.len() - 1].to_vec();
+    let call = |qkv: &Vec<f32>, a: &Vec<f32>, b: &Vec<f32>| {
+        let (mut s, mut o) = (state0.clone(), vec![0.0; t * vd]);
+        be.gated_delta_rule_qkv(qkv, a, b, &a_log, &dt_bias, &p, &mut s, &mut o, None)
+    };
+    for (which, r) in [
+        ("qkv", call(&short(&qkv), &a, &b)),
+        ("a", call(&qkv, &short(&a), &b)),
+        ("b", call(&qkv, &a, &short(&b))),
+    ] {
+        match r {
+            Err(BackendError::Shape { operand, .. }) => assert_eq!(operand, which),
+            other => panic!("a short `{which}` gave {other:?}"),
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------- copies, markov
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
     result as drv_result, sys as drv_sys, CudaContext, CudaFunction, CudaSlice, CudaStream,
-    DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use dflash_backend::{
     attention_fast_kv16_ops, attention_layer_tail_ops, check_f16_range, check_f16_rows,
@@ -891,6 +891,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A token-by-token delta rule's inputs: q / k / v as views with their row strides (packed
+/// buffers, or the conv's rows), and either the gates (`gates: None`) or the gate inputs a / b
+/// in `g` / `beta` with `(a_log, dt_bias)`.
+struct DeltaSrc<'a> {
+    q: CudaView<'a, f32>,
+    k: CudaView<'a, f32>,
+    v: CudaView<'a, f32>,
+    g: CudaView<'a, f32>,
+    beta: CudaView<'a, f32>,
+    qk_rs: usize,
+    v_rs: usize,
+    gates: Option<(&'a CudaBuf, &'a CudaBuf)>,
+}
+
 fn check(op: &'static str, operand: &'static str, expected: usize, found: usize) -> Result<()> {
     if found < expected {
         return Err(BackendError::shape(op, operand, expected, found));
@@ -1562,6 +1576,111 @@ impl Cuda {
             set.insert(k, bytes);
         }
         Ok(f)
+    }
+
+    /// Whether a `gated_delta_rule` call without a stash runs in chunks (q / k L2-normalized,
+    /// dk <= [`GDC_DK`], at least [`Cuda::set_delta_chunk_min`] tokens, the recurrent kernels
+    /// parallel).
+    fn delta_chunked(&self, p: &DeltaParams) -> bool {
+        p.qk_l2norm
+            && p.dk <= GDC_DK
+            && p.t >= self.delta_chunk_min.load(Ordering::Relaxed)
+            && *lock(&self.recurrent_parallel)
+    }
+
+    /// The register kernel of a token-by-token delta rule (8 warps x R rows per thread cover
+    /// dk), or `None` for the shared-memory kernel.
+    fn delta_regs_kernel(&self, p: &DeltaParams) -> Option<Kernel> {
+        match p.dk {
+            _ if !*lock(&self.recurrent_parallel) => None,
+            0..=128 => Some(Kernel::GatedDeltaRuleR16),
+            129..=256 => Some(Kernel::GatedDeltaRuleR32),
+            _ => None,
+        }
+    }
+
+    /// One token-by-token delta rule launch (the caller checked the shapes): the register
+    /// kernel where [`Cuda::delta_regs_kernel`] has one, else the shared-memory kernel, which
+    /// takes packed q / k / v and the gates themselves only.
+    fn delta_launch(
+        &self,
+        op: &'static str,
+        src: DeltaSrc<'_>,
+        p: &DeltaParams,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+        stash: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let (t, nk, nv, dk, dv) = (
+            i32_of(op, "t", p.t)?,
+            p.n_k_heads as i32,
+            i32_of(op, "n_v_heads", p.n_v_heads)?,
+            p.dk as i32,
+            p.dv as i32,
+        );
+        let (l2, qs) = (p.qk_l2norm as i32, p.q_scale);
+        let regs = self.delta_regs_kernel(p);
+        let (f, launch) = match regs {
+            Some(k) => (
+                self.func(k)?,
+                cfg((p.dv.div_ceil(32) as u32, nv as u32, 1), 256, 0),
+            ),
+            None => {
+                let packed = src.qk_rs == p.n_k_heads * p.dk && src.v_rs == p.n_v_heads * p.dv;
+                let smem = (p.dk * p.dv + 2 * p.dk + 32) * 4;
+                if !packed || src.gates.is_some() {
+                    return Err(BackendError::Invalid {
+                        op,
+                        msg:
+                            "the shared-memory delta rule takes packed q / k / v and computed gates"
+                                .into(),
+                    });
+                }
+                if p.dv > 1024 || smem > self.smem.block {
+                    return Err(BackendError::Invalid {
+                        op,
+                        msg: format!(
+                            "state of {}x{} per head (dk > 256 or the recurrent kernels not parallel) needs dv <= 1024 and {smem} bytes of shared memory, the device allows {} per block",
+                            p.dk, p.dv, self.smem.block
+                        ),
+                    });
+                }
+                let threads = p.dv.div_ceil(32) * 32;
+                (
+                    self.func_smem(Kernel::GatedDeltaRule, smem)?,
+                    cfg((nv as u32, 1, 1), threads as u32, smem as u32),
+                )
+            }
+        };
+        let (qk_rs, v_rs) = (src.qk_rs as i64, src.v_rs as i64);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&src.q)
+            .arg(&src.k)
+            .arg(&src.v)
+            .arg(&src.g)
+            .arg(&src.beta);
+        b.arg(&t)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&l2)
+            .arg(&qs)
+            .arg(&mut state.data)
+            .arg(&mut out.data);
+        match stash {
+            Some(s) => b.arg(&mut s.data),
+            None => b.arg(&0u64),
+        };
+        if regs.is_some() {
+            b.arg(&qk_rs).arg(&v_rs);
+            match src.gates {
+                Some((a_log, dt_bias)) => b.arg(&a_log.data).arg(&dt_bias.data),
+                None => b.arg(&0u64).arg(&0u64),
+            };
+        }
+        unsafe { b.launch(launch) }.map_err(dev)?;
+        Ok(())
     }
 
     /// `gated_delta_rule` in chunks of [`GDC`] tokens (no stash; the caller checked the
@@ -4687,73 +4806,74 @@ impl Backend for Cuda {
         if p.n_v_heads == 0 {
             return Ok(());
         }
-        let (t, nk, nv, dk, dv) = (
-            i32_of(op, "t", p.t)?,
-            p.n_k_heads as i32,
-            i32_of(op, "n_v_heads", p.n_v_heads)?,
-            p.dk as i32,
-            p.dv as i32,
-        );
-        let (l2, qs) = (p.qk_l2norm as i32, p.q_scale);
-        if stash.is_none()
-            && p.qk_l2norm
-            && p.dk <= GDC_DK
-            && p.t >= self.delta_chunk_min.load(Ordering::Relaxed)
-            && *lock(&self.recurrent_parallel)
-        {
+        if stash.is_none() && self.delta_chunked(p) {
             return self.gated_delta_rule_chunked(q, k, v, g, beta, p, state, out);
         }
-        // The register kernels: 8 warps x R rows per thread cover dk.
-        let regs = match p.dk {
-            _ if !*lock(&self.recurrent_parallel) => None,
-            0..=128 => Some(Kernel::GatedDeltaRuleR16),
-            129..=256 => Some(Kernel::GatedDeltaRuleR32),
-            _ => None,
+        let src = DeltaSrc {
+            q: q.data.slice(..),
+            k: k.data.slice(..),
+            v: v.data.slice(..),
+            g: g.data.slice(..),
+            beta: beta.data.slice(..),
+            qk_rs: p.n_k_heads * p.dk,
+            v_rs: p.n_v_heads * p.dv,
+            gates: None,
         };
-        let (f, launch) = match regs {
-            Some(k) => (
-                self.func(k)?,
-                cfg((p.dv.div_ceil(32) as u32, nv as u32, 1), 256, 0),
-            ),
-            None => {
-                let smem = (p.dk * p.dv + 2 * p.dk + 32) * 4;
-                if p.dv > 1024 || smem > self.smem.block {
-                    return Err(BackendError::Invalid {
-                        op,
-                        msg: format!(
-                            "state of {}x{} per head (dk > 256 or the recurrent kernels not parallel) needs dv <= 1024 and {smem} bytes of shared memory, the device allows {} per block",
-                            p.dk, p.dv, self.smem.block
-                        ),
-                    });
-                }
-                let threads = p.dv.div_ceil(32) * 32;
-                (
-                    self.func_smem(Kernel::GatedDeltaRule, smem)?,
-                    cfg((nv as u32, 1, 1), threads as u32, smem as u32),
-                )
-            }
+        self.delta_launch(op, src, p, state, out, stash)
+    }
+
+    fn gated_delta_rule_qkv(
+        &self,
+        qkv: &CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        a_log: &CudaBuf,
+        dt_bias: &CudaBuf,
+        p: &DeltaParams,
+        state: &mut CudaBuf,
+        out: &mut CudaBuf,
+        stash: Option<&mut CudaBuf>,
+    ) -> Result<()> {
+        let op = "gated_delta_rule_qkv";
+        let heads_ok = p.n_k_heads > 0
+            && p.n_v_heads > 0
+            && p.n_v_heads.is_multiple_of(p.n_k_heads)
+            && p.dk > 0
+            && p.dv > 0;
+        // The register kernels read q / k / v in place and compute the gates; the chunked
+        // form, the shared-memory kernel and bad shapes (their errors) go through the ops.
+        if !heads_ok
+            || (stash.is_none() && self.delta_chunked(p))
+            || self.delta_regs_kernel(p).is_none()
+        {
+            return dflash_backend::gated_delta_rule_qkv_ops(
+                self, qkv, a, b, a_log, dt_bias, p, state, out, stash,
+            );
+        }
+        let ch = dflash_backend::delta_qkv_width(op, qkv.len, p)?;
+        dflash_backend::delta_gate_inputs(op, a.len, b.len, p)?;
+        check(op, "a_log", p.n_v_heads, a_log.len)?;
+        check(op, "dt_bias", p.n_v_heads, dt_bias.len)?;
+        check(op, "state", p.n_v_heads * p.dk * p.dv, state.len)?;
+        check(op, "out", p.t * p.n_v_heads * p.dv, out.len)?;
+        if let Some(s) = &stash {
+            check(op, "stash", p.t * p.n_v_heads * p.dk * p.dv, s.len)?;
+        }
+        if p.t == 0 {
+            return Ok(());
+        }
+        let kd = p.n_k_heads * p.dk;
+        let src = DeltaSrc {
+            q: qkv.data.slice(..),
+            k: qkv.data.slice(kd..),
+            v: qkv.data.slice(2 * kd..),
+            g: a.data.slice(..),
+            beta: b.data.slice(..),
+            qk_rs: ch,
+            v_rs: ch,
+            gates: Some((a_log, dt_bias)),
         };
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&q.data)
-            .arg(&k.data)
-            .arg(&v.data)
-            .arg(&g.data)
-            .arg(&beta.data);
-        b.arg(&t)
-            .arg(&nk)
-            .arg(&nv)
-            .arg(&dk)
-            .arg(&dv)
-            .arg(&l2)
-            .arg(&qs)
-            .arg(&mut state.data)
-            .arg(&mut out.data);
-        match stash {
-            Some(s) => b.arg(&mut s.data),
-            None => b.arg(&0u64),
-        };
-        unsafe { b.launch(launch) }.map_err(dev)?;
-        Ok(())
+        self.delta_launch(op, src, p, state, out, stash)
     }
 
     fn markov_chain(

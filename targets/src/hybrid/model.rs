@@ -239,7 +239,7 @@ impl<B: Backend> HybridTarget<B> {
 
         // Shapes.
         let (nk, nv, dk, dv) = (c.lin_k_heads, c.lin_v_heads, c.lin_dk, c.lin_dv);
-        let (kd, vd, ch, kern) = (nk * dk, nv * dv, c.conv_channels(), c.conv_kernel);
+        let (vd, ch, kern) = (nv * dv, c.conv_channels(), c.conv_kernel);
         let sl = kern - 1;
         let (nh, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
         let (qw, kvw) = (nh * hd, nkv * hd);
@@ -322,27 +322,20 @@ impl<B: Backend> HybridTarget<B> {
                         &mut conv_out,
                         conv_stash.as_mut(),
                     )?;
-                    let mut q = be.scratch(t * kd)?;
-                    let mut k = be.scratch(t * kd)?;
-                    let mut v = be.scratch(t * vd)?;
-                    be.copy2d(&conv_out, 0, ch, &mut q, 0, kd, t, kd)?;
-                    be.copy2d(&conv_out, kd, ch, &mut k, 0, kd, t, kd)?;
-                    be.copy2d(&conv_out, 2 * kd, ch, &mut v, 0, vd, t, vd)?;
-                    let mut g = be.scratch(t * nv)?;
-                    let mut beta = be.scratch(t * nv)?;
-                    be.gdn_gates(&aa, &bb, &lw.a_log, &lw.dt_bias, nv, &mut g, &mut beta)?;
                     let mut core = be.scratch(t * vd)?;
                     let mut rec_stash = if stash {
                         Some(be.scratch(t * nv * dk * dv)?)
                     } else {
                         None
                     };
-                    be.gated_delta_rule(
-                        &q,
-                        &k,
-                        &v,
-                        &g,
-                        &beta,
+                    // The recurrence reads q / k / v from the conv's rows and computes its
+                    // gates from `a` / `b` (one launch where the backend fuses it).
+                    be.gated_delta_rule_qkv(
+                        &conv_out,
+                        &aa,
+                        &bb,
+                        &lw.a_log,
+                        &lw.dt_bias,
                         &delta,
                         rec,
                         &mut core,
