@@ -460,13 +460,7 @@ fn attn_case(
     let q = rand_vec(r, p.n_q * p.n_heads * p.head_dim, 1.5);
     let k = rand_vec(r, cap * p.n_kv_heads * p.head_dim, 1.5);
     let v = rand_vec(r, cap * p.n_kv_heads * p.head_dim, 1.0);
-    let mut oc = vec![0.0; p.n_q * p.n_heads * p.head_dim];
-    cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-    let (qg, kg, vg) = (
-        g.upload(&q).unwrap(),
-        g.upload(&k).unwrap(),
-        g.upload(&v).unwrap(),
-    );
+    let (oc, qg, kg, vg) = attn_reference(g, cpu, &q, &k, &v, &p);
     let mut og = poisoned(g, oc.len());
     g.attention(&qg, &kg, &vg, &p, &mut og).unwrap();
     report(
@@ -845,6 +839,107 @@ fn gdn_ops_against_cpu() {
         );
     }
     recurrent_kernels_per_token_and_against_cpu(g, &cpu, &mut r);
+}
+
+/// `gated_delta_rule_qkv` (the recurrence from the conv's rows, the gates from `a` / `b`):
+/// output, state and stash bit for bit those of the separate ops on the device (q / k / v
+/// copied out, `gdn_gates`, `gated_delta_rule`), through the register kernels (dk <= 128 and
+/// <= 256, one token and a verify's 16, with and without a stash, l2norm off) and the paths
+/// that fall back to the ops (the chunked form, dk > 256); against the CPU; a `qkv` of the
+/// wrong length is refused naming it.
+#[test]
+fn gated_delta_rule_qkv_is_the_separate_ops() {
+    // A private backend: the shared one's recurrent kernels are switched by another test.
+    let Some(g) = private_gpu("gated_delta_rule_qkv_is_the_separate_ops") else {
+        return;
+    };
+    let g = &g;
+    let cpu = Cpu::new();
+    let mut r = rng("gated_delta_rule_qkv_is_the_separate_ops");
+    let dl = |b: &dflash_cuda_kernels::CudaBuf| g.download(b).unwrap();
+    for (t, nk, nv, dk, dv, l2, stash) in [
+        (1usize, 2usize, 4usize, 128usize, 128usize, true, true),
+        (1, 2, 4, 128, 128, true, false),
+        (16, 2, 4, 128, 128, true, true),
+        (16, 1, 2, 256, 96, true, true),
+        (7, 1, 3, 72, 40, false, false),
+        (200, 2, 4, 128, 64, true, false),
+        (5, 1, 1, 300, 64, true, true),
+    ] {
+        let p = DeltaParams {
+            t,
+            n_k_heads: nk,
+            n_v_heads: nv,
+            dk,
+            dv,
+            qk_l2norm: l2,
+            q_scale: (dk as f32).powf(-0.5),
+        };
+        let what =
+            format!("gated_delta_rule_qkv t={t} {nk}/{nv} dk={dk} dv={dv} l2={l2} stash={stash}");
+        let ch = 2 * nk * dk + nv * dv;
+        let mut qkv = rand_vec(&mut r, t * ch, 1.0);
+        if !l2 {
+            // Unnormalized keys small enough for a stable recurrence.
+            for row in qkv.chunks_mut(ch) {
+                row[nk * dk..2 * nk * dk].iter_mut().for_each(|x| *x *= 0.1);
+            }
+        }
+        let a = rand_vec(&mut r, t * nv, 4.0);
+        let b = rand_vec(&mut r, t * nv, 3.0);
+        let a_log = rand_vec(&mut r, nv, 1.0);
+        let dt_bias = rand_vec(&mut r, nv, 1.0);
+        let s0 = rand_vec(&mut r, nv * dk * dv, 0.5);
+        let ss = t * nv * dk * dv;
+        let (mut sc, mut oc, mut stc) = (s0.clone(), vec![0.0; t * nv * dv], vec![0.0; ss]);
+        cpu.gated_delta_rule_qkv(
+            &qkv,
+            &a,
+            &b,
+            &a_log,
+            &dt_bias,
+            &p,
+            &mut sc,
+            &mut oc,
+            stash.then_some(&mut stc),
+        )
+        .unwrap();
+        let up = |v: &[f32]| g.upload(v).unwrap();
+        let (qkvg, ag, bg, alg, dtg) = (up(&qkv), up(&a), up(&b), up(&a_log), up(&dt_bias));
+        let mut runs = Vec::new();
+        for fused in [true, false] {
+            let mut sg = up(&s0);
+            let mut og = poisoned(g, oc.len());
+            let mut stg = poisoned(g, ss.max(1));
+            let st = stash.then_some(&mut stg);
+            if fused {
+                g.gated_delta_rule_qkv(&qkvg, &ag, &bg, &alg, &dtg, &p, &mut sg, &mut og, st)
+            } else {
+                dflash_backend::gated_delta_rule_qkv_ops(
+                    g, &qkvg, &ag, &bg, &alg, &dtg, &p, &mut sg, &mut og, st,
+                )
+            }
+            .unwrap();
+            runs.push((dl(&og), dl(&sg), stash.then(|| dl(&stg))));
+        }
+        assert_same_bits(&format!("{what} out vs the ops"), &runs[0].0, &runs[1].0);
+        assert_same_bits(&format!("{what} state vs the ops"), &runs[0].1, &runs[1].1);
+        if let (Some(f), Some(o)) = (&runs[0].2, &runs[1].2) {
+            assert_same_bits(&format!("{what} stash vs the ops"), f, o);
+            report(&format!("{what} stash"), f, &stc, 1e-4);
+        }
+        report(&format!("{what} out"), &runs[0].0, &oc, 1e-4);
+        report(&format!("{what} state"), &runs[0].1, &sc, 1e-4);
+        // A qkv one value short: refused, naming it (the fused path and the ops' alike).
+        let short = up(&qkv[..t * ch - 1]);
+        let mut sg = up(&s0);
+        let mut og = poisoned(g, oc.len());
+        match g.gated_delta_rule_qkv(&short, &ag, &bg, &alg, &dtg, &p, &mut sg, &mut og, None) {
+            Err(BackendError::Shape { operand, .. }) => assert_eq!(operand, "qkv", "{what}"),
+            other => panic!("{what}: a short qkv gave {other:?}"),
+        }
+    }
+    eprintln!("gated_delta_rule_qkv: the bits of the separate ops; matches the CPU");
 }
 
 /// The hybrid targets' recurrent ops at more shapes, both kernels of each
@@ -1894,13 +1989,7 @@ fn attention_kernel_choices() {
         let q = rand_vec(&mut r, p.n_q * p.n_heads * p.head_dim, 1.5);
         let k = rand_vec(&mut r, p.n_kv * p.n_kv_heads * p.head_dim, 1.5);
         let v = rand_vec(&mut r, p.n_kv * p.n_kv_heads * p.head_dim, 1.0);
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
+        let (oc, qg, kg, vg) = attn_reference(&g, &cpu, &q, &k, &v, &p);
         let mut by_kw: Vec<((usize, bool), Vec<f32>)> = Vec::new();
         for c in choices {
             g.set_attn_kernel(c).unwrap();
@@ -2021,13 +2110,7 @@ fn attention_head_dim_256() {
     ] {
         let (q, k, v, p) = attn_inputs(&mut r, (24, 4, 256), ctx, nq, ctx + nq, win, causal);
         let what = format!("d=256 ctx={ctx} win={win:?} nq={nq} causal={causal}");
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
+        let (oc, qg, kg, vg) = attn_reference(&g, &cpu, &q, &k, &v, &p);
         let run = |c: AttnKernel, fast: bool| {
             g.set_attn_kernel(c).unwrap();
             let mut og = poisoned(&g, oc.len());
@@ -2151,6 +2234,27 @@ fn attention_graph_replays() {
     eprintln!("attention: graph replays == eager bit for bit, match the CPU");
 }
 
+/// The CPU's attention of `q` / `k` / `v` under `p` (the reference), and the three operands
+/// uploaded to `g`.
+fn attn_reference(
+    g: &dflash_cuda_kernels::Cuda,
+    cpu: &Cpu,
+    q: &Vec<f32>,
+    k: &Vec<f32>,
+    v: &Vec<f32>,
+    p: &AttnParams,
+) -> (
+    Vec<f32>,
+    dflash_cuda_kernels::CudaBuf,
+    dflash_cuda_kernels::CudaBuf,
+    dflash_cuda_kernels::CudaBuf,
+) {
+    let mut oc = vec![0.0; q.len()];
+    cpu.attention(q, k, v, p, &mut oc).unwrap();
+    let up = |x: &[f32]| g.upload(x).unwrap();
+    (oc, up(q), up(k), up(v))
+}
+
 /// A drafter-shaped attention call (32 / 8 heads of `hd`, `nq` block queries after `ctx`
 /// context keys) with fresh random q (n_q x heads), K and V (n_kv = ctx + nq rows).
 fn drafter_attn_inputs(
@@ -2222,13 +2326,7 @@ fn attention_fast_against_cpu_and_per_row() {
         (700, 48, None, false),
     ] {
         let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, causal, 16);
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
+        let (oc, qg, kg, vg) = attn_reference(g, &cpu, &q, &k, &v, &p);
         let mut exact = poisoned(g, oc.len());
         g.attention(&qg, &kg, &vg, &p, &mut exact).unwrap();
         let exact = g.download(&exact).unwrap();
@@ -2681,13 +2779,7 @@ fn check_causal_case(
 ) -> Vec<f32> {
     let (q, k, v, p) = drafter_attn_inputs(r, ctx, hd, win, true, nq);
     let what = format!("causal splits ctx={ctx} d={hd} win={win:?} nq={nq}");
-    let mut oc = vec![0.0; q.len()];
-    cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-    let (qg, kg, vg) = (
-        g.upload(&q).unwrap(),
-        g.upload(&k).unwrap(),
-        g.upload(&v).unwrap(),
-    );
+    let (oc, qg, kg, vg) = attn_reference(g, cpu, &q, &k, &v, &p);
     let mut oe = poisoned(g, oc.len());
     g.attention(&qg, &kg, &vg, &p, &mut oe).unwrap();
     let oe = g.download(&oe).unwrap();
@@ -2853,13 +2945,7 @@ fn attention_prefill_split_against_cpu() {
         (300, 128, None, 16),
     ] {
         let (q, k, v, p) = drafter_attn_inputs(&mut r, ctx, hd, win, true, nq);
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
+        let (oc, qg, kg, vg) = attn_reference(g, &cpu, &q, &k, &v, &p);
         let run = |split: usize| {
             g.set_attn_prefill_split(split).expect("split");
             let mut oe = poisoned(g, oc.len());
@@ -3019,13 +3105,7 @@ fn attention_gemm_against_cpu() {
         let (q, k, v, mut p) =
             attn_inputs(&mut r, (h, hkv, hd), ctx, nq, ctx + nq + 5, win, causal);
         p.kv_pos0 = kv0;
-        let mut oc = vec![0.0; q.len()];
-        cpu.attention(&q, &k, &v, &p, &mut oc).unwrap();
-        let (qg, kg, vg) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
+        let (oc, qg, kg, vg) = attn_reference(g, &cpu, &q, &k, &v, &p);
         let what =
             format!("ctx={ctx} nq={nq} h={h}/{hkv} d={hd} win={win:?} causal={causal} kv0={kv0}");
         let mut outs = Vec::new();
