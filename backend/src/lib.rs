@@ -502,6 +502,23 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer_tail_ops(self, attn, rows, h, w, s)
     }
 
+    /// A Gated DeltaNet layer's gated norm of its recurrence's output into `normed`
+    /// ([`Backend::rms_norm_gated`] of `g`), then [`Backend::layer_tail`] of those rows. An
+    /// override gives the same bits (`normed` included) and may leave `s` unwritten; it may
+    /// hand the normed rows to the o projection without a second pass over them.
+    fn gated_norm_layer_tail(
+        &self,
+        g: &GatedNorm<'_, Self>,
+        normed: &mut Self::Buf,
+        rows: usize,
+        h: &mut Self::Buf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        self.rms_norm_gated(g.x, g.z, g.w, g.dim, g.eps, normed)?;
+        self.layer_tail(normed, rows, h, w, s)
+    }
+
     /// A layer's attention (`op`: [`Backend::attention`], [`Backend::attention_fast`] or
     /// [`Backend::attention_fast_kv16`]) of the `p.n_q` queries into `attn`, then
     /// [`Backend::layer_tail`] of those rows ([`attention_layer_tail_ops`]). An override
@@ -903,6 +920,21 @@ pub struct LayerTail<'a, B: Backend> {
     pub w_up: &'a Weight<B>,
     /// Down projection `[hidden, intermediate]`.
     pub w_down: &'a Weight<B>,
+}
+
+/// The gated RMSNorm of [`Backend::gated_norm_layer_tail`]: `(w · rms_norm(x)) · silu(z)` over
+/// each `dim`-wide head of `x` (as [`Backend::rms_norm_gated`]).
+pub struct GatedNorm<'a, B: Backend> {
+    /// The rows to norm `[rows, heads * dim]`.
+    pub x: &'a B::Buf,
+    /// The gate `[rows, heads * dim]`.
+    pub z: &'a B::Buf,
+    /// The norm weight `[dim]`.
+    pub w: &'a B::Buf,
+    /// The width of a head.
+    pub dim: usize,
+    /// The norm's epsilon.
+    pub eps: f32,
 }
 
 /// Scratch of [`Backend::layer_tail`] (an override may leave it unwritten): `o` and `xn`

@@ -395,8 +395,11 @@ extern "C" __global__ void f16_unpack(const u32 *__restrict__ src, float *__rest
     }
 }
 
-// out = (w * rmsnorm(x)) * silu(z)
-extern "C" __global__ void rms_norm_gated(const float *x, const float *z, const float *w, float *out, int dim, float eps) {
+// out = (w * rmsnorm(x)) * silu(z); with SPLIT also as the skinny matmuls' bf16 hi / lo x (the
+// bits of rms_norm_gated + split_bf16): the rows [rows, n_heads * dim] of the o projection's x.
+template <bool SPLIT>
+__device__ __forceinline__ void rms_norm_gated_impl(const float *x, const float *z, const float *w, float *out, u16 *hi,
+                                                    u16 *lo, int dim, float eps) {
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const float *xr = x + row * dim;
@@ -406,8 +409,17 @@ extern "C" __global__ void rms_norm_gated(const float *x, const float *z, const 
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float zz = z[row * dim + i];
-        out[row * dim + i] = (w[i] * (xr[i] * inv)) * silu_f(zz);
+        const float v = (w[i] * (xr[i] * inv)) * silu_f(zz);
+        out[row * dim + i] = v;
+        if (SPLIT) put_row<true>(nullptr, hi, lo, row * dim + i, v);
     }
+}
+extern "C" __global__ void rms_norm_gated(const float *x, const float *z, const float *w, float *out, int dim, float eps) {
+    rms_norm_gated_impl<false>(x, z, w, out, nullptr, nullptr, dim, eps);
+}
+extern "C" __global__ void rms_norm_gated_split(const float *x, const float *z, const float *w, float *out, u16 *hi, u16 *lo,
+                                                int dim, float eps) {
+    rms_norm_gated_impl<true>(x, z, w, out, hi, lo, dim, eps);
 }
 
 // NeoX rotate-half on x = [rows, n_heads, head_dim]; one thread per (row, head, pair).

@@ -13,8 +13,8 @@ use cudarc::driver::{
 use dflash_backend::{
     attention_fast_kv16_ops, attention_layer_tail_ops, check_f16_range, check_f16_rows,
     layer_tail_ops, mlp_residual_ops, norm_rows_matmul_ops, qk_norm_rope_kv_ops, AttnOp,
-    AttnParams, Backend, BackendError, DeltaParams, HostData, HostWeight, KvCacheRows, KvStorage,
-    LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
+    AttnParams, Backend, BackendError, DeltaParams, GatedNorm, HostData, HostWeight, KvCacheRows,
+    KvStorage, LayerTail, QkNormRope, RopeSpec, TailScratch, Weight, WeightFormat,
 };
 
 use crate::error::{dev, CudaError};
@@ -4059,6 +4059,33 @@ impl Backend for Cuda {
         }
         self.matmul_add(attn, rows, w.wo, h)?;
         self.tail_after_o(rows, h, w, s)
+    }
+
+    /// A tail of skinny matmuls, or of a prefill's cuBLAS matmuls: the gated norm also writes
+    /// the o projection's bf16 hi / lo x (one split launch fewer, the same bits). Other tails
+    /// take the default.
+    fn gated_norm_layer_tail(
+        &self,
+        g: &GatedNorm<'_, Self>,
+        normed: &mut CudaBuf,
+        rows: usize,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        let width = w.wo.cols;
+        if rows == 0
+            || g.dim == 0
+            || !width.is_multiple_of(g.dim)
+            || g.x.len != rows * width
+            || Self::tail_fuses(rows, h, w)
+            || !self.tail_skinny(rows, g.x, h, w)
+        {
+            self.rms_norm_gated(g.x, g.z, g.w, g.dim, g.eps, normed)?;
+            return self.layer_tail(normed, rows, h, w, s);
+        }
+        let act = self.rms_norm_gated_split(g.x, g.z, g.w, g.dim, g.eps, normed, rows, width)?;
+        self.tail_skinny_run(normed, Some(act), rows, h, w, s)
     }
 
     /// The attention's combine (or its quantizer) writes the o projection's Q8_0A8 activation

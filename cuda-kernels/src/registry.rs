@@ -89,6 +89,7 @@ kernels! {
     AddRmsNormSplit => (Elementwise, "add_rms_norm_split"),
     SiluMulSplit => (Elementwise, "silu_mul_split"),
     RmsNormGated => (Elementwise, "rms_norm_gated"),
+    RmsNormGatedSplit => (Elementwise, "rms_norm_gated_split"),
     AddRmsNorm => (Elementwise, "add_rms_norm"),
     RmsNormQ8 => (Elementwise, "rms_norm_q8"),
     QkNormRopeKv => (Elementwise, "qk_norm_rope_kv"),

@@ -1273,6 +1273,7 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
                     d,
                 );
                 check_attention_layer_tail(g, &mut r, &tail, rows, kq, &h0, &format!("{fmt:?}"));
+                check_gated_norm_layer_tail(g, &mut r, &tail, rows, kq, &h0, &format!("{fmt:?}"));
                 // norm_matmul_many (q/k/v-like: 3 matrices) == rms_norm + matmul_many.
                 let x = g.upload(&rand_vec(&mut r, rows * d, 2.0)).expect("x");
                 let ws = [&wq, &wk, &wk];
@@ -1354,6 +1355,67 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
         }
     }
     eprintln!("EXACT bf16 / q8_0 / q4_0 layer_tail, attention_layer_tail (exact / fast / fast over f16 caches) and norm_matmul_many with the skinny producers == the separate ops; stale activations launch nothing");
+}
+
+/// `gated_norm_layer_tail` (the gated norm writing the o projection's bf16 hi / lo x) ==
+/// `rms_norm_gated` + the separate ops of the tail: `h` and the normed rows bit for bit, the
+/// fused tail taken (xn unwritten). Heads of 128 (a Gated DeltaNet layer's value heads).
+fn check_gated_norm_layer_tail(
+    g: &dflash_cuda_kernels::Cuda,
+    r: &mut StdRng,
+    tail: &dflash_backend::LayerTail<'_, dflash_cuda_kernels::Cuda>,
+    rows: usize,
+    kq: usize,
+    h0: &[f32],
+    label: &str,
+) {
+    use dflash_backend::{layer_tail_ops, GatedNorm};
+    let (d, inter, dv) = (tail.wo.rows, tail.w_gate.rows, 128usize);
+    let core = g.upload(&rand_vec(r, rows * kq, 1.0)).expect("core");
+    let z = g.upload(&rand_vec(r, rows * kq, 2.0)).expect("z");
+    let nw = g.upload(&rand_vec(r, dv, 1.0)).expect("norm");
+    let gn = GatedNorm {
+        x: &core,
+        z: &z,
+        w: &nw,
+        dim: dv,
+        eps: 1e-6,
+    };
+    let mut res = Vec::new();
+    for fused in [false, true] {
+        let mut h = g.upload(h0).expect("h");
+        let mut normed = poisoned(g, rows * kq);
+        let mut tb = TailBufs::new(g, rows, d, inter);
+        let s = tb.scratch();
+        if fused {
+            g.gated_norm_layer_tail(&gn, &mut normed, rows, &mut h, tail, s)
+                .expect("gated_norm_layer_tail");
+            assert!(
+                g.download(&tb.xn).expect("dl").iter().all(|v| v.is_nan()),
+                "{label}: gated_norm_layer_tail fell back to the separate ops"
+            );
+        } else {
+            g.rms_norm_gated(&core, &z, &nw, dv, 1e-6, &mut normed)
+                .expect("rms_norm_gated");
+            layer_tail_ops(g, &normed, rows, &mut h, tail, s).expect("ops");
+        }
+        res.push((
+            g.download(&h).expect("dl"),
+            g.download(&normed).expect("dl"),
+        ));
+    }
+    assert_bits(
+        &format!("{label} gated_norm_layer_tail d={d} rows={rows}: h"),
+        &res[1].0,
+        &res[0].0,
+        d,
+    );
+    assert_bits(
+        &format!("{label} gated_norm_layer_tail d={d} rows={rows}: normed"),
+        &res[1].1,
+        &res[0].1,
+        kq,
+    );
 }
 
 /// `attention_layer_tail` (the attention's combine writing the o projection's activation:

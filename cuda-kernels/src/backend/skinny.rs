@@ -596,6 +596,61 @@ impl Cuda {
         Ok(act)
     }
 
+    /// [`Backend::rms_norm_gated`] of the first `rows` rows of `x` (`width` = heads x `dim`
+    /// wide) into `out`, also written as the skinny matmuls' bf16 hi / lo x of those rows (the
+    /// bits of `rms_norm_gated` + split_bf16): a Gated DeltaNet layer's o projection reads it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rms_norm_gated_split(
+        &self,
+        x: &CudaBuf,
+        z: &CudaBuf,
+        w: &CudaBuf,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuf,
+        rows: usize,
+        width: usize,
+    ) -> Result<SplitAct> {
+        let op = "rms_norm_gated_split";
+        if rows == 0 || dim == 0 || !width.is_multiple_of(dim) || width == 0 {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!("{rows} rows of {width} values in heads of {dim}: expected rows > 0 and whole heads"),
+            });
+        }
+        let n = rows * width;
+        check(op, "x", n, x.len)?;
+        check(op, "z", n, z.len)?;
+        check(op, "w", dim, w.len)?;
+        check(op, "out", n, out.len)?;
+        let heads = n / dim;
+        let f = self.func(Kernel::RmsNormGatedSplit)?;
+        let hi_only = self.split_hi_only(rows);
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, width, rows, hi_only)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr(&x.data, st)
+            .dptr(&z.data, st)
+            .dptr(&w.data, st)
+            .dptr_mut(&mut out.data, st)
+            .dptr_mut(&mut *hi, st);
+        lo_arg(&mut a, lo, hi_only, st);
+        a.i32(i32_of(op, "dim", dim)?).f32(eps);
+        // SAFETY: rms_norm_gated_split's parameters in order (x, z, w, out, hi, lo, dim, eps),
+        // the block size of rms_norm_gated; it does not wait for the kernel before it, so no
+        // programmatic launch.
+        unsafe {
+            a.launch(
+                st,
+                &f,
+                cfg((i32_of(op, "rows", heads)? as u32, 1, 1), 128, 0),
+                false,
+            )
+        }?;
+        Ok(act)
+    }
+
     /// `silu(gate) * up` over `rows` rows of width `k`, written as the skinny matmuls' bf16
     /// hi / lo activation: the bits of `silu_mul` then `split_bf16`.
     pub fn silu_mul_split(

@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use dflash_backend::{
-    f16_pair_values, AttnParams, Backend, DeltaParams, KvCacheRows, KvStorage, LayerTail,
-    QkNormRope, TailScratch, Weight,
+    f16_pair_values, AttnParams, Backend, DeltaParams, GatedNorm, KvCacheRows, KvStorage,
+    LayerTail, QkNormRope, TailScratch, Weight,
 };
 use dflash_spec_round::{Forward, RollbackArm, SpecError, Target, TargetInfo};
 
@@ -16,6 +16,19 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{check_forward_input, check_verify_start};
 use crate::qwen3::{LoadOptions, LogitRows};
 use crate::{Result, TargetError};
+
+/// What a layer's mixer leaves for its output projection.
+enum Mixed<'a, B: Backend> {
+    /// The rows themselves (the attention layer's gated attention).
+    Rows(B::Buf),
+    /// A Gated DeltaNet layer's recurrence output and gate, before its gated norm (`norm`,
+    /// one weight per head dim), which the layer's tail runs.
+    Gated {
+        core: B::Buf,
+        z: B::Buf,
+        norm: &'a B::Buf,
+    },
+}
 
 /// Per-layer cached state.
 enum LayerState<B: Backend> {
@@ -287,9 +300,10 @@ impl<B: Backend> HybridTarget<B> {
             .enumerate()
             .take(depth)
         {
-            // Each mixer leaves its rows for the output projection in `mixed` (the norm before
-            // it and its projections of x in one call: the fused launches where the backend
-            // has them, the bits of the separate ops).
+            // Each mixer leaves its rows for the output projection in `mixed`, a Gated
+            // DeltaNet layer before its gated norm (the norm before it and its projections of
+            // x in one call: the fused launches where the backend has them, the bits of the
+            // separate ops).
             let (mixed, wo) = match (&layer.mixer, state) {
                 (Mixer::Linear(lw), LayerState::Linear { conv, rec }) => {
                     let mut qkv = be.scratch(t * ch)?;
@@ -341,10 +355,13 @@ impl<B: Backend> HybridTarget<B> {
                         &mut core,
                         rec_stash.as_mut(),
                     )?;
-                    let mut normed = be.scratch(t * vd)?;
-                    be.rms_norm_gated(&core, &z, &lw.norm, dv, eps, &mut normed)?;
                     stashes.push(conv_stash.zip(rec_stash));
-                    (normed, &lw.out)
+                    let gated: Mixed<'_, B> = Mixed::Gated {
+                        core,
+                        z,
+                        norm: &lw.norm,
+                    };
+                    (gated, &lw.out)
                 }
                 (Mixer::Full(fw), LayerState::Full { k: kc, v: vc }) => {
                     let mut q = be.scratch(t * qw)?;
@@ -398,7 +415,7 @@ impl<B: Backend> HybridTarget<B> {
                     crate::qwen3::attn_op(self.kv).run(be, &qn, kc, vc, &p, &mut att)?;
                     be.mul_sigmoid(&mut att, &gate)?;
                     stashes.push(None);
-                    (att, &fw.o)
+                    (Mixed::Rows(att), &fw.o)
                 }
                 _ => {
                     return Err(TargetError::Unsupported(format!(
@@ -424,7 +441,22 @@ impl<B: Backend> HybridTarget<B> {
                         up: &mut mu,
                         act: &mut ma,
                     };
-                    be.layer_tail(&mixed, t, &mut x, &tail, scratch)?;
+                    match mixed {
+                        Mixed::Rows(m) => be.layer_tail(&m, t, &mut x, &tail, scratch)?,
+                        // The gated norm, then the tail (one launch fewer where the backend
+                        // has the norm write the o projection's x).
+                        Mixed::Gated { core, z, norm } => {
+                            let mut normed = be.scratch(t * vd)?;
+                            let g = GatedNorm {
+                                x: &core,
+                                z: &z,
+                                w: norm,
+                                dim: dv,
+                                eps,
+                            };
+                            be.gated_norm_layer_tail(&g, &mut normed, t, &mut x, &tail, scratch)?;
+                        }
+                    }
                 }
                 Mlp::Moe(m) => {
                     let moe = c.moe.ok_or_else(|| {
@@ -432,7 +464,15 @@ impl<B: Backend> HybridTarget<B> {
                             "layer {li}: MoE weights without an MoE shape"
                         ))
                     })?;
-                    be.matmul(&mixed, t, wo, &mut o)?;
+                    let rows = match mixed {
+                        Mixed::Rows(m) => m,
+                        Mixed::Gated { core, z, norm } => {
+                            let mut normed = be.scratch(t * vd)?;
+                            be.rms_norm_gated(&core, &z, norm, dv, eps, &mut normed)?;
+                            normed
+                        }
+                    };
+                    be.matmul(&rows, t, wo, &mut o)?;
                     be.add_rms_norm(&mut x, &o, &layer.post_norm, t, d, eps, &mut h)?;
                     moe_forward(be, &h, t, d, m, &moe, &mut o)?;
                     be.add_assign(&mut x, 0, &o, t * d)?;
