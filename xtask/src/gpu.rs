@@ -2454,10 +2454,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     md += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
     for r in &rows {
         let ours = r.t.graph.unwrap_or(r.t.eager);
-        let (te, tg) = torch_best(r.shape, r.ctx).unwrap_or((f64::NAN, None));
-        let best_t = tg.map(|x| x.min(te)).unwrap_or(te);
+        // Without the peer (`--no-torch`, or it failed): "-" in its columns.
+        let peer = torch_best(r.shape, r.ctx);
+        let te = peer.map_or("-".to_string(), |(e, _)| format!("{e:.3}"));
+        let tg = peer.and_then(|(_, g)| g);
+        let best = peer.map_or("-".to_string(), |(e, g)| {
+            format!("{:.2}x", g.map_or(e, |x| x.min(e)) / ours)
+        });
         md += &format!(
-            "| {} | {} | {} | {:.3} | {} | {:.3} ({:.2}) | {:.2}x | {:.3} | {} | {:.2}x |\n",
+            "| {} | {} | {} | {:.3} | {} | {:.3} ({:.2}) | {:.2}x | {} | {} | {} |\n",
             r.shape,
             r.ctx,
             variant_name(r.fmt, r.fast, r.kv),
@@ -2473,7 +2478,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             ours / r.floor_ms,
             te,
             tg.map(|x| format!("{x:.3}")).unwrap_or("-".into()),
-            best_t / ours
+            best
         );
     }
     if rows.iter().any(|r| r.markov.is_some()) {
