@@ -519,6 +519,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.layer_tail(normed, rows, h, w, s)
     }
 
+    /// A gated attention's output gate ([`Backend::mul_sigmoid`] of `attn` by `gate`, in
+    /// place), then [`Backend::layer_tail`] of those rows. An override gives the same bits
+    /// (`attn` included) and may leave `s` unwritten; it may hand the gated rows to the o
+    /// projection without a second pass over them.
+    #[allow(clippy::too_many_arguments)]
+    fn sigmoid_gate_layer_tail(
+        &self,
+        attn: &mut Self::Buf,
+        gate: &Self::Buf,
+        rows: usize,
+        h: &mut Self::Buf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        self.mul_sigmoid(attn, gate)?;
+        self.layer_tail(attn, rows, h, w, s)
+    }
+
     /// A layer's attention (`op`: [`Backend::attention`], [`Backend::attention_fast`] or
     /// [`Backend::attention_fast_kv16`]) of the `p.n_q` queries into `attn`, then
     /// [`Backend::layer_tail`] of those rows ([`attention_layer_tail_ops`]). An override

@@ -463,6 +463,15 @@ extern "C" __global__ void mul_sigmoid(float *x, const float *gate, long long n)
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] *= sigmoid_f(gate[i]);
 }
+// mul_sigmoid also written as the skinny matmuls' bf16 hi / lo x (the bits of mul_sigmoid +
+// split_bf16): a gated attention's output for its o projection.
+extern "C" __global__ void mul_sigmoid_split(float *x, const float *gate, u16 *hi, u16 *lo, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = x[i] * sigmoid_f(gate[i]);
+        x[i] = v;
+        put_row<true>(nullptr, hi, lo, i, v);
+    }
+}
 
 extern "C" __global__ void copy2d(const float *src, long long src_stride, float *dst, long long dst_stride, int rows, int cols) {
     griddep_launch();

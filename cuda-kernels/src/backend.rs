@@ -4061,6 +4061,31 @@ impl Backend for Cuda {
         self.tail_after_o(rows, h, w, s)
     }
 
+    /// A tail of skinny matmuls, or of a prefill's cuBLAS matmuls: the output gate also
+    /// writes the o projection's bf16 hi / lo x (one split launch fewer, the same bits).
+    /// Other tails take the default.
+    fn sigmoid_gate_layer_tail(
+        &self,
+        attn: &mut CudaBuf,
+        gate: &CudaBuf,
+        rows: usize,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        if rows == 0
+            || attn.len != rows * w.wo.cols
+            || gate.len != attn.len
+            || Self::tail_fuses(rows, h, w)
+            || !self.tail_skinny(rows, attn, h, w)
+        {
+            self.mul_sigmoid(attn, gate)?;
+            return self.layer_tail(attn, rows, h, w, s);
+        }
+        let act = self.mul_sigmoid_split(attn, gate, rows, w.wo.cols)?;
+        self.tail_skinny_run(attn, Some(act), rows, h, w, s)
+    }
+
     /// A tail of skinny matmuls, or of a prefill's cuBLAS matmuls: the gated norm also writes
     /// the o projection's bf16 hi / lo x (one split launch fewer, the same bits). Other tails
     /// take the default.

@@ -99,6 +99,7 @@ kernels! {
     AddAssign => (Elementwise, "add_assign"),
     Scale => (Elementwise, "scale"),
     MulSigmoid => (Elementwise, "mul_sigmoid"),
+    MulSigmoidSplit => (Elementwise, "mul_sigmoid_split"),
     Copy2d => (Elementwise, "copy2d"),
     F16Pack => (Elementwise, "f16_pack"),
     F16Unpack => (Elementwise, "f16_unpack"),

@@ -1357,9 +1357,11 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
     eprintln!("EXACT bf16 / q8_0 / q4_0 layer_tail, attention_layer_tail (exact / fast / fast over f16 caches) and norm_matmul_many with the skinny producers == the separate ops; stale activations launch nothing");
 }
 
-/// `gated_norm_layer_tail` (the gated norm writing the o projection's bf16 hi / lo x) ==
-/// `rms_norm_gated` + the separate ops of the tail: `h` and the normed rows bit for bit, the
-/// fused tail taken (xn unwritten). Heads of 128 (a Gated DeltaNet layer's value heads).
+/// The hybrid layers' tails: `gated_norm_layer_tail` (the gated norm writing the o
+/// projection's bf16 hi / lo x) == `rms_norm_gated` + the separate ops of the tail, and
+/// `sigmoid_gate_layer_tail` (the output gate writing it) == `mul_sigmoid` + those ops: `h` and
+/// the rows before the o projection bit for bit, the fused tail taken (xn unwritten). Heads of
+/// 128 (a Gated DeltaNet layer's value heads).
 fn check_gated_norm_layer_tail(
     g: &dflash_cuda_kernels::Cuda,
     r: &mut StdRng,
@@ -1412,6 +1414,40 @@ fn check_gated_norm_layer_tail(
     );
     assert_bits(
         &format!("{label} gated_norm_layer_tail d={d} rows={rows}: normed"),
+        &res[1].1,
+        &res[0].1,
+        kq,
+    );
+    // sigmoid_gate_layer_tail (the output gate writing the o projection's x) == mul_sigmoid +
+    // the separate ops: `h` and the gated rows bit for bit.
+    let gate = g.upload(&rand_vec(r, rows * kq, 3.0)).expect("gate");
+    let mut res = Vec::new();
+    for fused in [false, true] {
+        let mut h = g.upload(h0).expect("h");
+        let mut att = g.upload(&g.download(&core).expect("dl")).expect("att");
+        let mut tb = TailBufs::new(g, rows, d, inter);
+        let s = tb.scratch();
+        if fused {
+            g.sigmoid_gate_layer_tail(&mut att, &gate, rows, &mut h, tail, s)
+                .expect("sigmoid_gate_layer_tail");
+            assert!(
+                g.download(&tb.xn).expect("dl").iter().all(|v| v.is_nan()),
+                "{label}: sigmoid_gate_layer_tail fell back to the separate ops"
+            );
+        } else {
+            g.mul_sigmoid(&mut att, &gate).expect("mul_sigmoid");
+            layer_tail_ops(g, &att, rows, &mut h, tail, s).expect("ops");
+        }
+        res.push((g.download(&h).expect("dl"), g.download(&att).expect("dl")));
+    }
+    assert_bits(
+        &format!("{label} sigmoid_gate_layer_tail d={d} rows={rows}: h"),
+        &res[1].0,
+        &res[0].0,
+        d,
+    );
+    assert_bits(
+        &format!("{label} sigmoid_gate_layer_tail d={d} rows={rows}: gated rows"),
         &res[1].1,
         &res[0].1,
         kq,

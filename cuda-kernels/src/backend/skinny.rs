@@ -596,6 +596,45 @@ impl Cuda {
         Ok(act)
     }
 
+    /// [`Backend::mul_sigmoid`] of `x` by `gate` (`rows` rows of `width`, in place), also
+    /// written as the skinny matmuls' bf16 hi / lo x of those rows (the bits of `mul_sigmoid`
+    /// + split_bf16): a gated attention's o projection reads it.
+    pub(super) fn mul_sigmoid_split(
+        &self,
+        x: &mut CudaBuf,
+        gate: &CudaBuf,
+        rows: usize,
+        width: usize,
+    ) -> Result<SplitAct> {
+        let op = "mul_sigmoid_split";
+        let n = rows * width;
+        if n == 0 || x.len != n {
+            return Err(BackendError::Invalid {
+                op,
+                msg: format!(
+                    "x of {} values: expected {rows} rows of {width}, not empty",
+                    x.len
+                ),
+            });
+        }
+        check(op, "gate", n, gate.len)?;
+        let f = self.func(Kernel::MulSigmoidSplit)?;
+        let hi_only = self.split_hi_only(rows);
+        let mut s = lock(&self.scratch);
+        let (act, hi, lo) = s.split_written(&self.stream, width, rows, hi_only)?;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        a.dptr_mut(&mut x.data, st)
+            .dptr(&gate.data, st)
+            .dptr_mut(&mut *hi, st);
+        lo_arg(&mut a, lo, hi_only, st);
+        a.i64(n as i64);
+        // SAFETY: mul_sigmoid_split's parameters in order (x, gate, hi, lo, n), the grid of
+        // mul_sigmoid; it does not wait for the kernel before it, so no programmatic launch.
+        unsafe { a.launch(st, &f, grid_1d(n, 256), false) }?;
+        Ok(act)
+    }
+
     /// [`Backend::rms_norm_gated`] of the first `rows` rows of `x` (`width` = heads x `dim`
     /// wide) into `out`, also written as the skinny matmuls' bf16 hi / lo x of those rows (the
     /// bits of `rms_norm_gated` + split_bf16): a Gated DeltaNet layer's o projection reads it.

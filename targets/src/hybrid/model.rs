@@ -19,8 +19,8 @@ use crate::{Result, TargetError};
 
 /// What a layer's mixer leaves for its output projection.
 enum Mixed<'a, B: Backend> {
-    /// The rows themselves (the attention layer's gated attention).
-    Rows(B::Buf),
+    /// The attention layer's attention and its output gate, before the gate.
+    SigmoidGated { att: B::Buf, gate: B::Buf },
     /// A Gated DeltaNet layer's recurrence output and gate, before its gated norm (`norm`,
     /// one weight per head dim), which the layer's tail runs.
     Gated {
@@ -413,9 +413,8 @@ impl<B: Backend> HybridTarget<B> {
                     };
                     let mut att = be.scratch(t * qw)?;
                     crate::qwen3::attn_op(self.kv).run(be, &qn, kc, vc, &p, &mut att)?;
-                    be.mul_sigmoid(&mut att, &gate)?;
                     stashes.push(None);
-                    (Mixed::Rows(att), &fw.o)
+                    (Mixed::SigmoidGated { att, gate }, &fw.o)
                 }
                 _ => {
                     return Err(TargetError::Unsupported(format!(
@@ -442,9 +441,12 @@ impl<B: Backend> HybridTarget<B> {
                         act: &mut ma,
                     };
                     match mixed {
-                        Mixed::Rows(m) => be.layer_tail(&m, t, &mut x, &tail, scratch)?,
-                        // The gated norm, then the tail (one launch fewer where the backend
-                        // has the norm write the o projection's x).
+                        // The output gate or the gated norm, then the tail (one launch fewer
+                        // where the backend has the gate or the norm write the o projection's
+                        // x).
+                        Mixed::SigmoidGated { mut att, gate } => {
+                            be.sigmoid_gate_layer_tail(&mut att, &gate, t, &mut x, &tail, scratch)?
+                        }
                         Mixed::Gated { core, z, norm } => {
                             let mut normed = be.scratch(t * vd)?;
                             let g = GatedNorm {
@@ -465,7 +467,10 @@ impl<B: Backend> HybridTarget<B> {
                         ))
                     })?;
                     let rows = match mixed {
-                        Mixed::Rows(m) => m,
+                        Mixed::SigmoidGated { mut att, gate } => {
+                            be.mul_sigmoid(&mut att, &gate)?;
+                            att
+                        }
                         Mixed::Gated { core, z, norm } => {
                             let mut normed = be.scratch(t * vd)?;
                             be.rms_norm_gated(&core, &z, norm, dv, eps, &mut normed)?;
