@@ -13,7 +13,10 @@
 //! * `matmul` on [`WeightFormat::Q8_0A8`] and [`WeightFormat::Q4_0A8`] (see `a8panel`; q4_0
 //!   through its widened q8_0 codes): each row of `x` quantized to q8_0
 //!   once per call (reused thread-local buffers), exact int32 block dots with AVX-512 VNNI
-//!   `vpdpbusd` when the CPU has it (`Isa::Avx512` + [`vnni_supported`]), a portable integer
+//!   `vpdpbusd` when the CPU has it (`Isa::Avx512` + [`vnni_supported`]), else AVX2 `vpmaddwd`
+//!   on the codes widened to 16 bits (`Isa::Avx2Fma` or `Isa::Avx512` + [`avx2_supported`];
+//!   on a 2-core AMD EPYC without AVX-512 the README's main command went from 0.08x to
+//!   its speedup of the VNNI machines), a portable integer
 //!   loop otherwise, then the f32 block accumulation of the format's contract: identical bits
 //!   on every path, thread count and tiling (up to 8 rows x 16 outputs per tile, ~190 G MAC/s
 //!   on the 2-core Sapphire Rapids vs ~70 for the f32 tiles).
@@ -39,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use dflash_quant::QK;
 use rayon::prelude::*;
 
-pub use a8panel::vnni_supported;
+pub use a8panel::{avx2_supported, vnni_supported};
 pub use kernel::Isa;
 
 use crate::{

@@ -6,7 +6,7 @@
 //! the derived 8-bit rounding bound of the f64 product of the dequantized weight and the
 //! unquantized `x`.
 
-use dflash_backend::cpu::{vnni_supported, Cpu, Isa};
+use dflash_backend::cpu::{avx2_supported, vnni_supported, Cpu, Isa};
 use dflash_backend::{Backend, BackendError, HostData, HostWeight, WeightFormat, A8_CHUNK_BLOCKS};
 use dflash_quant::{BlockQ8_0, QK};
 use rand::rngs::StdRng;
@@ -224,10 +224,20 @@ fn vnni_path_is_the_one_tested_on_this_cpu() {
     // The identity test above only covers the VNNI kernel where the CPU has it; say which.
     let be = Cpu::default();
     eprintln!(
-        "isa {:?}, AVX-512 VNNI {}",
+        "isa {:?}, AVX-512 VNNI {}, AVX2 + FMA {}",
         be.isa(),
-        if vnni_supported() { "used" } else { "absent" }
+        if vnni_supported() { "used" } else { "absent" },
+        if !avx2_supported() {
+            "absent"
+        } else if vnni_supported() {
+            "present (VNNI used)"
+        } else {
+            "used"
+        }
     );
+    if Isa::Avx2Fma.supported() {
+        assert!(avx2_supported());
+    }
     if Isa::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512vnni") {
         assert!(vnni_supported());
     }

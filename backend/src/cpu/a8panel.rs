@@ -1,6 +1,6 @@
 //! [`WeightFormat::Q8_0A8`](crate::WeightFormat::Q8_0A8): q8_0 weights times activations
 //! quantized to q8_0 at matmul time, with integer block dots (AVX-512 VNNI `vpdpbusd` where
-//! the CPU has it, a portable integer loop otherwise).
+//! the CPU has it, else AVX2 `vpmaddwd` on 16-bit codes, else a portable integer loop).
 //!
 //! Weight layout, in panels of 16 output features. Per panel `p` and 32-value block `b`
 //! (`nb = k / 32` blocks per row, `pb = p nb + b`):
@@ -203,6 +203,19 @@ pub fn vnni_supported() -> bool {
     }
 }
 
+/// Whether the CPU has AVX2 and FMA (the Q8_0A8 kernels' integer dot in 16-bit products
+/// where AVX-512 VNNI is absent).
+pub fn avx2_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 type Tile<const R: usize> = [[f32; NP]; R];
 
 /// Where a row tile writes: `out[(r0 + r) * width + o - 16 p0]` for output `o` of tile row
@@ -251,6 +264,13 @@ fn row_tile<const R: usize>(isa: Isa, w: &A8Panels, rows: [Row<'_>; R], k: usize
         unsafe { vnni::row_tile::<R>(&w.d, &w.qs, rows, nb, out, width, r0, p0, p1, n_out) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2Fma | Isa::Avx512) && avx2_supported() {
+        // SAFETY: AVX2 and FMA were detected; the operands hold what the kernel reads and
+        // writes (checked above).
+        unsafe { avx2::row_tile::<R>(&w.d, &w.qs, rows, nb, out, width, r0, p0, p1, n_out) };
+        return;
+    }
     let _ = isa;
     for p in p0..p1 {
         let t = tile_portable::<R>(
@@ -297,6 +317,114 @@ fn tile_portable<const R: usize>(ds: &[f32], qs: &[u8], rows: [Row<'_>; R], nb: 
         }
     }
     tot
+}
+
+/// AVX2 + FMA: the weight codes (stored + 128) back to signed, widened to 16 bits once per
+/// (panel, block), and `vpmaddwd` against each row's 4 codes of a group (pairs of 16-bit
+/// products summed into 32 bits, exact: `|w x| <= 128 · 128`), two partial sums per output
+/// lane added at the end of the block; then the contract's f32 part with 8-lane fused
+/// multiply-adds (the bits of the portable and VNNI kernels).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Row, A8_CHUNK_BLOCKS, NG, NP, QB, QK};
+
+    /// Tile rows `r` (`< R`) over panels `p0 .. p1`, as the VNNI kernel.
+    ///
+    /// # Safety
+    /// AVX2 and FMA available; the lengths as for the VNNI kernel.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row_tile<const R: usize>(
+        ds: &[f32],
+        qs: &[u8],
+        rows: [Row<'_>; R],
+        nb: usize,
+        out: &mut [f32],
+        width: usize,
+        r0: usize,
+        p0: usize,
+        p1: usize,
+        n_out: usize,
+    ) {
+        let xp: [*const i8; R] = std::array::from_fn(|r| rows[r].codes.as_ptr());
+        let dxp: [*const f32; R] = std::array::from_fn(|r| rows[r].dx.as_ptr());
+        let flip = _mm_set1_epi8(-128);
+        for p in p0..p1 {
+            // SAFETY (all pointer arithmetic below): within the lengths of the contract.
+            let wp = unsafe { qs.as_ptr().add(p * nb * QB) };
+            let dp = unsafe { ds.as_ptr().add(p * nb * NP) };
+            let mut tot = [[_mm256_setzero_ps(); 2]; R];
+            for c0 in (0..nb).step_by(A8_CHUNK_BLOCKS) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                for b in c0..(c0 + A8_CHUNK_BLOCKS).min(nb) {
+                    // Group g, quarter q: outputs 4q .. 4q + 3, 4 inputs each, as i16.
+                    let w: [__m256i; 4 * NG] = std::array::from_fn(|i| {
+                        let (g, q) = (i / 4, i % 4);
+                        let v = unsafe {
+                            _mm_loadu_si128(wp.add(b * QB + g * 64 + q * 16) as *const __m128i)
+                        };
+                        _mm256_cvtepi8_epi16(_mm_xor_si128(v, flip))
+                    });
+                    let (dlo, dhi) = unsafe {
+                        (
+                            _mm256_loadu_ps(dp.add(b * NP)),
+                            _mm256_loadu_ps(dp.add(b * NP + 8)),
+                        )
+                    };
+                    for r in 0..R {
+                        let mut ia = [_mm256_setzero_si256(); 4];
+                        for g in 0..NG {
+                            let x4 = unsafe {
+                                (xp[r].add(b * QK + 4 * g) as *const i32).read_unaligned()
+                            };
+                            // [x0 x1 x2 x3] as i16, repeated over the 4 outputs of a quarter.
+                            let xv =
+                                _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(x4)));
+                            for (q, a) in ia.iter_mut().enumerate() {
+                                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(w[4 * g + q], xv));
+                            }
+                        }
+                        // Lanes (o, o) pairs -> one sum per output, outputs in order.
+                        let lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[0], ia[1]), 0xD8);
+                        let hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[2], ia[3]), 0xD8);
+                        let dx = _mm256_set1_ps(unsafe { *dxp[r].add(b) });
+                        acc[r][0] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(lo),
+                            _mm256_mul_ps(dlo, dx),
+                            acc[r][0],
+                        );
+                        acc[r][1] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(hi),
+                            _mm256_mul_ps(dhi, dx),
+                            acc[r][1],
+                        );
+                    }
+                }
+                if c0 == 0 {
+                    tot = acc;
+                } else {
+                    for r in 0..R {
+                        for h in 0..2 {
+                            tot[r][h] = _mm256_add_ps(tot[r][h], acc[r][h]);
+                        }
+                    }
+                }
+            }
+            let o = p * NP;
+            let n = NP.min(n_out - o);
+            for (r, t) in tot.iter().enumerate() {
+                let mut v = [0.0f32; NP];
+                // SAFETY: v holds 16 values.
+                unsafe {
+                    _mm256_storeu_ps(v.as_mut_ptr(), t[0]);
+                    _mm256_storeu_ps(v.as_mut_ptr().add(8), t[1]);
+                }
+                out[(r0 + r) * width + o - p0 * NP..][..n].copy_from_slice(&v[..n]);
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
