@@ -1357,6 +1357,13 @@ fn skinny_layer_tail_and_norm_matmul_many_equal_the_separate_ops_bit_for_bit() {
     eprintln!("EXACT bf16 / q8_0 / q4_0 layer_tail, attention_layer_tail (exact / fast / fast over f16 caches) and norm_matmul_many with the skinny producers == the separate ops; stale activations launch nothing");
 }
 
+/// A fused tail's `(h, rows before the o projection)` (`res[1]`) against the separate ops'
+/// (`res[0]`), bit for bit.
+fn assert_fused_tail(what: &str, res: &[(Vec<f32>, Vec<f32>)], d: usize, kq: usize, rows: &str) {
+    assert_bits(&format!("{what}: h"), &res[1].0, &res[0].0, d);
+    assert_bits(&format!("{what}: {rows}"), &res[1].1, &res[0].1, kq);
+}
+
 /// The hybrid layers' tails: `gated_norm_layer_tail` (the gated norm writing the o
 /// projection's bf16 hi / lo x) == `rms_norm_gated` + the separate ops of the tail, and
 /// `sigmoid_gate_layer_tail` (the output gate writing it) == `mul_sigmoid` + those ops: `h` and
@@ -1406,17 +1413,12 @@ fn check_gated_norm_layer_tail(
             g.download(&normed).expect("dl"),
         ));
     }
-    assert_bits(
-        &format!("{label} gated_norm_layer_tail d={d} rows={rows}: h"),
-        &res[1].0,
-        &res[0].0,
+    assert_fused_tail(
+        &format!("{label} gated_norm_layer_tail d={d} rows={rows}"),
+        &res,
         d,
-    );
-    assert_bits(
-        &format!("{label} gated_norm_layer_tail d={d} rows={rows}: normed"),
-        &res[1].1,
-        &res[0].1,
         kq,
+        "normed",
     );
     // sigmoid_gate_layer_tail (the output gate writing the o projection's x) == mul_sigmoid +
     // the separate ops: `h` and the gated rows bit for bit.
@@ -1440,17 +1442,12 @@ fn check_gated_norm_layer_tail(
         }
         res.push((g.download(&h).expect("dl"), g.download(&att).expect("dl")));
     }
-    assert_bits(
-        &format!("{label} sigmoid_gate_layer_tail d={d} rows={rows}: h"),
-        &res[1].0,
-        &res[0].0,
+    assert_fused_tail(
+        &format!("{label} sigmoid_gate_layer_tail d={d} rows={rows}"),
+        &res,
         d,
-    );
-    assert_bits(
-        &format!("{label} sigmoid_gate_layer_tail d={d} rows={rows}: gated rows"),
-        &res[1].1,
-        &res[0].1,
         kq,
+        "gated rows",
     );
 }
 
@@ -1524,17 +1521,12 @@ fn check_attention_layer_tail(
                 g.download(&attn_out).expect("dl"),
             ));
         }
-        assert_bits(
-            &format!("{label} attention_layer_tail {op:?} d={d} rows={rows}: h"),
-            &res[1].0,
-            &res[0].0,
+        assert_fused_tail(
+            &format!("{label} attention_layer_tail {op:?} d={d} rows={rows}"),
+            &res,
             d,
-        );
-        assert_bits(
-            &format!("{label} attention_layer_tail {op:?} d={d} rows={rows}: attn"),
-            &res[1].1,
-            &res[0].1,
             kq,
+            "attn",
         );
     }
 }
