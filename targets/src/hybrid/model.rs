@@ -300,9 +300,10 @@ impl<B: Backend> HybridTarget<B> {
             .enumerate()
             .take(depth)
         {
-            // Each mixer leaves its rows for the output projection in `mixed`, a Gated
-            // DeltaNet layer before its gated norm (the norm before it and its projections of
-            // x in one call: the fused launches where the backend has them, the bits of the
+            // Each mixer leaves the rows of its output projection in `mixed`, before their last
+            // op (the attention's output gate, a Gated DeltaNet layer's gated norm), which runs
+            // with the layer's tail; the norm before the mixer and its projections of x run in
+            // one call (the fused launches where the backend has them, the bits of the
             // separate ops).
             let (mixed, wo) = match (&layer.mixer, state) {
                 (Mixer::Linear(lw), LayerState::Linear { conv, rec }) => {
