@@ -400,6 +400,7 @@ extern "C" __global__ void f16_unpack(const u32 *__restrict__ src, float *__rest
 template <bool SPLIT>
 __device__ __forceinline__ void rms_norm_gated_impl(const float *x, const float *z, const float *w, float *out, u16 *hi,
                                                     u16 *lo, int dim, float eps) {
+    if (SPLIT) griddep_launch();  // the o projection (launched programmatically) may start
     __shared__ float red[32];
     const long long row = blockIdx.x;
     const float *xr = x + row * dim;
@@ -445,6 +446,7 @@ extern "C" __global__ void silu_mul(const float *gate, const float *up, float *o
 }
 // silu_mul written as the skinny matmuls' bf16 hi / lo x (the bits of silu_mul + split_bf16).
 extern "C" __global__ void silu_mul_split(const float *gate, const float *up, u16 *hi, u16 *lo, long long n) {
+    griddep_launch();  // the down projection (launched programmatically) may start
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         put_row<true>(nullptr, hi, lo, i, silu_f(gate[i]) * up[i]);
 }
@@ -466,6 +468,7 @@ extern "C" __global__ void mul_sigmoid(float *x, const float *gate, long long n)
 // mul_sigmoid also written as the skinny matmuls' bf16 hi / lo x (the bits of mul_sigmoid +
 // split_bf16): a gated attention's output for its o projection.
 extern "C" __global__ void mul_sigmoid_split(float *x, const float *gate, u16 *hi, u16 *lo, long long n) {
+    griddep_launch();  // the o projection (launched programmatically) may start
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float v = x[i] * sigmoid_f(gate[i]);
         x[i] = v;

@@ -109,13 +109,15 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 
     RawA ca[SK_R][2], na[SK_R][2];
     RawB cb[NT], nb[NT];
-    auto load_tile = [&](int kt, RawA (&ra)[SK_R][2], RawB (&rb)[NT]) {
+    auto load_w = [&](int kt, RawA (&ra)[SK_R][2]) {
 #pragma unroll
         for (int r = 0; r < SK_R; ++r) {
             const int o = o_base + r * 16 + g;
             load_raw<FMT>(wq, wd, N, K, KT, o, kt, t, ra[r][0]);
             load_raw<FMT>(wq, wd, N, K, KT, o + 8, kt, t, ra[r][1]);
         }
+    };
+    auto load_x = [&](int kt, RawB (&rb)[NT]) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int tok = g + 8 * j;
@@ -129,11 +131,22 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
             }
         }
     };
+    // A programmatic dependent launch (when the host asks for one): the kernel after this one
+    // may launch now (its blocks take the slots this grid leaves), and this warp's first
+    // weight tile loads before the wait for the kernel before (no kernel of the chain writes
+    // the weights); x, the split partials, the counters and the outputs only after it, in
+    // every thread (the epilogue's stores are spread over the block).
+    griddep_launch();
     int kt = kt0 + warp;
-    if (kt < kt1) load_tile(kt, ca, cb);
+    if (kt < kt1) load_w(kt, ca);
+    griddep_wait();
+    if (kt < kt1) load_x(kt, cb);
     for (; kt < kt1; kt += SK_WARPS) {
         const bool more = kt + SK_WARPS < kt1;
-        if (more) load_tile(kt + SK_WARPS, na, nb);
+        if (more) {
+            load_w(kt + SK_WARPS, na);
+            load_x(kt + SK_WARPS, nb);
+        }
         u32 bh[NT][4], bl[NT][4];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -421,6 +434,7 @@ extern "C" __global__ void a8_split_x(const float *__restrict__ x, u16 *__restri
 // f32 -> bf16 hi/lo split (for the cuBLAS prefill path): 4 values per thread (a 16-byte
 // load, two 8-byte stores) where the three pointers allow it, else one. lo == null: hi only.
 extern "C" __global__ void split_bf16(const float *x, u16 *hi, u16 *lo, long long n) {
+    griddep_launch();  // a skinny matmul (launched programmatically) may start
     const long long t0 = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
     long long done = 0;
     if ((((unsigned long long)x & 15) | ((unsigned long long)hi & 7) | ((unsigned long long)lo & 7)) == 0) {

@@ -232,16 +232,17 @@ __device__ __forceinline__ void a8_zero_pad(int tok, int KB, int KBp, int NT, u3
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Programmatic dependent launch (sm_90): the Q8_0A8 kernels, add_rms_norm, qk_norm_rope_kv,
-// the attention split kernels and the combine, the Markov steps, argmax_partial and argmax_final
-// may be launched while the previous kernel on
+// Programmatic dependent launch (sm_90): the Q8_0A8 kernels, the skinny matmuls, add_rms_norm,
+// qk_norm_rope_kv, the attention split kernels and the combine, the Markov steps,
+// argmax_partial and argmax_final may be launched while the previous kernel on
 // the stream still runs; griddep_wait() blocks until that kernel has finished and its writes
 // are visible (a no-op for a normal launch; every such kernel calls it before reading
 // anything, in every block, so none completes before its predecessor), griddep_launch() lets
 // the next PDL-launched kernel start early (its blocks become resident and wait in
 // griddep_wait; a no-op when the next kernel is launched normally). The kernels that precede
 // one of those in a step call griddep_launch() first thing (the attention split kernels,
-// copy2d, the matmuls, add_rms_norm), or right after their own loads (rms_norm_q8,
+// copy2d, the matmuls, add_rms_norm, the skinny matmuls' producers: rms_norm_split,
+// silu_mul_split, mul_sigmoid_split, rms_norm_gated_split, split_bf16), or right after their own loads (rms_norm_q8,
 // qk_norm_rope_kv, the combine: the next kernel's weight prefetch, directly or through the
 // launches it cascades into, would delay those loads), so the next launch overlaps them.
 //

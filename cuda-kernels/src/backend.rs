@@ -827,6 +827,9 @@ pub struct Cuda {
     /// pieces where its groups spread unevenly (default on).
     a8_pair_queue: Mutex<bool>,
     a8_pdl: Mutex<bool>,
+    /// Whether the tensor-core skinny matmuls are launched programmatically
+    /// ([`Cuda::set_skinny_pdl`]).
+    skinny_pdl: Mutex<bool>,
     /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
     /// ([`Cuda::set_skinny_producers`]).
     skinny_producers: Mutex<bool>,
@@ -1060,6 +1063,7 @@ impl Cuda {
             a8_pair: Mutex::new(None),
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
+            skinny_pdl: Mutex::new(true),
             skinny_producers: Mutex::new(true),
             prefill_producers: Mutex::new(true),
             prefill_producer_uses: [AtomicU64::new(0), AtomicU64::new(0)],
@@ -1182,6 +1186,15 @@ impl Cuda {
     /// -> 0.750 ms (ctx 512), 1.066 -> 1.036 (8192); 27B 1.198 -> 1.170, 1.384 -> 1.355.
     pub fn set_a8_pdl(&self, on: bool) {
         *lock(&self.a8_pdl) = on;
+    }
+
+    /// Launch the tensor-core skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-16 rows: a dense or
+    /// hybrid target's decode and verify, a drafter in those formats) with programmatic
+    /// dependent launch (default on): each block loads its first weight tile while the kernel
+    /// before finishes (the producers of its x trigger first thing), then waits for it. The
+    /// same bits either way; a benchmark knob.
+    pub fn set_skinny_pdl(&self, on: bool) {
+        *lock(&self.skinny_pdl) = on;
     }
 
     /// With bf16 / q8_0 / q4_0 weights and 1-16 rows, `norm_matmul_many` and `layer_tail`

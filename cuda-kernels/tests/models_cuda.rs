@@ -514,3 +514,61 @@ fn prefill_producers_keep_every_bit() {
     eprintln!("prefill producers on: {matmuls} matmuls of a producer's x, {qk_rows} row-block q / k norms");
     eprintln!("EXACT prefill producers on == off: {compared} forwards (12 prefills) bit for bit");
 }
+
+#[test]
+fn skinny_pdl_keeps_every_bit() {
+    if gpu("skinny_pdl_keeps_every_bit").is_none() {
+        return;
+    }
+    let on = &Cuda::new(0).expect("CUDA backend");
+    let off = &Cuda::new(0).expect("second CUDA backend");
+    off.set_skinny_pdl(false);
+    let mut r = rng("skinny_pdl_keeps_every_bit");
+    let mut compared = 0usize;
+    for &(hidden, window, fmt, kv16) in &[
+        (512usize, None, WeightFormat::Bf16, false),
+        (256, Some(9usize), WeightFormat::Bf16, false),
+        (256, None, WeightFormat::Q8_0, false),
+        (256, Some(9), WeightFormat::Q4_0, false),
+        (512, None, WeightFormat::Bf16, true),
+    ] {
+        let seed: u64 = r.random();
+        let cfg = tiny_qwen3_config(256, hidden, 3, window);
+        let what = format!("hidden={hidden} win={window:?} {fmt:?} kv16={kv16}");
+        let mut ta = random_qwen3_steered(on, cfg.clone(), seed, fmt, 64, None).expect("on");
+        let mut tb = random_qwen3_steered(off, cfg, seed, fmt, 64, None).expect("off");
+        if kv16 {
+            ta.set_kv_storage(on, KvStorage::F16).expect("f16 cache");
+            tb.set_kv_storage(off, KvStorage::F16).expect("f16 cache");
+        }
+        // A prompt of 20 rows (cuBLAS), then decodes of 1 row and verifies of 16 and 5 (the
+        // skinny matmuls, programmatic on one backend and not on the other).
+        let mut start = 0;
+        for rows in [20usize, 1, 1, 16, 1, 5, 1] {
+            let tokens: Vec<u32> = (0..rows).map(|_| r.random_range(0..256)).collect();
+            let fa = ta
+                .forward(on, &tokens, start, &[1], LogitRows::All)
+                .expect("forward on");
+            let fb = tb
+                .forward(off, &tokens, start, &[1], LogitRows::All)
+                .expect("forward off");
+            let la = on.download(&fa.logits.expect("logits")).expect("dl");
+            let lb = off.download(&fb.logits.expect("logits")).expect("dl");
+            assert_eq!((la.len(), lb.len()), (rows * 256, rows * 256), "{what}");
+            assert!(
+                la.iter().zip(&lb).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: logits of {rows} rows at {start} differ with the skinny matmuls' programmatic launch"
+            );
+            let xa = on.download(&fa.taps.expect("taps")).expect("dl");
+            let xb = off.download(&fb.taps.expect("taps")).expect("dl");
+            assert!(
+                xa.iter().zip(&xb).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: taps of {rows} rows at {start} differ with the skinny matmuls' programmatic launch"
+            );
+            start += rows;
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 35);
+    eprintln!("EXACT skinny matmuls programmatic == not: {compared} forwards bit for bit");
+}

@@ -77,6 +77,11 @@ pub struct BenchArgs {
     /// (same bits; a benchmark knob).
     #[arg(long, default_value = "on")]
     a8_pdl: String,
+    /// The tensor-core skinny matmuls (bf16 / q8_0 / q4_0 weights: the targets' decode and
+    /// verify) with programmatic dependent launch: on (the library default) or off (same bits;
+    /// `Cuda::set_skinny_pdl`).
+    #[arg(long, default_value = "on")]
+    skinny_pdl: String,
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
     #[arg(long)]
     attn_split: Option<usize>,
@@ -2138,6 +2143,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "on" => true,
         "off" => false,
         o => bail!("--a8-pdl {o}: expected on or off"),
+    });
+    g.set_skinny_pdl(match a.skinny_pdl.as_str() {
+        "on" => true,
+        "off" => false,
+        o => bail!("--skinny-pdl {o}: expected on or off"),
     });
     g.set_skinny_producers(!a.no_skinny_producers);
     g.set_attn_fa(parse_attn_fa(&a.attn_fa)?)?;

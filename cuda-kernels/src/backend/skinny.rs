@@ -248,6 +248,7 @@ impl Cuda {
             .sum();
         let counters: usize = plan.iter().sum();
         let f = self.func(kern)?;
+        let pdl = *lock(&self.skinny_pdl);
         let len = rows * k;
         let mut s = lock(&self.scratch);
         match (x, act) {
@@ -355,13 +356,14 @@ impl Cuda {
             .i32(rows as i32)
             .i32(acc as i32);
         // SAFETY: the parameters are those of the SKINNY (1-3 matrices) or SKINNY4 kernel macro
-        // in matmul.cu, in order.
+        // in matmul.cu, in order; it reads nothing but its weights before waiting for the
+        // kernel before it (griddepcontrol), in every thread.
         unsafe {
             a.launch(
                 st,
                 &f,
                 cfg((i32_of("matmul", "blocks", total)? as u32, 1, 1), 128, 0),
-                false,
+                pdl,
             )
         }?;
         Ok(true)
