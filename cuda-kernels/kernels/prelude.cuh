@@ -241,10 +241,11 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 // the next PDL-launched kernel start early (its blocks become resident and wait in
 // griddep_wait; a no-op when the next kernel is launched normally). The kernels that precede
 // one of those in a step call griddep_launch() first thing (the attention split kernels,
-// copy2d, the matmuls, add_rms_norm, the skinny matmuls' producers: rms_norm_split,
-// silu_mul_split, mul_sigmoid_split, rms_norm_gated_split, split_bf16), or right after their own loads (rms_norm_q8,
-// qk_norm_rope_kv, the combine: the next kernel's weight prefetch, directly or through the
-// launches it cascades into, would delay those loads), so the next launch overlaps them.
+// copy2d, the matmuls, add_rms_norm, the other producers of the skinny matmuls' x:
+// silu_mul_split, mul_sigmoid_split, rms_norm_gated_split, split_bf16), or right after their
+// own loads (rms_norm_q8, rms_norm_split, add_rms_norm_split, qk_norm_rope_kv, the combine:
+// the next kernel's weight prefetch, directly or through the launches it cascades into, would
+// delay those loads), so the next launch overlaps them.
 //
 // Block trace (compiled with -DDFLASH_BLOCK_TRACE: CudaOptions::block_trace, a profiling aid):
 // thread 0 of every block that calls griddep_wait() appends one record to this module's
