@@ -17,7 +17,7 @@ use dflash_draft_model::random::{random_tensor_map, tiny_config};
 use dflash_draft_model::{Drafter as DraftModel, LentWeights, LoadOptions as DraftLoad, Precision};
 use dflash_spec_round::{generate, plain_greedy, DflashDrafter, SpecConfig};
 use dflash_targets::random::{random_qwen3_steered, tiny_qwen3_config};
-use dflash_targets::LogitRows;
+use dflash_targets::{LogitRows, Qwen3Dense};
 use rand::Rng;
 
 fn tol(f: WeightFormat) -> f32 {
@@ -434,6 +434,73 @@ fn fast_prefill_against_cpu_and_spec_equals_greedy() {
 /// 5-row forward over its cache on two backends, producers on and off, identical, for bf16 /
 /// q8_0 / q4_0 weights on cuBLAS (and Q8_0A8, which they leave alone), both prefill
 /// precisions, f32 and f16 caches.
+/// Tiny dense targets of a knob's on / off comparisons: (hidden, window, weights, f16 cache).
+const TWIN_CASES: &[(usize, Option<usize>, WeightFormat, bool)] = &[
+    (512, None, WeightFormat::Bf16, false),
+    (256, Some(9), WeightFormat::Bf16, false),
+    (256, None, WeightFormat::Q8_0, false),
+    (256, Some(9), WeightFormat::Q4_0, false),
+    (512, None, WeightFormat::Bf16, true),
+];
+
+/// The same random 3-layer dense target (vocabulary 256, capacity 64) on two backends.
+fn twin_targets(
+    a: &Cuda,
+    b: &Cuda,
+    seed: u64,
+    hidden: usize,
+    window: Option<usize>,
+    fmt: WeightFormat,
+    kv16: bool,
+) -> (Qwen3Dense<Cuda>, Qwen3Dense<Cuda>) {
+    let cfg = tiny_qwen3_config(256, hidden, 3, window);
+    let mut ta = random_qwen3_steered(a, cfg.clone(), seed, fmt, 64, None).expect("target a");
+    let mut tb = random_qwen3_steered(b, cfg, seed, fmt, 64, None).expect("target b");
+    if kv16 {
+        ta.set_kv_storage(a, KvStorage::F16).expect("f16 cache");
+        tb.set_kv_storage(b, KvStorage::F16).expect("f16 cache");
+    }
+    (ta, tb)
+}
+
+/// One forward of `tokens` at `start` on both targets: every row's logits and the taps bit for
+/// bit (`what` says which knob differs between the backends).
+fn assert_twin_forward(
+    (a, ta): (&Cuda, &mut Qwen3Dense<Cuda>),
+    (b, tb): (&Cuda, &mut Qwen3Dense<Cuda>),
+    tokens: &[u32],
+    start: usize,
+    taps: &[i32],
+    what: &str,
+) {
+    let fa = ta
+        .forward(a, tokens, start, taps, LogitRows::All)
+        .expect("forward a");
+    let fb = tb
+        .forward(b, tokens, start, taps, LogitRows::All)
+        .expect("forward b");
+    let la = a.download(&fa.logits.expect("logits")).expect("dl");
+    let lb = b.download(&fb.logits.expect("logits")).expect("dl");
+    let rows = tokens.len();
+    assert_eq!(
+        (la.len(), lb.len()),
+        (rows * 256, rows * 256),
+        "{what}: logits"
+    );
+    assert!(
+        la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "{what}: logits of {rows} rows at {start} differ"
+    );
+    if !taps.is_empty() {
+        let xa = a.download(&fa.taps.expect("taps")).expect("dl");
+        let xb = b.download(&fb.taps.expect("taps")).expect("dl");
+        assert!(
+            xa.iter().zip(&xb).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}: taps of {rows} rows at {start} differ"
+        );
+    }
+}
+
 #[test]
 fn prefill_producers_keep_every_bit() {
     if gpu("prefill_producers_keep_every_bit").is_none() {
@@ -449,52 +516,15 @@ fn prefill_producers_keep_every_bit() {
             g.set_prefill_precision(precision);
             g.set_quant_prefill_rows(Some(17));
         }
-        for &(hidden, window, fmt, kv16) in &[
-            (512usize, None, WeightFormat::Bf16, false),
-            (256, Some(9usize), WeightFormat::Bf16, false),
-            (256, None, WeightFormat::Q8_0, false),
-            (256, Some(9), WeightFormat::Q4_0, false),
-            (512, None, WeightFormat::Bf16, true),
-            (256, None, WeightFormat::Q8_0A8, false),
-        ] {
-            let seed: u64 = r.random();
-            let cfg = tiny_qwen3_config(256, hidden, 3, window);
+        let a8 = [(256, None, WeightFormat::Q8_0A8, false)];
+        for &(hidden, window, fmt, kv16) in TWIN_CASES.iter().chain(&a8) {
             let what = format!("{precision:?} hidden={hidden} win={window:?} {fmt:?} kv16={kv16}");
-            let mut ta = random_qwen3_steered(on, cfg.clone(), seed, fmt, 64, None).expect("on");
-            let mut tb = random_qwen3_steered(off, cfg, seed, fmt, 64, None).expect("off");
-            if kv16 {
-                ta.set_kv_storage(on, KvStorage::F16).expect("f16 cache");
-                tb.set_kv_storage(off, KvStorage::F16).expect("f16 cache");
-            }
+            let (mut ta, mut tb) = twin_targets(on, off, r.random(), hidden, window, fmt, kv16);
             let prompt: Vec<u32> = (0..40).map(|_| r.random_range(0..256)).collect();
             let more: Vec<u32> = (0..5).map(|_| r.random_range(0..256)).collect();
             for (tokens, start, taps) in [(&prompt, 0, &[0, 2][..]), (&more, 40, &[][..])] {
-                let fa = ta
-                    .forward(on, tokens, start, taps, LogitRows::All)
-                    .expect("forward on");
-                let fb = tb
-                    .forward(off, tokens, start, taps, LogitRows::All)
-                    .expect("forward off");
-                let la = on.download(&fa.logits.expect("logits")).expect("dl");
-                let lb = off.download(&fb.logits.expect("logits")).expect("dl");
-                let rows = tokens.len();
-                assert_eq!(
-                    (la.len(), lb.len()),
-                    (rows * 256, rows * 256),
-                    "{what}: logits"
-                );
-                assert!(
-                    la.iter().zip(&lb).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: logits of {rows} rows at {start} differ with the prefill producers"
-                );
-                if !taps.is_empty() {
-                    let xa = on.download(&fa.taps.expect("taps")).expect("dl");
-                    let xb = off.download(&fb.taps.expect("taps")).expect("dl");
-                    assert!(
-                        xa.iter().zip(&xb).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{what}: taps differ with the prefill producers"
-                    );
-                }
+                let what = format!("{what}, the prefill producers");
+                assert_twin_forward((on, &mut ta), (off, &mut tb), tokens, start, taps, &what);
                 compared += 1;
             }
         }
@@ -525,46 +555,16 @@ fn skinny_pdl_keeps_every_bit() {
     off.set_skinny_pdl(false);
     let mut r = rng("skinny_pdl_keeps_every_bit");
     let mut compared = 0usize;
-    for &(hidden, window, fmt, kv16) in &[
-        (512usize, None, WeightFormat::Bf16, false),
-        (256, Some(9usize), WeightFormat::Bf16, false),
-        (256, None, WeightFormat::Q8_0, false),
-        (256, Some(9), WeightFormat::Q4_0, false),
-        (512, None, WeightFormat::Bf16, true),
-    ] {
-        let seed: u64 = r.random();
-        let cfg = tiny_qwen3_config(256, hidden, 3, window);
+    for &(hidden, window, fmt, kv16) in TWIN_CASES {
         let what = format!("hidden={hidden} win={window:?} {fmt:?} kv16={kv16}");
-        let mut ta = random_qwen3_steered(on, cfg.clone(), seed, fmt, 64, None).expect("on");
-        let mut tb = random_qwen3_steered(off, cfg, seed, fmt, 64, None).expect("off");
-        if kv16 {
-            ta.set_kv_storage(on, KvStorage::F16).expect("f16 cache");
-            tb.set_kv_storage(off, KvStorage::F16).expect("f16 cache");
-        }
+        let (mut ta, mut tb) = twin_targets(on, off, r.random(), hidden, window, fmt, kv16);
         // A prompt of 20 rows (cuBLAS), then decodes of 1 row and verifies of 16 and 5 (the
         // skinny matmuls, programmatic on one backend and not on the other).
         let mut start = 0;
         for rows in [20usize, 1, 1, 16, 1, 5, 1] {
             let tokens: Vec<u32> = (0..rows).map(|_| r.random_range(0..256)).collect();
-            let fa = ta
-                .forward(on, &tokens, start, &[1], LogitRows::All)
-                .expect("forward on");
-            let fb = tb
-                .forward(off, &tokens, start, &[1], LogitRows::All)
-                .expect("forward off");
-            let la = on.download(&fa.logits.expect("logits")).expect("dl");
-            let lb = off.download(&fb.logits.expect("logits")).expect("dl");
-            assert_eq!((la.len(), lb.len()), (rows * 256, rows * 256), "{what}");
-            assert!(
-                la.iter().zip(&lb).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: logits of {rows} rows at {start} differ with the skinny matmuls' programmatic launch"
-            );
-            let xa = on.download(&fa.taps.expect("taps")).expect("dl");
-            let xb = off.download(&fb.taps.expect("taps")).expect("dl");
-            assert!(
-                xa.iter().zip(&xb).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: taps of {rows} rows at {start} differ with the skinny matmuls' programmatic launch"
-            );
+            let what = format!("{what}, the skinny matmuls' programmatic launch");
+            assert_twin_forward((on, &mut ta), (off, &mut tb), &tokens, start, &[1], &what);
             start += rows;
             compared += 1;
         }
