@@ -1191,8 +1191,10 @@ impl Cuda {
     /// Launch the tensor-core skinny matmuls (bf16 / q8_0 / q4_0 weights, 1-16 rows: a dense or
     /// hybrid target's decode and verify, a drafter in those formats) with programmatic
     /// dependent launch (default on): each block loads its first weight tile while the kernel
-    /// before finishes (the producers of its x trigger first thing), then waits for it. The
-    /// same bits either way; a benchmark knob.
+    /// before finishes (the producers of its x trigger it: the norms after their own loads,
+    /// the others first thing), then waits for it. The same bits either way; a benchmark knob.
+    /// H100, off -> on: the dense Qwen3-8B-shape target's decode1 -1.9% / -2.1% and verify16
+    /// 0% / -1.2% at ctx 512 / 8192, the hybrid's decode -1.8% / -1.4% (fifty-seventh session).
     pub fn set_skinny_pdl(&self, on: bool) {
         *lock(&self.skinny_pdl) = on;
     }

@@ -2122,6 +2122,15 @@ fn time_graph(g: &Cuda, iters: usize, mut f: impl FnMut() -> Result<()>) -> Resu
     time_ms(g, iters, || Ok(gr.launch()?))
 }
 
+/// An `on` / `off` flag's value.
+fn on_off(flag: &str, v: &str) -> Result<bool> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        o => bail!("{flag} {o}: expected on or off"),
+    }
+}
+
 /// `--b2b`: time graph replays back to back.
 static B2B: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -2139,16 +2148,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     g.warm_up()?;
     B2B.store(a.b2b, std::sync::atomic::Ordering::Relaxed);
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
-    g.set_a8_pdl(match a.a8_pdl.as_str() {
-        "on" => true,
-        "off" => false,
-        o => bail!("--a8-pdl {o}: expected on or off"),
-    });
-    g.set_skinny_pdl(match a.skinny_pdl.as_str() {
-        "on" => true,
-        "off" => false,
-        o => bail!("--skinny-pdl {o}: expected on or off"),
-    });
+    g.set_a8_pdl(on_off("--a8-pdl", &a.a8_pdl)?);
+    g.set_skinny_pdl(on_off("--skinny-pdl", &a.skinny_pdl)?);
     g.set_skinny_producers(!a.no_skinny_producers);
     g.set_attn_fa(parse_attn_fa(&a.attn_fa)?)?;
     if let Some(table) = &a.attn_causal {
