@@ -87,16 +87,50 @@ struct RawB {
     uint4 h, l;
 };
 
-template <int FMT, int NT, int SK_R>
-__device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const u16 *__restrict__ xh,
-                                           const u16 *__restrict__ xl,
-                                           float *__restrict__ out, float *__restrict__ ws, u32 *__restrict__ counters, int N, int K,
-                                           int T, int S, int tiles_per_split, int tile, int s, int acc_out) {
+// The SiLU product of a gate and an up value written as the down projection's bf16 hi / lo x
+// at i (silu_mul_split's bits: put_row<true> of silu_f(gate) * up).
+__device__ __forceinline__ void glu_store(u16 *__restrict__ yh, u16 *__restrict__ yl, long long i, float gate, float up) {
+    u32 h, l;
+    split_bf16x2(silu_f(gate) * up, 0.0f, h, l);
+    yh[i] = (u16)(h & 0xffffu);
+    yl[i] = (u16)(l & 0xffffu);
+}
+
+// The S split partials p[0], p[stride], ... added strictly in split order (loads in groups of
+// 4, in flight together).
+__device__ __forceinline__ float split_sum(const float *p, long long stride, int S) {
+    float sum = __ldcg(p);
+    int q = 1;
+    for (; q + 4 <= S; q += 4) {
+        const float a = __ldcg(p + q * stride), b = __ldcg(p + (q + 1) * stride);
+        const float c = __ldcg(p + (q + 2) * stride), e = __ldcg(p + (q + 3) * stride);
+        sum += a;
+        sum += b;
+        sum += c;
+        sum += e;
+    }
+    for (; q < S; ++q) sum += __ldcg(p + q * stride);
+    return sum;
+}
+
+// GLU = 0: out[t, o] (+)= x W^T for the block's 16 SK_R rows of W (wq / wd). GLU = 1: the block's
+// first SK_R / 2 row tiles are rows of the gate W (wq / wd), the others the same rows of the up
+// W (wq2 / wd2), 8 SK_R rows of each; every output's sum is the one GLU = 0 makes for that row
+// of its matrix (the same k tiles, warps and split order), and the block writes silu(gate) *
+// up as the next matmul's bf16 hi / lo x (yh / yl, [T, N]) instead of out. Split partials of
+// GLU = 1: gate rows at 0..N, up rows at N..2N.
+template <int FMT, int NT, int SK_R, int GLU>
+__device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u16 *__restrict__ wd, const void *__restrict__ wq2,
+                                           const u16 *__restrict__ wd2, const u16 *__restrict__ xh, const u16 *__restrict__ xl,
+                                           float *__restrict__ out, u16 *__restrict__ yh, u16 *__restrict__ yl, float *__restrict__ ws,
+                                           u32 *__restrict__ counters, int N, int K, int T, int S, int tiles_per_split, int tile, int s,
+                                           int flags) {
     __shared__ float red[SK_WARPS][SK_R * NT * 4][32];
     __shared__ int s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int KT = K / 32;
-    const int o_base = tile * (16 * SK_R);
+    constexpr int RH = GLU ? SK_R / 2 : SK_R;  // row tiles of each matrix
+    const int o_base = tile * (16 * RH);
     const int kt0 = s * tiles_per_split;
     const int kt1 = min(KT, kt0 + tiles_per_split);
     float acc[SK_R][NT][4];
@@ -112,9 +146,12 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     auto load_w = [&](int kt, RawA (&ra)[SK_R][2]) {
 #pragma unroll
         for (int r = 0; r < SK_R; ++r) {
-            const int o = o_base + r * 16 + g;
-            load_raw<FMT>(wq, wd, N, K, KT, o, kt, t, ra[r][0]);
-            load_raw<FMT>(wq, wd, N, K, KT, o + 8, kt, t, ra[r][1]);
+            const bool second = GLU && r >= RH;
+            const void *q = second ? wq2 : wq;
+            const u16 *d = second ? wd2 : wd;
+            const int o = o_base + (r % RH) * 16 + g;
+            load_raw<FMT>(q, d, N, K, KT, o, kt, t, ra[r][0]);
+            load_raw<FMT>(q, d, N, K, KT, o + 8, kt, t, ra[r][1]);
         }
     };
     auto load_x = [&](int kt, RawB (&rb)[NT]) {
@@ -133,20 +170,25 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     };
     // A programmatic dependent launch (when the host asks for one): the kernel after this one
     // may launch now (its blocks take the slots this grid leaves), and this warp's first
-    // weight tile loads before the wait for the kernel before (no kernel of the chain writes
-    // the weights); x, the split partials, the counters and the outputs only after it, in
-    // every thread (the epilogue's stores are spread over the block).
+    // weight tile (flags bit 1: its first two, the second into the next-tile registers) loads
+    // before the wait for the kernel before (no kernel of the chain writes the weights); x,
+    // the split partials, the counters and the outputs only after it, in every thread (the
+    // epilogue's stores are spread over the block).
+    const bool acc_out = flags & 1;
     griddep_launch();
     int kt = kt0 + warp;
+    bool next_w = (flags & 2) && kt + SK_WARPS < kt1;
     if (kt < kt1) load_w(kt, ca);
+    if (next_w) load_w(kt + SK_WARPS, na);
     griddep_wait();
     if (kt < kt1) load_x(kt, cb);
     for (; kt < kt1; kt += SK_WARPS) {
         const bool more = kt + SK_WARPS < kt1;
         if (more) {
-            load_w(kt + SK_WARPS, na);
+            if (!next_w) load_w(kt + SK_WARPS, na);
             load_x(kt + SK_WARPS, nb);
         }
+        next_w = false;
         u32 bh[NT][4], bl[NT][4];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -186,6 +228,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
             for (int j = 0; j < NT; ++j) cb[j] = nb[j];
         }
     }
+    block_trace_end();  // warp 0's main loop end (a no-op unless traced)
 
 #pragma unroll
     for (int r = 0; r < SK_R; ++r)
@@ -195,8 +238,10 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
             for (int c = 0; c < 4; ++c) red[warp][(r * NT + j) * 4 + c][lane] = acc[r][j][c];
     __syncthreads();
 
-    // Fixed-order sum over the warps; value (v, lane) -> (r, j, c) -> (o, tok).
-    const int NV = SK_R * NT * 4 * 32;
+    // Fixed-order sum over the warps; value (v, lane) -> (r, j, c) -> (o, tok). GLU: v of the
+    // gate's rows and v + VH, the same (j, c) of the up's, together.
+    constexpr int VH = RH * NT * 4;
+    const int NV = VH * 32;
     for (int idx = threadIdx.x; idx < NV; idx += blockDim.x) {
         const int ln = idx & 31, v = idx >> 5;
         const float sum = ((red[0][v][ln] + red[1][v][ln]) + red[2][v][ln]) + red[3][v][ln];
@@ -204,7 +249,16 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const int o = o_base + r * 16 + (ln >> 2) + (c >= 2 ? 8 : 0);
         const int tok = 8 * j + 2 * (ln & 3) + (c & 1);
         if (o < N && tok < T) {
-            if (S == 1) {
+            if (GLU) {
+                const int v2 = v + VH;
+                const float up = ((red[0][v2][ln] + red[1][v2][ln]) + red[2][v2][ln]) + red[3][v2][ln];
+                if (S == 1) {
+                    glu_store(yh, yl, (long long)tok * N + o, sum, up);
+                } else {
+                    ws[((long long)s * 2 * N + o) * 16 + tok] = sum;
+                    ws[((long long)s * 2 * N + N + o) * 16 + tok] = up;
+                }
+            } else if (S == 1) {
                 float *d = out + (long long)tok * N + o;
                 *d = acc_out ? *d + sum : sum;
             } else {
@@ -224,25 +278,17 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    for (int idx = threadIdx.x; idx < 16 * SK_R * 16; idx += blockDim.x) {
+    const long long stride = (long long)(GLU ? 2 : 1) * N * 16;
+    for (int idx = threadIdx.x; idx < 16 * RH * 16; idx += blockDim.x) {
         const int o = o_base + idx / 16, tok = idx % 16;
         if (o < N && tok < T) {
-            // Loads in groups of 4 (in flight together), added strictly in split order.
-            const float *p = ws + (long long)o * 16 + tok;
-            const long long stride = (long long)N * 16;
-            float sum = __ldcg(p);
-            int q = 1;
-            for (; q + 4 <= S; q += 4) {
-                const float a = __ldcg(p + q * stride), b = __ldcg(p + (q + 1) * stride);
-                const float c = __ldcg(p + (q + 2) * stride), e = __ldcg(p + (q + 3) * stride);
-                sum += a;
-                sum += b;
-                sum += c;
-                sum += e;
+            const float sum = split_sum(ws + (long long)o * 16 + tok, stride, S);
+            if (GLU) {
+                glu_store(yh, yl, (long long)tok * N + o, sum, split_sum(ws + (long long)(N + o) * 16 + tok, stride, S));
+            } else {
+                float *d = out + (long long)tok * N + o;
+                *d = acc_out ? *d + sum : sum;
             }
-            for (; q < S; ++q) sum += __ldcg(p + q * stride);
-            float *d = out + (long long)tok * N + o;
-            *d = acc_out ? *d + sum : sum;
         }
     }
     if (threadIdx.x == 0) counters[tile] = 0u;
@@ -252,13 +298,14 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 // matrix 1, [c2, grid) matrix 2; matrix i has ceil(n_i / (16 R)) column tiles x s_i k splits
 // of tps_i k tiles (the host passes one split-k for the launch, from the matrices' total
 // tiles), its split partials after those of the split matrices before it (s_j > 1) and its
-// tile counters after those of the matrices before it. acc_out != 0: out += the product
-// (add_assign's f32 add), else out = the product.
+// tile counters after those of the matrices before it. flags bit 0: out += the product
+// (add_assign's f32 add), else out = the product; bit 1: two weight tiles per warp before the
+// dependency wait (skinny_mma).
 #define SKINNY(NAME, FMT, NT, R, MINB)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
         NAME(const void *wq0, const u16 *wd0, float *out0, int n0, int s0, int tps0, const void *wq1, const u16 *wd1, float *out1,  \
              int n1, int s1, int tps1, const void *wq2, const u16 *wd2, float *out2, int n2, int s2, int tps2, int c1, int c2,      \
-             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int acc_out) {                                \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int flags) {                                   \
         const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : 2;                                                         \
         const int nb0 = (n0 + 16 * R - 1) / (16 * R), nb1 = (n1 + 16 * R - 1) / (16 * R);                                        \
         const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : wq2;                                                                 \
@@ -270,7 +317,8 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const long long wo = sel == 0 ? 0 : sel == 1 ? w1 : w2;                                                                 \
         const int co = sel == 0 ? 0 : sel == 1 ? nb0 : nb0 + nb1;                                                               \
         const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), nb = (n + 16 * R - 1) / (16 * R);                           \
-        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb, acc_out); \
+        skinny_mma<FMT, NT, R, 0>(wq, wd, nullptr, nullptr, xh, xl, out, nullptr, nullptr, ws + wo, counters + co, n, K, T, sp, tps, \
+                                  local % nb, local / nb, flags);                                                          \
     }
 
 // Four matrices of one K (and one x) in one launch (SKINNY4: a Gated DeltaNet layer's q / k / v,
@@ -286,7 +334,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         NAME(const void *wq0, const u16 *wd0, float *out0, int n0, const void *wq1, const u16 *wd1, float *out1, int n1,          \
              const void *wq2, const u16 *wd2, float *out2, int n2, const void *wq3, const u16 *wd3, float *out3, int n3, int sp,   \
              int tps, int c1, int c2, int c3, long long wo1, long long wo2, long long wo3, int co1, int co2, int co3,              \
-             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int acc_out) {                               \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int flags) {                                  \
         const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : bx < c3 ? 2 : 3;                                          \
         const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : sel == 2 ? wq2 : wq3;                                                \
         const u16 *wd = sel == 0 ? wd0 : sel == 1 ? wd1 : sel == 2 ? wd2 : wd3;                                                 \
@@ -295,7 +343,8 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const long long wo = sel == 0 ? 0 : sel == 1 ? wo1 : sel == 2 ? wo2 : wo3;                                              \
         const int co = sel == 0 ? 0 : sel == 1 ? co1 : sel == 2 ? co2 : co3;                                                    \
         const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : sel == 2 ? c2 : c3), nb = (n + 16 * R - 1) / (16 * R);          \
-        skinny_mma<FMT, NT, R>(wq, wd, xh, xl, out, ws + wo, counters + co, n, K, T, sp, tps, local % nb, local / nb, acc_out); \
+        skinny_mma<FMT, NT, R, 0>(wq, wd, nullptr, nullptr, xh, xl, out, nullptr, nullptr, ws + wo, counters + co, n, K, T, sp, tps, \
+                                  local % nb, local / nb, flags);                                                          \
     }
 
 // R = output tiles of 16 rows per warp (32 or 64 rows per block): 2 for most shapes, 4 for
@@ -327,6 +376,38 @@ SKINNY4(skinny4_q8_0_n1, FMT_Q8_0, 1, 2, 5)
 SKINNY4(skinny4_q8_0_n2, FMT_Q8_0, 2, 2, 5)
 SKINNY4(skinny4_q4_0_n1, FMT_Q4_0, 1, 2, 5)
 SKINNY4(skinny4_q4_0_n2, FMT_Q4_0, 2, 2, 5)
+
+// Gate and up of one K (and one x) in one launch, the SiLU product written as the down
+// projection's bf16 hi / lo x (yh / yl, [T, n]): a block per (column tile of 8 R rows of each,
+// split), tile-major as SKINNY's; the host passes the split-k of the gate / up launch of SKINNY
+// (from both matrices' 32-row tiles), so every gate and up sum has SKINNY's bits and the x has
+// silu_mul_split's. The split partials: gate rows at ws[0..n), up at [n..2n) per split; a
+// counter per column tile. flags: bit 1 as SKINNY's (never accumulates).
+#define SKINNY_GLU(NAME, FMT, NT, R, MINB)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
+        NAME(const void *wqg, const u16 *wdg, const void *wqu, const u16 *wdu, int n, int sp, int tps, const u16 *xh,            \
+             const u16 *xl, u16 *yh, u16 *yl, float *ws, u32 *counters, int K, int T, int flags) {                               \
+        const int nb = (n + 8 * R - 1) / (8 * R);                                                                                \
+        skinny_mma<FMT, NT, R, 1>(wqg, wdg, wqu, wdu, xh, xl, nullptr, yh, yl, ws, counters, n, K, T, sp, tps, blockIdx.x % nb, \
+                                  blockIdx.x / nb, flags & 2);                                                                   \
+    }
+
+SKINNY_GLU(skinny_glu_bf16_n1, FMT_BF16, 1, 2, 5)
+SKINNY_GLU(skinny_glu_bf16_n2, FMT_BF16, 2, 2, 5)
+SKINNY_GLU(skinny_glu_bf16p_n1, FMT_BF16P, 1, 2, 5)
+SKINNY_GLU(skinny_glu_bf16p_n2, FMT_BF16P, 2, 2, 5)
+SKINNY_GLU(skinny_glu_q8_0_n1, FMT_Q8_0, 1, 2, 5)
+SKINNY_GLU(skinny_glu_q8_0_n2, FMT_Q8_0, 2, 2, 5)
+SKINNY_GLU(skinny_glu_q4_0_n1, FMT_Q4_0, 1, 2, 5)
+SKINNY_GLU(skinny_glu_q4_0_n2, FMT_Q4_0, 2, 2, 5)
+SKINNY_GLU(skinny_glu_bf16_n1_r4, FMT_BF16, 1, 4, 4)
+SKINNY_GLU(skinny_glu_bf16_n2_r4, FMT_BF16, 2, 4, 3)
+SKINNY_GLU(skinny_glu_bf16p_n1_r4, FMT_BF16P, 1, 4, 4)
+SKINNY_GLU(skinny_glu_bf16p_n2_r4, FMT_BF16P, 2, 4, 3)
+SKINNY_GLU(skinny_glu_q8_0_n1_r4, FMT_Q8_0, 1, 4, 4)
+SKINNY_GLU(skinny_glu_q8_0_n2_r4, FMT_Q8_0, 2, 4, 3)
+SKINNY_GLU(skinny_glu_q4_0_n1_r4, FMT_Q4_0, 1, 4, 4)
+SKINNY_GLU(skinny_glu_q4_0_n2_r4, FMT_Q4_0, 2, 4, 3)
 
 // CUDA-core skinny kernel for any format and any K (f32 / f16 weights, and shapes the
 // tensor-core path does not take). One warp per output feature; lane l owns k = l + 32i;

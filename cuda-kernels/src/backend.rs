@@ -609,6 +609,12 @@ struct Scratch {
     /// a [`SplitAct`] names the generation it was written as.
     x_gen: u64,
     x_shape: Option<(usize, usize)>,
+    /// The second pair: the down projection's x, written by the gate / up launch
+    /// ([`Cuda::matmul_glu_split`]) while it reads the first; its own counter and shape.
+    y_hi: Option<CudaSlice<u16>>,
+    y_lo: Option<CudaSlice<u16>>,
+    y_gen: u64,
+    y_shape: Option<(usize, usize)>,
     a8_q: Option<CudaSlice<u32>>,
     a8_d: Option<CudaSlice<f32>>,
     a8_ws: Option<CudaSlice<f32>>,
@@ -661,6 +667,8 @@ pub struct SplitAct {
     rows: usize,
     generation: u64,
     hi_only: bool,
+    /// In the second pair ([`Cuda::matmul_glu_split`]'s output).
+    second: bool,
 }
 
 /// A cuBLAS matmul's buffers: the weight scratch (a block of W unpacked to bf16) and x's
@@ -690,6 +698,7 @@ impl Scratch {
             rows,
             generation: self.x_gen,
             hi_only,
+            second: false,
         };
         Ok((
             act,
@@ -731,7 +740,7 @@ impl Scratch {
         act: &SplitAct,
         w: usize,
     ) -> Result<Option<SplitBuffers<'_>>> {
-        if self.x_gen != act.generation || self.x_shape != Some((act.k, act.rows)) {
+        if act.second || self.x_gen != act.generation || self.x_shape != Some((act.k, act.rows)) {
             return Ok(None);
         }
         ensure(stream, &mut self.w_unpack, w).map_err(dev)?;
@@ -830,6 +839,12 @@ pub struct Cuda {
     /// Whether the tensor-core skinny matmuls are launched programmatically
     /// ([`Cuda::set_skinny_pdl`]).
     skinny_pdl: Mutex<bool>,
+    /// Weight tiles per warp the tensor-core skinny matmuls load before their dependency
+    /// wait, 1 or 2 ([`Cuda::set_skinny_prewait`]).
+    skinny_prewait: Mutex<u8>,
+    /// Whether gate and up run as one launch writing the down projection's x
+    /// ([`Cuda::set_skinny_glu`]).
+    skinny_glu: Mutex<bool>,
     /// Whether norms and SiLU products write the bf16 / q8_0 / q4_0 skinny matmuls' x
     /// ([`Cuda::set_skinny_producers`]).
     skinny_producers: Mutex<bool>,
@@ -1047,6 +1062,10 @@ impl Cuda {
                 gdn: None,
                 x_gen: 0,
                 x_shape: None,
+                y_hi: None,
+                y_lo: None,
+                y_gen: 0,
+                y_shape: None,
                 a8_q: None,
                 a8_d: None,
                 a8_ws: None,
@@ -1064,6 +1083,8 @@ impl Cuda {
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_pdl: Mutex::new(true),
+            skinny_prewait: Mutex::new(1),
+            skinny_glu: Mutex::new(true),
             skinny_producers: Mutex::new(true),
             prefill_producers: Mutex::new(true),
             prefill_producer_uses: [AtomicU64::new(0), AtomicU64::new(0)],
@@ -1197,6 +1218,32 @@ impl Cuda {
     /// 0% / -1.2% at ctx 512 / 8192, the hybrid's decode -1.8% / -1.4% (fifty-seventh session).
     pub fn set_skinny_pdl(&self, on: bool) {
         *lock(&self.skinny_pdl) = on;
+    }
+
+    /// Weight tiles each warp of a tensor-core skinny matmul loads before it waits for the
+    /// kernel before it (with [`Cuda::set_skinny_pdl`] on): 1 (the default) or 2 (the second
+    /// into the registers of the main loop's next tile, so no more registers); other values
+    /// are clamped to 1-2. The same bits either way (only when weights load); a benchmark
+    /// knob. H100, 1 -> 2 (fifty-eighth session, two rounds): the dense Qwen3-8B-shape
+    /// target's decode1 +0.2% at ctx 512 and 8192, verify16 0.0% / -0.2%, the hybrid's decode
+    /// and verify within 0.3%: no gain, hence 1.
+    pub fn set_skinny_prewait(&self, tiles: u8) {
+        *lock(&self.skinny_prewait) = tiles.clamp(1, 2);
+    }
+
+    /// With bf16 / q8_0 / q4_0 MLP weights and 1-16 rows, run the gate and up projections as
+    /// one launch whose blocks each hold a gate and the same up rows and write the SiLU
+    /// product as the down projection's x ([`Cuda::matmul_glu_split`]; default on), instead
+    /// of a gate / up launch and a `silu_mul_split` launch. The same bits either way; a
+    /// benchmark knob. H100, off -> on (fifty-eighth session, two rounds, graph replays): the
+    /// dense Qwen3-8B-shape target's decode1 6.83 -> 6.36 ms (-6.8%) at ctx 512 and 7.97 ->
+    /// 7.50 (-5.9%) at 8192, verify16 7.35 -> 7.18 (-2.2%) and 8.88 -> 8.80 (-0.9%); with an
+    /// f16 K / V cache decode1 -7.0% / -6.5%, verify16 -2.5% / -2.0%; the 4-layer hybrid's
+    /// decode -0.5% / -0.3% and verify16 -0.9% / -1.7%; the bf16 drafter's step -1.7% / -0.5%.
+    /// The SiLU launch went with its wait: a launch that is not programmatic starts only once
+    /// the one before has finished.
+    pub fn set_skinny_glu(&self, on: bool) {
+        *lock(&self.skinny_glu) = on;
     }
 
     /// With bf16 / q8_0 / q4_0 weights and 1-16 rows, `norm_matmul_many` and `layer_tail`
@@ -2452,25 +2499,23 @@ impl Cuda {
             self.matmul(attn, rows, w.wo, s.o)?;
         }
         let act = self.add_rms_norm_split(h, s.o, w.post_norm, rows, d, w.eps)?;
+        // Gate and up in one launch writing the down projection's x (1-16 rows).
+        if let Some(act2) = self.matmul_glu_split(&act, w.w_gate, w.w_up)? {
+            if self.matmul_many_split(&act2, &[w.w_down], &mut [&mut *h], true)? {
+                return Ok(());
+            }
+            // Another thread's launch in between: h holds the residual sum; its norm, then
+            // the MLP as separate ops.
+            return self.post_norm_mlp_ops(rows, h, w, s);
+        }
         if !self.matmul_many_split(
             &act,
             &[w.w_gate, w.w_up],
             &mut [&mut *s.gate, &mut *s.up],
             false,
         )? {
-            // h holds the residual sum already: its first rows' norm (rms_norm's kernel),
-            // then the MLP as separate ops.
-            check("layer_tail", "xn", rows * d, s.xn.len)?;
-            let f = self.func(Kernel::RmsNorm)?;
-            let dd = i32_of("layer_tail", "dim", d)?;
-            let mut b = self.stream.launch_builder(&f);
-            b.arg(&h.data)
-                .arg(&w.post_norm.data)
-                .arg(&mut s.xn.data)
-                .arg(&dd)
-                .arg(&w.eps);
-            unsafe { b.launch(cfg((rows as u32, 1, 1), norm_threads(d), 0)) }.map_err(dev)?;
-            return mlp_residual_ops(self, rows, h, w, s);
+            // h holds the residual sum already: its norm, then the MLP as separate ops.
+            return self.post_norm_mlp_ops(rows, h, w, s);
         }
         let act = self.silu_mul_split(s.gate, s.up, rows, inter)?;
         if rows <= SKINNY_ROWS && self.matmul_many_split(&act, &[w.w_down], &mut [&mut *h], true)? {
@@ -2482,6 +2527,30 @@ impl Cuda {
             self.matmul_silu_mul(s.gate, s.up, s.act, rows, w.w_down, s.o)?;
         }
         self.add_assign(h, 0, s.o, rows * d)
+    }
+
+    /// The rest of a layer tail from `h` holding the residual sum: the norm of its first
+    /// `rows` rows (rms_norm's kernel) into `s.xn`, then the MLP as separate ops.
+    fn post_norm_mlp_ops(
+        &self,
+        rows: usize,
+        h: &mut CudaBuf,
+        w: &LayerTail<'_, Self>,
+        s: TailScratch<'_, Self>,
+    ) -> Result<()> {
+        let d = w.wo.rows;
+        check("layer_tail", "xn", rows * d, s.xn.len)?;
+        let f = self.func(Kernel::RmsNorm)?;
+        let dd = i32_of("layer_tail", "dim", d)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&h.data)
+            .arg(&w.post_norm.data)
+            .arg(&mut s.xn.data)
+            .arg(&dd)
+            .arg(&w.eps);
+        // SAFETY: rms_norm(const float *, const float *, float *, int, float).
+        unsafe { b.launch(cfg((rows as u32, 1, 1), norm_threads(d), 0)) }.map_err(dev)?;
+        mlp_residual_ops(self, rows, h, w, s)
     }
 
     /// The layer tail after the o projection (a tail [`Cuda::tail_fuses`] takes): the norm

@@ -545,30 +545,56 @@ fn prefill_producers_keep_every_bit() {
     eprintln!("EXACT prefill producers on == off: {compared} forwards (12 prefills) bit for bit");
 }
 
-#[test]
-fn skinny_pdl_keeps_every_bit() {
-    if gpu("skinny_pdl_keeps_every_bit").is_none() {
+/// The dense target's forwards on a default backend and on one with a skinny-launch knob
+/// turned (`set`), over [`TWIN_CASES`]: a prompt of 20 rows (cuBLAS), then decodes of 1 row
+/// and verifies of 16 and 5 (the skinny matmuls), logits and taps bit for bit.
+fn skinny_knob_keeps_every_bit(test: &str, knob: &str, set: impl Fn(&Cuda)) {
+    if gpu(test).is_none() {
         return;
     }
     let on = &Cuda::new(0).expect("CUDA backend");
     let off = &Cuda::new(0).expect("second CUDA backend");
-    off.set_skinny_pdl(false);
-    let mut r = rng("skinny_pdl_keeps_every_bit");
+    set(off);
+    let mut r = rng(test);
     let mut compared = 0usize;
     for &(hidden, window, fmt, kv16) in TWIN_CASES {
-        let what = format!("hidden={hidden} win={window:?} {fmt:?} kv16={kv16}");
+        let what = format!("hidden={hidden} win={window:?} {fmt:?} kv16={kv16}, {knob}");
         let (mut ta, mut tb) = twin_targets(on, off, r.random(), hidden, window, fmt, kv16);
-        // A prompt of 20 rows (cuBLAS), then decodes of 1 row and verifies of 16 and 5 (the
-        // skinny matmuls, programmatic on one backend and not on the other).
         let mut start = 0;
         for rows in [20usize, 1, 1, 16, 1, 5, 1] {
             let tokens: Vec<u32> = (0..rows).map(|_| r.random_range(0..256)).collect();
-            let what = format!("{what}, the skinny matmuls' programmatic launch");
             assert_twin_forward((on, &mut ta), (off, &mut tb), &tokens, start, &[1], &what);
             start += rows;
             compared += 1;
         }
     }
     assert_eq!(compared, 35);
-    eprintln!("EXACT skinny matmuls programmatic == not: {compared} forwards bit for bit");
+    eprintln!("EXACT {knob}: {compared} forwards bit for bit");
+}
+
+#[test]
+fn skinny_pdl_keeps_every_bit() {
+    skinny_knob_keeps_every_bit(
+        "skinny_pdl_keeps_every_bit",
+        "the skinny matmuls launched programmatically or not",
+        |c| c.set_skinny_pdl(false),
+    );
+}
+
+#[test]
+fn skinny_glu_keeps_every_bit() {
+    skinny_knob_keeps_every_bit(
+        "skinny_glu_keeps_every_bit",
+        "gate / up and the SiLU product in one launch or two",
+        |c| c.set_skinny_glu(false),
+    );
+}
+
+#[test]
+fn skinny_prewait_keeps_every_bit() {
+    skinny_knob_keeps_every_bit(
+        "skinny_prewait_keeps_every_bit",
+        "one or two weight tiles before the skinny matmuls' wait",
+        |c| c.set_skinny_prewait(2),
+    );
 }

@@ -1513,6 +1513,97 @@ fn matmul_many_skinny_matches_cpu_and_is_per_row_deterministic() {
 }
 
 #[test]
+fn glu_launch_equals_gate_up_then_silu_bit_for_bit() {
+    // A backend of its own: another test's launch on a shared one could make an activation
+    // stale between two of these calls.
+    let Some(g) = private_gpu("glu_launch_equals_gate_up_then_silu_bit_for_bit") else {
+        return;
+    };
+    let g = &g;
+    g.set_poison_scratch(true);
+    let cpu = Cpu::new();
+    let mut r = rng("glu_launch_equals_gate_up_then_silu_bit_for_bit");
+    let eps = 1e-6f32;
+    let mut compared = 0usize;
+    // (hidden, intermediate): split-k of 1 and more, 32- and 64-row kernels, the 8B and 27B
+    // MLP shapes.
+    for &(k, n) in &[
+        (256usize, 96usize),
+        (512, 1024),
+        (1024, 3072),
+        (4096, 12288),
+        (5120, 17408),
+    ] {
+        for fmt in [WeightFormat::Bf16, WeightFormat::Q8_0, WeightFormat::Q4_0] {
+            let (w, _) = weights_on_both(g, &cpu, &mut r, &[n, n], k, fmt);
+            let (wd, _) = weights_on_both(g, &cpu, &mut r, &[256], n, fmt);
+            let nw = g.upload(&rand_vec(&mut r, k, 1.5)).expect("norm w");
+            for rows in [1usize, 5, 9, 16] {
+                let what = format!("{fmt:?} K={k} n={n} rows={rows}");
+                let x = g.upload(&rand_vec(&mut r, rows * k, 2.0)).expect("x");
+                // The GLU launch, then the down projection of its output.
+                let act = g.rms_norm_split(&x, &nw, k, eps, rows).expect("norm");
+                let act2 = g
+                    .matmul_glu_split(&act, &w[0], &w[1])
+                    .expect("glu")
+                    .unwrap_or_else(|| panic!("{what}: the GLU launch declined"));
+                // A write of the first pair leaves the second current.
+                g.rms_norm_split(&x, &nw, k, eps, rows).expect("norm");
+                let mut out1 = poisoned(g, rows * 256);
+                assert!(
+                    g.matmul_many_split(&act2, &[&wd[0]], &mut [&mut out1], false)
+                        .expect("down"),
+                    "{what}: the GLU output went stale"
+                );
+                // The separate launches: gate / up, the SiLU product, the down projection.
+                let act = g.rms_norm_split(&x, &nw, k, eps, rows).expect("norm");
+                let (mut gate, mut up) = (poisoned(g, rows * n), poisoned(g, rows * n));
+                assert!(g
+                    .matmul_many_split(&act, &[&w[0], &w[1]], &mut [&mut gate, &mut up], false)
+                    .expect("gate / up"));
+                let act3 = g.silu_mul_split(&gate, &up, rows, n).expect("silu");
+                let mut out2 = poisoned(g, rows * 256);
+                assert!(g
+                    .matmul_many_split(&act3, &[&wd[0]], &mut [&mut out2], false)
+                    .expect("down"));
+                assert_same_bits(
+                    &what,
+                    &g.download(&out1).expect("dl"),
+                    &g.download(&out2).expect("dl"),
+                );
+                compared += 1;
+            }
+            // A second GLU launch makes the first one's output stale: nothing launched.
+            let x = g.upload(&rand_vec(&mut r, k, 2.0)).expect("x");
+            let act = g.rms_norm_split(&x, &nw, k, eps, 1).expect("norm");
+            let first = g
+                .matmul_glu_split(&act, &w[0], &w[1])
+                .expect("glu")
+                .expect("glu");
+            g.matmul_glu_split(&act, &w[0], &w[1])
+                .expect("glu")
+                .expect("glu");
+            let mut out = poisoned(g, 256);
+            assert!(!g
+                .matmul_many_split(&first, &[&wd[0]], &mut [&mut out], false)
+                .expect("stale down"));
+        }
+    }
+    assert_eq!(compared, 60);
+    // Off: no launch.
+    g.set_skinny_glu(false);
+    let (w, _) = weights_on_both(g, &cpu, &mut r, &[64, 64], 64, WeightFormat::Bf16);
+    let nw = g.upload(&rand_vec(&mut r, 64, 1.5)).expect("norm w");
+    let x = g.upload(&rand_vec(&mut r, 64, 2.0)).expect("x");
+    let act = g.rms_norm_split(&x, &nw, 64, eps, 1).expect("norm");
+    assert!(g
+        .matmul_glu_split(&act, &w[0], &w[1])
+        .expect("glu")
+        .is_none());
+    eprintln!("EXACT the GLU launch == gate / up + silu_mul_split: {compared} cases bit for bit");
+}
+
+#[test]
 fn fused_ops_equal_the_separate_ops_bit_for_bit() {
     let Some(g) = gpu("fused_ops_equal_the_separate_ops_bit_for_bit") else {
         return;

@@ -133,6 +133,30 @@ impl Cuda {
         })
     }
 
+    /// The gate / up twin (`skinny_glu_*`) of a skinny kernel: the same sums for the same
+    /// split, a block holding a gate and the same up rows (half the kernel's tile rows each).
+    fn skinny_glu_kernel(kern: Kernel) -> Option<Kernel> {
+        Some(match kern {
+            Kernel::SkinnyBf16N1 => Kernel::SkinnyGluBf16N1,
+            Kernel::SkinnyBf16N2 => Kernel::SkinnyGluBf16N2,
+            Kernel::SkinnyBf16N1R4 => Kernel::SkinnyGluBf16N1R4,
+            Kernel::SkinnyBf16N2R4 => Kernel::SkinnyGluBf16N2R4,
+            Kernel::SkinnyBf16PN1 => Kernel::SkinnyGluBf16PN1,
+            Kernel::SkinnyBf16PN2 => Kernel::SkinnyGluBf16PN2,
+            Kernel::SkinnyBf16PN1R4 => Kernel::SkinnyGluBf16PN1R4,
+            Kernel::SkinnyBf16PN2R4 => Kernel::SkinnyGluBf16PN2R4,
+            Kernel::SkinnyQ8N1 => Kernel::SkinnyGluQ8N1,
+            Kernel::SkinnyQ8N2 => Kernel::SkinnyGluQ8N2,
+            Kernel::SkinnyQ8N1R4 => Kernel::SkinnyGluQ8N1R4,
+            Kernel::SkinnyQ8N2R4 => Kernel::SkinnyGluQ8N2R4,
+            Kernel::SkinnyQ4N1 => Kernel::SkinnyGluQ4N1,
+            Kernel::SkinnyQ4N2 => Kernel::SkinnyGluQ4N2,
+            Kernel::SkinnyQ4N1R4 => Kernel::SkinnyGluQ4N1R4,
+            Kernel::SkinnyQ4N2R4 => Kernel::SkinnyGluQ4N2R4,
+            _ => return None,
+        })
+    }
+
     /// 1-16 rows of x times one weight (any format): the skinny matmul on the tensor cores or
     /// the SIMT kernel.
     pub(super) fn matmul_skinny(
@@ -249,8 +273,16 @@ impl Cuda {
         let counters: usize = plan.iter().sum();
         let f = self.func(kern)?;
         let pdl = *lock(&self.skinny_pdl);
+        // Kernel flags: bit 0 accumulate, bit 1 a second weight tile before the wait.
+        let flags = acc as i32
+            | if *lock(&self.skinny_prewait) == 2 {
+                2
+            } else {
+                0
+            };
         let len = rows * k;
         let mut s = lock(&self.scratch);
+        let second = act.is_some_and(|a| a.second);
         match (x, act) {
             (Some(x), None) => {
                 // x -> bf16 hi + lo once per call (elementwise, so per-row determinism holds).
@@ -262,7 +294,12 @@ impl Cuda {
                 unsafe { b.launch(grid_1d(len, 256)) }.map_err(dev)?;
             }
             (None, Some(a)) => {
-                if s.x_gen != a.generation || s.x_shape != Some((a.k, a.rows)) || a.hi_only {
+                let (generation, shape) = if a.second {
+                    (s.y_gen, s.y_shape)
+                } else {
+                    (s.x_gen, s.x_shape)
+                };
+                if generation != a.generation || shape != Some((a.k, a.rows)) || a.hi_only {
                     return Ok(false);
                 }
                 if a.k != k || a.rows != rows {
@@ -284,16 +321,20 @@ impl Cuda {
             mm_counters,
             x_hi,
             x_lo,
+            y_hi,
+            y_lo,
             ..
         } = &mut *s;
         let (ws, cnt) = (
             mm_ws.as_mut().ok_or_else(internal)?,
             mm_counters.as_mut().ok_or_else(internal)?,
         );
-        let (hi, lo) = (
-            x_hi.as_mut().ok_or_else(internal)?,
-            x_lo.as_mut().ok_or_else(internal)?,
-        );
+        let (hi, lo) = if second {
+            (y_hi.as_ref(), y_lo.as_ref())
+        } else {
+            (x_hi.as_ref(), x_lo.as_ref())
+        };
+        let (hi, lo) = (hi.ok_or_else(internal)?, lo.ok_or_else(internal)?);
         let st = &*self.stream;
         let mut a = RawArgs::default();
         // Per matrix: its first block, split partials (ws) and tile counters.
@@ -348,13 +389,13 @@ impl Cuda {
                 a.i32(i32_of("matmul", "tile counters", ci)?);
             }
         }
-        a.dptr(&*hi, st)
-            .dptr(&*lo, st)
+        a.dptr(hi, st)
+            .dptr(lo, st)
             .dptr_mut(&mut *ws, st)
             .dptr_mut(&mut *cnt, st)
             .i32(i32_of("matmul", "w.cols", k)?)
             .i32(rows as i32)
-            .i32(acc as i32);
+            .i32(flags);
         // SAFETY: the parameters are those of the SKINNY (1-3 matrices) or SKINNY4 kernel macro
         // in matmul.cu, in order; it reads nothing but its weights before waiting for the
         // kernel before it (griddepcontrol), in every thread.
@@ -458,6 +499,96 @@ impl Cuda {
             .map(|(w, o)| (*w, o.data.slice_mut(0..rows * w.rows)))
             .collect();
         self.skinny_launch(None, Some(act), rows, &mut mats, acc)
+    }
+
+    /// The gate and up projections of a producer's activation (1-16 rows) in one launch that
+    /// writes `silu(x W_gate^T) * (x W_up^T)` as the down projection's bf16 hi / lo activation
+    /// (a second pair, so the launch reads the first while it writes): the bits of
+    /// [`Cuda::matmul_many_split`] of the two (one launch, the same split) then
+    /// [`Cuda::silu_mul_split`], with neither f32 output written nor the SiLU launch. Ok(None),
+    /// nothing launched: [`Cuda::set_skinny_glu`] off, `act` stale or of a prefill, an
+    /// intermediate size that is not a multiple of 32 (no skinny matmul could read the
+    /// output), or matrices the skinny launch of the two would not take (then that launch and
+    /// the SiLU product run as before).
+    pub fn matmul_glu_split(
+        &self,
+        act: &SplitAct,
+        w_gate: &Weight<Self>,
+        w_up: &Weight<Self>,
+    ) -> Result<Option<SplitAct>> {
+        let (rows, k, n) = (act.rows, act.k, w_gate.rows);
+        if !*lock(&self.skinny_glu)
+            || act.second
+            || act.hi_only
+            || !(1..=SKINNY_ROWS).contains(&rows)
+            || w_up.rows != n
+            || !n.is_multiple_of(32)
+            || !self.skinny_group(&[w_gate, w_up], k, rows)
+        {
+            return Ok(None);
+        }
+        // The kernel and split of the two matrices' skinny launch: the same sums.
+        let t32 = 2 * n.div_ceil(SKINNY_TILE_ROWS);
+        let (kern, tile_rows) = self.skinny_kernel(w_gate, rows, t32).ok_or_else(internal)?;
+        let Some(kern) = Self::skinny_glu_kernel(kern) else {
+            return Ok(None);
+        };
+        let (splits, tps) = skinny_splits(t32, k / 32, self.num_sms);
+        let tiles = n.div_ceil(tile_rows / 2);
+        let f = self.func(kern)?;
+        let pdl = *lock(&self.skinny_pdl);
+        let flags = if *lock(&self.skinny_prewait) == 2 {
+            2
+        } else {
+            0
+        };
+        let mut s = lock(&self.scratch);
+        if act.generation != s.x_gen || s.x_shape != Some((k, rows)) {
+            return Ok(None);
+        }
+        ensure(&self.stream, &mut s.mm_ws, (splits * 2 * n * 16).max(1)).map_err(dev)?;
+        ensure(&self.stream, &mut s.mm_counters, tiles).map_err(dev)?;
+        ensure(&self.stream, &mut s.y_hi, rows * n).map_err(dev)?;
+        ensure(&self.stream, &mut s.y_lo, rows * n).map_err(dev)?;
+        s.y_gen += 1;
+        s.y_shape = Some((n, rows));
+        let out = SplitAct {
+            k: n,
+            rows,
+            generation: s.y_gen,
+            hi_only: false,
+            second: true,
+        };
+        let Scratch {
+            mm_ws,
+            mm_counters,
+            x_hi,
+            x_lo,
+            y_hi,
+            y_lo,
+            ..
+        } = &mut *s;
+        let st = &*self.stream;
+        let mut a = RawArgs::default();
+        raw_weight(&mut a, &w_gate.buf, st);
+        raw_weight(&mut a, &w_up.buf, st);
+        a.i32(i32_of("matmul_glu_split", "w_gate.rows", n)?)
+            .i32(i32_of("matmul_glu_split", "splits", splits)?)
+            .i32(i32_of("matmul_glu_split", "tiles per split", tps)?)
+            .dptr(x_hi.as_ref().ok_or_else(internal)?, st)
+            .dptr(x_lo.as_ref().ok_or_else(internal)?, st)
+            .dptr_mut(y_hi.as_mut().ok_or_else(internal)?, st)
+            .dptr_mut(y_lo.as_mut().ok_or_else(internal)?, st)
+            .dptr_mut(mm_ws.as_mut().ok_or_else(internal)?, st)
+            .dptr_mut(mm_counters.as_mut().ok_or_else(internal)?, st)
+            .i32(i32_of("matmul_glu_split", "w_gate.cols", k)?)
+            .i32(rows as i32)
+            .i32(flags);
+        let blocks = i32_of("matmul_glu_split", "blocks", tiles * splits)? as u32;
+        // SAFETY: the parameters of the SKINNY_GLU kernel macro in matmul.cu, in order; it
+        // reads nothing but its weights before waiting for the kernel before it.
+        unsafe { a.launch(st, &f, cfg((blocks, 1, 1), 128, 0), pdl) }?;
+        Ok(Some(out))
     }
 
     /// [`Cuda::matmul_many_split`] of a prefill's activation: each matrix through
