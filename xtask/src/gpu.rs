@@ -58,6 +58,21 @@ pub struct BenchArgs {
     /// after one: its K / V cache in f16 (`--target-kv f16`).
     #[arg(long, default_value = "bf16,bf16+kv16")]
     target_formats: String,
+    /// Instead of the dense target's table: at each context and target format, one eager
+    /// decode1 and one verify16, each between `cuProfilerStart` and `cuProfilerStop` after an
+    /// unprofiled one (for `ncu --profile-from-start off`: those calls' kernels alone); then
+    /// exit.
+    #[arg(long)]
+    profile_target: bool,
+    /// Only the per-block trace (as --trace; kernels compiled with `CudaOptions::block_trace`)
+    /// of the dense target's decode1 and verify16 graphs at each --target-formats entry and
+    /// --ctx, with --trace-layers layers of the Qwen3-8B shape, written as CSV to this file
+    /// (its shape column: `FORMAT decode1` / `FORMAT verify16`). Then exit.
+    #[arg(long)]
+    trace_target: Option<PathBuf>,
+    /// Layers of the dense target for --trace-target (the whole 36 overflow the trace buffer).
+    #[arg(long, default_value_t = 4)]
+    trace_layers: usize,
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
     #[arg(long)]
     markov: bool,
@@ -82,6 +97,14 @@ pub struct BenchArgs {
     /// `Cuda::set_skinny_pdl`).
     #[arg(long, default_value = "on")]
     skinny_pdl: String,
+    /// Weight tiles per warp the tensor-core skinny matmuls load before their dependency
+    /// wait: 1 (the library default) or 2 (same bits; `Cuda::set_skinny_prewait`).
+    #[arg(long, default_value_t = 1)]
+    skinny_prewait: u8,
+    /// Gate / up and the SiLU product of the skinny matmuls' MLPs in one launch: on (the
+    /// library default) or off (same bits; `Cuda::set_skinny_glu`).
+    #[arg(long, default_value = "on")]
+    skinny_glu: String,
     /// Keys per split of the attention kernel (backend default 256; a benchmark knob).
     #[arg(long)]
     attn_split: Option<usize>,
@@ -2136,7 +2159,7 @@ static B2B: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(f
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     let opts = dflash_cuda_kernels::CudaOptions {
-        block_trace: a.trace.is_some(),
+        block_trace: a.trace.is_some() || a.trace_target.is_some(),
         ..Default::default()
     };
     let g = Cuda::with_options(0, opts).map_err(|e| anyhow!("no usable CUDA device: {e}"))?;
@@ -2150,6 +2173,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
     g.set_a8_pdl(on_off("--a8-pdl", &a.a8_pdl)?);
     g.set_skinny_pdl(on_off("--skinny-pdl", &a.skinny_pdl)?);
+    g.set_skinny_prewait(a.skinny_prewait);
+    g.set_skinny_glu(on_off("--skinny-glu", &a.skinny_glu)?);
     g.set_skinny_producers(!a.no_skinny_producers);
     g.set_attn_fa(parse_attn_fa(&a.attn_fa)?)?;
     if let Some(table) = &a.attn_causal {
@@ -2300,6 +2325,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.trace {
         return block_trace(&g, &a, &shapes, &ctxs, path);
     }
+    if let Some(path) = &a.trace_target {
+        return target_trace(&g, &a, &ctxs, path);
+    }
     if a.timeline {
         return timeline(&g, &a, &shapes, &ctxs);
     }
@@ -2424,6 +2452,20 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             m.q8norm = !a.no_a8_producers;
             let mut b16 = m.bufs(&g, 16)?;
             let mut b1 = m.bufs(&g, 1)?;
+            if a.profile_target {
+                for &ctx in &ctxs {
+                    for (rows, b) in [(1, &mut b1), (16, &mut b16)] {
+                        for profiled in [false, true] {
+                            let prof = profiled.then(cudarc::driver::Profiler::new).transpose()?;
+                            m.forward(&g, b, rows, ctx, true, 0)?;
+                            g.stream().synchronize()?;
+                            drop(prof);
+                        }
+                    }
+                    println!("target {label} ctx {ctx}: a decode1 and a verify16 profiled");
+                }
+                continue;
+            }
             for &ctx in &ctxs {
                 let v = time_forward(&g, &mut m, &mut b16, 16, ctx, true, 0, a.iters.min(20))?;
                 let d = time_forward(&g, &mut m, &mut b1, 1, ctx, true, 0, a.iters.min(20))?;
@@ -2870,35 +2912,88 @@ fn block_trace(
         for &ctx in ctxs {
             let t = time_forward(g, &mut m, &mut b, s.block, ctx, false, 1, a.iters)?;
             let gr = capture_step(g, &mut m, &mut b, s.block, ctx)?;
-            for _ in 0..5 {
-                gr.launch()?;
-            }
-            g.block_trace_reset()?;
-            gr.launch()?;
-            let (recs, dropped) = g.block_trace()?;
+            let (n, dropped) = write_trace(g, &gr, &mut f, s.name, ctx)?;
             println!(
-                "{} ctx {ctx}: step {:.4} ms (graph, traced kernels), {} records, {dropped} dropped",
+                "{} ctx {ctx}: step {:.4} ms (graph, traced kernels), {n} records, {dropped} dropped",
                 s.name,
-                t.graph.unwrap_or(f64::NAN),
-                recs.len()
+                t.graph.unwrap_or(f64::NAN)
             );
-            for r in recs {
-                writeln!(
-                    f,
-                    "{},{ctx},{},{},{},{},{},{},{},{}",
-                    s.name,
-                    r.module,
-                    r.line,
-                    match r.kind {
-                        dflash_cuda_kernels::registry::BlockTraceKind::Wait => "wait",
-                        dflash_cuda_kernels::registry::BlockTraceKind::End => "end",
-                    },
-                    r.sm,
-                    r.t0_ns,
-                    r.t1_ns,
-                    r.block,
-                    r.blocks
-                )?;
+        }
+    }
+    f.flush()?;
+    Ok(())
+}
+
+/// One graph replay's block records written as CSV rows under `name` (see
+/// [`block_trace`]); the replays before it not recorded.
+fn write_trace(
+    g: &Cuda,
+    gr: &cudarc::driver::CudaGraph,
+    f: &mut impl std::io::Write,
+    name: &str,
+    ctx: usize,
+) -> Result<(usize, u64)> {
+    for _ in 0..5 {
+        gr.launch()?;
+    }
+    g.block_trace_reset()?;
+    gr.launch()?;
+    let (recs, dropped) = g.block_trace()?;
+    let n = recs.len();
+    for r in recs {
+        writeln!(
+            f,
+            "{name},{ctx},{},{},{},{},{},{},{},{}",
+            r.module,
+            r.line,
+            match r.kind {
+                dflash_cuda_kernels::registry::BlockTraceKind::Wait => "wait",
+                dflash_cuda_kernels::registry::BlockTraceKind::End => "end",
+            },
+            r.sm,
+            r.t0_ns,
+            r.t1_ns,
+            r.block,
+            r.blocks
+        )?;
+    }
+    Ok((n, dropped))
+}
+
+/// The dense target's per-block trace (see `BenchArgs::trace_target`): decode1 and verify16
+/// graphs of a `--trace-layers`-layer Qwen3-8B-shaped target at each format and context.
+fn target_trace(g: &Cuda, a: &BenchArgs, ctxs: &[usize], path: &PathBuf) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(f, "shape,ctx,module,line,kind,sm,t0_ns,t1_ns,block,blocks")?;
+    let s = Shape {
+        layers: a.trace_layers,
+        windows: vec![None; a.trace_layers],
+        ..dense_8b_target()?
+    };
+    let cap = ctxs.iter().max().copied().unwrap_or(512) + 16;
+    for entry in a.target_formats.split(',') {
+        let (mut m, _, label) = target_model(g, &s, entry, cap)?;
+        m.fused = !a.unfused;
+        m.attn_tail = !a.separate_attn_tail;
+        m.q8norm = !a.no_a8_producers;
+        for rows in [1, 16] {
+            let mut b = m.bufs(g, rows)?;
+            for &ctx in ctxs {
+                let t = time_forward(g, &mut m, &mut b, rows, ctx, true, 0, a.iters)?;
+                let st = g.stream().clone();
+                st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+                let r = m.forward(g, &mut b, rows, ctx, true, 0);
+                let gr = st.end_capture(CUgraphInstantiate_flags(0));
+                r?;
+                let gr = gr?.ok_or_else(|| anyhow!("empty capture"))?;
+                let name = format!("{label} {}", if rows == 1 { "decode1" } else { "verify16" });
+                let (n, dropped) = write_trace(g, &gr, &mut f, &name, ctx)?;
+                println!(
+                    "{name} ctx {ctx}, {} layers: {:.4} ms (graph, traced kernels), {n} records, {dropped} dropped",
+                    s.layers,
+                    t.graph.unwrap_or(f64::NAN)
+                );
             }
         }
     }
