@@ -1222,11 +1222,13 @@ impl Cuda {
 
     /// Weight tiles each warp of a tensor-core skinny matmul loads before it waits for the
     /// kernel before it (with [`Cuda::set_skinny_pdl`] on): 1 (the default) or 2 (the second
-    /// into the registers of the main loop's next tile, so no more registers); other values
-    /// are clamped to 1-2. The same bits either way (only when weights load); a benchmark
-    /// knob. H100, 1 -> 2 (fifty-eighth session, two rounds): the dense Qwen3-8B-shape
-    /// target's decode1 +0.2% at ctx 512 and 8192, verify16 0.0% / -0.2%, the hybrid's decode
-    /// and verify within 0.3%: no gain, hence 1.
+    /// into the registers of the main loop's next tile); other values are clamped to 1-2. The
+    /// same bits either way (only when weights load); a benchmark knob. H100, 1 -> 2
+    /// (fifty-eighth session, two rounds): the dense Qwen3-8B-shape target's decode1 +0.2% at
+    /// ctx 512 and 8192, verify16 0.0% / -0.2%, the hybrid's decode and verify within 0.3%: no
+    /// gain, hence 1. Its code costs registers whichever is chosen (ptxas 13.0, sm_90: the
+    /// 32-row bf16 kernel `skinny_bf16p_n1` 76 -> 96, so 5 blocks per SM where it held 6); a
+    /// tree without it is left for a GPU test (`.gpu/s58-v6.patch` where kept).
     pub fn set_skinny_prewait(&self, tiles: u8) {
         *lock(&self.skinny_prewait) = tiles.clamp(1, 2);
     }
@@ -1240,8 +1242,12 @@ impl Cuda {
     /// 7.50 (-5.9%) at 8192, verify16 7.35 -> 7.18 (-2.2%) and 8.88 -> 8.80 (-0.9%); with an
     /// f16 K / V cache decode1 -7.0% / -6.5%, verify16 -2.5% / -2.0%; the 4-layer hybrid's
     /// decode -0.5% / -0.3% and verify16 -0.9% / -1.7%; the bf16 drafter's step -1.7% / -0.5%.
-    /// The SiLU launch went with its wait: a launch that is not programmatic starts only once
-    /// the one before has finished.
+    /// Most of the decode1 gain is a wave: in that build the two-matrix kernel took 96
+    /// registers (5 blocks per SM: the 8B gate / up's 768 blocks in 1.16 waves, 75 us; the
+    /// pre-wait knob's code, [`Cuda::set_skinny_prewait`]) and this one 78 (6 per SM: one
+    /// wave, 65 us); before that knob the two-matrix kernel took 76. The SiLU launch itself
+    /// (not programmatic: it starts once gate / up has finished) cost ~2.4 us per layer in
+    /// the per-block trace.
     pub fn set_skinny_glu(&self, on: bool) {
         *lock(&self.skinny_glu) = on;
     }
