@@ -1629,6 +1629,39 @@ impl Cuda {
         self.reg.get(k).map_err(BackendError::from)
     }
 
+    /// (registers per thread, local memory bytes per thread) of a kernel as this device's
+    /// driver compiled it (loading its module on first use). A spill shows as local memory.
+    fn kernel_resources(&self, k: Kernel) -> Result<(i32, i32)> {
+        let f = self.func(k)?;
+        let regs = f.num_regs().map_err(dev)?;
+        let local = f
+            .get_attribute(drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+            .map_err(dev)?;
+        Ok((regs, local))
+    }
+
+    /// (entry point, registers per thread, local memory bytes per thread) of every kernel
+    /// whose entry point contains `filter` (all with ""), as this device's driver compiled
+    /// them: a benchmark aid. Register counts decide how many blocks an SM holds, and so how
+    /// many waves a launch takes; they depend on the driver's compiler, not only on the
+    /// source. Kernels built for another architecture only ([`Kernel::only_for`]) are left
+    /// out.
+    pub fn kernel_info(&self, filter: &str) -> Result<Vec<(&'static str, i32, i32)>> {
+        let arch = self.reg.arch();
+        Kernel::ALL
+            .iter()
+            .filter(|k| k.name().contains(filter))
+            .filter(|k| {
+                k.only_for()
+                    .is_none_or(|a| a == crate::registry::module_arch(k.module(), arch))
+            })
+            .map(|&k| {
+                let (regs, local) = self.kernel_resources(k)?;
+                Ok((k.name(), regs, local))
+            })
+            .collect()
+    }
+
     /// Raise a kernel's dynamic shared memory limit (once per kernel and size; a driver call
     /// that is not a stream operation, so graph captures are unaffected).
     fn func_smem(&self, k: Kernel, bytes: usize) -> Result<CudaFunction> {

@@ -73,6 +73,12 @@ pub struct BenchArgs {
     /// Layers of the dense target for --trace-target (the whole 36 overflow the trace buffer).
     #[arg(long, default_value_t = 4)]
     trace_layers: usize,
+    /// Only the registers and local memory (spills) per thread of every kernel whose entry
+    /// point contains this string ("" for all), as this device's driver compiled them; then
+    /// exit. The driver's compiler, not only the source, sets them (and with them how many
+    /// blocks an SM holds).
+    #[arg(long)]
+    kernel_info: Option<String>,
     /// Also time the DSpark variant (Markov head, rank 256) of each drafter.
     #[arg(long)]
     markov: bool,
@@ -2321,6 +2327,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     if let Some(list) = &a.a8_sweep {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);
+    }
+    if let Some(filter) = &a.kernel_info {
+        println!("| kernel | registers | local bytes |\n|---|---:|---:|");
+        for (name, regs, local) in g.kernel_info(filter)? {
+            println!("| {name} | {regs} | {local} |");
+        }
+        return Ok(());
     }
     if let Some(path) = &a.trace {
         return block_trace(&g, &a, &shapes, &ctxs, path);

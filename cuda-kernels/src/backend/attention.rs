@@ -816,7 +816,6 @@ impl Cuda {
     /// tensor-core attention kernels and the prefill's: a benchmark aid (spills show as local
     /// memory).
     pub fn attn_kernel_info(&self) -> Result<Vec<(&'static str, i32, i32)>> {
-        let mut v = Vec::new();
         let kernels = [2, 4]
             .into_iter()
             .flat_map(|kw| {
@@ -824,17 +823,13 @@ impl Cuda {
                     .map(|(fpv, x1)| tc_kernel(128, kw, fpv, x1))
             })
             .chain([pf_kernel(128, true), pf_kernel(128, false)]);
-        for k in kernels.flatten() {
-            let f = self.func(k)?;
-            let regs = f.num_regs().map_err(dev)?;
-            let local = f
-                .get_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
-                )
-                .map_err(dev)?;
-            v.push((k.name(), regs, local));
-        }
-        Ok(v)
+        kernels
+            .flatten()
+            .map(|k| {
+                let (regs, local) = self.kernel_resources(k)?;
+                Ok((k.name(), regs, local))
+            })
+            .collect()
     }
 
     /// Whether [`Backend::attention_fast_kv16`](dflash_backend::Backend::attention_fast_kv16) runs its own kernel for these parameters (head
