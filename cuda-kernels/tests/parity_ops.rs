@@ -3349,3 +3349,40 @@ fn memory_pool_keeps_reuses_and_trims() {
         r2 >> 20
     );
 }
+
+#[test]
+fn kernel_info_reports_every_kernel_once() {
+    let Some(g) = gpu("kernel_info_reports_every_kernel_once") else {
+        return;
+    };
+    use dflash_cuda_kernels::registry::Kernel;
+    let all = g.kernel_info("").expect("kernel info");
+    let names: std::collections::HashSet<&str> = all.iter().map(|(n, _, _)| *n).collect();
+    assert_eq!(names.len(), all.len(), "a kernel reported twice");
+    // Every kernel built for every architecture is there; those of one architecture only
+    // where the device has it.
+    for k in Kernel::ALL {
+        assert!(
+            names.contains(k.name()) || k.only_for().is_some(),
+            "{} missing",
+            k.name()
+        );
+    }
+    for &(name, regs, local) in &all {
+        assert!(
+            (1..=255).contains(&regs) && local >= 0,
+            "{name}: {regs} registers, {local} local bytes"
+        );
+    }
+    let glu = g.kernel_info("skinny_glu").expect("kernel info");
+    let want: Vec<_> = all
+        .iter()
+        .filter(|(n, _, _)| n.contains("skinny_glu"))
+        .copied()
+        .collect();
+    assert!(!glu.is_empty());
+    assert_eq!(
+        glu, want,
+        "the filter picks the same entries, in the same order"
+    );
+}
