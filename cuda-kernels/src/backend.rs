@@ -1629,15 +1629,16 @@ impl Cuda {
         self.reg.get(k).map_err(BackendError::from)
     }
 
-    /// (registers per thread, local memory bytes per thread) of a kernel as this device's
-    /// driver compiled it (loading its module on first use). A spill shows as local memory.
-    fn kernel_resources(&self, k: Kernel) -> Result<(i32, i32)> {
+    /// (entry point, registers per thread, local memory bytes per thread) of a kernel as this
+    /// device's driver compiled it (loading its module on first use). A spill shows as local
+    /// memory.
+    fn kernel_resources(&self, k: Kernel) -> Result<(&'static str, i32, i32)> {
         let f = self.func(k)?;
         let regs = f.num_regs().map_err(dev)?;
         let local = f
             .get_attribute(drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
             .map_err(dev)?;
-        Ok((regs, local))
+        Ok((k.name(), regs, local))
     }
 
     /// (entry point, registers per thread, local memory bytes per thread) of every kernel
@@ -1655,10 +1656,7 @@ impl Cuda {
                 k.only_for()
                     .is_none_or(|a| a == crate::registry::module_arch(k.module(), arch))
             })
-            .map(|&k| {
-                let (regs, local) = self.kernel_resources(k)?;
-                Ok((k.name(), regs, local))
-            })
+            .map(|&k| self.kernel_resources(k))
             .collect()
     }
 

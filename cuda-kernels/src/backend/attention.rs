@@ -825,10 +825,7 @@ impl Cuda {
             .chain([pf_kernel(128, true), pf_kernel(128, false)]);
         kernels
             .flatten()
-            .map(|k| {
-                let (regs, local) = self.kernel_resources(k)?;
-                Ok((k.name(), regs, local))
-            })
+            .map(|k| self.kernel_resources(k))
             .collect()
     }
 
