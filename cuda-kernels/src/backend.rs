@@ -1629,25 +1629,25 @@ impl Cuda {
         self.reg.get(k).map_err(BackendError::from)
     }
 
-    /// (entry point, registers per thread, local memory bytes per thread) of a kernel as this
-    /// device's driver compiled it (loading its module on first use). A spill shows as local
-    /// memory.
-    fn kernel_resources(&self, k: Kernel) -> Result<(&'static str, i32, i32)> {
+    /// (registers per thread, local memory bytes per thread) of a kernel as this device's
+    /// driver compiled it (loading its module on first use). A spill shows as local memory.
+    fn kernel_resources(&self, k: Kernel) -> Result<(i32, i32)> {
         let f = self.func(k)?;
         let regs = f.num_regs().map_err(dev)?;
         let local = f
             .get_attribute(drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
             .map_err(dev)?;
-        Ok((k.name(), regs, local))
+        Ok((regs, local))
     }
 
-    /// (entry point, registers per thread, local memory bytes per thread) of every kernel
-    /// whose entry point contains `filter` (all with ""), as this device's driver compiled
-    /// them: a benchmark aid. Register counts decide how many blocks an SM holds, and so how
+    /// (kernel, registers per thread, local memory bytes per thread) of every kernel whose
+    /// entry point contains `filter` (all with ""), as this device's driver compiled them: a
+    /// benchmark aid. Entry points are unique within a module, not across them (the q4_0
+    /// module repeats the a8 kernels' names): [`Kernel::module`] tells them apart. Register counts decide how many blocks an SM holds, and so how
     /// many waves a launch takes; they depend on the driver's compiler, not only on the
     /// source. Kernels built for another architecture only ([`Kernel::only_for`]) are left
     /// out.
-    pub fn kernel_info(&self, filter: &str) -> Result<Vec<(&'static str, i32, i32)>> {
+    pub fn kernel_info(&self, filter: &str) -> Result<Vec<(Kernel, i32, i32)>> {
         let arch = self.reg.arch();
         Kernel::ALL
             .iter()
@@ -1656,7 +1656,10 @@ impl Cuda {
                 k.only_for()
                     .is_none_or(|a| a == crate::registry::module_arch(k.module(), arch))
             })
-            .map(|&k| self.kernel_resources(k))
+            .map(|&k| {
+                self.kernel_resources(k)
+                    .map(|(regs, local)| (k, regs, local))
+            })
             .collect()
     }
 

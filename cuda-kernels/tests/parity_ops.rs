@@ -3357,27 +3357,37 @@ fn kernel_info_reports_every_kernel_once() {
     };
     use dflash_cuda_kernels::registry::Kernel;
     let all = g.kernel_info("").expect("kernel info");
-    let names: std::collections::HashSet<&str> = all.iter().map(|(n, _, _)| *n).collect();
-    assert_eq!(names.len(), all.len(), "a kernel reported twice");
+    let kernels: std::collections::HashSet<Kernel> = all.iter().map(|(k, _, _)| *k).collect();
+    assert_eq!(kernels.len(), all.len(), "a kernel reported twice");
+    // Entry points repeat across modules (matmul_q4 has the a8 kernels' names): the module
+    // and the entry point together are unique.
+    let keys: std::collections::HashSet<_> =
+        all.iter().map(|(k, _, _)| (k.module(), k.name())).collect();
+    assert_eq!(
+        keys.len(),
+        all.len(),
+        "two kernels with one module and entry point"
+    );
     // Every kernel built for every architecture is there; those of one architecture only
     // where the device has it.
     for k in Kernel::ALL {
         assert!(
-            names.contains(k.name()) || k.only_for().is_some(),
+            kernels.contains(k) || k.only_for().is_some(),
             "{} missing",
             k.name()
         );
     }
-    for &(name, regs, local) in &all {
+    for &(k, regs, local) in &all {
         assert!(
             (1..=255).contains(&regs) && local >= 0,
-            "{name}: {regs} registers, {local} local bytes"
+            "{}: {regs} registers, {local} local bytes",
+            k.name()
         );
     }
     let glu = g.kernel_info("skinny_glu").expect("kernel info");
     let want: Vec<_> = all
         .iter()
-        .filter(|(n, _, _)| n.contains("skinny_glu"))
+        .filter(|(k, _, _)| k.name().contains("skinny_glu"))
         .copied()
         .collect();
     assert!(!glu.is_empty());

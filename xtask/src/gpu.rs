@@ -2329,9 +2329,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return a8_sweep(&g, &a, list, &shapes, &ctxs);
     }
     if let Some(filter) = &a.kernel_info {
-        println!("| kernel | registers | local bytes |\n|---|---:|---:|");
-        for (name, regs, local) in g.kernel_info(filter)? {
-            println!("| {name} | {regs} | {local} |");
+        println!("| module | kernel | registers | local bytes |\n|---|---|---:|---:|");
+        for (k, regs, local) in g.kernel_info(filter)? {
+            println!(
+                "| {} | {} | {regs} | {local} |",
+                k.module().name(),
+                k.name()
+            );
         }
         return Ok(());
     }

@@ -825,7 +825,10 @@ impl Cuda {
             .chain([pf_kernel(128, true), pf_kernel(128, false)]);
         kernels
             .flatten()
-            .map(|k| self.kernel_resources(k))
+            .map(|k| {
+                self.kernel_resources(k)
+                    .map(|(regs, local)| (k.name(), regs, local))
+            })
             .collect()
     }
 
