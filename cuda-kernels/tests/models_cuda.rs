@@ -403,8 +403,14 @@ fn fast_prefill_against_cpu_and_spec_equals_greedy() {
         (256, WeightFormat::Bf16, true),
     ] {
         // bf16 x (2^-9) and 10-bit attention operands through 3 layers, as the f16 cache's
-        // bound; int8 activations move codes downstream of that noise.
-        let bound = if fmt.is_a8() { 5e-2 } else { 1e-2 };
+        // bound; a block format's W rounded to bf16 as well (a second 2^-9 in each product:
+        // seed 1796689184922798219 gave q4_0 1.019e-2 on an H100, main and the 59th's tree
+        // alike); int8 activations move codes downstream of that noise.
+        let bound = match fmt {
+            f if f.is_a8() => 5e-2,
+            WeightFormat::Bf16 => 1e-2,
+            _ => 2e-2,
+        };
         let what = format!("fast prefill {fmt:?} kv16={kv16}");
         target_cuda_vs_cpu(g, &cpu, &mut r, (hidden, None, fmt, kv16), 40, bound, &what);
     }
