@@ -51,6 +51,8 @@ __device__ __forceinline__ void rms_norm_impl(const float *__restrict__ x, const
     // rms_norm triggers its dependents first thing; the split variant after its row's loads
     // (the next kernel, a skinny matmul, loads a weight tile before it waits: issued
     // earlier, those loads delayed this kernel's: the dense 8B target's verify16 +5.5%).
+    // Launched programmatically (the split variant), the norm's weights load before the wait
+    // for the kernel before (none writes them), x after it.
     if (!SPLIT) griddep_launch();
     __shared__ float red[32];
     const long long row = blockIdx.x;
@@ -62,8 +64,14 @@ __device__ __forceinline__ void rms_norm_impl(const float *__restrict__ x, const
         for (int u = 0; u < RMS_MAXV; ++u) {
             if (u >= nv) break;
             const int i = threadIdx.x + u * blockDim.x;
-            v[u] = i < dim ? xr[i] : 0.0f;
             wv[u] = i < dim ? w[i] : 0.0f;
+        }
+        griddep_wait();
+#pragma unroll
+        for (int u = 0; u < RMS_MAXV; ++u) {
+            if (u >= nv) break;
+            const int i = threadIdx.x + u * blockDim.x;
+            v[u] = i < dim ? xr[i] : 0.0f;
         }
         const float inv = rms_inv_of(v, dim, eps, red);
         if (SPLIT) griddep_launch();
@@ -75,6 +83,7 @@ __device__ __forceinline__ void rms_norm_impl(const float *__restrict__ x, const
         }
         return;
     }
+    griddep_wait();
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     ss = block_sum(ss, red);

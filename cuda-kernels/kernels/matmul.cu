@@ -124,7 +124,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
                                            const u16 *__restrict__ wd2, const u16 *__restrict__ xh, const u16 *__restrict__ xl,
                                            float *__restrict__ out, u16 *__restrict__ yh, u16 *__restrict__ yl, float *__restrict__ ws,
                                            u32 *__restrict__ counters, int N, int K, int T, int S, int tiles_per_split, int tile, int s,
-                                           int flags) {
+                                           int acc_out) {
     __shared__ float red[SK_WARPS][SK_R * NT * 4][32];
     __shared__ int s_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -170,25 +170,22 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
     };
     // A programmatic dependent launch (when the host asks for one): the kernel after this one
     // may launch now (its blocks take the slots this grid leaves), and this warp's first
-    // weight tile (flags bit 1: its first two, the second into the next-tile registers) loads
-    // before the wait for the kernel before (no kernel of the chain writes the weights); x,
-    // the split partials, the counters and the outputs only after it, in every thread (the
-    // epilogue's stores are spread over the block).
-    const bool acc_out = flags & 1;
+    // weight tile loads before the wait for the kernel before (no kernel of the chain writes
+    // the weights); x, the split partials, the counters and the outputs only after it, in
+    // every thread (the epilogue's stores are spread over the block). (A second tile before
+    // the wait, into the next-tile registers, measured no faster and took the 32-row bf16
+    // kernels from 76 to 96 registers: fifty-eighth session.)
     griddep_launch();
     int kt = kt0 + warp;
-    bool next_w = (flags & 2) && kt + SK_WARPS < kt1;
     if (kt < kt1) load_w(kt, ca);
-    if (next_w) load_w(kt + SK_WARPS, na);
     griddep_wait();
     if (kt < kt1) load_x(kt, cb);
     for (; kt < kt1; kt += SK_WARPS) {
         const bool more = kt + SK_WARPS < kt1;
         if (more) {
-            if (!next_w) load_w(kt + SK_WARPS, na);
+            load_w(kt + SK_WARPS, na);
             load_x(kt + SK_WARPS, nb);
         }
-        next_w = false;
         u32 bh[NT][4], bl[NT][4];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -298,14 +295,13 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
 // matrix 1, [c2, grid) matrix 2; matrix i has ceil(n_i / (16 R)) column tiles x s_i k splits
 // of tps_i k tiles (the host passes one split-k for the launch, from the matrices' total
 // tiles), its split partials after those of the split matrices before it (s_j > 1) and its
-// tile counters after those of the matrices before it. flags bit 0: out += the product
-// (add_assign's f32 add), else out = the product; bit 1: two weight tiles per warp before the
-// dependency wait (skinny_mma).
+// tile counters after those of the matrices before it. acc_out != 0: out += the product
+// (add_assign's f32 add), else out = the product.
 #define SKINNY(NAME, FMT, NT, R, MINB)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
         NAME(const void *wq0, const u16 *wd0, float *out0, int n0, int s0, int tps0, const void *wq1, const u16 *wd1, float *out1,  \
              int n1, int s1, int tps1, const void *wq2, const u16 *wd2, float *out2, int n2, int s2, int tps2, int c1, int c2,      \
-             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int flags) {                                   \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int acc_out) {                                 \
         const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : 2;                                                         \
         const int nb0 = (n0 + 16 * R - 1) / (16 * R), nb1 = (n1 + 16 * R - 1) / (16 * R);                                        \
         const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : wq2;                                                                 \
@@ -318,7 +314,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const int co = sel == 0 ? 0 : sel == 1 ? nb0 : nb0 + nb1;                                                               \
         const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : c2), nb = (n + 16 * R - 1) / (16 * R);                           \
         skinny_mma<FMT, NT, R, 0>(wq, wd, nullptr, nullptr, xh, xl, out, nullptr, nullptr, ws + wo, counters + co, n, K, T, sp, tps, \
-                                  local % nb, local / nb, flags);                                                          \
+                                  local % nb, local / nb, acc_out);                                                          \
     }
 
 // Four matrices of one K (and one x) in one launch (SKINNY4: a Gated DeltaNet layer's q / k / v,
@@ -334,7 +330,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         NAME(const void *wq0, const u16 *wd0, float *out0, int n0, const void *wq1, const u16 *wd1, float *out1, int n1,          \
              const void *wq2, const u16 *wd2, float *out2, int n2, const void *wq3, const u16 *wd3, float *out3, int n3, int sp,   \
              int tps, int c1, int c2, int c3, long long wo1, long long wo2, long long wo3, int co1, int co2, int co3,              \
-             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int flags) {                                  \
+             const u16 *xh, const u16 *xl, float *ws, u32 *counters, int K, int T, int acc_out) {                                \
         const int bx = blockIdx.x, sel = bx < c1 ? 0 : bx < c2 ? 1 : bx < c3 ? 2 : 3;                                          \
         const void *wq = sel == 0 ? wq0 : sel == 1 ? wq1 : sel == 2 ? wq2 : wq3;                                                \
         const u16 *wd = sel == 0 ? wd0 : sel == 1 ? wd1 : sel == 2 ? wd2 : wd3;                                                 \
@@ -344,7 +340,7 @@ __device__ __forceinline__ void skinny_mma(const void *__restrict__ wq, const u1
         const int co = sel == 0 ? 0 : sel == 1 ? co1 : sel == 2 ? co2 : co3;                                                    \
         const int local = bx - (sel == 0 ? 0 : sel == 1 ? c1 : sel == 2 ? c2 : c3), nb = (n + 16 * R - 1) / (16 * R);          \
         skinny_mma<FMT, NT, R, 0>(wq, wd, nullptr, nullptr, xh, xl, out, nullptr, nullptr, ws + wo, counters + co, n, K, T, sp, tps, \
-                                  local % nb, local / nb, flags);                                                          \
+                                  local % nb, local / nb, acc_out);                                                          \
     }
 
 // R = output tiles of 16 rows per warp (32 or 64 rows per block): 2 for most shapes, 4 for
@@ -382,14 +378,14 @@ SKINNY4(skinny4_q4_0_n2, FMT_Q4_0, 2, 2, 5)
 // split), tile-major as SKINNY's; the host passes the split-k of the gate / up launch of SKINNY
 // (from both matrices' 32-row tiles), so every gate and up sum has SKINNY's bits and the x has
 // silu_mul_split's. The split partials: gate rows at ws[0..n), up at [n..2n) per split; a
-// counter per column tile. flags: bit 1 as SKINNY's (never accumulates).
+// counter per column tile. Never accumulates.
 #define SKINNY_GLU(NAME, FMT, NT, R, MINB)                                                                                       \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                                                      \
         NAME(const void *wqg, const u16 *wdg, const void *wqu, const u16 *wdu, int n, int sp, int tps, const u16 *xh,            \
-             const u16 *xl, u16 *yh, u16 *yl, float *ws, u32 *counters, int K, int T, int flags) {                               \
+             const u16 *xl, u16 *yh, u16 *yl, float *ws, u32 *counters, int K, int T) {                                          \
         const int nb = (n + 8 * R - 1) / (8 * R);                                                                                \
         skinny_mma<FMT, NT, R, 1>(wqg, wdg, wqu, wdu, xh, xl, nullptr, yh, yl, ws, counters, n, K, T, sp, tps, blockIdx.x % nb, \
-                                  blockIdx.x / nb, flags & 2);                                                                   \
+                                  blockIdx.x / nb, 0);                                                                           \
     }
 
 SKINNY_GLU(skinny_glu_bf16_n1, FMT_BF16, 1, 2, 5)

@@ -829,6 +829,9 @@ pub struct Cuda {
     rope_cache: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
     blas: Mutex<Option<CudaBlas>>,
     smem_set: Mutex<HashMap<Kernel, usize>>,
+    /// Blocks per SM of the skinny kernels as the driver compiled them
+    /// ([`Cuda::skinny_occupancy`]).
+    occupancy: Mutex<HashMap<Kernel, usize>>,
     a8_kernel: Mutex<A8Kernel>,
     /// The paired gate / up kernel (k-slices, stages); None: chosen per launch.
     a8_pair: Mutex<Option<(u8, u8)>>,
@@ -839,9 +842,6 @@ pub struct Cuda {
     /// Whether the tensor-core skinny matmuls are launched programmatically
     /// ([`Cuda::set_skinny_pdl`]).
     skinny_pdl: Mutex<bool>,
-    /// Weight tiles per warp the tensor-core skinny matmuls load before their dependency
-    /// wait, 1 or 2 ([`Cuda::set_skinny_prewait`]).
-    skinny_prewait: Mutex<u8>,
     /// Whether gate and up run as one launch writing the down projection's x
     /// ([`Cuda::set_skinny_glu`]).
     skinny_glu: Mutex<bool>,
@@ -1078,12 +1078,12 @@ impl Cuda {
             rope_cache: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             smem_set: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
             a8_kernel: Mutex::new(A8Kernel::Auto),
             a8_pair: Mutex::new(None),
             a8_pair_queue: Mutex::new(true),
             a8_pdl: Mutex::new(true),
             skinny_pdl: Mutex::new(true),
-            skinny_prewait: Mutex::new(1),
             skinny_glu: Mutex::new(true),
             skinny_producers: Mutex::new(true),
             prefill_producers: Mutex::new(true),
@@ -1220,19 +1220,6 @@ impl Cuda {
         *lock(&self.skinny_pdl) = on;
     }
 
-    /// Weight tiles each warp of a tensor-core skinny matmul loads before it waits for the
-    /// kernel before it (with [`Cuda::set_skinny_pdl`] on): 1 (the default) or 2 (the second
-    /// into the registers of the main loop's next tile); other values are clamped to 1-2. The
-    /// same bits either way (only when weights load); a benchmark knob. H100, 1 -> 2
-    /// (fifty-eighth session, two rounds): the dense Qwen3-8B-shape target's decode1 +0.2% at
-    /// ctx 512 and 8192, verify16 0.0% / -0.2%, the hybrid's decode and verify within 0.3%: no
-    /// gain, hence 1. Its code costs registers whichever is chosen (ptxas 13.0, sm_90: the
-    /// 32-row bf16 kernel `skinny_bf16p_n1` 76 -> 96, so 5 blocks per SM where it held 6); a
-    /// tree without it is left for a GPU test (`.gpu/s58-v6.patch` where kept).
-    pub fn set_skinny_prewait(&self, tiles: u8) {
-        *lock(&self.skinny_prewait) = tiles.clamp(1, 2);
-    }
-
     /// With bf16 / q8_0 / q4_0 MLP weights and 1-16 rows, run the gate and up projections as
     /// one launch whose blocks each hold a gate and the same up rows and write the SiLU
     /// product as the down projection's x ([`Cuda::matmul_glu_split`]; default on), instead
@@ -1244,8 +1231,12 @@ impl Cuda {
     /// decode -0.5% / -0.3% and verify16 -0.9% / -1.7%; the bf16 drafter's step -1.7% / -0.5%.
     /// Most of the decode1 gain is a wave: in that build the two-matrix kernel took 96
     /// registers (5 blocks per SM: the 8B gate / up's 768 blocks in 1.16 waves, 75 us; the
-    /// pre-wait knob's code, [`Cuda::set_skinny_prewait`]) and this one 78 (6 per SM: one
-    /// wave, 65 us); before that knob the two-matrix kernel took 76. The SiLU launch itself
+    /// code of a pre-wait knob since removed) and this one 78 (6 per SM: one wave, 65 us).
+    /// Without that code the driver gave this launch's one-row kernels more than 80 (5 per
+    /// SM: decode1 +3.9% against the fifty-seventh session's main, fifty-ninth session, H100;
+    /// held to 6 per SM by `__launch_bounds__` they spilled: +17.7%), so a launch whose
+    /// 32-row blocks overflow a wave at the kernel's real occupancy runs the 64-row twin
+    /// where that fits one (`skinny::wave_r4`). The SiLU launch itself
     /// (not programmatic: it starts once gate / up has finished) cost ~2.4 us per layer in
     /// the per-block trace.
     pub fn set_skinny_glu(&self, on: bool) {

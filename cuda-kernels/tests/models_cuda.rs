@@ -595,12 +595,3 @@ fn skinny_glu_keeps_every_bit() {
         |c| c.set_skinny_glu(false),
     );
 }
-
-#[test]
-fn skinny_prewait_keeps_every_bit() {
-    skinny_knob_keeps_every_bit(
-        "skinny_prewait_keeps_every_bit",
-        "one or two weight tiles before the skinny matmuls' wait",
-        |c| c.set_skinny_prewait(2),
-    );
-}

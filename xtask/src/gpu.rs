@@ -103,10 +103,6 @@ pub struct BenchArgs {
     /// `Cuda::set_skinny_pdl`).
     #[arg(long, default_value = "on")]
     skinny_pdl: String,
-    /// Weight tiles per warp the tensor-core skinny matmuls load before their dependency
-    /// wait: 1 (the library default) or 2 (same bits; `Cuda::set_skinny_prewait`).
-    #[arg(long, default_value_t = 1)]
-    skinny_prewait: u8,
     /// Gate / up and the SiLU product of the skinny matmuls' MLPs in one launch: on (the
     /// library default) or off (same bits; `Cuda::set_skinny_glu`).
     #[arg(long, default_value = "on")]
@@ -2179,7 +2175,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let a8k = parse_a8_kernel(&a.a8_kernel)?;
     g.set_a8_pdl(on_off("--a8-pdl", &a.a8_pdl)?);
     g.set_skinny_pdl(on_off("--skinny-pdl", &a.skinny_pdl)?);
-    g.set_skinny_prewait(a.skinny_prewait);
     g.set_skinny_glu(on_off("--skinny-glu", &a.skinny_glu)?);
     g.set_skinny_producers(!a.no_skinny_producers);
     g.set_attn_fa(parse_attn_fa(&a.attn_fa)?)?;

@@ -68,6 +68,17 @@ pub(super) fn skinny_splits(nb: usize, kt: usize, sms: usize) -> (usize, usize) 
     (kt.div_ceil(tps).max(1), tps)
 }
 
+/// Whether a skinny launch runs its 64-row kernel instead of the 32-row one because of the
+/// wave: the 32-row kernel's `b32` blocks need more than one wave at the `occ32` blocks per SM
+/// the device's driver compiled it for, and the 64-row kernel's `b64` fit one at its `occ64`
+/// (the same split, so the same bits: [`skinny_r4`]). [`skinny_r4`] and [`skinny_splits`]
+/// assume [`SKINNY_BLOCKS_PER_SM`]; a kernel's real register count moves with the driver's
+/// compiler and with code that never runs (the fifty-eighth session: the 8B gate / up at one
+/// row, 768 blocks, took one wave at 78 registers and 1.16 at 81-96).
+pub(super) fn wave_r4(b32: usize, occ32: usize, b64: usize, occ64: usize, sms: usize) -> bool {
+    b32 > occ32 * sms && b64 <= occ64 * sms
+}
+
 impl Cuda {
     /// The tensor-core skinny kernel (bf16 / q8_0 / q4_0 weights, K % 32 == 0) for the row
     /// tile size of `w`, `rows` rows and a launch of `t32` column tiles of 32 rows (summed over
@@ -115,6 +126,35 @@ impl Cuda {
             SKINNY_TILE_ROWS
         };
         Some((kern, tile_rows))
+    }
+
+    /// Blocks of a skinny kernel (128 threads, no dynamic shared memory) one SM holds at the
+    /// registers the device's driver gave it; asked once per kernel.
+    fn skinny_occupancy(&self, k: Kernel) -> Result<usize> {
+        if let Some(&n) = lock(&self.occupancy).get(&k) {
+            return Ok(n);
+        }
+        let n = self
+            .func(k)?
+            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
+            .map_err(dev)? as usize;
+        lock(&self.occupancy).insert(k, n);
+        Ok(n)
+    }
+
+    /// The 64-row sibling of a 32-row skinny kernel (None for the others).
+    fn skinny_r4_sibling(kern: Kernel) -> Option<Kernel> {
+        Some(match kern {
+            Kernel::SkinnyBf16N1 => Kernel::SkinnyBf16N1R4,
+            Kernel::SkinnyBf16N2 => Kernel::SkinnyBf16N2R4,
+            Kernel::SkinnyBf16PN1 => Kernel::SkinnyBf16PN1R4,
+            Kernel::SkinnyBf16PN2 => Kernel::SkinnyBf16PN2R4,
+            Kernel::SkinnyQ8N1 => Kernel::SkinnyQ8N1R4,
+            Kernel::SkinnyQ8N2 => Kernel::SkinnyQ8N2R4,
+            Kernel::SkinnyQ4N1 => Kernel::SkinnyQ4N1R4,
+            Kernel::SkinnyQ4N2 => Kernel::SkinnyQ4N2R4,
+            _ => return None,
+        })
     }
 
     /// The four-matrix twin (`skinny4_*`, 32-row tiles) of a skinny kernel: the same sums for
@@ -259,7 +299,25 @@ impl Cuda {
                 SKINNY_TILE_ROWS,
             )
         } else {
-            (kern, tile_rows)
+            // 64-row tiles where they take one wave and 32-row tiles need more (the same sums).
+            let blocks = |tr: usize| -> usize {
+                splits * mats.iter().map(|(w, _)| w.rows.div_ceil(tr)).sum::<usize>()
+            };
+            match Self::skinny_r4_sibling(kern) {
+                Some(k4)
+                    if tile_rows == SKINNY_TILE_ROWS
+                        && wave_r4(
+                            blocks(SKINNY_TILE_ROWS),
+                            self.skinny_occupancy(kern)?,
+                            blocks(2 * SKINNY_TILE_ROWS),
+                            self.skinny_occupancy(k4)?,
+                            self.num_sms,
+                        ) =>
+                {
+                    (k4, 2 * SKINNY_TILE_ROWS)
+                }
+                _ => (kern, tile_rows),
+            }
         };
         // Column tiles per matrix.
         let plan: Vec<usize> = mats
@@ -273,13 +331,6 @@ impl Cuda {
         let counters: usize = plan.iter().sum();
         let f = self.func(kern)?;
         let pdl = *lock(&self.skinny_pdl);
-        // Kernel flags: bit 0 accumulate, bit 1 a second weight tile before the wait.
-        let flags = acc as i32
-            | if *lock(&self.skinny_prewait) == 2 {
-                2
-            } else {
-                0
-            };
         let len = rows * k;
         let mut s = lock(&self.scratch);
         let second = act.is_some_and(|a| a.second);
@@ -395,7 +446,7 @@ impl Cuda {
             .dptr_mut(&mut *cnt, st)
             .i32(i32_of("matmul", "w.cols", k)?)
             .i32(rows as i32)
-            .i32(flags);
+            .i32(acc as i32);
         // SAFETY: the parameters are those of the SKINNY (1-3 matrices) or SKINNY4 kernel macro
         // in matmul.cu, in order; it reads nothing but its weights before waiting for the
         // kernel before it (griddepcontrol), in every thread.
@@ -530,18 +581,30 @@ impl Cuda {
         // The kernel and split of the two matrices' skinny launch: the same sums.
         let t32 = 2 * n.div_ceil(SKINNY_TILE_ROWS);
         let (kern, tile_rows) = self.skinny_kernel(w_gate, rows, t32).ok_or_else(internal)?;
-        let Some(kern) = Self::skinny_glu_kernel(kern) else {
+        let Some(glu) = Self::skinny_glu_kernel(kern) else {
             return Ok(None);
         };
         let (splits, tps) = skinny_splits(t32, k / 32, self.num_sms);
+        // 64-row tiles where they take one wave and 32-row tiles need more (the same sums).
+        let glu4 = Self::skinny_r4_sibling(kern).and_then(Self::skinny_glu_kernel);
+        let (kern, tile_rows) = match glu4 {
+            Some(glu4)
+                if tile_rows == SKINNY_TILE_ROWS
+                    && wave_r4(
+                        n.div_ceil(SKINNY_TILE_ROWS / 2) * splits,
+                        self.skinny_occupancy(glu)?,
+                        n.div_ceil(SKINNY_TILE_ROWS) * splits,
+                        self.skinny_occupancy(glu4)?,
+                        self.num_sms,
+                    ) =>
+            {
+                (glu4, 2 * SKINNY_TILE_ROWS)
+            }
+            _ => (glu, tile_rows),
+        };
         let tiles = n.div_ceil(tile_rows / 2);
         let f = self.func(kern)?;
         let pdl = *lock(&self.skinny_pdl);
-        let flags = if *lock(&self.skinny_prewait) == 2 {
-            2
-        } else {
-            0
-        };
         let mut s = lock(&self.scratch);
         if act.generation != s.x_gen || s.x_shape != Some((k, rows)) {
             return Ok(None);
@@ -582,8 +645,7 @@ impl Cuda {
             .dptr_mut(mm_ws.as_mut().ok_or_else(internal)?, st)
             .dptr_mut(mm_counters.as_mut().ok_or_else(internal)?, st)
             .i32(i32_of("matmul_glu_split", "w_gate.cols", k)?)
-            .i32(rows as i32)
-            .i32(flags);
+            .i32(rows as i32);
         let blocks = i32_of("matmul_glu_split", "blocks", tiles * splits)? as u32;
         // SAFETY: the parameters of the SKINNY_GLU kernel macro in matmul.cu, in order; it
         // reads nothing but its weights before waiting for the kernel before it.
@@ -649,6 +711,7 @@ impl Cuda {
         }
         let f = self.func(Kernel::RmsNormSplit)?;
         let hi_only = self.split_hi_only(rows);
+        let pdl = *lock(&self.skinny_pdl);
         let mut s = lock(&self.scratch);
         let (act, hi, lo) = s.split_written(&self.stream, dim, rows, hi_only)?;
         let st = &*self.stream;
@@ -656,8 +719,9 @@ impl Cuda {
         a.dptr(&x.data, st).dptr(&w.data, st).dptr_mut(&mut *hi, st);
         lo_arg(&mut a, lo, hi_only, st);
         a.i32(i32_of("rms_norm_split", "dim", dim)?).f32(eps);
-        // SAFETY: rms_norm_split's parameters in order (x, w, hi, lo, dim, eps); it does not
-        // wait for the kernel before it, so no programmatic launch.
+        // SAFETY: rms_norm_split's parameters in order (x, w, hi, lo, dim, eps); it reads
+        // nothing but the norm's weights before it waits for the kernel before it, in every
+        // thread (launched programmatically with the skinny matmuls, `set_skinny_pdl`).
         unsafe {
             a.launch(
                 st,
@@ -667,7 +731,7 @@ impl Cuda {
                     norm_threads(dim),
                     0,
                 ),
-                false,
+                pdl,
             )
         }?;
         Ok(act)
@@ -857,5 +921,21 @@ impl Cuda {
         // SAFETY: silu_mul_split(const float *, const float *, u16 *, u16 *, long long).
         unsafe { b.launch(grid_1d(n, 256)) }.map_err(dev)?;
         Ok(act)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wave_r4_only_where_the_32_row_launch_overflows_a_wave_and_the_64_row_fits() {
+        // The 8B gate / up at one row on 132 SMs: 768 GLU blocks of 32 rows, 384 of 64.
+        assert!(wave_r4(768, 5, 384, 4, 132));
+        assert!(wave_r4(768, 5, 384, 3, 132));
+        assert!(!wave_r4(768, 6, 384, 4, 132)); // one wave at 6 per SM already
+        assert!(!wave_r4(768, 5, 384, 2, 132)); // 64-row tiles would take two waves too
+        assert!(!wave_r4(640, 5, 320, 3, 132)); // exactly one wave
+        assert!(wave_r4(661, 5, 331, 3, 132));
     }
 }
