@@ -14,6 +14,7 @@ mod cpu;
 mod gpu;
 mod oracle;
 mod quant;
+mod regs;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "dflash-rs developer tasks")]
@@ -34,6 +35,8 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// Registers and spills of every kernel as ptxas compiles them (no GPU: NVRTC + ptxas).
+    Regs(regs::RegsArgs),
 }
 
 #[derive(Subcommand)]
@@ -73,6 +76,7 @@ fn main() -> Result<()> {
             BenchCmd::Gpu(a) => gpu::bench(*a),
             BenchCmd::Cpu(a) => cpu::bench(a),
         },
+        Cmd::Regs(a) => regs::regs(a),
     }
 }
 
