@@ -1634,10 +1634,10 @@ impl Cuda {
     /// (kernel, registers per thread, local memory bytes per thread) of every kernel whose
     /// entry point contains `filter` (all with ""), as this device's driver compiled them: a
     /// benchmark aid. Entry points are unique within a module, not across them (the q4_0
-    /// module repeats the a8 kernels' names): [`Kernel::module`] tells them apart. Register counts decide how many blocks an SM holds, and so how
-    /// many waves a launch takes; they depend on the driver's compiler, not only on the
-    /// source. Kernels built for another architecture only ([`Kernel::only_for`]) are left
-    /// out.
+    /// module repeats the a8 kernels' names): [`Kernel::module`] tells them apart. Register
+    /// counts decide how many blocks an SM holds, and so how many waves a launch takes; they
+    /// depend on the driver's compiler, not only on the source. Kernels built for another
+    /// architecture only ([`Kernel::only_for`]) are left out.
     pub fn kernel_info(&self, filter: &str) -> Result<Vec<(Kernel, i32, i32)>> {
         let arch = self.reg.arch();
         Kernel::ALL
