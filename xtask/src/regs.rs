@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use dflash_cuda_kernels::registry::{compile_module, module_arch, nvrtc_available, Module};
+use dflash_cuda_kernels::registry::{compile_module, module_arch, nvrtc_available, Kernel, Module};
 
 #[derive(clap::Args)]
 pub struct RegsArgs {
@@ -38,6 +38,8 @@ struct EntryRegs {
     /// Bytes of stack per thread (the local memory the driver reports for the kernel).
     stack: u32,
     spill_stores: u32,
+    /// Static shared memory per block, bytes.
+    smem: u32,
 }
 
 /// The entry points of ptxas' `-v` report, in its order.
@@ -60,6 +62,7 @@ fn parse_ptxas_verbose(log: &str) -> Vec<EntryRegs> {
                 registers: 0,
                 stack: 0,
                 spill_stores: 0,
+                smem: 0,
             });
             props_of_cur = false;
         } else if let Some(e) = cur.as_mut() {
@@ -74,11 +77,35 @@ fn parse_ptxas_verbose(log: &str) -> Vec<EntryRegs> {
                 .and_then(|r| num_before(r, "registers"))
             {
                 e.registers = n;
+                e.smem = num_before(line, "bytes smem").unwrap_or(0);
             }
         }
     }
     out.extend(cur);
     out
+}
+
+/// The block size a kernel's `__launch_bounds__` fixes (`.maxntid` in the PTX), by entry.
+fn maxntid(ptx: &str, entry: &str) -> Option<u32> {
+    let at = ptx.find(&format!(".entry {entry}("))?;
+    let end = at + ptx[at..].find('{')?;
+    ptx[at..end].lines().find_map(|l| {
+        let v = l.trim().strip_prefix(".maxntid ")?;
+        v.split(',').next()?.trim().parse().ok()
+    })
+}
+
+/// Blocks of `threads` threads an sm_80 / sm_90 SM holds at `regs` registers per thread and
+/// `smem` bytes of static shared memory per block: registers go to warps in units of 256
+/// (65536 per SM), an SM holds at most 2048 threads and 32 blocks, and 228 KiB of shared
+/// memory with 1 KiB reserved per block (sm_90; the dynamic shared memory of a launch is not
+/// counted).
+fn blocks_per_sm(regs: u32, threads: u32, smem: u32) -> u32 {
+    let warps = threads.div_ceil(32).max(1);
+    let per_warp = (regs.max(1) * 32).div_ceil(256) * 256;
+    let by_regs = 65536 / (per_warp * warps);
+    let by_smem = (228 * 1024) / (smem + 1024);
+    by_regs.min(by_smem).min(2048 / (warps * 32)).min(32)
 }
 
 pub fn regs(a: RegsArgs) -> Result<()> {
@@ -91,9 +118,17 @@ pub fn regs(a: RegsArgs) -> Result<()> {
     let arch: &'static str = Box::leak(a.arch.clone().into_boxed_str());
     let dir = crate::Scratch::new("regs")?;
     println!(
-        "| module | kernel | registers | stack bytes | spill stores |\n|---|---|---:|---:|---:|"
+        "| module | kernel | registers | stack bytes | spill stores | threads | blocks per SM |\n\
+         |---|---|---:|---:|---:|---:|---:|"
     );
-    for m in Module::ALL {
+    // Only the modules with a registered kernel the filter matches (NVRTC takes most of the
+    // time: ~2 min for all of them on two cores).
+    let wanted = Module::ALL.into_iter().filter(|&m| {
+        Kernel::ALL
+            .iter()
+            .any(|k| k.module() == m && k.name().contains(&a.filter))
+    });
+    for m in wanted {
         let march = module_arch(m, arch);
         let ptx =
             compile_module(m, march).with_context(|| format!("NVRTC: {} for {march}", m.name()))?;
@@ -116,12 +151,22 @@ pub fn regs(a: RegsArgs) -> Result<()> {
         if !out.status.success() {
             bail!("ptxas failed on {} ({}):\n{log}", m.name(), out.status);
         }
+        let text = ptx.to_src();
         for e in parse_ptxas_verbose(&log)
             .into_iter()
             .filter(|e| e.name.contains(&a.filter))
         {
+            // Blocks per SM at the launch bound's block size, by registers and static shared
+            // memory; "-" where the kernel has no bound (its block size is the launch's).
+            let (threads, blocks) = match maxntid(&text, &e.name) {
+                Some(t) => (
+                    t.to_string(),
+                    blocks_per_sm(e.registers, t, e.smem).to_string(),
+                ),
+                None => ("-".into(), "-".into()),
+            };
             println!(
-                "| {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {threads} | {blocks} |",
                 m.name(),
                 e.name,
                 e.registers,
@@ -160,15 +205,40 @@ ptxas info    : Used 80 registers, used 1 barriers, 4112 bytes smem, 400 bytes c
                     name: "skinny_glu_bf16_n2".into(),
                     registers: 96,
                     stack: 208,
-                    spill_stores: 456
+                    spill_stores: 456,
+                    smem: 8208
                 },
                 EntryRegs {
                     name: "skinny_bf16_n1".into(),
                     registers: 80,
                     stack: 0,
-                    spill_stores: 0
+                    spill_stores: 0,
+                    smem: 4112
                 },
             ]
         );
+    }
+
+    #[test]
+    fn blocks_per_sm_follow_the_register_file() {
+        // 128 threads: 72 registers hold 7 blocks, 80 six, 96 five (the skinny kernels).
+        assert_eq!(blocks_per_sm(72, 128, 4112), 7);
+        assert_eq!(blocks_per_sm(80, 128, 4112), 6);
+        assert_eq!(blocks_per_sm(96, 128, 8208), 5);
+        // 81 registers round up to 88 per thread: 5 blocks.
+        assert_eq!(blocks_per_sm(81, 128, 0), 5);
+        // Threads bound: 32 registers, 256 threads: 8 blocks (2048 threads).
+        assert_eq!(blocks_per_sm(32, 256, 0), 8);
+        // Shared memory bound: 100 KB static: 2 blocks.
+        assert_eq!(blocks_per_sm(32, 128, 100 * 1024), 2);
+    }
+
+    #[test]
+    fn maxntid_reads_the_entry_s_own_bound() {
+        let ptx = ".visible .entry a(\n.param .u32 x\n)\n.maxntid 128, 1, 1\n{\n}\n\
+                   .visible .entry b(\n.param .u32 x\n)\n{\n}\n";
+        assert_eq!(maxntid(ptx, "a"), Some(128));
+        assert_eq!(maxntid(ptx, "b"), None);
+        assert_eq!(maxntid(ptx, "c"), None);
     }
 }
