@@ -142,6 +142,18 @@ impl Cuda {
         Ok(n)
     }
 
+    /// Whether the 64-row kernel `k64` (`b64` blocks) runs instead of the 32-row `k32` (`b32`
+    /// blocks): [`wave_r4`] at both kernels' occupancy on this device.
+    fn r4_for_the_wave(&self, k32: Kernel, k64: Kernel, b32: usize, b64: usize) -> Result<bool> {
+        Ok(wave_r4(
+            b32,
+            self.skinny_occupancy(k32)?,
+            b64,
+            self.skinny_occupancy(k64)?,
+            self.num_sms,
+        ))
+    }
+
     /// The 64-row sibling of a 32-row skinny kernel (None for the others).
     fn skinny_r4_sibling(kern: Kernel) -> Option<Kernel> {
         Some(match kern {
@@ -306,13 +318,12 @@ impl Cuda {
             match Self::skinny_r4_sibling(kern) {
                 Some(k4)
                     if tile_rows == SKINNY_TILE_ROWS
-                        && wave_r4(
+                        && self.r4_for_the_wave(
+                            kern,
+                            k4,
                             blocks(SKINNY_TILE_ROWS),
-                            self.skinny_occupancy(kern)?,
                             blocks(2 * SKINNY_TILE_ROWS),
-                            self.skinny_occupancy(k4)?,
-                            self.num_sms,
-                        ) =>
+                        )? =>
                 {
                     (k4, 2 * SKINNY_TILE_ROWS)
                 }
@@ -590,13 +601,12 @@ impl Cuda {
         let (kern, tile_rows) = match glu4 {
             Some(glu4)
                 if tile_rows == SKINNY_TILE_ROWS
-                    && wave_r4(
+                    && self.r4_for_the_wave(
+                        glu,
+                        glu4,
                         n.div_ceil(SKINNY_TILE_ROWS / 2) * splits,
-                        self.skinny_occupancy(glu)?,
                         n.div_ceil(SKINNY_TILE_ROWS) * splits,
-                        self.skinny_occupancy(glu4)?,
-                        self.num_sms,
-                    ) =>
+                    )? =>
             {
                 (glu4, 2 * SKINNY_TILE_ROWS)
             }
